@@ -1,0 +1,82 @@
+"""Token-granular KV pool: per-layer K and V tensors indexed by token slot, and its allocator.
+
+Slot 0 is reserved as a padding slot: batched kernels may write garbage there and read it
+under a mask, so it is never handed out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenAllocator:
+    """Free list over KV slots 1..size (slot 0 is the padding slot)."""
+
+    def __init__(self, size: int, device: str | torch.device = "cpu"):
+        if size < 1:
+            raise ValueError(f"KV pool size must be positive, got {size}")
+        self.size = size
+        self.device = torch.device(device)
+        self.clear()
+
+    def clear(self) -> None:
+        self._free = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self._pending: list[torch.Tensor] = []
+        self._pending_n = 0
+
+    def available_size(self) -> int:
+        return len(self._free) + self._pending_n
+
+    def used_size(self) -> int:
+        return self.size - self.available_size()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots (int64), or None when fewer than n are free."""
+        if n > len(self._free) and self._pending:
+            self._merge()
+        if n > len(self._free):
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, indices: torch.Tensor) -> None:
+        if indices.numel():
+            self._pending.append(indices.to(self.device, torch.int64))
+            self._pending_n += indices.numel()
+
+    def _merge(self) -> None:
+        self._free = torch.cat([self._free, *self._pending])
+        self._pending, self._pending_n = [], 0
+
+
+class KVPool:
+    """Preallocated K/V buffers, one [size + 1, num_kv_heads, head_dim] pair per layer."""
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ):
+        self.size = size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (size + 1, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.allocator = TokenAllocator(size, self.device)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer][loc] = k
+        self.v_buffer[layer][loc] = v
+
+    def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer], self.v_buffer[layer]

@@ -1,0 +1,140 @@
+"""The forward batch description and the attention backend interface.
+
+A ForwardBatch is a flat list of new tokens (T of them) from one or more sequences. Each
+sequence names the KV slots it attends to (cached prefix + its new tokens, in order) and
+optionally an explicit boolean mask; without one it is causal, with the new tokens at the
+end of its KV. Later request kinds (ranking layouts, beams) pass explicit masks and
+positions; the model itself never assumes positions 0..n-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sgrec.mem.kv_pool import KVPool
+
+
+@dataclass
+class SeqLayout:
+    q_start: int  # offset of this sequence's new tokens in the flat batch
+    q_len: int
+    kv_indices: torch.Tensor  # int64 slots attended, new tokens' slots included
+    mask: torch.Tensor | None = None  # bool [q_len, kv_len], True = may attend
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv_indices.numel()
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] slots that receive the new tokens' K/V
+    seqs: list[SeqLayout]
+    kv_pool: KVPool
+    attn_meta: Any = field(default=None, repr=False)  # filled by the backend's prepare()
+
+    @property
+    def is_decode(self) -> bool:
+        return all(s.q_len == 1 and s.mask is None for s in self.seqs)
+
+
+class AttentionBackend:
+    """Computes attention for one layer over a ForwardBatch, writing new K/V into the pool."""
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Build per-batch metadata once, before the first layer runs."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, scale: float
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+        raise NotImplementedError
+
+
+@dataclass
+class _DecodeMeta:
+    kv_idx: torch.Tensor  # [B, L] padded with slot 0
+    mask: torch.Tensor | None  # [B, 1, 1, L] or None when all lengths are equal
+
+
+@dataclass
+class _ExtendMeta:
+    masks: list[torch.Tensor | None]  # per sequence; None = plain causal over fresh tokens
+    fresh: list[bool]  # True when the sequence attends only to its own new tokens
+
+
+class TorchBackend(AttentionBackend):
+    """scaled_dot_product_attention on gathered K/V; runs on CPU and CUDA."""
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if batch.is_decode:
+            lens = [s.kv_len for s in batch.seqs]
+            width = max(lens)
+            dev = batch.out_cache_loc.device
+            kv_idx = torch.zeros(len(lens), width, dtype=torch.int64, device=dev)
+            for i, s in enumerate(batch.seqs):
+                kv_idx[i, : s.kv_len] = s.kv_indices
+            mask = None
+            if min(lens) != width:
+                lens_t = torch.tensor(lens, device=dev)
+                mask = (torch.arange(width, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
+            batch.attn_meta = _DecodeMeta(kv_idx, mask)
+            return
+        masks, fresh = [], []
+        for s in batch.seqs:
+            prefix = s.kv_len - s.q_len
+            if s.mask is not None:
+                masks.append(s.mask.to(batch.out_cache_loc.device))
+                fresh.append(False)
+            elif prefix == 0:
+                masks.append(None)
+                fresh.append(True)
+            else:
+                q_pos = torch.arange(s.q_len, device=batch.out_cache_loc.device)[:, None] + prefix
+                masks.append(torch.arange(s.kv_len, device=batch.out_cache_loc.device)[None, :] <= q_pos)
+                fresh.append(False)
+        batch.attn_meta = _ExtendMeta(masks, fresh)
+
+    def forward(self, q, k, v, layer, batch, scale):
+        pool = batch.kv_pool
+        pool.set_kv(layer, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv(layer)
+        meta = batch.attn_meta
+        gqa = q.shape[1] != k.shape[1]
+        if isinstance(meta, _DecodeMeta):
+            kk = k_buf[meta.kv_idx].transpose(1, 2)  # [B, Hkv, L, D]
+            vv = v_buf[meta.kv_idx].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], kk, vv, attn_mask=meta.mask, scale=scale, enable_gqa=gqa
+            )  # [B, Hq, 1, D]
+            return out.reshape(q.shape[0], -1)
+        out = torch.empty_like(q)
+        for s, mask, fresh in zip(batch.seqs, meta.masks, meta.fresh):
+            sl = slice(s.q_start, s.q_start + s.q_len)
+            if fresh:
+                kk, vv = k[sl], v[sl]
+            else:
+                kk, vv = k_buf[s.kv_indices], v_buf[s.kv_indices]
+            o = F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1),
+                kk.transpose(0, 1),
+                vv.transpose(0, 1),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=gqa,
+            )  # [Hq, q_len, D]
+            out[sl] = o.transpose(0, 1)
+        return out.reshape(q.shape[0], -1)
+
+
+def make_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        return TorchBackend()
+    raise ValueError(f"Unknown attention backend {name!r} (available: torch)")

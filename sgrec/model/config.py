@@ -1,0 +1,114 @@
+"""Model configuration read from an HF-format directory's config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class ModelConfig:
+    arch: str  # llama | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    config_dtype: torch.dtype | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
+        if arch is None:
+            raise ValueError(
+                f"Unsupported architecture {archs} in {path}; sgrec supports {sorted(SUPPORTED_ARCHS)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
+        if arch == "qwen2" and cfg.get("use_sliding_window"):
+            raise ValueError("Qwen2 sliding-window attention is not supported")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters.
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or rope
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        rope_scaling = None if rope_type in (None, "default") else {**scaling, "rope_type": rope_type}
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
+        eos = cfg.get("eos_token_id")
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.exists(gen_path):
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id", eos)
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3",
+            config_dtype=_DTYPES.get(str(dtype_name)) if dtype_name else None,
+            eos_token_ids=eos_ids,
+            hf_config=cfg,
+        )
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """SGLang's --dtype: 'auto' is the checkpoint's dtype, except float32 on CPU
+    (fast and exact there) and half precision instead of float32 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        cd = config.config_dtype or torch.float32
+        return torch.bfloat16 if cd == torch.float32 else cd
+    if dtype not in _DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]

@@ -1,0 +1,285 @@
+"""Radix prefix cache over token-granular KV slots (SGLang's RadixCache contract).
+
+Each edge holds token ids (`key`) and their KV slots (`value`). `extra_key` namespaces the tree:
+sequences with different extra keys (None included) never share nodes.
+
+NOTE invariants: evictable_size_ + protected_size_ == tokens in the tree; a node with lock_ref > 0
+is never evicted; a parent's lock_ref >= the sum of its children's; every slot in the tree is
+distinct and owned by the tree until evicted or reset.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sgrec.mem.kv_pool import TokenAllocator
+from sgrec.radix.eviction import EvictionPolicy, make_policy
+
+_node_ids = itertools.count()
+
+
+def _child_key(extra_key: str | None, token: int) -> Any:
+    return token if extra_key is None else (extra_key, token)
+
+
+def _as_list(key: Sequence[int] | torch.Tensor) -> list[int]:
+    return key.tolist() if isinstance(key, torch.Tensor) else [int(t) for t in key]
+
+
+def _match_len(edge: list[int], key: list[int], start: int) -> int:
+    n = min(len(edge), len(key) - start)
+    i = 0
+    while i < n and edge[i] == key[start + i]:
+        i += 1
+    return i
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "extra_key", "lock_ref", "last_access_time",
+                 "access_count", "access_tick", "creation_time", "depth", "id")
+
+    def __init__(self, parent: TreeNode | None = None, key: list[int] | None = None,
+                 value: torch.Tensor | None = None, extra_key: str | None = None, now: float = 0.0):
+        self.children: dict[Any, TreeNode] = {}
+        self.parent = parent
+        self.key: list[int] = key if key is not None else []
+        self.value = value
+        self.extra_key = extra_key
+        self.lock_ref = 0
+        self.last_access_time = now
+        self.creation_time = now
+        self.access_count = 0
+        self.access_tick = 0  # the cache's tick at the last touch; totally orders accesses
+        self.depth = (parent.depth if parent is not None else 0) + len(self.key)
+        self.id = next(_node_ids)
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, key={self.key}, extra_key={self.extra_key!r}, depth={self.depth}, "
+                f"lock_ref={self.lock_ref}, children={len(self.children)})")
+
+
+@dataclass
+class MatchResult:
+    indices: torch.Tensor  # int64 KV slots of the matched prefix (empty if none)
+    last_node: TreeNode  # deepest matched node (root if nothing matched)
+
+
+class RadixCache:
+    """Prefix tree of token ids -> KV slots with lock counting and policy-ordered leaf eviction."""
+
+    def __init__(self, allocator: TokenAllocator | None, policy: str | EvictionPolicy = "lru",
+                 disable: bool = False, clock: Callable[[], float] = time.monotonic):
+        self.allocator = allocator
+        self.policy = make_policy(policy)
+        self.disable = disable
+        self.clock = clock
+        self.device = allocator.device if allocator is not None else torch.device("cpu")
+        self._tick = 0
+        self.reset()
+
+    # ---- queries -------------------------------------------------------------------------------
+    def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
+        """Longest cached prefix of `key` in the `extra_key` namespace. Splits the node the match ends
+        inside, and touches (time, tick, count, policy.on_access) every matched node."""
+        if self.disable:
+            return MatchResult(self._empty(), self.root)
+        key = _as_list(key)
+        node, i, now, parts = self.root, 0, self.clock(), []
+        while i < len(key):
+            child = node.children.get(_child_key(extra_key, key[i]))
+            if child is None:
+                break
+            m = _match_len(child.key, key, i)
+            if m < len(child.key):
+                child = self._split(child, m)
+            self._touch(child, now)
+            parts.append(child.value)
+            node, i = child, i + m
+        return MatchResult(torch.cat(parts) if parts else self._empty(), node)
+
+    def insert(self, key: Sequence[int], value: torch.Tensor, extra_key: str | None = None) -> int:
+        """Insert key -> value; return how many leading tokens were already cached. The tree keeps
+        only value[returned:]; the caller still owns value[:returned] (free the ones not shared
+        with the tree). With disable=True nothing is stored, 0 is returned and the caller keeps all."""
+        if self.disable:
+            return 0
+        key = _as_list(key)
+        if len(value) != len(key):
+            raise ValueError(f"insert: {len(key)} tokens but {len(value)} slots")
+        node, i, now = self.root, 0, self.clock()
+        while i < len(key):
+            child = node.children.get(_child_key(extra_key, key[i]))
+            if child is None:
+                break
+            m = _match_len(child.key, key, i)
+            if m < len(child.key):
+                child = self._split(child, m)
+            self._touch(child, now)
+            node, i = child, i + m
+        if i < len(key):
+            new = TreeNode(node, key[i:], value[i:].to(torch.int64).clone(), extra_key, now)
+            node.children[_child_key(extra_key, key[i])] = new
+            self._tick += 1
+            new.access_tick, new.access_count = self._tick, 1
+            self.evictable_size_ += len(new.key)
+            self.policy.on_insert(new)
+        return i
+
+    # ---- eviction and locks --------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free unlocked leaves in policy order until >= num_tokens tokens are freed or nothing is
+        evictable; a parent left childless and unlocked becomes a candidate. Returns tokens freed."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(self.policy.priority(n), n.id, n) for n in self._nodes()
+                if n is not self.root and not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            node = heapq.heappop(heap)[2]
+            parent = node.parent
+            assert parent is not None
+            del parent.children[_child_key(node.extra_key, node.key[0])]
+            self._free(node.value)
+            freed += len(node.key)
+            self.evictable_size_ -= len(node.key)
+            node.parent = None
+            self.policy.on_evict(node)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (self.policy.priority(parent), parent.id, parent))
+        return freed
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock node..root (root excluded). Returns how many tokens became protected."""
+        if self._detached(node):
+            return 0
+        delta = 0
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.key)
+                self.protected_size_ += len(node.key)
+                delta += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one inc_lock_ref(node). Returns how many tokens became evictable. A node dropped by
+        reset() is ignored (returns 0)."""
+        if self._detached(node):
+            return 0
+        delta = 0
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
+            if node.lock_ref == 1:
+                self.evictable_size_ += len(node.key)
+                self.protected_size_ -= len(node.key)
+                delta += len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+        return delta
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def evictable_size(self) -> int:
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        return self.protected_size_
+
+    def total_size(self) -> int:
+        return self.evictable_size_ + self.protected_size_
+
+    def reset(self) -> None:
+        """Free every slot in the tree and empty it; locks are dropped (old nodes become detached)."""
+        if getattr(self, "root", None) is not None:
+            for node in list(self._nodes()):
+                if node is not self.root:
+                    self._free(node.value)
+                node.parent, node.children, node.lock_ref = None, {}, 0
+            self.policy.on_reset()
+        self.root = TreeNode(now=self.clock())
+        self.root.lock_ref = 1  # never evictable, never counted
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
+
+    def all_values(self) -> torch.Tensor:
+        vals = [n.value for n in self._nodes() if n is not self.root]
+        return torch.cat(vals) if vals else self._empty()
+
+    def check_integrity(self) -> None:
+        """Recompute the counters and structure by a walk; raise RuntimeError on any mismatch."""
+        evictable = protected = 0
+        for node in self._nodes():
+            for ck, child in node.children.items():
+                if child.parent is not node or not child.key or ck != _child_key(child.extra_key, child.key[0]):
+                    raise RuntimeError(f"bad child link {ck!r} -> {child!r}")
+                if node is not self.root and child.extra_key != node.extra_key:
+                    raise RuntimeError(f"extra_key changes below {node!r}")
+            if node is self.root:
+                continue
+            if node.value is None or len(node.value) != len(node.key):
+                raise RuntimeError(f"value/key length mismatch in {node!r}")
+            if node.depth != node.parent.depth + len(node.key):
+                raise RuntimeError(f"bad depth in {node!r}")
+            if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
+                raise RuntimeError(f"lock_ref below children's in {node!r}")
+            if node.lock_ref == 0:
+                evictable += len(node.key)
+            elif node.lock_ref > 0:
+                protected += len(node.key)
+            else:
+                raise RuntimeError(f"negative lock_ref in {node!r}")
+        if (evictable, protected) != (self.evictable_size_, self.protected_size_):
+            raise RuntimeError(f"counters (evictable={self.evictable_size_}, protected={self.protected_size_}) "
+                               f"!= walk (evictable={evictable}, protected={protected})")
+        vals = self.all_values()
+        if len(torch.unique(vals)) != len(vals):
+            raise RuntimeError("a KV slot appears twice in the tree")
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _nodes(self) -> Iterator[TreeNode]:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _touch(self, node: TreeNode, now: float) -> None:
+        self._tick += 1
+        node.last_access_time, node.access_tick = now, self._tick
+        node.access_count += 1
+        self.policy.on_access(node)
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Cut child's edge after m tokens; the new prefix node inherits lock_ref, times and counts."""
+        parent = child.parent
+        assert parent is not None and 0 < m < len(child.key)
+        new = TreeNode(parent, child.key[:m], child.value[:m], child.extra_key)
+        new.lock_ref, new.access_count, new.access_tick = child.lock_ref, child.access_count, child.access_tick
+        new.last_access_time, new.creation_time = child.last_access_time, child.creation_time
+        parent.children[_child_key(child.extra_key, child.key[0])] = new
+        child.key, child.value, child.parent = child.key[m:], child.value[m:], new
+        new.children[_child_key(child.extra_key, child.key[0])] = child
+        self.policy.on_insert(new)
+        return new
+
+    def _detached(self, node: TreeNode) -> bool:
+        return node.parent is None and node is not self.root
+
+    def _free(self, value: torch.Tensor | None) -> None:
+        if self.allocator is not None and value is not None:
+            self.allocator.free(value)
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)

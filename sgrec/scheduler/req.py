@@ -1,0 +1,95 @@
+"""A generation request's state inside the scheduler."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sgrec.sampling import SamplingParams
+
+
+@dataclass
+class LogprobSpec:
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    logprob: LogprobSpec = field(default_factory=LogprobSpec)
+    extra_key: str | None = None
+    eos_ids: frozenset[int] = frozenset()
+    stop_checker: object = None  # callable(req) -> str | None, the matched stop string
+    created: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    # KV of fill_ids[:kv_len] lives in kv_indices; the first cache_protected_len slots belong to the tree.
+    kv_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    cache_protected_len: int = 0
+    last_node: object = None  # locked radix node covering kv_indices[:cache_protected_len]
+    cached_tokens: int = 0  # prefix-cache hit on admission
+    num_retractions: int = 0
+    input_logprobs_done: bool = False
+
+    finish_reason: dict | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    generator: torch.Generator | None = None
+
+    # Logprob results: values aligned with their token ids; None = no value (first input entry).
+    input_token_logprobs: list = field(default_factory=list)  # [(logprob|None, token_id)]
+    input_top_logprobs: list = field(default_factory=list)  # [None | [(logprob, token_id)]]
+    input_token_ids_logprobs: list = field(default_factory=list)
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    output_token_ids_logprobs: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.sampling.sampling_seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.sampling.sampling_seed)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv_indices.numel()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def stop_ids(self) -> set[int]:
+        ids = set(self.sampling.stop_token_ids)
+        if not self.sampling.ignore_eos:
+            ids |= self.eos_ids
+        return ids
+
+    def prefix_match_limit(self) -> int:
+        """How many leading tokens may come from the cache: at least one token is always computed,
+        and prompt logprobs from logprob_start_len on need their logits."""
+        limit = len(self.fill_ids) - 1
+        lp = self.logprob
+        if lp.return_logprob and lp.logprob_start_len >= 0 and not self.input_logprobs_done:
+            limit = min(limit, lp.logprob_start_len)
+        return max(limit, 0)
+
+    def check_finished(self) -> None:
+        """Called after each appended output token."""
+        sp = self.sampling
+        last = self.output_ids[-1]
+        if len(self.output_ids) >= sp.min_new_tokens and last in self.stop_ids():
+            self.finish_reason = {"type": "stop", "matched": last}
+        elif sp.stop and self.stop_checker is not None and (matched := self.stop_checker(self)) is not None:
+            self.finish_reason = {"type": "stop", "matched": matched}
+        elif len(self.output_ids) >= sp.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": sp.max_new_tokens}

@@ -1,0 +1,340 @@
+"""The scheduler loop: continuous batching over a radix prefix cache.
+
+Each step either runs one prefill batch (new prompts, or the next chunk of a long one) or
+one decode batch of every running request. Admission checks the KV budget (free slots plus
+evictable cache, minus a reserve for running decodes); when decode still runs out of slots,
+the newest request is retracted (its KV goes to the cache) and re-queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sgrec.model.attention import SeqLayout
+from sgrec.radix.tree import RadixCache
+from sgrec.runner import ModelRunner
+from sgrec.sampling import GREEDY_EPS, Sampler
+from sgrec.scheduler.req import Req
+from sgrec.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DECODE_RESERVE_RATIO = 0.3  # fraction of running requests' remaining tokens kept free at admission
+DECODE_RESERVE_CLIP = 512
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, runner: ModelRunner):
+        self.args = args
+        self.runner = runner
+        self.allocator = runner.kv_pool.allocator
+        self.tree = RadixCache(self.allocator, policy=args.radix_eviction_policy, disable=args.disable_radix_cache)
+        self.sampler = Sampler(args.random_seed, runner.device)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # a prompt in the middle of chunked prefill
+        self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
+        self.forward_ct = 0
+
+    # ---- public -------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def step(self) -> list[Req]:
+        """Runs one batch; returns the requests that got a new token or finished."""
+        prefill = self._schedule_prefill()
+        if prefill:
+            return self._run_prefill(prefill)
+        if self.running:
+            return self._run_decode()
+        return []
+
+    def abort(self, rid: str, message: str = "Request aborted") -> bool:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._finish_abort(req, message)
+                return True
+        for req in [*self.running, *([self.chunked] if self.chunked else [])]:
+            if req.rid == rid:
+                if req is self.chunked:
+                    self.chunked = None
+                else:
+                    self.running.remove(req)
+                self._finish_abort(req, message)
+                return True
+        return False
+
+    def abort_all(self, message: str) -> None:
+        for req in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
+            self._finish_abort(req, message, status_code=500)
+        self.waiting, self.running, self.chunked = [], [], None
+
+    def flush_cache(self) -> bool:
+        if self.has_work():
+            return False
+        self.tree.reset()
+        return True
+
+    def check_memory(self) -> None:
+        """When idle: every slot is either free or held by the cache."""
+        if self.has_work():
+            return
+        self.tree.check_integrity()
+        free, cached = self.allocator.available_size(), self.tree.total_size()
+        if free + cached != self.allocator.size or self.tree.protected_size():
+            raise RuntimeError(
+                f"KV accounting broken: free {free} + cached {cached} != {self.allocator.size} "
+                f"(protected {self.tree.protected_size()})"
+            )
+
+    # ---- admission ----------------------------------------------------------------------
+    def _ensure_free(self, n: int) -> bool:
+        short = n - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        return self.allocator.available_size() >= n
+
+    def _decode_reserve(self, extra: list[Req]) -> int:
+        rem = sum(
+            min(r.sampling.max_new_tokens - len(r.output_ids), DECODE_RESERVE_CLIP) for r in [*self.running, *extra]
+        )
+        return int(rem * DECODE_RESERVE_RATIO)
+
+    def _match(self, req: Req) -> None:
+        limit = req.prefix_match_limit()
+        res = self.tree.match_prefix(req.fill_ids[:limit], req.extra_key)
+        req.kv_indices, req.cache_protected_len, req.last_node = res.indices, res.indices.numel(), res.last_node
+        self.tree.inc_lock_ref(res.last_node)
+
+    def _unmatch(self, req: Req) -> None:
+        self.tree.dec_lock_ref(req.last_node)
+        req.kv_indices, req.cache_protected_len, req.last_node = req.kv_indices[:0], 0, None
+
+    def _order_waiting(self) -> list[Req]:
+        if self.args.schedule_policy == "lpm" and len(self.waiting) <= 128:
+            def cached_len(r: Req) -> int:
+                return self.tree.match_prefix(r.fill_ids[: r.prefix_match_limit()], r.extra_key).indices.numel()
+
+            return sorted(self.waiting, key=lambda r: -cached_len(r))
+        return list(self.waiting)
+
+    def _schedule_prefill(self) -> list[tuple[Req, int, torch.Tensor]]:
+        budget = self.args.max_prefill_tokens
+        items: list[tuple[Req, int, torch.Tensor]] = []
+        candidates = ([self.chunked] if self.chunked else []) + self._order_waiting()
+        for req in candidates:
+            continuing = req is self.chunked
+            if not continuing and len(self.running) + len(items) >= self.args.max_running_requests:
+                break
+            if req.last_node is None:
+                self._match(req)
+            remaining = len(req.fill_ids) - req.kv_len
+            take = min(remaining, budget, self.chunk_size)
+            reserve = self._decode_reserve([r for r, _, _ in items] + [req])
+            alone = not self.running and not items  # nothing else can free memory: admit without reserve
+            fits = take > 0 and (self._ensure_free(take + reserve) or (alone and self._ensure_free(take)))
+            if not fits:
+                if not continuing:
+                    self._unmatch(req)
+                break
+            slots = self.allocator.alloc(take)
+            items.append((req, take, slots))
+            if not continuing:
+                self.waiting.remove(req)
+                if not req.num_retractions:
+                    req.cached_tokens = req.kv_len
+            budget -= take
+            if take < remaining:
+                self.chunked = req
+                break
+            if continuing:
+                self.chunked = None
+        return items
+
+    # ---- prefill ------------------------------------------------------------------------
+    def _run_prefill(self, items: list[tuple[Req, int, torch.Tensor]]) -> list[Req]:
+        ids, pos, seqs, rows, row_plan = [], [], [], [], []
+        for req, take, slots in items:
+            start, fill = req.kv_len, req.fill_ids
+            q_start = len(ids)
+            ids += fill[start : start + take]
+            pos += range(start, start + take)
+            seqs.append(SeqLayout(q_start, take, torch.cat([req.kv_indices, slots])))
+            final = start + take == len(fill)
+            lp_from = self._input_logprob_from(req)
+            first_row = max(lp_from, start) if lp_from is not None else None
+            if final:  # the last position's distribution is always needed
+                first_row = start + take - 1 if first_row is None else min(first_row, start + take - 1)
+            if first_row is not None and first_row < start + take:
+                row_plan.append((req, len(rows), first_row, start + take, final))
+                rows += range(q_start + first_row - start, q_start + take)
+            else:
+                row_plan.append((req, None, None, None, final))
+        out_loc = torch.cat([s for _, _, s in items])
+        batch = self.runner.make_batch(ids, pos, out_loc, seqs)
+        logits = self.runner.forward(batch, rows)  # rows may be empty: a middle chunk only fills KV
+        self.forward_ct += 1
+
+        progressed, to_sample, sample_rows = [], [], []
+        for (req, take, slots), seq, (_, r0, p0, p1, final) in zip(items, seqs, row_plan):
+            req.kv_indices = seq.kv_indices
+            if r0 is not None and self._input_logprob_from(req) is not None:
+                self._record_input_logprobs(req, logits[r0 : r0 + (p1 - p0)], p0)
+            self._cache_unfinished(req)
+            if not final:
+                continue
+            req.input_logprobs_done = True
+            if req.sampling.max_new_tokens == 0 or len(req.output_ids) >= req.sampling.max_new_tokens:
+                if req.logprob.return_logprob and not req.output_ids:
+                    self._record_next_token_distribution(req, logits[r0 + (p1 - p0) - 1])
+                req.finish_reason = {"type": "length", "length": req.sampling.max_new_tokens}
+                self._release(req)
+                progressed.append(req)
+                continue
+            to_sample.append(req)
+            sample_rows.append(r0 + (p1 - p0) - 1)
+        if to_sample:
+            self._sample_and_append(to_sample, logits[sample_rows])
+            for req in to_sample:
+                if not req.finished:
+                    self.running.append(req)
+            progressed += to_sample
+        return progressed
+
+    def _input_logprob_from(self, req: Req) -> int | None:
+        lp = req.logprob
+        if lp.return_logprob and lp.logprob_start_len >= 0 and not req.input_logprobs_done:
+            return lp.logprob_start_len
+        return None
+
+    def _record_input_logprobs(self, req: Req, logits: torch.Tensor, p0: int) -> None:
+        """logits[i] is the distribution after position p0 + i; entries cover tokens k..n-1."""
+        k, n = req.logprob.logprob_start_len, len(req.input_ids)
+        if k >= n:
+            return
+        if p0 == k:
+            req.input_token_logprobs.append((None, req.input_ids[k]))
+            req.input_top_logprobs.append(None)
+            req.input_token_ids_logprobs.append(None)
+        count = min(logits.shape[0], n - 1 - p0)
+        if count <= 0:
+            return
+        logprobs = self._logprobs(logits[:count], [req] * count)
+        targets = torch.tensor(req.input_ids[p0 + 1 : p0 + 1 + count], device=logprobs.device)
+        vals = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        req.input_token_logprobs += list(zip(vals, targets.tolist()))
+        self._record_extra_logprobs(req, logprobs, req.input_top_logprobs, req.input_token_ids_logprobs)
+
+    def _record_next_token_distribution(self, req: Req, row: torch.Tensor) -> None:
+        """Prefill-only requests: the distribution after the prompt (what scoring reads)."""
+        logprobs = self._logprobs(row[None], [req])
+        self._record_extra_logprobs(req, logprobs, req.output_top_logprobs, req.output_token_ids_logprobs)
+
+    def _logprobs(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        temps = torch.tensor(
+            [r.sampling.temperature if r.sampling.temperature >= GREEDY_EPS else 1.0 for r in reqs],
+            device=logits.device,
+        )
+        return torch.log_softmax(logits / temps[:, None], dim=-1)
+
+    @staticmethod
+    def _record_extra_logprobs(req: Req, logprobs: torch.Tensor, top_out: list, ids_out: list) -> None:
+        lp = req.logprob
+        if lp.top_logprobs_num > 0:
+            vals, idx = logprobs.topk(min(lp.top_logprobs_num, logprobs.shape[-1]), dim=-1)
+            top_out += [list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist())]
+        if lp.token_ids_logprob:
+            ids = lp.token_ids_logprob
+            vals = logprobs[:, ids].tolist()
+            ids_out += [list(zip(v, ids)) for v in vals]
+
+    # ---- decode -------------------------------------------------------------------------
+    def _run_decode(self) -> list[Req]:
+        while not self._ensure_free(len(self.running)):
+            if len(self.running) == 1:
+                req = self.running.pop()
+                self._finish_abort(req, "Out of KV cache memory", status_code=503)
+                return [req]
+            self._retract(self.running[-1])
+        reqs = self.running
+        slots = self.allocator.alloc(len(reqs))
+        seqs, ids, pos = [], [], []
+        for i, req in enumerate(reqs):
+            ids.append(req.output_ids[-1])
+            pos.append(req.kv_len)
+            seqs.append(SeqLayout(i, 1, torch.cat([req.kv_indices, slots[i : i + 1]])))
+        batch = self.runner.make_batch(ids, pos, slots, seqs)
+        logits = self.runner.forward(batch, list(range(len(reqs))))
+        self.forward_ct += 1
+        for req, seq in zip(reqs, seqs):
+            req.kv_indices = seq.kv_indices
+        self._sample_and_append(reqs, logits)
+        self.running = [r for r in reqs if not r.finished]
+        return list(reqs)
+
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        result = self.sampler(logits, reqs)
+        now = time.monotonic()
+        next_ids = result.next_ids.tolist()
+        for i, (req, tok) in enumerate(zip(reqs, next_ids)):
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.logprob.return_logprob:
+                row = result.logprobs[i : i + 1]
+                req.output_token_logprobs.append((float(row[0, tok]), tok))
+                self._record_extra_logprobs(req, row, req.output_top_logprobs, req.output_token_ids_logprobs)
+            req.check_finished()
+            if req.finished:
+                self._release(req)
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_retractions += 1
+        self.waiting.insert(0, req)
+        logger.info("retracted request %s (KV cache full)", req.rid)
+
+    # ---- KV ownership -------------------------------------------------------------------
+    def _cache_unfinished(self, req: Req) -> None:
+        """Moves the request's computed KV into the tree and re-locks its (longer) path."""
+        if self.tree.disable:
+            return
+        n = req.kv_len
+        key = req.fill_ids[:n]
+        prefix = self.tree.insert(key, req.kv_indices, req.extra_key)
+        self.allocator.free(req.kv_indices[req.cache_protected_len : prefix])
+        res = self.tree.match_prefix(key, req.extra_key)
+        self.tree.dec_lock_ref(req.last_node)
+        self.tree.inc_lock_ref(res.last_node)
+        req.kv_indices, req.cache_protected_len, req.last_node = res.indices, n, res.last_node
+
+    def _release(self, req: Req) -> None:
+        """Gives the request's KV to the cache (or frees it) and drops its lock."""
+        if req.last_node is None:
+            return
+        owned = req.kv_indices[req.cache_protected_len :]
+        if self.tree.disable:
+            self.allocator.free(owned)
+        else:
+            prefix = self.tree.insert(req.fill_ids[: req.kv_len], req.kv_indices, req.extra_key)
+            self.allocator.free(req.kv_indices[req.cache_protected_len : prefix])
+        self.tree.dec_lock_ref(req.last_node)
+        req.kv_indices, req.cache_protected_len, req.last_node = req.kv_indices[:0], 0, None
+        req.finish_time = time.monotonic()
+
+    def _finish_abort(self, req: Req, message: str, status_code: int = 400) -> None:
+        # KV of an aborted request is not inserted: free what it owns.
+        if req.last_node is not None:
+            self.allocator.free(req.kv_indices[req.cache_protected_len :])
+            self.tree.dec_lock_ref(req.last_node)
+            req.kv_indices, req.cache_protected_len, req.last_node = req.kv_indices[:0], 0, None
+        req.finish_reason = {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+        req.finish_time = time.monotonic()

@@ -1,0 +1,31 @@
+"""The one tokenizer wrapper: encoding, decoding and per-token texts."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class Tokenizer:
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(path)
+        self.vocab_size = len(self.hf)
+        self.eos_token_id = self.hf.eos_token_id
+        self.special_ids = set(self.hf.all_special_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
+        return self.hf.decode(
+            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.hf.decode([i]) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)

@@ -1,0 +1,211 @@
+"""Write a tiny random-weight HF-format model directory (llama / qwen2 / qwen3) with a
+small trained byte-level BPE tokenizer, for fast tests.
+
+    python -m sgrec.tools.make_tiny_model OUT --arch qwen3 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+DEFAULTS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,  # larger than HF's 0.02: peaked logits, non-degenerate greedy
+    tie_word_embeddings=False,
+)
+
+LLAMA_SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # last three ids
+QWEN_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] + ': ' + message['content'] + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = {
+    "subj": "the user|a shopper|my friend|the model|this system|a customer|the team|our store|every reader|the engine".split("|"),
+    "verb": "likes|buys|recommends|reads|watches|returns|compares|rates|searches for|shares".split("|"),
+    "adj": "red|cheap|new|popular|small|fast|quiet|classic|modern|warm|bright|simple".split("|"),
+    "noun": "shoes|books|phones|movies|songs|jackets|laptops|games|cameras|chairs|items|products".split("|"),
+    "adv": "today|often|again|quickly|rarely|online|at night|every week|last year|in the morning".split("|"),
+    "q": "What is|Where is|Who likes|Why does|How many|Which one is".split("|"),
+}
+
+
+def _corpus(seed: int = 0, n: int = 600) -> list[str]:
+    rng = random.Random(seed)
+    w = lambda k: rng.choice(_WORDS[k])  # noqa: E731
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            s = f"{w('subj').capitalize()} {w('verb')} {w('adj')} {w('noun')} {w('adv')}."
+        elif kind == 1:
+            s = f"{w('q')} the {w('adj')} {w('noun')}? It costs {rng.randint(1, 999)} dollars, item {rng.randint(0, 99999)}."
+        elif kind == 2:
+            s = f"User {rng.randint(0, 9999)} viewed {w('noun')}, {w('noun')} and {w('noun')}; next: {w('adj')} {w('noun')}!"
+        else:
+            s = f"\"{w('subj').capitalize()}\" said: {w('adj')} {w('noun')} are ({rng.randint(1, 5)}/5) - {w('adv')}\n"
+        out.append(s)
+    return out
+
+
+_TOKENIZER_CACHE: dict = {}
+
+
+def _train_tokenizer(vocab_size: int, family: str):
+    """Byte-level BPE trained on a deterministic built-in corpus (cached in-process)."""
+    key = (vocab_size, family)
+    if key not in _TOKENIZER_CACHE:
+        from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+        specials = LLAMA_SPECIALS if family == "llama" else QWEN_SPECIALS
+        tok = Tokenizer(models.BPE())
+        tok.decoder = decoders.ByteLevel()
+        if family == "llama":
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:  # exactly the pipeline transformers' Qwen2Tokenizer rebuilds from vocab + merges
+            tok.normalizer = normalizers.NFC()
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(QWEN_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])
+        # llama: specials first (ids 0..2); qwen: appended after the learned vocab.
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size if family == "llama" else vocab_size - len(specials),
+            special_tokens=specials if family == "llama" else [],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_corpus(), trainer=trainer)
+        if family == "llama":
+            tok.post_processor = processors.TemplateProcessing(
+                single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+            )
+        else:
+            tok.add_special_tokens(specials)
+            tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        _TOKENIZER_CACHE[key] = tok.to_str()
+    return _TOKENIZER_CACHE[key]
+
+
+def _build_tokenizer(vocab_size: int, family: str):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(_train_tokenizer(vocab_size, family))
+    if family == "llama":
+        kw = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=LLAMA_TEMPLATE)
+    else:
+        kw = dict(
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+            chat_template=CHATML_TEMPLATE,
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **kw)
+
+
+def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """Write config.json, model.safetensors (float32), generation_config.json and tokenizer
+    files for a random-weight model into out_dir; returns out_dir."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    cfg = {**DEFAULTS, **{k: v for k, v in overrides.items() if v is not None}}
+    if arch == "qwen3":
+        cfg.setdefault("head_dim", 32)
+    family = "llama" if arch == "llama" else "qwen"
+    tokenizer = _build_tokenizer(cfg["vocab_size"], family)
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    assert all(i is None or i < cfg["vocab_size"] for i in ids.values()), ids
+    assert len(tokenizer) <= cfg["vocab_size"], (len(tokenizer), cfg["vocab_size"])
+
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+    config = getattr(transformers, f"{name}Config")(**cfg, **ids)
+    config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).float().eval()
+    with torch.no_grad():  # non-trivial norms and biases, so loading bugs show up
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.uniform_(0.5, 1.5)
+            elif pname.endswith(".bias"):
+                p.normal_(0.0, cfg["initializer_range"])
+        if not config.tie_word_embeddings:
+            model.lm_head.weight.mul_(2.0)  # logit std ~3 rather than ~1.6
+
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    GenerationConfig(**ids).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--arch", choices=ARCHS, default="llama")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab-size", type=int)
+    ap.add_argument("--hidden-size", type=int)
+    ap.add_argument("--intermediate-size", type=int)
+    ap.add_argument("--num-layers", type=int)
+    ap.add_argument("--num-heads", type=int)
+    ap.add_argument("--num-kv-heads", type=int)
+    ap.add_argument("--head-dim", type=int)
+    ap.add_argument("--tie-word-embeddings", action="store_true", default=None)
+    ap.add_argument("--max-position-embeddings", type=int)
+    ap.add_argument("--rope-theta", type=float)
+    ap.add_argument("--rope-scaling", type=json.loads, help='e.g. \'{"rope_type": "linear", "factor": 2.0}\'')
+    a = ap.parse_args(argv)
+    path = make_tiny_model(
+        a.out,
+        arch=a.arch,
+        seed=a.seed,
+        vocab_size=a.vocab_size,
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_layers,
+        num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads,
+        head_dim=a.head_dim,
+        tie_word_embeddings=a.tie_word_embeddings,
+        max_position_embeddings=a.max_position_embeddings,
+        rope_theta=a.rope_theta,
+        rope_scaling=a.rope_scaling,
+    )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

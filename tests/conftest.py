@@ -1,0 +1,43 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(arch, **overrides) -> path of a random-weight HF model, cached per session."""
+    from sgrec.tools.make_tiny_model import make_tiny_model
+
+    made: dict = {}
+
+    def get(arch: str = "llama", seed: int = 0, **overrides) -> str:
+        key = (arch, seed, repr(sorted(overrides.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny_{arch}")
+            made[key] = make_tiny_model(str(out), arch=arch, seed=seed, **overrides)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """hf_model(path) -> HF transformers model in float32 (cached)."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict = {}
+
+    def get(path: str):
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+        return cache[path]
+
+    return get
