@@ -87,6 +87,13 @@ class Engine:
     # ---- request building ---------------------------------------------------------------
     def _make_reqs(self, text, input_ids, sampling_params, return_logprob, logprob_start_len,
                    top_logprobs_num, token_ids_logprob, rid, extra_key) -> tuple[list[Req], bool]:
+        if input_ids is not None and not (
+            isinstance(input_ids, list) and all(isinstance(x, (int, list)) for x in input_ids)
+        ):
+            raise ValueError(
+                "input_ids must be a list of token ids or a list of such lists "
+                "(pass sampling_params by keyword: generate(text, sampling_params={...}))"
+            )
         if text is not None:
             is_batch = isinstance(text, list)
             prompts = text if is_batch else [text]

@@ -135,6 +135,7 @@ def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, **override
     import transformers
     from transformers import GenerationConfig
 
+    out_dir = str(out_dir)
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     cfg = {**DEFAULTS, **{k: v for k, v in overrides.items() if v is not None}}

@@ -1,0 +1,90 @@
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from sgrec.tools.make_tiny_model import make_tiny_model
+
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SENTENCE = "The user likes red shoes today. What is 42? (Next: cheap books!)"
+
+
+def _weights(path):
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_tiny_model_loads(tmp_path, arch):
+    path = make_tiny_model(str(tmp_path / arch), arch=arch, seed=0)
+    assert path == str(tmp_path / arch)
+    for f in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert os.path.exists(os.path.join(path, f)), f
+
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == [ARCHS[arch]]
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (64, 2, 512)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    if arch == "qwen3":
+        assert config.head_dim == 32
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert type(model).__name__ == ARCHS[arch]
+    w = _weights(path)
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in w.values())
+    if arch == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in w
+    if arch == "qwen3":
+        assert w["model.layers.0.self_attn.q_norm.weight"].shape == (32,)
+
+    tok = AutoTokenizer.from_pretrained(path)
+    assert len(tok) <= config.vocab_size
+    assert max(tok.get_vocab().values()) < config.vocab_size
+    ids = tok.encode(SENTENCE)
+    assert max(ids) < config.vocab_size
+    assert tok.decode(ids, skip_special_tokens=True) == SENTENCE
+    gen = json.load(open(os.path.join(path, "generation_config.json")))
+    assert config.eos_token_id == gen["eos_token_id"] == tok.eos_token_id
+    if arch == "llama":
+        assert ids[0] == tok.bos_token_id == config.bos_token_id == 1
+        assert tok.eos_token == "</s>" and tok.eos_token_id == 2
+    else:
+        assert tok.bos_token_id is None and ids[0] not in tok.all_special_ids
+        assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+        assert config.pad_token_id == tok.pad_token_id
+        assert tok.convert_tokens_to_ids("<|im_start|>") < config.vocab_size
+
+    msgs = [{"role": "user", "content": "Hello there"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert "Hello there" in text
+    if arch != "llama":
+        assert text == "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+
+    out = model(torch.tensor([ids])).logits
+    assert out.shape == (1, len(ids), config.vocab_size) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_tiny_model_seeds(tmp_path, arch):
+    a = make_tiny_model(str(tmp_path / "a"), arch=arch, seed=1)
+    b = make_tiny_model(str(tmp_path / "b"), arch=arch, seed=1)
+    c = make_tiny_model(str(tmp_path / "c"), arch=arch, seed=2)
+    read = lambda p, f: open(os.path.join(p, f), "rb").read()  # noqa: E731
+    assert read(a, "model.safetensors") == read(b, "model.safetensors")
+    assert read(a, "tokenizer.json") == read(c, "tokenizer.json")
+    wa, wc = _weights(a), _weights(c)
+    assert wa.keys() == wc.keys()
+    assert not torch.equal(wa["model.embed_tokens.weight"], wc["model.embed_tokens.weight"])
+
+
+def test_tiny_model_overrides(tmp_path):
+    path = make_tiny_model(
+        str(tmp_path / "m"), arch="llama", num_hidden_layers=3, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    assert cfg["num_hidden_layers"] == 3 and cfg["tie_word_embeddings"] is True
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    assert rope["rope_type"] == "linear" and rope["factor"] == 2.0
+    assert "lm_head.weight" not in _weights(path)
