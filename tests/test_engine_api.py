@@ -322,13 +322,13 @@ def test_cached_tokens_reported_and_all_slots_free_after_flush(path):
 def test_abort_frees_kv(path):
     eng = Engine(path, device="cpu", max_total_tokens=1024)
     sched = eng.scheduler
-    reqs, _ = eng._make_reqs(None, [random_ids(9, 512, 90), random_ids(12, 512, 91)],
-                             {"max_new_tokens": 50, **GREEDY}, False, -1, 0, None, None, None)
-    for r in reqs:
-        sched.add(r)
+    msgs, _, _ = eng.builder.build(input_ids=[random_ids(9, 512, 90), random_ids(12, 512, 91)],
+                                   sampling_params={"max_new_tokens": 50, **GREEDY})
+    reqs = [sched.add_request(m) for m in msgs]
     sched.step()  # prefill both
     sched.step()  # one decode step
-    assert sched.abort(reqs[0].rid) and sched.abort(reqs[1].rid)
+    assert sched.abort(reqs[0].rid) is reqs[0] and sched.abort(reqs[1].rid) is reqs[1]
+    assert sched.abort("unknown") is None
     assert all(r.finish_reason["type"] == "abort" for r in reqs)
     eng.check_memory()
     eng.flush_cache()
@@ -351,3 +351,13 @@ def test_concurrent_callers_are_batched_and_correct(engine):
         t.join(timeout=120)
     assert got == want
     engine.check_memory()
+
+
+def test_closing_a_stream_early_aborts_and_frees(path):
+    eng = Engine(path, device="cpu", max_total_tokens=1024)
+    it = eng.generate(input_ids=random_ids(9, 512, 92), sampling_params={"max_new_tokens": 100, **GREEDY}, stream=True)
+    first = next(it)
+    assert len(first["output_ids"]) == 1
+    it.close()
+    assert not eng.scheduler.has_work()
+    eng.check_memory()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from sgrec.managers.io_struct import ReqOutput
 from sgrec.sampling import SamplingParams
 
 
@@ -26,7 +28,7 @@ class Req:
     logprob: LogprobSpec = field(default_factory=LogprobSpec)
     extra_key: str | None = None
     eos_ids: frozenset[int] = frozenset()
-    stop_checker: object = None  # callable(req) -> str | None, the matched stop string
+    stop_checker: Callable[["Req"], str | None] | None = None  # the matched stop string, if any
     created: float = field(default_factory=time.monotonic)
 
     output_ids: list[int] = field(default_factory=list)
@@ -50,6 +52,7 @@ class Req:
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     output_token_ids_logprobs: list = field(default_factory=list)
+    sent: dict = field(default_factory=dict)  # how much of each list went out in ReqOutputs
 
     def __post_init__(self) -> None:
         if self.sampling.sampling_seed is not None:
@@ -93,3 +96,26 @@ class Req:
             self.finish_reason = {"type": "stop", "matched": matched}
         elif len(self.output_ids) >= sp.max_new_tokens:
             self.finish_reason = {"type": "length", "length": sp.max_new_tokens}
+
+    def make_output(self) -> ReqOutput:
+        """The changes since the previous make_output() call."""
+        delta = {}
+        for name in ("output_ids", *LOGPROB_FIELDS):
+            items = getattr(self, name)
+            delta[name] = items[self.sent.get(name, 0) :]
+            self.sent[name] = len(items)
+        return ReqOutput(
+            rid=self.rid,
+            new_output_ids=delta.pop("output_ids"),
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.input_ids),
+            cached_tokens=self.cached_tokens,
+            num_retractions=self.num_retractions,
+            **delta,
+        )
+
+
+LOGPROB_FIELDS = (
+    "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
+    "input_token_ids_logprobs", "output_token_ids_logprobs",
+)

@@ -17,8 +17,11 @@ from sgrec.model.attention import SeqLayout
 from sgrec.radix.tree import RadixCache
 from sgrec.runner import ModelRunner
 from sgrec.sampling import GREEDY_EPS, Sampler
-from sgrec.scheduler.req import Req
+from sgrec.managers.io_struct import TokenizedGenerateReq
+from sgrec.sampling import SamplingParams
+from sgrec.scheduler.req import LogprobSpec, Req
 from sgrec.server_args import ServerArgs
+from sgrec.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +30,14 @@ DECODE_RESERVE_CLIP = 512
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunner):
+    def __init__(self, args: ServerArgs, runner: ModelRunner, tokenizer: Tokenizer):
         self.args = args
         self.runner = runner
+        self.tokenizer = tokenizer
+        eos = set(runner.config.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
         self.allocator = runner.kv_pool.allocator
         self.tree = RadixCache(self.allocator, policy=args.radix_eviction_policy, disable=args.disable_radix_cache)
         self.sampler = Sampler(args.random_seed, runner.device)
@@ -40,8 +48,23 @@ class Scheduler:
         self.forward_ct = 0
 
     # ---- public -------------------------------------------------------------------------
-    def add(self, req: Req) -> None:
+    def add_request(self, msg: TokenizedGenerateReq) -> Req:
+        req = Req(
+            rid=msg.rid,
+            input_ids=msg.input_ids,
+            sampling=SamplingParams(**msg.sampling_params),
+            logprob=LogprobSpec(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.token_ids_logprob),
+            extra_key=msg.extra_key,
+            eos_ids=self.eos_ids,
+            stop_checker=self._stop_match,
+        )
         self.waiting.append(req)
+        return req
+
+    def _stop_match(self, req: Req) -> str | None:
+        longest = max(len(s) for s in req.sampling.stop)
+        tail = self.tokenizer.decode(req.output_ids[-(longest + 8) :], req.sampling.skip_special_tokens)
+        return next((s for s in req.sampling.stop if s in tail), None)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
@@ -55,26 +78,26 @@ class Scheduler:
             return self._run_decode()
         return []
 
-    def abort(self, rid: str, message: str = "Request aborted") -> bool:
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                self._finish_abort(req, message)
-                return True
-        for req in [*self.running, *([self.chunked] if self.chunked else [])]:
+    def abort(self, rid: str, message: str = "Request aborted", status_code: int = 400) -> Req | None:
+        """Ends a queued or running request; returns it (to report), or None if unknown."""
+        for req in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
             if req.rid == rid:
                 if req is self.chunked:
                     self.chunked = None
-                else:
+                elif req in self.running:
                     self.running.remove(req)
-                self._finish_abort(req, message)
-                return True
-        return False
+                else:
+                    self.waiting.remove(req)
+                self._finish_abort(req, message, status_code)
+                return req
+        return None
 
-    def abort_all(self, message: str) -> None:
-        for req in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
-            self._finish_abort(req, message, status_code=500)
+    def abort_all(self, message: str, status_code: int = 500) -> list[Req]:
+        reqs = [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
+        for req in reqs:
+            self._finish_abort(req, message, status_code)
         self.waiting, self.running, self.chunked = [], [], None
+        return reqs
 
     def flush_cache(self) -> bool:
         if self.has_work():

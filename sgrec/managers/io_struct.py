@@ -1,0 +1,114 @@
+"""Messages between the tokenizer manager and the schedulers, and their one codec.
+
+Every message is a small dataclass encoded as orjson: {"type": ClassName, **fields}. Decoding
+only ever builds the dataclasses registered here (never unpickles anything from a socket) and
+rejects anything else with a ValueError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict  # validated SamplingParams fields
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    extra_key: str | None = None
+
+
+@dataclass
+class ReqOutput:
+    """What changed for one request since its previous ReqOutput (deltas for lists)."""
+
+    rid: str
+    new_output_ids: list[int]
+    finish_reason: dict | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    # logprob deltas: [logprob|None, token_id] pairs, or rows of such pairs (None rows allowed)
+    input_token_logprobs: list = field(default_factory=list)
+    output_token_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    input_token_ids_logprobs: list = field(default_factory=list)
+    output_token_ids_logprobs: list = field(default_factory=list)
+
+
+@dataclass
+class BatchReqOutput:
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class AbortReq:
+    rid: str
+    message: str = "Request aborted by the client"
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheResult:
+    success: bool
+
+
+@dataclass
+class SchedulerStats:
+    """Periodic load report of one scheduler (DP rank)."""
+
+    dp_rank: int
+    num_running_reqs: int
+    num_queue_reqs: int
+    token_usage: float  # used KV slots / pool size, cached tokens included
+    kv_used: int
+    kv_total: int
+    kv_cached: int
+    last_gen_throughput: float
+
+
+@dataclass
+class SchedulerReady:
+    dp_rank: int
+    max_total_num_tokens: int
+    context_len: int
+    vocab_size: int
+
+
+_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        TokenizedGenerateReq, ReqOutput, BatchReqOutput, AbortReq, FlushCacheReq, FlushCacheResult,
+        SchedulerStats, SchedulerReady,
+    )
+}
+
+
+def encode(msg: Any) -> bytes:
+    return orjson.dumps({"type": type(msg).__name__, **dataclasses.asdict(msg)})
+
+
+def decode(data: bytes) -> Any:
+    obj = orjson.loads(data)
+    if not isinstance(obj, dict) or obj.get("type") not in _TYPES:
+        raise ValueError("malformed message: no known 'type'")
+    cls = _TYPES[obj.pop("type")]
+    try:
+        if cls is BatchReqOutput:
+            return BatchReqOutput([ReqOutput(**o) for o in obj["outputs"]])
+        return cls(**obj)
+    except (TypeError, KeyError) as e:
+        raise ValueError(f"malformed {cls.__name__} message: {e}") from None
