@@ -3,20 +3,23 @@
     python benchmarks/bench_engine.py                       # tiny + SmolLM2-135M-Instruct
     python benchmarks/bench_engine.py --models tiny --repeats 5 --json out.json
 
-What is measured (identically on both sides, float32, greedy, batch of B equal-length prompts
-of P seeded random token ids; every timing is the best (minimum) of --repeats runs):
+What is measured (float32, greedy, a batch of B equal-length prompts of P seeded random token
+ids, the same ids on both sides; each number uses the best (minimum) time of --repeats runs):
 
-* prefill tok/s = B * P / t_prefill
-    - sgrec: t_prefill = one `Engine.generate(max_new_tokens=1)` call over the batch: the
-      whole prompt forward, the lm_head on the last position only, sampling the first token,
-      and the scheduler/Engine overhead. Nothing is subtracted.
-    - HF:    t_prefill = one `model(input_ids, attention_mask).logits` forward over the batch
-      (HF computes logits for all B*P positions: that is what a plain forward does).
-* decode tok/s = B * (K - 1) / (t_gen(K) - t_gen(1))
-    - t_gen(K) is a full generation of K new tokens (sgrec `Engine.generate` with
-      max_new_tokens=K, ignore_eos; HF `model.generate` with max_new_tokens=min_new_tokens=K),
-      t_gen(1) the same with one new token, so the difference is K - 1 decode steps
-      (prefill, and any per-call setup, cancel out).
+* prefill tok/s = B * P / t_prefill, for a prefill-only call
+    - sgrec: one `Engine.generate(max_new_tokens=1)` over the batch: prompt forward, lm_head on
+      the last position only, first-token sampling, scheduler/Engine overhead. Nothing subtracted.
+    - HF:    one `model(input_ids, attention_mask).logits` forward over the batch. HF computes
+      logits for all B * P positions (what a plain forward does), which sgrec does not.
+* ttft tok/s = B * P / time to first token inside a K-token generate() call (both sides:
+  call start -> the moment every sequence's first token was chosen). Same work on both
+  sides (HF's generate() keeps only the last position's logits in prefill); no target.
+* decode tok/s = B * (K - 1) / (t_last_token - t_first_token) inside that same call: K - 1
+  decode steps with each side's full per-step loop (model, sampling, bookkeeping), and no
+  prefill in it. The per-token moments come from a StoppingCriteria that never stops (HF
+  `model.generate(max_new_tokens=K, min_new_tokens=K, do_sample=False)`) and from wrapping the
+  sgrec scheduler's step() on the instance (sgrec `Engine.generate(max_new_tokens=K,
+  temperature=0, ignore_eos=True)`); sgrec's source is not touched.
 
 The radix cache is disabled so repeated prompts are really recomputed. Both sides run in this
 one process with torch.set_num_threads(--threads), warmed up once on the same shapes before
@@ -73,6 +76,11 @@ def smollm2_path(wait_s: int) -> str:
 
 
 # ---- the two sides --------------------------------------------------------------------------
+# Each side's generate() returns (new token ids, stamps): stamps[i] is when token i of every
+# sequence was available (perf_counter), so stamps[0] - start is the time to first token and
+# stamps[-1] - stamps[0] is K - 1 decode steps, without the prefill in it.
+
+
 class SgrecSide:
     name = "sgrec"
 
@@ -82,17 +90,44 @@ class SgrecSide:
         self.engine = Engine(
             path, device="cpu", dtype="float32", max_total_tokens=max_tokens, disable_radix_cache=True
         )
+        # Stamp the end of every scheduler step (wraps the instance attribute; sgrec is untouched).
+        sched, self._stamps = self.engine.scheduler, []
+        step = sched.step
 
-    def generate(self, prompts: list[list[int]], k: int) -> list[list[int]]:
+        def stamped_step():
+            out = step()
+            self._stamps.append(time.perf_counter())
+            return out
+
+        sched.step = stamped_step
+
+    def generate(self, prompts: list[list[int]], k: int) -> tuple[list[list[int]], list[float]]:
+        self._stamps.clear()
         outs = self.engine.generate(
             input_ids=prompts,
             sampling_params={"max_new_tokens": k, "temperature": 0, "ignore_eos": True},
         )
         ids = [o["output_ids"] for o in outs]
         assert all(len(x) == k for x in ids), [len(x) for x in ids]
-        return ids
+        # All requests arrive together and prefill runs first, so the last k steps are the one
+        # that sampled the first tokens followed by k - 1 decode steps.
+        assert len(self._stamps) >= k, (len(self._stamps), k)
+        return ids, self._stamps[-k:]
 
-    prefill = None  # sgrec's prefill time is its generate(max_new_tokens=1) time
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """A prefill-only request: max_new_tokens=1 (prompt forward + first-token sampling)."""
+        self.generate(prompts, 1)
+
+
+class _Stamp:
+    """A StoppingCriteria that never stops and records when each new token was chosen."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class HFSide:
@@ -117,8 +152,11 @@ class HFSide:
         ids = torch.tensor(prompts, dtype=torch.int64)
         return ids, torch.ones_like(ids)
 
-    def generate(self, prompts: list[list[int]], k: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], k: int) -> tuple[list[list[int]], list[float]]:
+        from transformers import StoppingCriteriaList
+
         ids, mask = self._tensors(prompts)
+        stamp = _Stamp()
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=ids,
@@ -127,12 +165,14 @@ class HFSide:
                 max_new_tokens=k,
                 min_new_tokens=k,
                 pad_token_id=self.pad_token_id,
+                stopping_criteria=StoppingCriteriaList([stamp]),
             )
         new = out[:, ids.shape[1]:]
-        assert new.shape[1] == k, new.shape
-        return new.tolist()
+        assert new.shape[1] == k and len(stamp.stamps) == k, (new.shape, len(stamp.stamps))
+        return new.tolist(), stamp.stamps
 
     def prefill(self, prompts: list[list[int]]) -> None:
+        """One forward over the batch; HF computes logits for every position."""
         ids, mask = self._tensors(prompts)
         with torch.inference_mode():
             logits = self.model(input_ids=ids, attention_mask=mask).logits
@@ -157,56 +197,50 @@ def bench_model(label: str, path: str, args, prompt_len: int) -> list[dict]:
     for b in args.batch_sizes:
         g = torch.Generator().manual_seed(args.seed + 1000 * b + prompt_len)
         prompts = torch.randint(0, vocab, (b, prompt_len), generator=g).tolist()
-        times = {s.name: {"prefill": [], "gen1": [], "genK": []} for s in sides}
+        times = {s.name: {"prefill": [], "ttft": [], "decode": []} for s in sides}
         outputs = {}
-        for s in sides:  # warm-up on the same shapes
-            if s.prefill:
+        load_before = os.getloadavg()[0]
+        for s in sides:  # warm-up on the same shapes (sgrec's prefill is a generate call)
+            if s.name == "HF":
                 s.prefill(prompts)
-            s.generate(prompts, 1)
             s.generate(prompts, min(k, 4))
         for r in range(args.repeats):
             order = sides if r % 2 == 0 else sides[::-1]
             for s in order:
-                t1 = timed(s.generate, prompts, 1)
-                times[s.name]["gen1"].append(t1)
-                times[s.name]["prefill"].append(timed(s.prefill, prompts) if s.prefill else t1)
+                times[s.name]["prefill"].append(timed(s.prefill, prompts))
                 t = time.perf_counter()
-                outputs[s.name] = s.generate(prompts, k)
-                times[s.name]["genK"].append(time.perf_counter() - t)
+                outputs[s.name], stamps = s.generate(prompts, k)
+                times[s.name]["ttft"].append(stamps[0] - t)
+                times[s.name]["decode"].append(stamps[-1] - stamps[0])
         agree = sum(a == h for a, h in zip(outputs["sgrec"], outputs["HF"])) / b
-        for phase in ("prefill", "decode"):
+        load_after = os.getloadavg()[0]
+        for phase in ("prefill", "ttft", "decode"):
             tps = {}
             for s in sides:
-                t = {key: min(v) for key, v in times[s.name].items()}
-                if phase == "prefill":
-                    tps[s.name] = b * prompt_len / t["prefill"]
-                else:
-                    tps[s.name] = b * (k - 1) / max(t["genK"] - t["gen1"], 1e-9)
+                best = min(times[s.name][phase])  # best of --repeats
+                tps[s.name] = b * (k - 1 if phase == "decode" else prompt_len) / max(best, 1e-9)
             target = TARGETS.get((b, phase))
             ratio = tps["sgrec"] / tps["HF"]
-            row = dict(
+            rows.append(dict(
                 model=label, batch=b, phase=phase, prompt_len=prompt_len, decode_tokens=k,
                 hf_tok_s=tps["HF"], sgrec_tok_s=tps["sgrec"], ratio=ratio,
                 target=target, met=None if target is None else ratio >= target,
-                greedy_agreement=agree,
-                times_s={n: {key: [round(x, 5) for x in v] for key, v in d.items()} for n, d in times.items()},
-            )
-            rows.append(row)
+                greedy_agreement=agree, loadavg_1min=[load_before, load_after],
+                times_s={n: [round(x, 5) for x in d[phase]] for n, d in times.items()},
+            ))
             print(
                 f"  batch {b:>2} {phase:<7}  HF {tps['HF']:>10.1f} tok/s   sgrec {tps['sgrec']:>10.1f} tok/s"
-                f"   ratio {ratio:5.2f}",
+                f"   ratio {ratio:5.2f}   (times s: HF {_fmt(times['HF'][phase])}; sgrec {_fmt(times['sgrec'][phase])})",
                 flush=True,
             )
-        for s in sides:
-            med = {key: statistics.median(v) for key, v in times[s.name].items()}
-            print(
-                f"    {s.name:>5} median s: prefill {med['prefill']:.4f}  gen(1) {med['gen1']:.4f}"
-                f"  gen({k}) {med['genK']:.4f}",
-                flush=True,
-            )
-        print(f"    identical greedy outputs (sgrec vs HF): {agree:.0%} of the batch", flush=True)
+        print(f"    identical greedy outputs (sgrec vs HF): {agree:.0%} of the batch;"
+              f" load average {load_before:.2f} -> {load_after:.2f}", flush=True)
     del sides
     return rows
+
+
+def _fmt(xs: list[float]) -> str:
+    return " ".join(f"{x:.3f}" for x in xs)
 
 
 # ---- report ---------------------------------------------------------------------------------

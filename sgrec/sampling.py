@@ -8,6 +8,11 @@ from typing import Any
 import torch
 
 TOP_K_ALL = 1 << 30
+
+
+class SchemaError(ValueError):
+    """A wrong JSON type or unknown field (SGLang answers these with a plain-string error)."""
+
 GREEDY_EPS = 1e-6
 
 # Keys SGLang accepts but sgrec does not implement yet: accepted only at their "unset" value.
@@ -56,11 +61,11 @@ class SamplingParams:
         if d is None:
             d = {}
         if not isinstance(d, dict):
-            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+            raise SchemaError(f"sampling_params must be an object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(k for k in d if k not in known and k not in _UNSUPPORTED)
         if unknown:
-            raise ValueError(
+            raise SchemaError(
                 f"unknown field `{unknown[0]}` in sampling_params, expected one of {sorted(known | set(_UNSUPPORTED))}"
             )
         for key, unset in _UNSUPPORTED.items():
@@ -75,7 +80,7 @@ class SamplingParams:
     def _check_types(self, raw: dict) -> None:
         def need(name, ok, what):
             if name in raw and not ok(raw[name]):
-                raise ValueError(f"sampling_params.{name} must be {what}, got {raw[name]!r}")
+                raise SchemaError(f"sampling_params.{name} must be {what}, got {raw[name]!r}")
 
         is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
         is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731

@@ -2,41 +2,66 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def _arg(default, help: str, choices=None, **kw):
+    return field(default=default, metadata={"help": help, "choices": choices, **kw})
 
 
 @dataclass
 class ServerArgs:
-    model_path: str | None = None
-    tokenizer_path: str | None = None
-    served_model_name: str | None = None
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    context_length: int | None = None
-    # KV pool size in tokens; by default a fraction of free memory (mem_fraction_static).
-    max_total_tokens: int | None = None
-    mem_fraction_static: float | None = None
-    chunked_prefill_size: int = 2048  # tokens of one prompt per prefill step; -1 disables chunking
-    max_prefill_tokens: int = 16384  # tokens in one prefill batch
-    max_running_requests: int = 256
-    schedule_policy: str = "fcfs"  # fcfs | lpm
-    radix_eviction_policy: str = "lru"
-    disable_radix_cache: bool = False
-    attention_backend: str = "torch"
-    random_seed: int = 0
+    model_path: str | None = _arg(
+        None, "HF-format model directory. Without it the embedded default model is served.")
+    tokenizer_path: str | None = _arg(None, "Tokenizer directory (default: the model path).")
+    served_model_name: str | None = _arg(None, "Model name reported by the API (default: the model path).")
+    host: str = _arg("127.0.0.1", "Address to listen on.")
+    port: int = _arg(30000, "HTTP port.")
+    device: str = _arg("auto", "Device to run on: auto picks cuda when available.", ["auto", "cpu", "cuda"])
+    dtype: str = _arg(
+        "auto", "Weights, activations and KV dtype. auto: float32 on CPU; on CUDA the checkpoint's "
+        "dtype (bfloat16 for float32 checkpoints).", ["auto", "float32", "bfloat16", "float16"])
+    context_length: int | None = _arg(None, "Longest prompt + output (default: the model's max_position_embeddings).")
+    max_total_tokens: int | None = _arg(None, "KV pool size in tokens (default: from --mem-fraction-static).")
+    mem_fraction_static: float | None = _arg(
+        None, "Share of free memory for the KV pool (default 0.1 on CPU, capped at 131072 tokens; 0.85 on CUDA).")
+    chunked_prefill_size: int = _arg(2048, "Most tokens of one prompt per prefill step; -1 disables chunking.")
+    max_prefill_tokens: int = _arg(16384, "Most tokens in one prefill batch.")
+    max_running_requests: int = _arg(256, "Most requests decoding at once (per data-parallel rank).")
+    max_queued_requests: int | None = _arg(
+        None, "Most requests waiting per rank; past it new requests get 503 'The request queue is full.'")
+    schedule_policy: str = _arg("fcfs", "Order of admission: fcfs, or lpm (longest cached prefix first).",
+                                ["fcfs", "lpm"])
+    radix_eviction_policy: str = _arg("lru", "Eviction policy of the radix prefix cache.", ["lru"])
+    disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
+    attention_backend: str = _arg("torch", "Attention implementation.", ["torch"])
+    random_seed: int = _arg(0, "Seed of the shared sampling generator.")
+    dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.")
+    api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")
+    enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.")
+    log_level: str = _arg("info", "Log level.", ["debug", "info", "warning", "error"])
 
     def __post_init__(self) -> None:
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("chunked_prefill_size must be positive or -1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens must be at least 2")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be non-negative")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("mem_fraction_static must be in (0, 1)")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"Unknown schedule_policy {self.schedule_policy!r} (fcfs, lpm)")
+        if self.dp_size < 1:
+            raise ValueError("dp_size must be at least 1")
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be in [0, 65535]")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"Unknown {f.name} {getattr(self, f.name)!r}; choose one of {choices}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "ServerArgs":
@@ -45,3 +70,33 @@ class ServerArgs:
         if unknown:
             raise ValueError(f"Unknown server argument(s) {unknown}; known: {sorted(names)}")
         return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata["help"]
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            typ = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+            default = f.default
+            shown = "" if default is None else f" (default: {default})"
+            parser.add_argument(flag, type=typ, default=default, choices=f.metadata.get("choices"),
+                                help=help_text + shown)
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
+        parser = argparse.ArgumentParser(
+            prog="python -m sgrec.launch_server",
+            description="Serve a model with sgrec (SGLang-compatible native and OpenAI APIs).",
+        )
+        cls.add_cli_args(parser)
+        ns = parser.parse_args(argv)
+        try:
+            return cls(**vars(ns))
+        except ValueError as e:
+            parser.error(str(e))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

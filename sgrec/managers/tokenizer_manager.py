@@ -1,0 +1,235 @@
+"""TokenizerManager: the asyncio side of the server.
+
+Validates and tokenizes requests (RequestBuilder), routes them to a scheduler rank over ZMQ,
+and gathers the ReqOutputs coming back into per-request states that HTTP handlers await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from sgrec.managers import io_struct as io
+from sgrec.managers.generate import Limits, ReqState, RequestBuilder
+from sgrec.sampling import SchemaError
+from sgrec.server_args import ServerArgs
+from sgrec.tokenizer import Tokenizer
+
+logger = logging.getLogger("sgrec.tokenizer_manager")
+
+# Top-level /generate fields and their JSON types; unknown top-level keys are ignored (as SGLang).
+GENERATE_FIELDS = {
+    "text": (str, list, type(None)),
+    "input_ids": (list, type(None)),
+    "sampling_params": (dict, list, type(None)),
+    "return_logprob": (bool, list),
+    "logprob_start_len": (int, list),
+    "top_logprobs_num": (int, list),
+    "token_ids_logprob": (list, type(None)),
+    "return_text_in_logprobs": (bool,),
+    "stream": (bool,),
+    "rid": (str, list, type(None)),
+    "extra_key": (str, type(None)),
+    "routing_key": (str, type(None)),
+}
+UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path")
+
+
+@dataclass(eq=False)  # identity semantics: submissions are hashed into sets
+class Submission:
+    states: list[ReqState]
+    is_list: bool
+    text_in_logprobs: bool
+    rank: int
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.states)
+
+
+def check_generate_types(obj: dict) -> None:
+    if not isinstance(obj, dict):
+        raise SchemaError("the request body must be a JSON object")
+    for name, types in GENERATE_FIELDS.items():
+        if name in obj and not isinstance(obj[name], types) or (
+            name in obj and isinstance(obj[name], bool) and bool not in types
+        ):
+            raise SchemaError(f"invalid type for `{name}`: {type(obj[name]).__name__}")
+    for name in UNSUPPORTED_INPUTS:
+        if obj.get(name) not in (None, [], ""):
+            raise ValueError(f"`{name}` is not supported by sgrec")
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, in_addrs: list[str], out_addr: str):
+        self.args = args
+        self.tokenizer = Tokenizer(args.tokenizer_path or args.model_path)
+        self.ctx = zmq.asyncio.Context(1)
+        self.recv_sock = self.ctx.socket(zmq.PULL)
+        self.recv_sock.bind(out_addr)
+        self.send_socks = []
+        for addr in in_addrs:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.bind(addr)
+            self.send_socks.append(sock)
+        self.builder: RequestBuilder | None = None
+        self.ready: dict[int, io.SchedulerReady] = {}
+        self.stats: dict[int, io.SchedulerStats] = {}
+        self.subs: dict[str, Submission] = {}  # rid -> submission
+        self.rank_load = [0] * len(in_addrs)
+        self.flush_waiters: list[asyncio.Future] = []
+        self.dead: str | None = None
+        self.metrics = None  # set by the server when --enable-metrics
+        self.listener: asyncio.Task | None = None
+
+    # ---- start-up -----------------------------------------------------------------------
+    async def wait_ready(self, timeout: float, alive) -> None:
+        """Waits for every rank's SchedulerReady; `alive()` returns an error string if a child died."""
+        deadline = time.monotonic() + timeout
+        while len(self.ready) < len(self.send_socks):
+            if (err := alive()) is not None:
+                raise RuntimeError(err)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"schedulers not ready after {timeout:.0f} s")
+            if await self.recv_sock.poll(200):
+                msg = io.decode(await self.recv_sock.recv())
+                if isinstance(msg, io.SchedulerReady):
+                    self.ready[msg.dp_rank] = msg
+        first = self.ready[0]
+        pool = min(r.max_total_num_tokens for r in self.ready.values())
+        self.builder = RequestBuilder(self.tokenizer, Limits(first.vocab_size, first.context_len, pool))
+        self.listener = asyncio.create_task(self._listen())
+
+    @property
+    def context_len(self) -> int:
+        return self.ready[0].context_len
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return min(r.max_total_num_tokens for r in self.ready.values())
+
+    # ---- requests -----------------------------------------------------------------------
+    def submit(self, obj: dict) -> Submission:
+        """Validates, tokenizes and sends a native /generate request. Raises ValueError on bad input."""
+        if self.dead:
+            raise RuntimeError(self.dead)
+        check_generate_types(obj)
+        msgs, params, is_list = self.builder.build(
+            obj.get("text"), obj.get("input_ids"), obj.get("sampling_params"),
+            obj.get("return_logprob", False), obj.get("logprob_start_len", -1),
+            obj.get("top_logprobs_num", 0), obj.get("token_ids_logprob"), obj.get("rid"), obj.get("extra_key"),
+        )
+        dup = next((m.rid for m in msgs if m.rid in self.subs), None)
+        if dup is not None:
+            raise ValueError(f"Duplicate request id {dup!r}")
+        rank = self._pick_rank(obj.get("routing_key"))
+        sub = Submission([ReqState(m, sp) for m, sp in zip(msgs, params)], is_list,
+                         bool(obj.get("return_text_in_logprobs", False)), rank)
+        for m in msgs:
+            self.subs[m.rid] = sub
+            self.send_socks[rank].send(io.encode(m))
+        self.rank_load[rank] += len(msgs)
+        return sub
+
+    def _pick_rank(self, routing_key: str | None) -> int:
+        n = len(self.send_socks)
+        if n == 1:
+            return 0
+        if routing_key is not None:  # the same user always lands on the same rank (its caches)
+            return zlib.crc32(routing_key.encode()) % n
+        return min(range(n), key=lambda r: self.rank_load[r])
+
+    async def wait(self, sub: Submission) -> list[dict]:
+        while not sub.finished:
+            sub.event.clear()
+            if not sub.finished:
+                await sub.event.wait()
+        self._forget(sub)
+        return [s.to_dict(self.tokenizer, sub.text_in_logprobs) for s in sub.states]
+
+    async def stream(self, sub: Submission) -> AsyncIterator[tuple[int, dict]]:
+        """Yields (index, cumulative chunk) whenever a request of the submission progressed."""
+        sent = [0] * len(sub.states)  # -1 once the final chunk went out
+        try:
+            while True:
+                sub.event.clear()
+                for i, s in enumerate(sub.states):
+                    if sent[i] != -1 and (len(s.output_ids) != sent[i] or s.finished):
+                        sent[i] = -1 if s.finished else len(s.output_ids)
+                        yield i, s.to_dict(self.tokenizer, sub.text_in_logprobs)
+                if all(x == -1 for x in sent):
+                    return
+                await sub.event.wait()
+        finally:
+            self.abort(sub)
+
+    def abort(self, sub: Submission, message: str = "Request aborted by the client") -> None:
+        """Aborts the unfinished requests of a submission (client left); frees their KV."""
+        for s in sub.states:
+            if not s.finished and not self.dead:
+                self.send_socks[sub.rank].send(io.encode(io.AbortReq(s.msg.rid, message)))
+        self._forget(sub)
+
+    def _forget(self, sub: Submission) -> None:
+        for s in sub.states:
+            if self.subs.get(s.msg.rid) is sub:
+                del self.subs[s.msg.rid]
+                self.rank_load[sub.rank] -= 1
+
+    async def flush_cache(self) -> bool:
+        futs = []
+        for sock in self.send_socks:
+            fut = asyncio.get_running_loop().create_future()
+            self.flush_waiters.append(fut)
+            futs.append(fut)
+            sock.send(io.encode(io.FlushCacheReq()))
+        results = await asyncio.wait_for(asyncio.gather(*futs), timeout=30)
+        return all(results)
+
+    def fail_all(self, message: str, status_code: int = 500) -> None:
+        self.dead = message
+        for sub in set(self.subs.values()):
+            for s in sub.states:
+                if not s.finished:
+                    s.fail(message, status_code)
+            sub.event.set()
+
+    # ---- outputs ------------------------------------------------------------------------
+    async def _listen(self) -> None:
+        while True:
+            data = await self.recv_sock.recv()
+            try:
+                msg = io.decode(data)
+            except ValueError as e:
+                logger.warning("dropped a malformed message from a scheduler: %s", e)
+                continue
+            if isinstance(msg, io.BatchReqOutput):
+                for out in msg.outputs:
+                    self._on_output(out)
+            elif isinstance(msg, io.SchedulerStats):
+                self.stats[msg.dp_rank] = msg
+                if self.metrics:
+                    self.metrics.on_stats(self.stats)
+            elif isinstance(msg, io.FlushCacheResult):
+                if self.flush_waiters:
+                    self.flush_waiters.pop(0).set_result(msg.success)
+
+    def _on_output(self, out: io.ReqOutput) -> None:
+        sub = self.subs.get(out.rid)
+        if sub is None:
+            return  # the client already left
+        state = next(s for s in sub.states if s.msg.rid == out.rid)
+        had_first = state.first_token_time is not None
+        state.apply(out)
+        if self.metrics:
+            self.metrics.on_output(state, out, had_first)
+        sub.event.set()

@@ -1,0 +1,141 @@
+"""The scheduler process: a ZMQ loop around Scheduler, one per data-parallel rank.
+
+It pulls requests from its own socket, runs scheduler steps while there is work, and pushes
+ReqOutputs (and periodic SchedulerStats) to the tokenizer manager. It exits when its parent dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+
+import zmq
+
+from sgrec.managers import io_struct as io
+from sgrec.runner import ModelRunner
+from sgrec.scheduler.scheduler import Scheduler
+from sgrec.server_args import ServerArgs
+from sgrec.tokenizer import Tokenizer
+
+logger = logging.getLogger("sgrec.scheduler")
+
+STATS_INTERVAL_S = 0.5
+IDLE_POLL_MS = 100
+QUEUE_FULL = "The request queue is full."
+
+
+class SchedulerLoop:
+    def __init__(self, args: ServerArgs, dp_rank: int, in_addr: str, out_addr: str):
+        self.args = args
+        self.dp_rank = dp_rank
+        self.parent = os.getppid()
+        ctx = zmq.Context(1)
+        self.recv_sock = ctx.socket(zmq.PULL)
+        self.recv_sock.connect(in_addr)
+        self.send_sock = ctx.socket(zmq.PUSH)
+        self.send_sock.connect(out_addr)
+        tokenizer = Tokenizer(args.tokenizer_path or args.model_path)
+        self.runner = ModelRunner(args)
+        self.scheduler = Scheduler(args, self.runner, tokenizer)
+        self.last_stats = 0.0
+        self.gen_tokens = 0
+        self.gen_since = time.monotonic()
+
+    def send(self, msg) -> None:
+        self.send_sock.send(io.encode(msg))
+
+    def run(self) -> None:
+        self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
+                                    self.runner.config.vocab_size))
+        while True:
+            busy = self.scheduler.has_work()
+            if self.recv_sock.poll(0 if busy else IDLE_POLL_MS):
+                self.drain()
+            if os.getppid() != self.parent:
+                logger.error("parent process died; scheduler %d exits", self.dp_rank)
+                return
+            if self.scheduler.has_work():
+                self.step()
+            if time.monotonic() - self.last_stats >= STATS_INTERVAL_S:
+                self.send_stats()
+
+    def drain(self) -> None:
+        while True:
+            try:
+                data = self.recv_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = io.decode(data)
+            except ValueError as e:
+                logger.warning("dropped a malformed message on the scheduler socket: %s", e)
+                continue
+            self.handle(msg)
+
+    def handle(self, msg) -> None:
+        sched = self.scheduler
+        if isinstance(msg, io.TokenizedGenerateReq):
+            limit = self.args.max_queued_requests
+            if limit is not None and len(sched.waiting) >= limit:
+                fr = {"type": "abort", "message": QUEUE_FULL, "status_code": 503, "err_type": None}
+                self.send(io.BatchReqOutput([io.ReqOutput(msg.rid, [], fr, len(msg.input_ids))]))
+                return
+            try:
+                sched.add_request(msg)
+            except (TypeError, ValueError) as e:
+                fr = {"type": "abort", "message": f"Invalid request: {e}", "status_code": 400, "err_type": None}
+                self.send(io.BatchReqOutput([io.ReqOutput(msg.rid, [], fr, len(msg.input_ids))]))
+        elif isinstance(msg, io.AbortReq):
+            req = sched.abort(msg.rid, msg.message)
+            if req is not None:
+                self.send(io.BatchReqOutput([req.make_output()]))
+        elif isinstance(msg, io.FlushCacheReq):
+            self.send(io.FlushCacheResult(sched.flush_cache()))
+        else:
+            logger.warning("dropped an unexpected %s message", type(msg).__name__)
+
+    def step(self) -> None:
+        try:
+            reqs = self.scheduler.step()
+        except Exception:
+            logger.error("batch failed; aborting its requests:\n%s", traceback.format_exc())
+            reqs = self.scheduler.abort_all("Internal error while running the batch", 500)
+        if reqs:
+            outs = [r.make_output() for r in reqs]
+            self.gen_tokens += sum(len(o.new_output_ids) for o in outs)
+            self.send(io.BatchReqOutput(outs))
+
+    def send_stats(self) -> None:
+        now = time.monotonic()
+        sched = self.scheduler
+        pool = self.runner.kv_pool
+        used = pool.allocator.used_size()
+        self.send(io.SchedulerStats(
+            dp_rank=self.dp_rank,
+            num_running_reqs=len(sched.running) + (1 if sched.chunked else 0),
+            num_queue_reqs=len(sched.waiting),
+            token_usage=used / pool.size,
+            kv_used=used,
+            kv_total=pool.size,
+            kv_cached=sched.tree.total_size(),
+            last_gen_throughput=self.gen_tokens / max(now - self.gen_since, 1e-9),
+        ))
+        self.gen_tokens, self.gen_since, self.last_stats = 0, now, now
+
+
+def run_scheduler_process(args_dict: dict, dp_rank: int, in_addr: str, out_addr: str) -> None:
+    """Entry point of a scheduler process (multiprocessing spawn target)."""
+    args = ServerArgs(**args_dict)
+    logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s DP{dp_rank}] %(message)s")
+    try:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.dp_size))
+        SchedulerLoop(args, dp_rank, in_addr, out_addr).run()
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        logger.error("scheduler %d crashed:\n%s", dp_rank, traceback.format_exc())
+        raise SystemExit(1)

@@ -1,0 +1,311 @@
+"""The server as a real subprocess on loopback: native routes, errors, overload, faults, metrics."""
+
+import json
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def server(start_server, model):
+    return start_server(model, "--max-total-tokens", "4096", "--enable-metrics", "--served-model-name", "tiny")
+
+
+def wait_until(pred, timeout=10.0, every=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(every)
+    return False
+
+
+def kv_idle_and_free(srv) -> bool:
+    """Flushes the cache (only possible when nothing runs or waits) and checks every KV slot is free."""
+    if srv.client.post("/flush_cache").status_code != 200:
+        return False
+    time.sleep(0.6)  # a fresh stats report
+    info = srv.client.get("/server_info").json()
+    return all(s["memory_usage"]["kv_used_tokens"] == 0 and s["num_running_reqs"] == 0 and s["num_queue_reqs"] == 0
+               for s in info["internal_states"])
+
+
+# ---- /generate shapes ----------------------------------------------------------------------
+def test_generate_single_batch_and_logprobs(server):
+    c = server.client
+    one = c.post("/generate", json={"text": "hello there", "sampling_params": {"max_new_tokens": 5, **GREEDY}}).json()
+    assert set(one) >= {"text", "output_ids", "meta_info"}
+    meta = one["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["completion_tokens"] == 5 and len(one["output_ids"]) == 5
+    assert {"id", "prompt_tokens", "cached_tokens", "e2e_latency", "weight_version"} <= set(meta)
+    batch = c.post("/generate", json={"text": ["hello there", "a b"], "sampling_params": {"max_new_tokens": 5, **GREEDY},
+                                      "rid": "bt"}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    assert batch[0]["output_ids"] == one["output_ids"]
+    assert [b["meta_info"]["id"] for b in batch] == ["bt_0", "bt_1"]
+    lp = c.post("/generate", json={"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_new_tokens": 3, **GREEDY},
+                                   "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2,
+                                   "token_ids_logprob": [3, 4], "return_text_in_logprobs": True}).json()["meta_info"]
+    assert [e[1] for e in lp["input_token_logprobs"]] == [6, 7, 8, 9]
+    assert lp["input_token_logprobs"][0][0] is None and isinstance(lp["input_token_logprobs"][0][2], str)
+    assert len(lp["output_token_logprobs"]) == 3 == lp["output_token_logprobs_length"]
+    assert lp["input_top_logprobs"][0] is None and all(len(r) == 2 for r in lp["input_top_logprobs"][1:])
+    assert all([e[1] for e in r] == [3, 4] for r in lp["output_token_ids_logprobs"])
+    n = c.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2, "n": 3}}).json()
+    assert isinstance(n, list) and len(n) == 3
+
+
+def test_generate_streaming_is_cumulative_with_done(server):
+    with server.client.stream("POST", "/generate", json={"text": "stream me", "stream": True,
+                                                          "sampling_params": {"max_new_tokens": 6, **GREEDY}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[5:]) for ln in lines[:-1]]
+    assert [len(ch["output_ids"]) for ch in chunks] == [1, 2, 3, 4, 5, 6]
+    assert all(ch["meta_info"]["finish_reason"] is None for ch in chunks[:-1])
+    assert all(chunks[i + 1]["text"].startswith(chunks[i]["text"]) for i in range(5))
+    full = server.client.post("/generate", json={"text": "stream me", "sampling_params": {"max_new_tokens": 6, **GREEDY}})
+    assert chunks[-1]["text"] == full.json()["text"]
+    with server.client.stream("POST", "/generate", json={"text": ["a", "b c"], "stream": True,
+                                                          "sampling_params": {"max_new_tokens": 2}}) as r:
+        idx = {json.loads(ln[5:])["index"] for ln in r.iter_lines() if ln and ln != "data: [DONE]"}
+    assert idx == {0, 1}
+
+
+# ---- bad input -----------------------------------------------------------------------------
+BAD = [
+    ({"text": ""}, 400),
+    ({"input_ids": []}, 400),
+    ({}, 400),
+    ({"text": 5}, 400),
+    ({"text": ["a", 3]}, 400),
+    ({"input_ids": "abc"}, 400),
+    ({"input_ids": [1, -2]}, 400),
+    ({"input_ids": [1, 10**9]}, 400),
+    ({"input_ids": list(range(5, 3000))}, 400),
+    ({"text": "a", "sampling_params": {"foo": 1}}, 400),
+    ({"text": "a", "sampling_params": "hot"}, 400),
+    ({"text": "a", "sampling_params": {"temperature": -0.5}}, 400),
+    ({"text": "a", "sampling_params": {"temperature": "warm"}}, 400),
+    ({"text": "a", "sampling_params": {"top_p": 0}}, 400),
+    ({"text": "a", "sampling_params": {"top_k": -5}}, 400),
+    ({"text": "a", "sampling_params": {"min_p": 1.5}}, 400),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -3}}, 400),
+    ({"text": "a", "sampling_params": {"n": 0}}, 400),
+    ({"text": "a", "sampling_params": {"repetition_penalty": 5}}, 400),
+    ({"text": "a", "sampling_params": {"stop": 7}}, 400),
+    ({"text": "a", "sampling_params": {"regex": "a+"}}, 400),
+    ({"text": "a", "return_logprob": "yes"}, 400),
+    ({"text": "a", "stream": "yes"}, 400),
+    ({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 9}, 400),
+    ({"text": ["a", "b"], "rid": ["same", "same"]}, 400),
+    ({"text": "a", "image_data": "http://example.invalid/x.png"}, 400),
+]
+
+
+@pytest.mark.parametrize("body,status", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_inputs_get_4xx(server, body, status):
+    r = server.client.post("/generate", json=body)
+    assert r.status_code == status, r.text
+    assert "error" in r.json()
+    assert "Traceback" not in r.text
+
+
+def test_malformed_json_and_server_keeps_serving(server):
+    r = server.client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = server.client.post("/generate", json={"text": "a", "sampling_params": {"foo": 1}})
+    assert isinstance(r.json()["error"], str) and "unknown field `foo`" in r.json()["error"]
+    r = server.client.post("/generate", json={"text": "a", "sampling_params": {"top_p": 0}})
+    assert "top_p" in r.json()["error"]["message"]
+    assert server.client.post("/generate", json={"text": "ok", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    assert server.client.get("/health").status_code == 200
+
+
+# ---- info routes ---------------------------------------------------------------------------
+def test_info_routes(server, model):
+    c = server.client
+    info = c.get("/get_model_info").json()
+    assert info == c.get("/model_info").json()
+    assert info["model_path"] == model and info["served_model_name"] == "tiny" and info["is_generation"] is True
+    sinfo = c.get("/server_info").json()
+    assert sinfo["version"] == "0.5.23" and sinfo["max_total_num_tokens"] == 4096 and sinfo["status"] == "ready"
+    assert c.get("/get_server_info").status_code == 200 and len(sinfo["internal_states"]) == 1
+    models = c.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["max_model_len"] == 2048
+    assert c.get("/v1/models/tiny").json()["id"] == "tiny"
+    assert c.get("/v1/models/other").status_code == 404
+    r = c.get("/flush_cache")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain") and "Cache flushed" in r.text
+    assert c.get("/health_generate").status_code == 200 and c.get("/health").text == ""
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+def scrape(srv) -> dict:
+    text = srv.client.get("/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0) + s.value
+    return out
+
+
+def test_metrics_parse_and_move(server):
+    before = scrape(server)
+    assert all(k.startswith("sgrec:") for k in before)
+    for name in ("sgrec:num_running_reqs", "sgrec:num_queue_reqs", "sgrec:token_usage", "sgrec:cache_hit_rate",
+                 "sgrec:prompt_tokens_total", "sgrec:generation_tokens_total",
+                 "sgrec:time_to_first_token_seconds_count", "sgrec:e2e_request_latency_seconds_count"):
+        assert name in before, name
+    server.client.post("/generate", json={"input_ids": [7] * 20, "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+    server.client.post("/generate", json={"input_ids": [7] * 20, "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+    after = scrape(server)
+    assert after["sgrec:prompt_tokens_total"] - before["sgrec:prompt_tokens_total"] == 40
+    assert after["sgrec:generation_tokens_total"] - before["sgrec:generation_tokens_total"] == 8
+    assert after["sgrec:e2e_request_latency_seconds_count"] - before["sgrec:e2e_request_latency_seconds_count"] == 2
+    assert after["sgrec:time_to_first_token_seconds_count"] > before["sgrec:time_to_first_token_seconds_count"]
+    assert after["sgrec:cache_hit_rate"] > 0
+    assert wait_until(lambda: scrape(server)["sgrec:token_usage"] > 0)  # the cached prefix holds slots
+
+
+# ---- faults and overload (own servers) -------------------------------------------------------
+def test_api_key(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "1024", "--api-key", "s3cret", "--enable-metrics")
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 1}}
+    assert srv.client.post("/generate", json=body).status_code == 401
+    assert srv.client.post("/generate", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert srv.client.get("/v1/models").status_code == 401
+    assert srv.client.post("/generate", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert srv.client.get("/health").status_code == 200 and srv.client.get("/metrics").status_code == 200
+    assert "s3cret" not in srv.read_log()
+    assert srv.stop() == 0
+
+
+def test_burst_over_queue_limit_gets_503_and_nothing_hangs(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "4096", "--max-running-requests", "1", "--max-queued-requests", "2")
+    results = []
+
+    def one(i):
+        r = httpx.post(srv.url + "/generate", timeout=60,
+                       json={"input_ids": [5 + i, 6, 7], "sampling_params": {"max_new_tokens": 40, **GREEDY}})
+        results.append((r.status_code, r.json()))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 16
+    codes = sorted(c for c, _ in results)
+    assert set(codes) == {200, 503}, codes
+    assert codes.count(200) >= 3
+    for code, body in results:
+        if code == 503:
+            assert body["message"] == "The request queue is full." and body["code"] == 503
+        else:
+            assert body["meta_info"]["completion_tokens"] == 40
+    assert wait_until(lambda: kv_idle_and_free(srv))
+
+
+def test_disconnect_storm_frees_kv(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "4096")
+    body = {"input_ids": [9, 10, 11, 12], "sampling_params": {"max_new_tokens": 3000, **GREEDY}}
+
+    def stream_and_leave():
+        with httpx.stream("POST", srv.url + "/generate", json={**body, "stream": True}, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break  # leave after the first chunk
+
+    def timeout_and_leave():
+        try:
+            httpx.post(srv.url + "/generate", json=body, timeout=0.3)
+        except httpx.TimeoutException:
+            pass
+
+    threads = [threading.Thread(target=f) for f in [stream_and_leave, timeout_and_leave] * 6]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert wait_until(lambda: kv_idle_and_free(srv), timeout=30), srv.client.get("/server_info").json()["internal_states"]
+    assert srv.client.post("/generate", json={"text": "after", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_killed_scheduler_fails_health_and_inflight_and_exits(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "8192")
+    result = {}
+
+    def long_request():
+        t0 = time.monotonic()
+        try:
+            r = httpx.post(srv.url + "/generate", timeout=60,
+                           json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6000, **GREEDY}})
+        except httpx.HTTPError as e:
+            result["error"] = repr(e)
+            return
+        result["status"], result["text"], result["t"] = r.status_code, r.text, time.monotonic() - t0
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)
+    children = psutil.Process(srv.proc.pid).children()
+    sched = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
+    assert len(sched) == 1
+    killed_at = time.monotonic()
+    sched[0].kill()
+    t.join(30)
+    assert "status" in result, result
+    assert result["status"] == 500 and "died" in json.loads(result["text"])["message"], result
+    assert srv.proc.wait(30) != 0
+    assert time.monotonic() - killed_at < 15
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+
+
+def test_sigterm_shuts_down_cleanly(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "1024", "--dp-size", "2")
+    children = psutil.Process(srv.proc.pid).children(recursive=True)
+    assert len([p for p in children if "spawn_main" in " ".join(p.cmdline())]) >= 2
+    assert srv.stop() == 0
+    assert wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children))
+
+
+def test_dp_ranks_share_load_and_routing_key_pins(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "2048", "--dp-size", "2")
+    ids = [11, 12, 13, 14, 15, 16, 17, 18]
+    body = {"input_ids": ids, "routing_key": "user-42", "sampling_params": {"max_new_tokens": 2, **GREEDY}}
+    first = srv.client.post("/generate", json=body).json()
+    again = [srv.client.post("/generate", json=body).json() for _ in range(3)]
+    # The same user lands on the same rank every time, so its prefix is always cached there.
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert all(a["meta_info"]["cached_tokens"] == len(ids) - 1 for a in again)
+    assert all(a["output_ids"] == first["output_ids"] for a in again)
+    outs = []
+
+    def one(i):
+        outs.append(httpx.post(srv.url + "/generate", timeout=60,
+                               json={"input_ids": [20 + i] * 5, "sampling_params": {"max_new_tokens": 30, **GREEDY}}).status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert outs == [200] * 8
+    time.sleep(0.6)
+    states = srv.client.get("/server_info").json()["internal_states"]
+    assert len(states) == 2 and all(s["memory_usage"]["kv_used_tokens"] > 0 for s in states)  # both ranks served
