@@ -41,7 +41,7 @@ def _available_memory(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, show_progress: bool = False):
         if not args.model_path or not os.path.isdir(args.model_path):
             raise ValueError(f"model_path {args.model_path!r} is not a directory")
         self.args = args
@@ -50,7 +50,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
         torch.manual_seed(args.random_seed)
-        self.model = load_model(args.model_path, self.config, self.device, self.dtype)
+        self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress)
         self.backend = make_backend(args.attention_backend)
         cfg = self.config
         self.kv_pool = KVPool(

@@ -8,25 +8,34 @@ from typing import Iterator
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from sgrec.model.config import ModelConfig
 from sgrec.model.llama import CausalLM
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"No *.safetensors files in {path}")
+    total = 0
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            total += len(f.keys())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update()
 
 
-def load_model(path: str, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def load_model(
+    path: str, config: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = False
+) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(config, device)
     model.to_empty(device=device)
     model.to(dtype)
-    model.load_weights(iter_safetensors(path))
+    model.load_weights(iter_safetensors(path, show_progress))
     return model.eval()

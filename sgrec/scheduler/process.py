@@ -6,15 +6,18 @@ ReqOutputs (and periodic SchedulerStats) to the tokenizer manager. It exits when
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 import traceback
 
 import zmq
+from tqdm import tqdm
 
 from sgrec.managers import io_struct as io
 from sgrec.runner import ModelRunner
+from sgrec.sampling import SamplingParams
 from sgrec.scheduler.scheduler import Scheduler
 from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
@@ -37,11 +40,28 @@ class SchedulerLoop:
         self.send_sock = ctx.socket(zmq.PUSH)
         self.send_sock.connect(out_addr)
         tokenizer = Tokenizer(args.tokenizer_path or args.model_path)
-        self.runner = ModelRunner(args)
+        show = dp_rank == 0
+        self.runner = ModelRunner(args, show_progress=show)
         self.scheduler = Scheduler(args, self.runner, tokenizer)
+        self.warm_up(show)
         self.last_stats = 0.0
         self.gen_tokens = 0
         self.gen_since = time.monotonic()
+
+    def warm_up(self, show_progress: bool) -> None:
+        """One short generation through every code path (prefill, decode, sampling), then a clean cache."""
+        steps = 8
+        msg = io.TokenizedGenerateReq(
+            rid="warmup", input_ids=list(range(min(16, self.runner.config.vocab_size))),
+            sampling_params={**dataclasses.asdict(SamplingParams()), "max_new_tokens": steps, "ignore_eos": True},
+        )
+        req = self.scheduler.add_request(msg)
+        with tqdm(total=steps, desc="Warming up", unit="step", disable=not show_progress) as bar:
+            while not req.finished:
+                self.scheduler.step()
+                bar.n = len(req.output_ids)
+                bar.refresh()
+        self.scheduler.flush_cache()
 
     def send(self, msg) -> None:
         self.send_sock.send(io.encode(msg))
