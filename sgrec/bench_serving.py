@@ -313,7 +313,7 @@ def rerun_command(args, parser: argparse.ArgumentParser) -> str:
             argv += [a.option_strings[0]] if v else []
         elif v is not None:
             argv += [a.option_strings[0], str(v)]
-    return shlex.join([sys.executable.rsplit("/", 1)[-1], "-m", "sgrec.bench_serving", *argv])
+    return "python -m sgrec.bench_serving " + shlex.join(argv)
 
 
 # ---- main --------------------------------------------------------------------------------------

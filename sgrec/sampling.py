@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -50,6 +51,17 @@ class SamplingParams:
     no_stop_trim: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     sampling_seed: int | None = None
+
+    def to_wire(self) -> dict:
+        """JSON-safe fields for a scheduler message (logit_bias keys become strings)."""
+        d = dataclasses.asdict(self)
+        d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "SamplingParams":
+        """Inverse of to_wire; the fields were validated before they were sent."""
+        return cls(**{**d, "logit_bias": {int(k): v for k, v in d.get("logit_bias", {}).items()}})
 
     @property
     def greedy(self) -> bool:

@@ -238,8 +238,6 @@ def test_chat_without_max_tokens_runs_until_a_stop(server, client, tok):
     assert resp.usage.completion_tokens == 1
 
 
-@pytest.mark.xfail(reason="native bug: io_struct.encode cannot serialize the int keys of a validated logit_bias",
-                   strict=False)
 def test_logit_bias(client, tok):
     resp = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=3, logit_bias={"7": 100}, **GREEDY,
                                       extra_body=NO_EOS)

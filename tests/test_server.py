@@ -63,6 +63,9 @@ def test_generate_single_batch_and_logprobs(server):
     assert len(lp["output_token_logprobs"]) == 3 == lp["output_token_logprobs_length"]
     assert lp["input_top_logprobs"][0] is None and all(len(r) == 2 for r in lp["input_top_logprobs"][1:])
     assert all([e[1] for e in r] == [3, 4] for r in lp["output_token_ids_logprobs"])
+    forced = c.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 3, **GREEDY,
+                                                                      "logit_bias": {"7": 100}}}).json()
+    assert forced["output_ids"] == [7, 7, 7]
     n = c.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2, "n": 3}}).json()
     assert isinstance(n, list) and len(n) == 3
 

@@ -3,7 +3,6 @@ SGLang-shaped response dicts. Shared by the in-process Engine and the server's T
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -101,7 +100,7 @@ class RequestBuilder:
         for s in range(n):  # SGLang's order: every prompt for sample 0, then sample 1, ...
             for i, (ids, sp, rl, ls, tn, ti) in enumerate(protos):
                 msgs.append(TokenizedGenerateReq(
-                    rid=rids[s * count + i], input_ids=list(ids), sampling_params=dataclasses.asdict(sp),
+                    rid=rids[s * count + i], input_ids=list(ids), sampling_params=sp.to_wire(),
                     return_logprob=rl, logprob_start_len=ls, top_logprobs_num=tn, token_ids_logprob=ti,
                     extra_key=extra_key,
                 ))

@@ -134,9 +134,10 @@ class TokenizerManager:
         rank = self._pick_rank(obj.get("routing_key"))
         sub = Submission([ReqState(m, sp) for m, sp in zip(msgs, params)], is_list,
                          bool(obj.get("return_text_in_logprobs", False)), rank)
+        for m in msgs:  # send first: no output can arrive before this coroutine yields
+            self.send_socks[rank].send(io.encode(m))
         for m in msgs:
             self.subs[m.rid] = sub
-            self.send_socks[rank].send(io.encode(m))
         self.rank_load[rank] += len(msgs)
         return sub
 

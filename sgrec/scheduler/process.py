@@ -6,7 +6,6 @@ ReqOutputs (and periodic SchedulerStats) to the tokenizer manager. It exits when
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -53,7 +52,7 @@ class SchedulerLoop:
         steps = 8
         msg = io.TokenizedGenerateReq(
             rid="warmup", input_ids=list(range(min(16, self.runner.config.vocab_size))),
-            sampling_params={**dataclasses.asdict(SamplingParams()), "max_new_tokens": steps, "ignore_eos": True},
+            sampling_params={**SamplingParams().to_wire(), "max_new_tokens": steps, "ignore_eos": True},
         )
         req = self.scheduler.add_request(msg)
         with tqdm(total=steps, desc="Warming up", unit="step", disable=not show_progress) as bar:

@@ -52,7 +52,7 @@ class Scheduler:
         req = Req(
             rid=msg.rid,
             input_ids=msg.input_ids,
-            sampling=SamplingParams(**msg.sampling_params),
+            sampling=SamplingParams.from_wire(msg.sampling_params),
             logprob=LogprobSpec(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.token_ids_logprob),
             extra_key=msg.extra_key,
             eos_ids=self.eos_ids,
