@@ -63,9 +63,10 @@ def abort_of(outputs: list[dict]) -> tuple[int, str] | None:
     return None
 
 
-async def wait_or_disconnect(tm: TokenizerManager, sub: Submission, request: Request) -> list[dict] | None:
-    """Awaits a submission's results; aborts it (freeing its KV) if the client disconnects first."""
-    task = asyncio.ensure_future(tm.wait(sub))
+async def await_or_disconnect(aw, tm: TokenizerManager, sub: Submission, request: Request):
+    """Awaits `aw`; if the client disconnects first, aborts the submission (freeing its KV) and
+    returns None."""
+    task = asyncio.ensure_future(aw)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -77,6 +78,12 @@ async def wait_or_disconnect(tm: TokenizerManager, sub: Submission, request: Req
     finally:
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})  # let whatever it was awaiting unwind first
+
+
+async def wait_or_disconnect(tm: TokenizerManager, sub: Submission, request: Request) -> list[dict] | None:
+    """A submission's results, or None if the client left first."""
+    return await await_or_disconnect(tm.wait(sub), tm, sub, request)
 
 
 class APIKeyMiddleware:

@@ -15,7 +15,6 @@ Differences from a plain translation, all as in SGLang / OpenAI:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
@@ -27,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sgrec.entrypoints.http_server import (
-    DISCONNECT_POLL_S, SSE_DONE, HTTPError, abort_of, openai_error_body, read_json, sse, wait_or_disconnect,
+    SSE_DONE, HTTPError, abort_of, await_or_disconnect, openai_error_body, read_json, sse, wait_or_disconnect,
 )
 from sgrec.entrypoints.protocol import (
     ChatCompletionRequest, CompletionRequest, RequestError, ValidationError, validation_message,
@@ -393,19 +392,7 @@ async def _first_update(updates: AsyncIterator[Any], tm: TokenizerManager, sub: 
         except StopAsyncIteration:
             return None
 
-    task = asyncio.ensure_future(first())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                tm.abort(sub)
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})  # let the generator unwind before it is closed
+    return await await_or_disconnect(first(), tm, sub, request)
 
 
 def _stream_usage(plan: Plan, states: dict[int, _ChoiceStream]) -> dict:

@@ -94,7 +94,13 @@ class RadixCache:
         if self.disable:
             return MatchResult(self._empty(), self.root)
         key = _as_list(key)
-        node, i, now, parts = self.root, 0, self.clock(), []
+        node, _, parts = self._walk(key, extra_key, self.clock())
+        return MatchResult(torch.cat(parts) if parts else self._empty(), node)
+
+    def _walk(self, key: list[int], extra_key: str | None, now: float) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follows key from the root, splitting the last edge where the match ends inside it and
+        touching every node on the way; returns (deepest node, tokens matched, their slot runs)."""
+        node, i, parts = self.root, 0, []
         while i < len(key):
             child = node.children.get(_child_key(extra_key, key[i]))
             if child is None:
@@ -105,7 +111,7 @@ class RadixCache:
             self._touch(child, now)
             parts.append(child.value)
             node, i = child, i + m
-        return MatchResult(torch.cat(parts) if parts else self._empty(), node)
+        return node, i, parts
 
     def insert(self, key: Sequence[int], value: torch.Tensor, extra_key: str | None = None) -> int:
         """Insert key -> value; return how many leading tokens were already cached. The tree keeps
@@ -116,16 +122,8 @@ class RadixCache:
         key = _as_list(key)
         if len(value) != len(key):
             raise ValueError(f"insert: {len(key)} tokens but {len(value)} slots")
-        node, i, now = self.root, 0, self.clock()
-        while i < len(key):
-            child = node.children.get(_child_key(extra_key, key[i]))
-            if child is None:
-                break
-            m = _match_len(child.key, key, i)
-            if m < len(child.key):
-                child = self._split(child, m)
-            self._touch(child, now)
-            node, i = child, i + m
+        now = self.clock()
+        node, i, _ = self._walk(key, extra_key, now)
         if i < len(key):
             new = TreeNode(node, key[i:], value[i:].to(torch.int64).clone(), extra_key, now)
             node.children[_child_key(extra_key, key[i])] = new
