@@ -254,14 +254,13 @@ def test_killed_scheduler_fails_health_and_inflight_and_exits(start_server, mode
     result = {}
 
     def long_request():
-        t0 = time.monotonic()
         try:
             r = httpx.post(srv.url + "/generate", timeout=60,
                            json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6000, **GREEDY}})
         except httpx.HTTPError as e:
             result["error"] = repr(e)
             return
-        result["status"], result["text"], result["t"] = r.status_code, r.text, time.monotonic() - t0
+        result["status"], result["text"], result["at"] = r.status_code, r.text, time.monotonic()
 
     t = threading.Thread(target=long_request)
     t.start()
@@ -274,8 +273,9 @@ def test_killed_scheduler_fails_health_and_inflight_and_exits(start_server, mode
     t.join(30)
     assert "status" in result, result
     assert result["status"] == 500 and "died" in json.loads(result["text"])["message"], result
+    # The issue asks for the 5xx within a second; allow slack for a loaded 2-core CI machine.
+    assert result["at"] - killed_at < 2.5
     assert srv.proc.wait(30) != 0
-    assert time.monotonic() - killed_at < 15
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
 
 
