@@ -238,6 +238,10 @@ async def run_rate(client: httpx.AsyncClient, args, url: str, model: str, reques
 
 
 # ---- reporting ---------------------------------------------------------------------------------
+def rate_label(rate) -> str:
+    return f"{rate:g}" if isinstance(rate, (int, float)) else str(rate)
+
+
 def fmt(v, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
@@ -272,7 +276,7 @@ def summary_table(results: list[dict]) -> str:
     """A markdown table, one row per rate (latencies in ms)."""
     lines = ["| " + " | ".join(c for c, _ in SUMMARY_COLS) + " |", "|" + "---:|" * len(SUMMARY_COLS)]
     for res in results:
-        cells = [fmt(res[k], 1) if k != "request_rate" else str(res[k]) for _, k in SUMMARY_COLS]
+        cells = [fmt(res[k], 1) if k != "request_rate" else rate_label(res[k]) for _, k in SUMMARY_COLS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -293,7 +297,7 @@ def plot(results: list[dict], path: str) -> None:
             ys = [r[f"{p}_{name}_ms"] for r in results]
             ax.plot(x, [float("nan") if y is None else y for y in ys], style, label=p.upper())
         ax.set(title=title, xlabel="request rate (req/s)", ylabel="ms")
-        ax.set_xticks(x, [str(r["request_rate"]) for r in results])
+        ax.set_xticks(x, [rate_label(r["request_rate"]) for r in results])
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -321,32 +325,38 @@ def parse_rates(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # no "(default: None)" noise
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sgrec.bench_serving", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base-url", help="Server URL (default: http://HOST:PORT).")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--base-url", help="Server URL; when unset, http://HOST:PORT.")
+    p.add_argument("--host", default="127.0.0.1", help="Server host (without --base-url).")
+    p.add_argument("--port", type=int, default=30000, help="Server port (without --base-url).")
     p.add_argument("--backend", choices=["sgrec", "openai"], default="sgrec",
                    help="sgrec: native /generate streaming; openai: /v1/completions streaming.")
     p.add_argument("--dataset", choices=["random"], default="random", help="Ignored when --dataset-path is given.")
     p.add_argument("--dataset-path", help='JSONL of {"prompt": str, "output_len": int} lines.')
-    p.add_argument("--tokenizer", help="Tokenizer dir for random token ids (default: the server's tokenizer_path).")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--random-input-len", type=int, default=256)
-    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--tokenizer", help="Tokenizer dir for random token ids; when unset, the server's tokenizer_path.")
+    p.add_argument("--num-prompts", type=int, default=100, help="Requests per rate.")
+    p.add_argument("--random-input-len", type=int, default=256, help="Most prompt tokens.")
+    p.add_argument("--random-output-len", type=int, default=64, help="Most output tokens.")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="Lengths are uniform in [len * ratio, len]; 1 = fixed lengths.")
-    p.add_argument("--request-rate", default="inf", help="Requests/s (Poisson); a comma list sweeps; inf = all at once.")
+    p.add_argument("--request-rate", default="inf",
+                   help="Requests/s (Poisson); a comma list sweeps; inf = all at once.")
     p.add_argument("--max-concurrency", type=int, help="Most requests in flight at once.")
     p.add_argument("--disable-ignore-eos", action="store_true", help="Let requests stop at EOS.")
     p.add_argument("--disable-flush-cache", action="store_true", help="Do not POST /flush_cache before each rate.")
-    p.add_argument("--warmup-requests", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--warmup-requests", type=int, default=1, help="Unmeasured requests sent at once first.")
+    p.add_argument("--seed", type=int, default=1, help="Seed of prompts and arrival times.")
     p.add_argument("--timeout", type=float, default=1800.0, help="Overall limit (s) of the whole run.")
-    p.add_argument("--output-file", help="JSON results (default: bench_out/bench_serving_<timestamp>.json).")
+    p.add_argument("--output-file", help="JSON results; when unset, bench_out/bench_serving_<timestamp>.json.")
     p.add_argument("--plot", help="PNG path of a latency-vs-rate plot (needs matplotlib).")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
     return p
 
 
@@ -373,13 +383,15 @@ async def benchmark(args, parser) -> dict:
         if args.dataset_path:
             requests = jsonl_requests(args.dataset_path, args.num_prompts)
         else:
+            if not (args.tokenizer or tok_path):
+                raise SystemExit("the server did not say its tokenizer_path; pass --tokenizer DIR")
             vocab = vocab_ids(args.tokenizer or tok_path)
             requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                        args.random_range_ratio, vocab, args.seed)
-        for _ in range(args.warmup_requests):
-            rec = await send(client, args.backend, url, requests[0], model, not args.disable_ignore_eos)
-            if not rec.success:
-                raise SystemExit(f"warmup request to {url} failed: {rec.error}")
+        warm = await asyncio.gather(*(send(client, args.backend, url, requests[i % len(requests)], model,
+                                           not args.disable_ignore_eos) for i in range(args.warmup_requests)))
+        if failed := [r.error for r in warm if not r.success]:
+            raise SystemExit(f"warmup request to {url} failed: {failed[0]}")
         results = []
         for rate in rates:
             if not args.disable_flush_cache:

@@ -27,7 +27,7 @@ class ServerArgs:
     max_total_tokens: int | None = _arg(None, "KV pool size in tokens (default: from --mem-fraction-static).")
     mem_fraction_static: float | None = _arg(
         None, "Share of free memory for the KV pool (default 0.1 on CPU, capped at 131072 tokens; 0.85 on CUDA).")
-    chunked_prefill_size: int = _arg(2048, "Most tokens of one prompt per prefill step; -1 disables chunking.")
+    chunked_prefill_size: int = _arg(2048, "Most prompt tokens in one prefill batch (longer prompts are split across steps); -1 disables chunking.")
     max_prefill_tokens: int = _arg(16384, "Most tokens in one prefill batch.")
     max_running_requests: int = _arg(256, "Most requests decoding at once (per data-parallel rank).")
     max_queued_requests: int | None = _arg(

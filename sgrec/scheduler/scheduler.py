@@ -1,7 +1,7 @@
 """The scheduler loop: continuous batching over a radix prefix cache.
 
-Each step either runs one prefill batch (new prompts, or the next chunk of a long one) or
-one decode batch of every running request. Admission checks the KV budget (free slots plus
+Each step either runs one prefill batch (new prompts, or the next chunk of a long one; at most
+chunked_prefill_size tokens in all) or one decode batch of every running request. Admission checks the KV budget (free slots plus
 evictable cache, minus a reserve for running decodes); when decode still runs out of slots,
 the newest request is retracted (its KV goes to the cache) and re-queued.
 """
@@ -46,6 +46,7 @@ class Scheduler:
         self.chunked: Req | None = None  # a prompt in the middle of chunked prefill
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         self.forward_ct = 0
+        self.last_was_prefill = False
 
     # ---- public -------------------------------------------------------------------------
     def add_request(self, msg: TokenizedGenerateReq) -> Req:
@@ -70,10 +71,16 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked)
 
     def step(self) -> list[Req]:
-        """Runs one batch; returns the requests that got a new token or finished."""
-        prefill = self._schedule_prefill()
-        if prefill:
-            return self._run_prefill(prefill)
+        """Runs one batch; returns the requests that got a new token or finished.
+
+        Prefill goes first, but never twice in a row while requests are decoding: a running
+        request waits at most one prefill batch (at most chunked_prefill_size tokens) per token."""
+        if not (self.last_was_prefill and self.running):
+            prefill = self._schedule_prefill()
+            if prefill:
+                self.last_was_prefill = True
+                return self._run_prefill(prefill)
+        self.last_was_prefill = False
         if self.running:
             return self._run_decode()
         return []
@@ -149,7 +156,7 @@ class Scheduler:
         return list(self.waiting)
 
     def _schedule_prefill(self) -> list[tuple[Req, int, torch.Tensor]]:
-        budget = self.args.max_prefill_tokens
+        budget = min(self.args.max_prefill_tokens, self.chunk_size)  # one prefill batch, all prompts together
         items: list[tuple[Req, int, torch.Tensor]] = []
         candidates = ([self.chunked] if self.chunked else []) + self._order_waiting()
         for req in candidates:
@@ -159,7 +166,7 @@ class Scheduler:
             if req.last_node is None:
                 self._match(req)
             remaining = len(req.fill_ids) - req.kv_len
-            take = min(remaining, budget, self.chunk_size)
+            take = min(remaining, budget)
             reserve = self._decode_reserve([r for r, _, _ in items] + [req])
             alone = not self.running and not items  # nothing else can free memory: admit without reserve
             fits = take > 0 and (self._ensure_free(take + reserve) or (alone and self._ensure_free(take)))
