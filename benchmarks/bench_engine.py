@@ -9,26 +9,34 @@ ids, the same ids on both sides; each number uses the best (minimum) time of --r
 * prefill tok/s = B * P / t_prefill, for a prefill-only call
     - sgrec: one `Engine.generate(max_new_tokens=1)` over the batch: prompt forward, lm_head on
       the last position only, first-token sampling, scheduler/Engine overhead. Nothing subtracted.
+      With the default chunked_prefill_size (2048) a batch of more tokens is prefilled in
+      several scheduler steps.
     - HF:    one `model(input_ids, attention_mask).logits` forward over the batch. HF computes
       logits for all B * P positions (what a plain forward does), which sgrec does not.
-* ttft tok/s = B * P / time to first token inside a K-token generate() call (both sides:
-  call start -> the moment every sequence's first token was chosen). Same work on both
-  sides (HF's generate() keeps only the last position's logits in prefill); no target.
-* decode tok/s = B * (K - 1) / (t_last_token - t_first_token) inside that same call: K - 1
-  decode steps with each side's full per-step loop (model, sampling, bookkeeping), and no
-  prefill in it. The per-token moments come from a StoppingCriteria that never stops (HF
-  `model.generate(max_new_tokens=K, min_new_tokens=K, do_sample=False)`) and from wrapping the
-  sgrec scheduler's step() on the instance (sgrec `Engine.generate(max_new_tokens=K,
-  temperature=0, ignore_eos=True)`); sgrec's source is not touched.
+* ttft tok/s = B * P / (time from the start of a K-token generate() call until every sequence
+  has its first token). HF's generate() keeps only the last position's logits in prefill; no
+  target.
+* decode tok/s = tokens produced after that moment / (time of the last token - that moment),
+  inside the same call. That is B * (K - 1) tokens in K - 1 decode steps when the prefill is one
+  step (always for HF); each side's full per-step loop counts (model, sampling, bookkeeping),
+  the prefill does not. HF `model.generate(max_new_tokens=K, min_new_tokens=K,
+  do_sample=False)` is timed by a StoppingCriteria that never stops (called once per token);
+  sgrec `Engine.generate(max_new_tokens=K, temperature=0, ignore_eos=True)` by wrapping the
+  scheduler's step() on the instance (sgrec's source is not touched).
 
 The radix cache is disabled so repeated prompts are really recomputed. Both sides run in this
 one process with torch.set_num_threads(--threads), warmed up once on the same shapes before
-timing, and the runs of the two sides are interleaved so that machine drift hits both.
+timing, and the runs of the two sides are interleaved (order alternating per repeat) so that
+machine drift hits both. On a shared 2-core machine other processes wreck the numbers (one busy
+core made 2-thread runs ~10x slower), so each timed call records how many cores other processes
+used meanwhile, such calls are retried, and the "quiet runs" column says how many were clean.
+Results and method notes: BENCHMARKS.md, section "bench_engine (engine core)".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -76,9 +84,19 @@ def smollm2_path(wait_s: int) -> str:
 
 
 # ---- the two sides --------------------------------------------------------------------------
-# Each side's generate() returns (new token ids, stamps): stamps[i] is when token i of every
-# sequence was available (perf_counter), so stamps[0] - start is the time to first token and
-# stamps[-1] - stamps[0] is K - 1 decode steps, without the prefill in it.
+# Each side's generate() returns (new token ids, Timeline). The timeline is measured inside the
+# call: `first` is when every sequence had its first token, `last` when the last token came,
+# and `window_tokens` how many tokens were produced in between (B * (K - 1) when all prompts
+# are prefilled in one step; sgrec may split the prefill into several batches, run at most
+# chunked_prefill_size tokens each, with decode steps of the already-started requests between
+# them, and those tokens then fall before `first`).
+
+
+@dataclasses.dataclass
+class Timeline:
+    first: float
+    last: float
+    window_tokens: int
 
 
 class SgrecSide:
@@ -90,29 +108,36 @@ class SgrecSide:
         self.engine = Engine(
             path, device="cpu", dtype="float32", max_total_tokens=max_tokens, disable_radix_cache=True
         )
-        # Stamp the end of every scheduler step (wraps the instance attribute; sgrec is untouched).
-        sched, self._stamps = self.engine.scheduler, []
+        # Record the end of every scheduler step and how many requests got a token in it (wraps
+        # the instance attribute; sgrec's source is untouched). step() returns the requests that
+        # got a new token (or finished) in that step.
+        sched, self._steps = self.engine.scheduler, []
         step = sched.step
 
-        def stamped_step():
-            out = step()
-            self._stamps.append(time.perf_counter())
-            return out
+        def recorded_step():
+            reqs = step()
+            self._steps.append((time.perf_counter(), [r.rid for r in reqs]))
+            return reqs
 
-        sched.step = stamped_step
+        sched.step = recorded_step
 
-    def generate(self, prompts: list[list[int]], k: int) -> tuple[list[list[int]], list[float]]:
-        self._stamps.clear()
+    def generate(self, prompts: list[list[int]], k: int) -> tuple[list[list[int]], Timeline]:
+        self._steps.clear()
         outs = self.engine.generate(
             input_ids=prompts,
             sampling_params={"max_new_tokens": k, "temperature": 0, "ignore_eos": True},
         )
         ids = [o["output_ids"] for o in outs]
         assert all(len(x) == k for x in ids), [len(x) for x in ids]
-        # All requests arrive together and prefill runs first, so the last k steps are the one
-        # that sampled the first tokens followed by k - 1 decode steps.
-        assert len(self._stamps) >= k, (len(self._stamps), k)
-        return ids, self._stamps[-k:]
+        seen, produced, first = set(), 0, None
+        for t, rids in self._steps:
+            seen.update(rids)
+            produced += len(rids)
+            if len(seen) >= len(prompts):
+                first = t
+                break
+        assert first is not None and sum(len(r) for _, r in self._steps) == len(prompts) * k
+        return ids, Timeline(first, self._steps[-1][0], len(prompts) * k - produced)
 
     def prefill(self, prompts: list[list[int]]) -> None:
         """A prefill-only request: max_new_tokens=1 (prompt forward + first-token sampling)."""
@@ -152,7 +177,7 @@ class HFSide:
         ids = torch.tensor(prompts, dtype=torch.int64)
         return ids, torch.ones_like(ids)
 
-    def generate(self, prompts: list[list[int]], k: int) -> tuple[list[list[int]], list[float]]:
+    def generate(self, prompts: list[list[int]], k: int) -> tuple[list[list[int]], Timeline]:
         from transformers import StoppingCriteriaList
 
         ids, mask = self._tensors(prompts)
@@ -169,7 +194,7 @@ class HFSide:
             )
         new = out[:, ids.shape[1]:]
         assert new.shape[1] == k and len(stamp.stamps) == k, (new.shape, len(stamp.stamps))
-        return new.tolist(), stamp.stamps
+        return new.tolist(), Timeline(stamp.stamps[0], stamp.stamps[-1], len(prompts) * (k - 1))
 
     def prefill(self, prompts: list[list[int]]) -> None:
         """One forward over the batch; HF computes logits for every position."""
@@ -206,26 +231,29 @@ def _others(c0, c1, wall: float) -> float:
     return max(0.0, ((c1[0] - c0[0]) - (c1[1] - c0[1])) / wall)
 
 
-def wait_quiet(max_wait: float, threshold: float) -> float:
-    """Sleeps in 0.5 s windows until other processes use <= threshold cores (or max_wait passes)."""
+def wait_quiet(max_wait: float, threshold: float) -> tuple:
+    """Sleeps in 0.5 s windows until other processes use <= threshold cores (or max_wait passes).
+    Returns the CPU snapshot and time at the start of the last window."""
     start = time.perf_counter()
-    while time.perf_counter() - start < max_wait:
+    while True:
         c0, t0 = _cpu_snapshot(), time.perf_counter()
         time.sleep(0.5)
-        if _others(c0, _cpu_snapshot(), time.perf_counter() - t0) <= threshold:
-            break
-    return time.perf_counter() - start
+        if time.perf_counter() - start >= max_wait or _others(c0, _cpu_snapshot(), time.perf_counter() - t0) <= threshold:
+            return c0, t0
 
 
 def measure(fn, args) -> tuple[object, float, float]:
-    """(fn's result, wall seconds, cores used by other processes meanwhile)."""
+    """(fn's result, wall seconds, cores used by other processes meanwhile). For a call too short
+    to judge from /proc/stat, the window also covers the 0.5 s quiet check just before it."""
     for attempt in range(1 + args.retries):
+        pre = None
         if args.quiet_wait > 0:
-            wait_quiet(args.quiet_wait if attempt else min(args.quiet_wait, 2.0), args.max_others)
+            pre = wait_quiet(args.quiet_wait if attempt else min(args.quiet_wait, 2.0), args.max_others)
         c0, t0 = _cpu_snapshot(), time.perf_counter()
         res = fn()
-        wall = time.perf_counter() - t0
-        others = _others(c0, _cpu_snapshot(), wall)
+        end = time.perf_counter()
+        c1, wall = _cpu_snapshot(), end - t0
+        others = _others(c0, c1, wall) if wall >= 0.2 or pre is None else _others(pre[0], c1, end - pre[1])
         if others <= args.max_others:
             break
     return res, wall, others
@@ -244,7 +272,7 @@ def bench_model(label: str, path: str, args, prompt_len: int, repeats: int) -> l
         prompts = torch.randint(0, vocab, (b, prompt_len), generator=g).tolist()
         # samples[side][phase] = [(seconds, other processes' cores during the call), ...]
         samples = {s.name: {"prefill": [], "ttft": [], "decode": []} for s in sides}
-        outputs = {}
+        outputs, window_tokens = {}, {}
         for s in sides:  # warm-up on the same shapes (sgrec's prefill is a generate call)
             if s.name == "HF":
                 s.prefill(prompts)
@@ -253,11 +281,12 @@ def bench_model(label: str, path: str, args, prompt_len: int, repeats: int) -> l
             for s in (sides if r % 2 == 0 else sides[::-1]):
                 _, wall, others = measure(lambda: s.prefill(prompts), args)
                 samples[s.name]["prefill"].append((wall, others))
-                (start, (outputs[s.name], stamps)), wall, others = measure(
+                (start, (outputs[s.name], tl)), wall, others = measure(
                     lambda: (time.perf_counter(), s.generate(prompts, k)), args
                 )
-                samples[s.name]["ttft"].append((stamps[0] - start, others))
-                samples[s.name]["decode"].append((stamps[-1] - stamps[0], others))
+                samples[s.name]["ttft"].append((tl.first - start, others))
+                samples[s.name]["decode"].append((tl.last - tl.first, others))
+                window_tokens[s.name] = tl.window_tokens
         agree = sum(x == y for x, y in zip(outputs["sgrec"], outputs["HF"])) / b
         for phase in ("prefill", "ttft", "decode"):
             tps, quiet = {}, {}
@@ -266,7 +295,8 @@ def bench_model(label: str, path: str, args, prompt_len: int, repeats: int) -> l
                 ok = [t for t, o in xs if o <= args.max_others]
                 quiet[s.name] = len(ok)
                 best = min(ok or [t for t, _ in xs])
-                tps[s.name] = b * (k - 1 if phase == "decode" else prompt_len) / max(best, 1e-9)
+                tokens = window_tokens[s.name] if phase == "decode" else b * prompt_len
+                tps[s.name] = tokens / max(best, 1e-9)
             target = TARGETS.get((b, phase))
             ratio = tps["sgrec"] / tps["HF"]
             rows.append(dict(
@@ -378,6 +408,13 @@ def main(argv=None) -> None:
     others = _others(cpu0, _cpu_snapshot(), elapsed)
     print()
     print(table(rows))
+    print(
+        "\nprefill: sgrec generate(max_new_tokens=1) vs HF model(...) forward (logits at all positions);"
+        "\nttft: prompt tokens / time until every sequence has its first token inside generate();"
+        "\ndecode: tokens after that moment / time to the last token, same call. Best of N runs;"
+        f"\n'quiet runs': runs during which other processes used <= {args.max_others} cores"
+        "\n(the best is taken among those when there are any)."
+    )
     cmd = "python benchmarks/bench_engine.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
     print(f"\ntotal {elapsed:.0f}s; other processes kept {others:.2f} of {os.cpu_count()} cores busy on average")
     print(f"rerun: {cmd.strip()}")

@@ -10,6 +10,7 @@ import torch
 from sgrec.mem.kv_pool import KVPool
 from sgrec.model.attention import ForwardBatch, SeqLayout, make_backend
 from sgrec.model.config import ModelConfig, resolve_dtype
+from sgrec.model.cpu_linear import packing_available
 from sgrec.model.loader import load_model
 from sgrec.server_args import ServerArgs
 
@@ -50,7 +51,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
         torch.manual_seed(args.random_seed)
-        self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress)
+        self.packed = not args.disable_weight_packing and packing_available(self.device, self.dtype)
+        self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed)
         self.backend = make_backend(args.attention_backend)
         cfg = self.config
         self.kv_pool = KVPool(

@@ -177,7 +177,8 @@ class Sampler:
         """logits [B, V] float32; reqs expose .sampling, .input_ids, .output_ids, .stop_ids(), .generator."""
         logits = logits.clone()
         for i, r in enumerate(reqs):
-            apply_penalties(logits[i], r)
+            if needs_penalties(r):
+                apply_penalties(logits[i], r)
         temps = torch.tensor([max(r.sampling.temperature, GREEDY_EPS) for r in reqs], device=logits.device)
         greedy = [r.sampling.greedy for r in reqs]
         scaled = torch.where(torch.tensor(greedy, device=logits.device)[:, None], logits, logits / temps[:, None])
@@ -189,6 +190,14 @@ class Sampler:
                 if not greedy[i]:
                     next_ids[i] = sample_row(probs[i], r.sampling, r.generator or self.generator)
         return SampleResult(next_ids, logprobs)
+
+
+def needs_penalties(req) -> bool:
+    sp: SamplingParams = req.sampling
+    return bool(
+        sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty or sp.logit_bias
+        or len(req.output_ids) < sp.min_new_tokens
+    )
 
 
 def apply_penalties(row: torch.Tensor, req) -> None:

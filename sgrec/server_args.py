@@ -37,6 +37,8 @@ class ServerArgs:
     radix_eviction_policy: str = _arg("lru", "Eviction policy of the radix prefix cache.", ["lru"])
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg("torch", "Attention implementation.", ["torch"])
+    disable_weight_packing: bool = _arg(
+        False, "On CPU, keep float32 weights as they are instead of prepacking them for oneDNN matmuls.")
     random_seed: int = _arg(0, "Seed of the shared sampling generator.")
     dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.")
     api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")

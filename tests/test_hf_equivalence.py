@@ -175,3 +175,19 @@ def test_half_precision_matches_hf_same_dtype(tiny_model_dir, arch, dtype):
     got = dists(out["meta_info"]["input_token_ids_logprobs"][1:])
     # Same dtype, same op order: equal up to the dtype's rounding (measured: bit-equal on x86 CPUs).
     assert (got - ref[:-1]).abs().max().item() <= (1e-2 if dtype == "bfloat16" else 2e-3)
+
+
+@pytest.mark.parametrize("arch,overrides", [CONFIGS[0], CONFIGS[3]])  # untied and tied output layers
+def test_packed_cpu_weights_equal_plain_weights(tiny_model_dir, hf_model, arch, overrides):
+    path = tiny_model_dir(arch, **overrides)
+    packed = make_engine(path)
+    plain = make_engine(path, disable_weight_packing=True)
+    assert packed.runner.packed and not plain.runner.packed
+    assert type(packed.runner.model.layers[0].mlp.down_proj).__name__ == "PackedLinear"
+    ids = random_ids(40, packed.vocab_size, seed=9)
+    a = full_logprob_request(packed, ids, start=0, max_new_tokens=8)
+    b = full_logprob_request(plain, ids, start=0, max_new_tokens=8)
+    assert a["output_ids"] == b["output_ids"]
+    diff = (dists(a["meta_info"]["input_token_ids_logprobs"][1:]) - dists(b["meta_info"]["input_token_ids_logprobs"][1:]))
+    assert diff.abs().max().item() <= 1e-5
+    check_against_hf(a, hf_logprobs(hf_model(path), ids), ids, 0)

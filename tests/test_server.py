@@ -77,9 +77,11 @@ def test_generate_streaming_is_cumulative_with_done(server):
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(ln[5:]) for ln in lines[:-1]]
-    assert [len(ch["output_ids"]) for ch in chunks] == [1, 2, 3, 4, 5, 6]
+    # Tokens that arrive faster than the client reads may share a chunk; each chunk is cumulative.
+    lens = [len(ch["output_ids"]) for ch in chunks]
+    assert lens == sorted(set(lens)) and lens[-1] == 6
     assert all(ch["meta_info"]["finish_reason"] is None for ch in chunks[:-1])
-    assert all(chunks[i + 1]["text"].startswith(chunks[i]["text"]) for i in range(5))
+    assert all(b["output_ids"][: len(a["output_ids"])] == a["output_ids"] for a, b in zip(chunks, chunks[1:]))
     full = server.client.post("/generate", json={"text": "stream me", "sampling_params": {"max_new_tokens": 6, **GREEDY}})
     assert chunks[-1]["text"] == full.json()["text"]
     with server.client.stream("POST", "/generate", json={"text": ["a", "b c"], "stream": True,

@@ -15,6 +15,7 @@ from torch import nn
 
 from sgrec.model.attention import AttentionBackend, ForwardBatch
 from sgrec.model.config import ModelConfig
+from sgrec.model.cpu_linear import pack_linears
 from sgrec.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -107,8 +108,16 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits for the given rows of hidden states only."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied embeddings
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_for_cpu(self) -> None:
+        """Prepacks every projection (and the output layer) for oneDNN; see cpu_linear.py."""
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.embed_tokens.weight  # shared, then packed separately below
+        pack_linears(self)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

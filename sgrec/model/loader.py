@@ -31,11 +31,14 @@ def iter_safetensors(path: str, show_progress: bool = False) -> Iterator[tuple[s
 
 
 def load_model(
-    path: str, config: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = False
+    path: str, config: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = False,
+    pack_weights: bool = False,
 ) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(config, device)
     model.to_empty(device=device)
     model.to(dtype)
     model.load_weights(iter_safetensors(path, show_progress))
+    if pack_weights:
+        model.pack_for_cpu()
     return model.eval()

@@ -1,0 +1,46 @@
+"""float32 Linear layers with weights prepacked for oneDNN on CPU.
+
+Packing reorders each weight once into oneDNN's blocked layout, so every matmul skips that
+reorder; on a 2-core CPU it roughly halves decode-step matmul time (BENCHMARKS.md). These are
+the same private aten ops torch.compile uses for frozen CPU weights; results equal plain
+F.linear to float32 rounding (tests compare the model with HF at 1e-4).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BATCH_HINT = 16  # rows the packing is tuned for; any row count is correct
+
+
+def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replaces every nn.Linear below model with a PackedLinear; returns how many."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                count += 1
+    return count
