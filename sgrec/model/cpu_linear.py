@@ -2,8 +2,9 @@
 
 Packing reorders each weight once into oneDNN's blocked layout, so every matmul skips that
 reorder; on a 2-core CPU it roughly halves decode-step matmul time (BENCHMARKS.md). These are
-the same private aten ops torch.compile uses for frozen CPU weights; results equal plain
-F.linear to float32 rounding (tests compare the model with HF at 1e-4).
+the same private aten ops torch.compile uses for frozen CPU weights. The summation order differs
+from plain F.linear, so logits differ by float32 rounding, amplified by large activations: opt-in
+(--enable-weight-packing), measured against the plain path in tests.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 BATCH_HINT = 16  # rows the packing is tuned for; any row count is correct
+MIN_PACKED_NUMEL = 1 << 18  # smaller matrices run faster unpacked (oneDNN's per-call overhead wins)
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -36,11 +38,11 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replaces every nn.Linear below model with a PackedLinear; returns how many."""
+    """Replaces every large enough nn.Linear below model with a PackedLinear; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and child.weight.numel() >= MIN_PACKED_NUMEL:
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
                 count += 1
     return count

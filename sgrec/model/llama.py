@@ -15,7 +15,7 @@ from torch import nn
 
 from sgrec.model.attention import AttentionBackend, ForwardBatch
 from sgrec.model.config import ModelConfig
-from sgrec.model.cpu_linear import pack_linears
+from sgrec.model.cpu_linear import MIN_PACKED_NUMEL, pack_linears
 from sgrec.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -114,7 +114,7 @@ class CausalLM(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Prepacks every projection (and the output layer) for oneDNN; see cpu_linear.py."""
-        if self.lm_head is None:
+        if self.lm_head is None and self.embed_tokens.weight.numel() >= MIN_PACKED_NUMEL:
             self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight  # shared, then packed separately below
         pack_linears(self)
