@@ -277,8 +277,13 @@ def test_killed_scheduler_fails_health_and_inflight_and_exits(start_server, mode
     assert result["status"] == 500 and "died" in json.loads(result["text"])["message"], result
     # The issue asks for the 5xx within a second; allow slack for a loaded 2-core CI machine.
     assert result["at"] - killed_at < 2.5
+    try:  # the launcher keeps answering for about a second before it exits: health must fail
+        health = httpx.get(srv.url + "/health", timeout=5).status_code
+    except httpx.TransportError:
+        health = "refused (already exited)"
+    assert health in (503, "refused (already exited)")
     assert srv.proc.wait(30) != 0
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+    assert wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children))
 
 
 def test_sigterm_shuts_down_cleanly(start_server, model):
