@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,7 +28,6 @@ class Req:
     extra_key: str | None = None
     eos_ids: frozenset[int] = frozenset()
     stop_checker: Callable[["Req"], str | None] | None = None  # the matched stop string, if any
-    created: float = field(default_factory=time.monotonic)
 
     output_ids: list[int] = field(default_factory=list)
     # KV of fill_ids[:kv_len] lives in kv_indices; the first cache_protected_len slots belong to the tree.
@@ -41,8 +39,6 @@ class Req:
     input_logprobs_done: bool = False
 
     finish_reason: dict | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
     generator: torch.Generator | None = None
 
     # Logprob results: values aligned with their token ids; None = no value (first input entry).

@@ -9,7 +9,6 @@ the newest request is retracted (its KV goes to the cache) and re-queued.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -45,7 +44,6 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a prompt in the middle of chunked prefill
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
-        self.forward_ct = 0
         self.last_was_prefill = False
 
     # ---- public -------------------------------------------------------------------------
@@ -210,7 +208,6 @@ class Scheduler:
         out_loc = torch.cat([s for _, _, s in items])
         batch = self.runner.make_batch(ids, pos, out_loc, seqs)
         logits = self.runner.forward(batch, rows)  # rows may be empty: a middle chunk only fills KV
-        self.forward_ct += 1
 
         progressed, to_sample, sample_rows = [], [], []
         for (req, take, slots), seq, (_, r0, p0, p1, final) in zip(items, seqs, row_plan):
@@ -302,7 +299,6 @@ class Scheduler:
             seqs.append(SeqLayout(i, 1, torch.cat([req.kv_indices, slots[i : i + 1]])))
         batch = self.runner.make_batch(ids, pos, slots, seqs)
         logits = self.runner.forward(batch, list(range(len(reqs))))
-        self.forward_ct += 1
         for req, seq in zip(reqs, seqs):
             req.kv_indices = seq.kv_indices
         self._sample_and_append(reqs, logits)
@@ -311,12 +307,9 @@ class Scheduler:
 
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
         result = self.sampler(logits, reqs)
-        now = time.monotonic()
         next_ids = result.next_ids.tolist()
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
             req.output_ids.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
             if req.logprob.return_logprob:
                 row = result.logprobs[i : i + 1]
                 req.output_token_logprobs.append((float(row[0, tok]), tok))
@@ -358,7 +351,6 @@ class Scheduler:
             self.allocator.free(req.kv_indices[req.cache_protected_len : prefix])
         self.tree.dec_lock_ref(req.last_node)
         req.kv_indices, req.cache_protected_len, req.last_node = req.kv_indices[:0], 0, None
-        req.finish_time = time.monotonic()
 
     def _finish_abort(self, req: Req, message: str, status_code: int = 400) -> None:
         # KV of an aborted request is not inserted: free what it owns.
@@ -367,4 +359,3 @@ class Scheduler:
             self.tree.dec_lock_ref(req.last_node)
             req.kv_indices, req.cache_protected_len, req.last_node = req.kv_indices[:0], 0, None
         req.finish_reason = {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
-        req.finish_time = time.monotonic()
