@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Iterator
 
-from sgrec.managers.generate import Limits, ReqState, RequestBuilder
+from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
 from sgrec.runner import ModelRunner
 from sgrec.scheduler.scheduler import Scheduler
 from sgrec.server_args import ServerArgs
@@ -115,13 +115,11 @@ class Engine:
         sent = [0] * len(states)  # output tokens already sent; -1 once the final chunk went out
         try:
             while True:
-                for i, s in enumerate(states):
-                    if sent[i] != -1 and (len(s.output_ids) != sent[i] or s.finished):
-                        out = s.to_dict(self.tokenizer, text_in_logprobs)
-                        if is_list:
-                            out["index"] = i
-                        sent[i] = -1 if s.finished else len(s.output_ids)
-                        yield out
+                for i in stream_updates(states, sent):
+                    out = states[i].to_dict(self.tokenizer, text_in_logprobs)
+                    if is_list:
+                        out["index"] = i
+                    yield out
                 if all(x == -1 for x in sent):
                     return
                 self._run_until(

@@ -188,7 +188,8 @@ def test_stop_token_ids_and_stop_strings(engine):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["text"] == text[: text.find(stop)]
     kept = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 24, **GREEDY, "stop": [stop], "no_stop_trim": True})
-    assert kept["text"].endswith(stop) or stop in kept["text"]
+    assert kept["output_ids"] == out["output_ids"]  # same stopping point, only the text is untrimmed
+    assert kept["text"] == engine.tokenizer.decode(kept["output_ids"]) and stop in kept["text"]
 
 
 def test_eos_stops_unless_ignored(engine):

@@ -236,3 +236,14 @@ _LOGPROB_FIELDS = (
     "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
     "input_token_ids_logprobs", "output_token_ids_logprobs",
 )
+
+
+def stream_updates(states: list[ReqState], sent: list[int]) -> list[int]:
+    """Indices of the states with something new for a stream, updating `sent` (output tokens
+    already sent per state; -1 once its final chunk went out)."""
+    ready = []
+    for i, s in enumerate(states):
+        if sent[i] != -1 and (len(s.output_ids) != sent[i] or s.finished):
+            sent[i] = -1 if s.finished else len(s.output_ids)
+            ready.append(i)
+    return ready

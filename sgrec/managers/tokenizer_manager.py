@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from sgrec.managers import io_struct as io
-from sgrec.managers.generate import Limits, ReqState, RequestBuilder
+from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
 from sgrec.sampling import SchemaError
 from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
@@ -60,10 +60,11 @@ def check_generate_types(obj: dict) -> None:
     if not isinstance(obj, dict):
         raise SchemaError("the request body must be a JSON object")
     for name, types in GENERATE_FIELDS.items():
-        if name in obj and not isinstance(obj[name], types) or (
-            name in obj and isinstance(obj[name], bool) and bool not in types
-        ):
-            raise SchemaError(f"invalid type for `{name}`: {type(obj[name]).__name__}")
+        if name not in obj:
+            continue
+        v = obj[name]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):  # bool is an int
+            raise SchemaError(f"invalid type for `{name}`: {type(v).__name__}")
     for name in UNSUPPORTED_INPUTS:
         if obj.get(name) not in (None, [], ""):
             raise ValueError(f"`{name}` is not supported by sgrec")
@@ -163,10 +164,8 @@ class TokenizerManager:
         try:
             while True:
                 sub.event.clear()
-                for i, s in enumerate(sub.states):
-                    if sent[i] != -1 and (len(s.output_ids) != sent[i] or s.finished):
-                        sent[i] = -1 if s.finished else len(s.output_ids)
-                        yield i, s.to_dict(self.tokenizer, sub.text_in_logprobs)
+                for i in stream_updates(sub.states, sent):
+                    yield i, sub.states[i].to_dict(self.tokenizer, sub.text_in_logprobs)
                 if all(x == -1 for x in sent):
                     return
                 await sub.event.wait()

@@ -83,9 +83,12 @@ class Scheduler:
             return self._run_decode()
         return []
 
+    def _all_reqs(self) -> list[Req]:
+        return [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
+
     def abort(self, rid: str, message: str = "Request aborted", status_code: int = 400) -> Req | None:
         """Ends a queued or running request; returns it (to report), or None if unknown."""
-        for req in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
+        for req in self._all_reqs():
             if req.rid == rid:
                 if req is self.chunked:
                     self.chunked = None
@@ -98,7 +101,7 @@ class Scheduler:
         return None
 
     def abort_all(self, message: str, status_code: int = 500) -> list[Req]:
-        reqs = [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
+        reqs = self._all_reqs()
         for req in reqs:
             self._finish_abort(req, message, status_code)
         self.waiting, self.running, self.chunked = [], [], None
@@ -141,10 +144,6 @@ class Scheduler:
         req.kv_indices, req.cache_protected_len, req.last_node = res.indices, res.indices.numel(), res.last_node
         self.tree.inc_lock_ref(res.last_node)
 
-    def _unmatch(self, req: Req) -> None:
-        self.tree.dec_lock_ref(req.last_node)
-        req.kv_indices, req.cache_protected_len, req.last_node = req.kv_indices[:0], 0, None
-
     def _order_waiting(self) -> list[Req]:
         if self.args.schedule_policy == "lpm" and len(self.waiting) <= 128:
             def cached_len(r: Req) -> int:
@@ -170,7 +169,7 @@ class Scheduler:
             fits = take > 0 and (self._ensure_free(take + reserve) or (alone and self._ensure_free(take)))
             if not fits:
                 if not continuing:
-                    self._unmatch(req)
+                    self._release(req, cache=False)
                 break
             slots = self.allocator.alloc(take)
             items.append((req, take, slots))
@@ -339,23 +338,19 @@ class Scheduler:
         self.tree.inc_lock_ref(res.last_node)
         req.kv_indices, req.cache_protected_len, req.last_node = res.indices, n, res.last_node
 
-    def _release(self, req: Req) -> None:
-        """Gives the request's KV to the cache (or frees it) and drops its lock."""
+    def _release(self, req: Req, cache: bool = True) -> None:
+        """Drops the request's lock and its KV: into the cache (cache=True and the tree is on),
+        else back to the allocator. Slots the tree already holds stay with the tree."""
         if req.last_node is None:
             return
-        owned = req.kv_indices[req.cache_protected_len :]
-        if self.tree.disable:
-            self.allocator.free(owned)
-        else:
+        if cache and not self.tree.disable:
             prefix = self.tree.insert(req.fill_ids[: req.kv_len], req.kv_indices, req.extra_key)
             self.allocator.free(req.kv_indices[req.cache_protected_len : prefix])
+        else:
+            self.allocator.free(req.kv_indices[req.cache_protected_len :])
         self.tree.dec_lock_ref(req.last_node)
         req.kv_indices, req.cache_protected_len, req.last_node = req.kv_indices[:0], 0, None
 
     def _finish_abort(self, req: Req, message: str, status_code: int = 400) -> None:
-        # KV of an aborted request is not inserted: free what it owns.
-        if req.last_node is not None:
-            self.allocator.free(req.kv_indices[req.cache_protected_len :])
-            self.tree.dec_lock_ref(req.last_node)
-            req.kv_indices, req.cache_protected_len, req.last_node = req.kv_indices[:0], 0, None
+        self._release(req, cache=False)  # an aborted request's KV is not cached
         req.finish_reason = {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
