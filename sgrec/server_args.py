@@ -32,9 +32,44 @@ class ServerArgs:
     max_running_requests: int = _arg(256, "Most requests decoding at once (per data-parallel rank).")
     max_queued_requests: int | None = _arg(
         None, "Most requests waiting per rank; past it new requests get 503 'The request queue is full.'")
-    schedule_policy: str = _arg("fcfs", "Order of admission: fcfs, or lpm (longest cached prefix first).",
-                                ["fcfs", "lpm"])
-    radix_eviction_policy: str = _arg("lru", "Eviction policy of the radix prefix cache.", ["lru"])
+    schedule_policy: str = _arg(
+        "fcfs", "Order of admission: fcfs; lpm (longest cached prefix first); for prefill-only requests "
+        "(score, rank, max_new_tokens 0) srjf (shortest remaining job first with the cached prefix re-read "
+        "from the radix tree every step, PrefillOnly's continuous JCT calibration) or srjf-static (the cached "
+        "prefix read once, on arrival).", ["fcfs", "lpm", "srjf", "srjf-static"])
+    jct_fairness: float = _arg(
+        500.0, "lambda of SRJF: a request's score is jct - lambda * seconds queued (jct in uncached tokens "
+        "by default), so a long request gets through after a bounded wait; 500 as in PrefillOnly; 0: pure SRJF.")
+    jct_model: str = _arg(
+        "tokens", "Estimated job time of a prefill-only request: tokens (uncached tokens) or linear "
+        "(a linear model fitted on profiled prefills at start-up).", ["tokens", "linear"])
+    prefill_only_batch_tokens: int = _arg(
+        0, "Pack prefill-only requests into one batch up to this many tokens (0: one request at a time).")
+    hybrid_chunk_size: int = _arg(
+        512, "Hybrid prefilling of prefill-only requests: attention runs over the whole sequence, the MLP "
+        "and projections chunk by chunk of this many tokens.")
+    max_input_len: int | None = _arg(
+        None, "Longest accepted prompt in tokens (longer ones get a 400); the KV pool is sized after a "
+        "profile run at this length (default: the context length).")
+    radix_eviction_policy: str = _arg(
+        "lru", "Eviction policy of the radix prefix cache: lru; laru (learning-augmented LRU, LCR); "
+        "fpb (follow the predictor blindly); hf (predictor over the 4 least recent leaves).",
+        ["lru", "laru", "fpb", "hf"])
+    radix_eviction_policy_config: str | None = _arg(
+        None, "JSON object configuring the eviction policy, e.g. "
+        '\'{"b": 2, "lambda_rule": "paper", "mode": "sync", "retrain_interval": 1000, "window": 10000}\'.')
+    item_catalog: str | None = _arg(
+        None, "Item catalog (JSON Lines: id, text or token_ids, id_token, optional semantic_id) for "
+        "/v1/rank and /v1/retrieve.")
+    item_cache_tokens: int | None = _arg(
+        None, "KV tokens reserved for the item store (default: enough for the whole catalog, capped at "
+        "half the pool); items beyond it are recomputed on a miss.")
+    rank_prefix_policy: str = _arg(
+        "auto", "Prefix choice of rank requests that do not set one: auto (BAT's hotness rule), user, "
+        "item, none (recompute), greedy (the longer side becomes the prefix).",
+        ["auto", "user", "item", "none", "greedy"])
+    max_rank_candidates: int = _arg(1000, "Most candidate items in one rank request.")
+    max_beam_width: int = _arg(512, "Largest beam_width of a retrieve request.")
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg("torch", "Attention implementation.", ["torch"])
     enable_weight_packing: bool = _arg(
@@ -57,6 +92,18 @@ class ServerArgs:
             raise ValueError("max_queued_requests must be non-negative")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.hybrid_chunk_size < 1:
+            raise ValueError("hybrid_chunk_size must be at least 1")
+        if self.prefill_only_batch_tokens < 0:
+            raise ValueError("prefill_only_batch_tokens must be non-negative")
+        if self.max_input_len is not None and self.max_input_len < 1:
+            raise ValueError("max_input_len must be at least 1")
+        if self.jct_fairness < 0:
+            raise ValueError("jct_fairness must be non-negative")
+        if self.max_rank_candidates < 1 or self.max_beam_width < 1:
+            raise ValueError("max_rank_candidates and max_beam_width must be at least 1")
+        if self.item_cache_tokens is not None and self.item_cache_tokens < 0:
+            raise ValueError("item_cache_tokens must be non-negative")
         if self.dp_size < 1:
             raise ValueError("dp_size must be at least 1")
         if not 0 <= self.port < 65536:

@@ -16,8 +16,8 @@ class Tokenizer:
         self.eos_token_id = self.hf.eos_token_id
         self.special_ids = set(self.hf.all_special_ids)
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
         return self.hf.decode(
