@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import threading
+import uuid
 from typing import Iterator
 
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
+from sgrec.managers.score import ScoreResult, build_score
+from sgrec.sampling import SamplingParams
 from sgrec.runner import ModelRunner
 from sgrec.scheduler.scheduler import Scheduler
 from sgrec.server_args import ServerArgs
@@ -28,7 +31,8 @@ class Engine:
         self.vocab_size = self.runner.config.vocab_size
         self.context_len = self.runner.context_len
         self.builder = RequestBuilder(
-            self.tokenizer, Limits(self.vocab_size, self.context_len, self.runner.kv_pool.size)
+            self.tokenizer,
+            Limits(self.vocab_size, self.context_len, self.runner.kv_pool.size, self.runner.max_input_len),
         )
         self._states: dict[str, ReqState] = {}
         self._lock = threading.Lock()
@@ -52,22 +56,36 @@ class Engine:
             text, input_ids, sampling_params, return_logprob, logprob_start_len,
             top_logprobs_num, token_ids_logprob, rid, extra_key,
         )
-        states = [ReqState(m, sp) for m, sp in zip(msgs, params)]
-        with self._lock:
-            clash = [s.msg.rid for s in states if s.msg.rid in self._states]
-            if clash:
-                raise ValueError(f"Duplicate request id {clash[0]!r}")
-            for s in states:
-                self._states[s.msg.rid] = s
-                self.scheduler.add_request(s.msg)
+        states = self._add([ReqState(m, sp) for m, sp in zip(msgs, params)])
         if stream:
             return self._stream(states, is_list, return_text_in_logprobs)
-        try:
-            self._run_until(lambda: all(s.finished for s in states))
-        finally:
-            self._forget(states)
+        self._wait(states)
         outs = [s.to_dict(self.tokenizer, return_text_in_logprobs) for s in states]
         return outs if is_list else outs[0]
+
+    def score(
+        self,
+        query: str | list[int] | None = None,
+        items: str | list[str] | list[list[int]] | None = None,
+        label_token_ids: list[int] | list[list[int]] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        temperature: float = 1.0,
+        return_token_logprobs: bool = False,
+    ) -> ScoreResult:
+        """SGLang's Engine.score: the probability of each label token after query + item (or the
+        softmax over the labels), one prefill-only request per item."""
+        plan = build_score(self.tokenizer, self.vocab_size, query, items, label_token_ids, apply_softmax,
+                           item_first, temperature, return_token_logprobs)
+        for ids in plan.prompts:
+            self.builder.check_prompt(ids)
+        msgs = plan.messages(uuid.uuid4().hex)
+        states = self._add([ReqState(m, SamplingParams(max_new_tokens=0)) for m in msgs])
+        self._wait(states)
+        for s in states:
+            if s.finish_reason and s.finish_reason.get("type") == "abort":
+                raise RuntimeError(s.finish_reason.get("message") or "score request aborted")
+        return plan.result([s.lp["output_token_ids_logprobs"][0] for s in states])
 
     def flush_cache(self) -> bool:
         with self._lock:
@@ -82,6 +100,22 @@ class Engine:
         """Nothing to release in-process; kept for SGLang's Engine API."""
 
     # ---- running ------------------------------------------------------------------------
+    def _add(self, states: list[ReqState]) -> list[ReqState]:
+        with self._lock:
+            clash = [s.msg.rid for s in states if s.msg.rid in self._states]
+            if clash:
+                raise ValueError(f"Duplicate request id {clash[0]!r}")
+            for s in states:
+                self._states[s.msg.rid] = s
+                self.scheduler.add_request(s.msg)
+        return states
+
+    def _wait(self, states: list[ReqState]) -> None:
+        try:
+            self._run_until(lambda: all(s.finished for s in states))
+        finally:
+            self._forget(states)
+
     def _step(self) -> None:
         """One scheduler step (lock held): routes each progressed request's output to its state."""
         try:

@@ -11,6 +11,7 @@ from sgrec.mem.kv_pool import KVPool
 from sgrec.model.attention import ForwardBatch, SeqLayout, make_backend
 from sgrec.model.config import ModelConfig, resolve_dtype
 from sgrec.model.cpu_linear import packing_available
+from sgrec.model.hybrid import hybrid_forward
 from sgrec.model.loader import load_model
 from sgrec.server_args import ServerArgs
 
@@ -29,6 +30,12 @@ def resolve_device(device: str) -> torch.device:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"Unknown device {device!r} (auto, cpu, cuda)")
     return torch.device(device)
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _available_memory(device: torch.device) -> int:
@@ -54,24 +61,49 @@ class ModelRunner:
         self.packed = args.enable_weight_packing and packing_available(self.device, self.dtype)
         self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed)
         self.backend = make_backend(args.attention_backend)
+        self.max_input_len = min(args.max_input_len or self.context_len - 1, self.context_len - 1)
         cfg = self.config
-        self.kv_pool = KVPool(
-            self._pool_size(), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
-        )
+        self.kv_pool = self._new_pool(1)
+        reserve = self.profile_peak_bytes(self.max_input_len) if args.max_input_len else 0
+        self.kv_pool = self._new_pool(self._pool_size(reserve))
         logger.info("KV pool: %d tokens, dtype %s, device %s", self.kv_pool.size, self.dtype, self.device)
 
-    def _pool_size(self) -> int:
+    def _new_pool(self, size: int) -> KVPool:
+        cfg = self.config
+        return KVPool(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+
+    def profile_peak_bytes(self, n: int) -> int:
+        """Peak memory of one prefill-only forward of n tokens, all KV discarded (PrefillOnly §3.1's
+        profile run). CUDA: max_memory_allocated; CPU: growth of the peak RSS (an upper bound)."""
+        batch = self.make_batch([0] * n, list(range(n)), torch.zeros(n, dtype=torch.int64),
+                                [SeqLayout(0, n, torch.zeros(n, dtype=torch.int64))])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            self.forward_prefill_only(batch, [n - 1])
+            peak = torch.cuda.max_memory_allocated(self.device) - base
+        else:
+            base = _peak_rss()
+            self.forward_prefill_only(batch, [n - 1])
+            peak = _peak_rss() - base
+        logger.info("profile run of %d tokens: peak %.1f MiB", n, peak / 2**20)
+        return peak
+
+    def _pool_size(self, reserve: int = 0) -> int:
+        """KV pool tokens: --max-total-tokens, else a share of the memory left after `reserve` bytes
+        (the profile run's peak) are set aside for activations."""
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
         cfg = self.config
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         on_cpu = self.device.type == "cpu"
         fraction = self.args.mem_fraction_static or (CPU_MEM_FRACTION if on_cpu else CUDA_MEM_FRACTION)
-        size = int(_available_memory(self.device) * fraction) // per_token
+        size = int(max(_available_memory(self.device) - reserve, 0) * fraction) // per_token
         if on_cpu:
             size = min(size, CPU_MAX_TOKENS)
         if size < 2:
-            raise ValueError("Not enough memory for the KV pool; set --max-total-tokens")
+            raise ValueError("Not enough memory for the KV pool; lower --max-input-len or set --max-total-tokens")
         return size
 
     def make_batch(
@@ -91,3 +123,9 @@ class ModelRunner:
         hidden = self.model(batch, self.backend)
         rows = torch.as_tensor(logit_rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden[rows])
+
+    def forward_prefill_only(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:
+        """Like forward, through hybrid prefilling (MLP and projections chunk by chunk)."""
+        rows = torch.as_tensor(logit_rows, dtype=torch.int64, device=self.device)
+        hidden = hybrid_forward(self.model, batch, self.backend, self.args.hybrid_chunk_size, rows)
+        return self.model.compute_logits(hidden)

@@ -256,4 +256,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
     from sgrec.entrypoints.openai_api import add_openai_routes
 
     add_openai_routes(app, tm, model_name)
+    from sgrec.entrypoints.rec_api import add_rec_routes
+
+    add_rec_routes(app, tm, model_name)
     return app

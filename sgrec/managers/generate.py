@@ -32,6 +32,7 @@ class Limits:
     vocab_size: int
     context_len: int
     pool_size: int
+    max_input_len: int  # prompts longer than this get a 400
 
 
 class RequestBuilder:
@@ -107,7 +108,8 @@ class RequestBuilder:
                 out_params.append(sp)
         return msgs, out_params, is_list
 
-    def _validate(self, ids, sp: SamplingParams, return_logprob, start, top_num, token_ids) -> None:
+    def check_prompt(self, ids) -> None:
+        """Token ids in the vocabulary; length within the context and --max-input-len."""
         lim = self.limits
         if not ids:
             raise ValueError("Prompt cannot be empty")
@@ -117,10 +119,23 @@ class RequestBuilder:
             raise ValueError(
                 f"The input ({len(ids)} tokens) is longer than the model's context length ({lim.context_len} tokens)."
             )
-        if len(ids) >= lim.pool_size:
-            raise ValueError(f"The input ({len(ids)} tokens) does not fit the KV cache ({lim.pool_size} tokens).")
-        sp.max_new_tokens = min(sp.max_new_tokens, lim.context_len - len(ids), lim.pool_size - len(ids))
-        sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
+        if len(ids) > lim.max_input_len:
+            raise ValueError(
+                f"The input ({len(ids)} tokens) is longer than the maximum input length ({lim.max_input_len} tokens)."
+            )
+
+    def _validate(self, ids, sp: SamplingParams, return_logprob, start, top_num, token_ids) -> None:
+        lim = self.limits
+        self.check_prompt(ids)
+        if sp.max_new_tokens > 0:  # prefill-only prompts are not bounded by the pool: their suffix KV is discarded
+            if len(ids) >= lim.pool_size:
+                raise ValueError(f"The input ({len(ids)} tokens) does not fit the KV cache ({lim.pool_size} tokens).")
+            sp.max_new_tokens = min(sp.max_new_tokens, lim.context_len - len(ids), lim.pool_size - len(ids))
+            sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
+        self._validate_logprob_args(ids, return_logprob, start, top_num, token_ids)
+
+    def _validate_logprob_args(self, ids, return_logprob, start, top_num, token_ids) -> None:
+        lim = self.limits
         for name, v in (("logprob_start_len", start), ("top_logprobs_num", top_num)):
             if not _is_int(v):
                 raise ValueError(f"{name} must be an integer, got {v!r}")

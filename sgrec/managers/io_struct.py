@@ -24,6 +24,9 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
     extra_key: str | None = None
+    # prefill-only requests (max_new_tokens 0): keep KV for this many leading tokens (the part worth
+    # caching, e.g. a score request's query); None = as much of the prompt as fits
+    cache_prefix_len: int | None = None
 
 
 @dataclass
@@ -86,6 +89,7 @@ class SchedulerReady:
     max_total_num_tokens: int
     context_len: int
     vocab_size: int
+    max_input_len: int
 
 
 _TYPES: dict[str, type] = {

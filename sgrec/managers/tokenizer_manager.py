@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 import zlib
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -18,7 +19,8 @@ import zmq.asyncio
 
 from sgrec.managers import io_struct as io
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
-from sgrec.sampling import SchemaError
+from sgrec.managers.score import ScorePlan, build_score_request
+from sgrec.sampling import SamplingParams, SchemaError
 from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
 
@@ -107,7 +109,8 @@ class TokenizerManager:
                     self.ready[msg.dp_rank] = msg
         first = self.ready[0]
         pool = min(r.max_total_num_tokens for r in self.ready.values())
-        self.builder = RequestBuilder(self.tokenizer, Limits(first.vocab_size, first.context_len, pool))
+        self.builder = RequestBuilder(
+            self.tokenizer, Limits(first.vocab_size, first.context_len, pool, first.max_input_len))
         self.listener = asyncio.create_task(self._listen())
 
     @property
@@ -129,12 +132,24 @@ class TokenizerManager:
             obj.get("return_logprob", False), obj.get("logprob_start_len", -1),
             obj.get("top_logprobs_num", 0), obj.get("token_ids_logprob"), obj.get("rid"), obj.get("extra_key"),
         )
+        return self._send(msgs, params, is_list, bool(obj.get("return_text_in_logprobs", False)),
+                          obj.get("routing_key"))
+
+    def submit_score(self, obj: dict) -> tuple[Submission, ScorePlan]:
+        """A /v1/score request: one prefill-only request per item. Raises ValueError on bad input."""
+        if self.dead:
+            raise RuntimeError(self.dead)
+        plan = build_score_request(obj, self.tokenizer, self.builder)
+        msgs = plan.messages(uuid.uuid4().hex)
+        return self._send(msgs, [SamplingParams(max_new_tokens=0)] * len(msgs), True, False,
+                          obj.get("routing_key")), plan
+
+    def _send(self, msgs, params, is_list: bool, text_in_logprobs: bool, routing_key: str | None) -> Submission:
         dup = next((m.rid for m in msgs if m.rid in self.subs), None)
         if dup is not None:
             raise ValueError(f"Duplicate request id {dup!r}")
-        rank = self._pick_rank(obj.get("routing_key"))
-        sub = Submission([ReqState(m, sp) for m, sp in zip(msgs, params)], is_list,
-                         bool(obj.get("return_text_in_logprobs", False)), rank)
+        rank = self._pick_rank(routing_key)
+        sub = Submission([ReqState(m, sp) for m, sp in zip(msgs, params)], is_list, text_in_logprobs, rank)
         for m in msgs:  # send first: no output can arrive before this coroutine yields
             self.send_socks[rank].send(io.encode(m))
         for m in msgs:

@@ -3,7 +3,9 @@
 A ForwardBatch is a flat list of new tokens (T of them) from one or more sequences. Each
 sequence names the KV slots it attends to (cached prefix + its new tokens, in order) and
 optionally an explicit boolean mask; without one it is causal, with the new tokens at the
-end of its KV. Later request kinds (ranking layouts, beams) pass explicit masks and
+end of its KV. Prefill reads only the prefix from the pool and the new tokens' K/V as
+computed, so a new token whose KV is discarded (prefill-only suffix) may be given slot 0,
+the padding slot, as its out_cache_loc and kv_indices entry. Later request kinds (ranking layouts, beams) pass explicit masks and
 positions; the model itself never assumes positions 0..n-1.
 """
 
@@ -120,8 +122,10 @@ class TorchBackend(AttentionBackend):
             sl = slice(s.q_start, s.q_start + s.q_len)
             if fresh:
                 kk, vv = k[sl], v[sl]
-            else:
-                kk, vv = k_buf.index_select(0, s.kv_indices), v_buf.index_select(0, s.kv_indices)
+            else:  # the cached prefix from the pool, the new tokens' K/V as computed (equal to the pool's)
+                prefix = s.kv_indices[: s.kv_len - s.q_len]
+                kk = torch.cat([k_buf.index_select(0, prefix), k[sl]])
+                vv = torch.cat([v_buf.index_select(0, prefix), v[sl]])
             o = F.scaled_dot_product_attention(
                 q[sl].transpose(0, 1),
                 kk.transpose(0, 1),

@@ -67,7 +67,7 @@ class SchedulerLoop:
 
     def run(self) -> None:
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
-                                    self.runner.config.vocab_size))
+                                    self.runner.config.vocab_size, self.runner.max_input_len))
         while True:
             busy = self.scheduler.has_work()
             if self.recv_sock.poll(0 if busy else IDLE_POLL_MS):
@@ -97,7 +97,7 @@ class SchedulerLoop:
         sched = self.scheduler
         if isinstance(msg, io.TokenizedGenerateReq):
             limit = self.args.max_queued_requests
-            if limit is not None and len(sched.waiting) >= limit:
+            if limit is not None and len(sched.waiting) + len(sched.prefill_only) >= limit:
                 fr = {"type": "abort", "message": QUEUE_FULL, "status_code": 503, "err_type": None}
                 self.send(io.BatchReqOutput([io.ReqOutput(msg.rid, [], fr, len(msg.input_ids))]))
                 return
@@ -134,7 +134,7 @@ class SchedulerLoop:
         self.send(io.SchedulerStats(
             dp_rank=self.dp_rank,
             num_running_reqs=len(sched.running) + (1 if sched.chunked else 0),
-            num_queue_reqs=len(sched.waiting),
+            num_queue_reqs=len(sched.waiting) + len(sched.prefill_only),
             token_usage=used / pool.size,
             kv_used=used,
             kv_total=pool.size,

@@ -28,6 +28,8 @@ class Req:
     extra_key: str | None = None
     eos_ids: frozenset[int] = frozenset()
     stop_checker: Callable[["Req"], str | None] | None = None  # the matched stop string, if any
+    cache_prefix_len: int | None = None  # prefill-only: keep KV for this many leading tokens at most
+    arrival: float = 0.0  # time.monotonic() when queued
 
     output_ids: list[int] = field(default_factory=list)
     # KV of fill_ids[:kv_len] lives in kv_indices; the first cache_protected_len slots belong to the tree.
@@ -37,6 +39,8 @@ class Req:
     cached_tokens: int = 0  # prefix-cache hit on admission
     num_retractions: int = 0
     input_logprobs_done: bool = False
+    cached_on_arrival: int = 0  # prefill-only: cached prefix when queued (plain SRJF's estimate)
+    kv_keep: int | None = None  # prefill-only: KV kept for fill_ids[:kv_keep]; the rest is discarded
 
     finish_reason: dict | None = None
     generator: torch.Generator | None = None
@@ -58,6 +62,14 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    @property
+    def is_prefill_only(self) -> bool:
+        return self.sampling.max_new_tokens == 0
+
+    @property
+    def n_input(self) -> int:
+        return len(self.input_ids)
 
     @property
     def kv_len(self) -> int:

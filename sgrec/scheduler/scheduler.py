@@ -9,6 +9,7 @@ the newest request is retracted (its KV goes to the cache) and re-queued.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -18,6 +19,7 @@ from sgrec.runner import ModelRunner
 from sgrec.sampling import GREEDY_EPS, Sampler
 from sgrec.managers.io_struct import TokenizedGenerateReq
 from sgrec.sampling import SamplingParams
+from sgrec.scheduler.policy import LinearJct, jct_uncached_tokens, peek_prefix_len, pick_prefill_only
 from sgrec.scheduler.req import LogprobSpec, Req
 from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
@@ -43,6 +45,10 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a prompt in the middle of chunked prefill
+        self.prefill_only: list[Req] = []  # max_new_tokens 0: hybrid prefilling, suffix KV discarded
+        self.prefill_only_policy = args.schedule_policy if args.schedule_policy.startswith("srjf") else "fcfs"
+        self.jct = jct_uncached_tokens  # set_jct_model() may replace it with a fitted LinearJct
+        self.clock = time.monotonic
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         self.last_was_prefill = False
 
@@ -56,9 +62,21 @@ class Scheduler:
             extra_key=msg.extra_key,
             eos_ids=self.eos_ids,
             stop_checker=self._stop_match,
+            cache_prefix_len=msg.cache_prefix_len,
+            arrival=self.clock(),
         )
-        self.waiting.append(req)
+        if req.is_prefill_only:
+            req.cached_on_arrival = self._peek_cached(req)
+            self.prefill_only.append(req)
+        else:
+            self.waiting.append(req)
         return req
+
+    def set_jct_model(self, jct: LinearJct) -> None:
+        self.jct = jct
+
+    def _peek_cached(self, req: Req) -> int:
+        return peek_prefix_len(self.tree, req.fill_ids[: req.prefix_match_limit()], req.extra_key)
 
     def _stop_match(self, req: Req) -> str | None:
         longest = max(len(s) for s in req.sampling.stop)
@@ -66,7 +84,7 @@ class Scheduler:
         return next((s for s in req.sampling.stop if s in tail), None)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.prefill_only)
 
     def step(self) -> list[Req]:
         """Runs one batch; returns the requests that got a new token or finished.
@@ -75,6 +93,8 @@ class Scheduler:
         request waits at most one prefill batch (at most chunked_prefill_size tokens) per token."""
         if not (self.last_was_prefill and self.running):
             prefill = self._schedule_prefill()
+            if not prefill and self.prefill_only:
+                prefill = self._schedule_prefill_only()
             if prefill:
                 self.last_was_prefill = True
                 return self._run_prefill(prefill)
@@ -84,7 +104,7 @@ class Scheduler:
         return []
 
     def _all_reqs(self) -> list[Req]:
-        return [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]
+        return [*self.waiting, *self.prefill_only, *self.running, *([self.chunked] if self.chunked else [])]
 
     def abort(self, rid: str, message: str = "Request aborted", status_code: int = 400) -> Req | None:
         """Ends a queued or running request; returns it (to report), or None if unknown."""
@@ -94,6 +114,8 @@ class Scheduler:
                     self.chunked = None
                 elif req in self.running:
                     self.running.remove(req)
+                elif req in self.prefill_only:
+                    self.prefill_only.remove(req)
                 else:
                     self.waiting.remove(req)
                 self._finish_abort(req, message, status_code)
@@ -104,7 +126,7 @@ class Scheduler:
         reqs = self._all_reqs()
         for req in reqs:
             self._finish_abort(req, message, status_code)
-        self.waiting, self.running, self.chunked = [], [], None
+        self.waiting, self.running, self.chunked, self.prefill_only = [], [], None, []
         return reqs
 
     def flush_cache(self) -> bool:
@@ -185,6 +207,33 @@ class Scheduler:
                 self.chunked = None
         return items
 
+    def _schedule_prefill_only(self) -> list[tuple[Req, int, torch.Tensor]]:
+        """The next prefill-only request by the policy (Algorithm 1), or several packed up to
+        --prefill-only-batch-tokens. Each keeps KV only for its cache_prefix_len leading tokens (as
+        much as fits); the rest of its KV lives only while its layer runs (slot 0 = discarded)."""
+        budget, total = self.args.prefill_only_batch_tokens, 0
+        items: list[tuple[Req, int, torch.Tensor]] = []
+        now = self.clock()
+        while self.prefill_only:
+            i = pick_prefill_only(self.prefill_only, self.prefill_only_policy, now, self._peek_cached,
+                                  self.args.jct_fairness, self.jct)
+            req = self.prefill_only[i]
+            n = len(req.input_ids)
+            if items and total + n > budget:
+                break
+            self.prefill_only.pop(i)
+            self._match(req)
+            m = req.kv_len
+            keep = max(m, min(n if req.cache_prefix_len is None else req.cache_prefix_len, n))
+            if keep > m and not self._ensure_free(keep - m):
+                keep = m + self.allocator.available_size()  # keep what fits, discard the rest
+            kept = self.allocator.alloc(keep - m)
+            slots = torch.cat([kept, torch.zeros(n - keep, dtype=torch.int64, device=kept.device)])
+            req.kv_keep, req.cached_tokens = keep, m
+            items.append((req, n - m, slots))
+            total += n
+        return items
+
     # ---- prefill ------------------------------------------------------------------------
     def _run_prefill(self, items: list[tuple[Req, int, torch.Tensor]]) -> list[Req]:
         ids, pos, seqs, rows, row_plan = [], [], [], [], []
@@ -206,14 +255,18 @@ class Scheduler:
                 row_plan.append((req, None, None, None, final))
         out_loc = torch.cat([s for _, _, s in items])
         batch = self.runner.make_batch(ids, pos, out_loc, seqs)
-        logits = self.runner.forward(batch, rows)  # rows may be empty: a middle chunk only fills KV
+        if all(req.kv_keep is not None for req, _, _ in items):
+            logits = self.runner.forward_prefill_only(batch, rows)
+        else:
+            logits = self.runner.forward(batch, rows)  # rows may be empty: a middle chunk only fills KV
 
         progressed, to_sample, sample_rows = [], [], []
         for (req, take, slots), seq, (_, r0, p0, p1, final) in zip(items, seqs, row_plan):
-            req.kv_indices = seq.kv_indices
+            req.kv_indices = seq.kv_indices if req.kv_keep is None else seq.kv_indices[: req.kv_keep]
             if r0 is not None and self._input_logprob_from(req) is not None:
                 self._record_input_logprobs(req, logits[r0 : r0 + (p1 - p0)], p0)
-            self._cache_unfinished(req)
+            if req.kv_keep is None:
+                self._cache_unfinished(req)
             if not final:
                 continue
             req.input_logprobs_done = True

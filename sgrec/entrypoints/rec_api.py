@@ -1,0 +1,35 @@
+"""Recommendation routes: /v1/score (SGLang 0.5.23's ScoringRequest / ScoringResponse)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from sgrec.entrypoints.http_server import HTTPError, abort_of, openai_error_body, read_json, wait_or_disconnect
+from sgrec.managers.score import score_response
+from sgrec.managers.tokenizer_manager import TokenizerManager
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(openai_error_body(status, message), status_code=status)
+
+
+def add_rec_routes(app: FastAPI, tm: TokenizerManager, model_name: str) -> None:
+    @app.post("/v1/score")
+    async def score(request: Request):
+        try:
+            body = await read_json(request)
+            sub, plan = tm.submit_score(body)
+        except HTTPError as e:
+            return _error(e.status, e.message)
+        except ValueError as e:
+            return _error(400, str(e))
+        except RuntimeError as e:  # shutting down, or a scheduler died
+            return _error(503, str(e))
+        outs = await wait_or_disconnect(tm, sub, request)
+        if outs is None:
+            return Response(status_code=499)
+        if (err := abort_of(outs)) is not None:
+            return _error(*err)
+        result = plan.result([s.lp["output_token_ids_logprobs"][0] for s in sub.states])
+        return JSONResponse(score_response(result, body.get("model") or "default"))  # echoed, as SGLang
