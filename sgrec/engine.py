@@ -7,6 +7,7 @@ import uuid
 from typing import Iterator
 
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
+from sgrec.managers.rec import build_rank_task, task_response
 from sgrec.managers.score import ScoreResult, build_score
 from sgrec.sampling import SamplingParams
 from sgrec.runner import ModelRunner
@@ -86,6 +87,35 @@ class Engine:
             if s.finish_reason and s.finish_reason.get("type") == "abort":
                 raise RuntimeError(s.finish_reason.get("message") or "score request aborted")
         return plan.result([s.lp["output_token_ids_logprobs"][0] for s in states])
+
+    def rank(
+        self,
+        user: dict,
+        items: list[str],
+        instruction: str | list[int] | None = None,
+        prefix: str | None = None,
+        top_k: int | None = None,
+    ) -> dict:
+        """Ranks candidate catalog items for a user with bipartite attention (needs item_catalog):
+        {"ranking": [{"item", "score"}, ...], "meta_info": {"prefix", "prompt_tokens", ...}}."""
+        obj = {"user": user, "items": items, "prefix": prefix, "top_k": top_k}
+        if instruction is not None:
+            obj["instruction"] = instruction
+        msg = build_rank_task(obj, self.tokenizer, self.builder, self.server_args.max_rank_candidates)
+        return self._run_task(msg)
+
+    def _run_task(self, msg) -> dict:
+        state = ReqState(msg, SamplingParams(max_new_tokens=0))
+        with self._lock:
+            if msg.rid in self._states:
+                raise ValueError(f"Duplicate request id {msg.rid!r}")
+            self._states[msg.rid] = state
+            self.scheduler.add_task(msg)
+        self._wait([state])
+        fr = state.finish_reason or {}
+        if fr.get("type") == "abort":
+            raise (ValueError if fr.get("status_code") == 400 else RuntimeError)(fr.get("message"))
+        return task_response(state)
 
     def flush_cache(self) -> bool:
         with self._lock:

@@ -74,3 +74,94 @@ def test_concurrent_scores_all_answer_and_free_kv(server):
         results = list(pool.map(one, range(16)))
     assert all(r.status_code == 200 and len(r.json()["scores"]) == 2 for r in results)
     assert wait_until(lambda: kv_idle_and_free(server), timeout=30)
+
+
+# ---- /v1/rank --------------------------------------------------------------------------------
+def write_catalog(path, n=30, seed=0, semantic=False):
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for k in range(n):
+            item = {"id": f"i{k}", "token_ids": [rng.randrange(3, 500) for _ in range(rng.randint(1, 5))],
+                    "id_token": rng.randrange(3, 500), "title": f"item {k}"}
+            if semantic:
+                item["semantic_id"] = [k // 9, (k // 3) % 3, k % 3]
+            f.write(json.dumps(item) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def catalog_path(tmp_path_factory):
+    return write_catalog(tmp_path_factory.mktemp("cat") / "catalog.jsonl")
+
+
+@pytest.fixture(scope="module")
+def rank_server(start_server, model, catalog_path):
+    return start_server(model, "--max-total-tokens", "4096", "--item-catalog", catalog_path,
+                        "--max-rank-candidates", "20")
+
+
+def test_engine_rank_layouts_agree_with_recompute(model, catalog_path):
+    from sgrec import Engine
+
+    e = Engine(model, device="cpu", dtype="float32", max_total_tokens=4096, item_catalog=catalog_path)
+    user = {"id": "u1", "token_ids": list(range(20, 60))}
+    cands = [f"i{k}" for k in (3, 7, 1, 12, 25)]
+    for prefix in ("user", "item"):
+        ref = {r["item"]: r["score"] for r in e.rank(user, cands, prefix="none" if prefix == "user" else "item")["ranking"]}
+        for _ in range(2):  # the second call reads the cache
+            out = e.rank(user, cands, prefix=prefix)
+            assert out["meta_info"]["prefix"] == prefix
+            if prefix == "user":
+                got = {r["item"]: r["score"] for r in out["ranking"]}
+                assert max(abs(got[c] - ref[c]) for c in cands) <= 1e-5
+    assert out["meta_info"]["cached_tokens"] > 0
+    assert [r["score"] for r in out["ranking"]] == sorted((r["score"] for r in out["ranking"]), reverse=True)
+    assert abs(sum(r["score"] for r in out["ranking"]) - 1) < 1e-5
+    with pytest.raises(ValueError, match="Unknown item"):
+        e.rank(user, ["i1", "nope"])
+    e.check_memory()
+
+
+def test_rank_route(rank_server):
+    body = {"user": {"id": "u7", "token_ids": list(range(30, 70))}, "items": ["i1", "i2", "i5", "i9"],
+            "prefix": "user", "top_k": 3}
+    r = rank_server.client.post("/v1/rank", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert len(out["ranking"]) == 3 and {x["item"] for x in out["ranking"]} <= {"i1", "i2", "i5", "i9"}
+    meta = out["meta_info"]
+    assert meta["prefix"] == "user" and meta["e2e_latency"] > 0
+    assert meta["prompt_tokens"] == meta["cached_tokens"] + meta["computed_tokens"]
+    again = rank_server.client.post("/v1/rank", json=body).json()
+    assert again["meta_info"]["cached_tokens"] >= 40 - 1
+    assert [x["item"] for x in again["ranking"]] == [x["item"] for x in out["ranking"]]
+    text = rank_server.client.post("/v1/rank", json={"user": {"id": "u8", "text": "likes sci-fi"}, "items": ["i3", "i4"]})
+    assert text.status_code == 200 and text.json()["meta_info"]["prefix"] in ("user", "item")
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"user": {"id": "u", "token_ids": [5, 6]}, "items": ["i1", "zzz"]}, "Unknown item"),
+    ({"user": {"id": "u", "token_ids": [5, 6]}, "items": []}, "non-empty list"),
+    ({"user": {"id": "u", "token_ids": [5, 6]}, "items": [f"i{k}" for k in range(21)]}, "max-rank-candidates"),
+    ({"user": {"id": "u", "token_ids": [5, 6]}, "items": ["i1", "i1"]}, "duplicate"),
+    ({"user": {"id": "u"}, "items": ["i1"]}, "exactly one of"),
+    ({"user": {"id": "u", "token_ids": [5]}, "items": ["i1"], "prefix": "sideways"}, "prefix must be"),
+    ({"user": {"id": "u", "token_ids": [5]}, "items": ["i1"], "top_k": 0}, "top_k"),
+    ({"user": {"id": "u", "token_ids": [5]}, "items": ["i1"], "bogus": 1}, "unknown field"),
+])
+def test_rank_bad_input_is_400(rank_server, body, message):
+    r = rank_server.client.post("/v1/rank", json=body)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["message"]
+
+
+def test_rank_without_catalog_is_400(server):
+    r = server.client.post("/v1/rank", json={"user": {"id": "u", "token_ids": [5]}, "items": ["i1"]})
+    assert r.status_code == 400 and "--item-catalog" in r.json()["message"]
+
+
+def test_rank_kv_free_after_flush(rank_server):
+    assert wait_until(lambda: kv_idle_and_free(rank_server), timeout=30)

@@ -1,11 +1,14 @@
-"""Recommendation routes: /v1/score (SGLang 0.5.23's ScoringRequest / ScoringResponse)."""
+"""Recommendation routes: /v1/score (SGLang 0.5.23's ScoringRequest / ScoringResponse) and /v1/rank."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from sgrec.entrypoints.http_server import HTTPError, abort_of, openai_error_body, read_json, wait_or_disconnect
+from sgrec.entrypoints.http_server import (
+    HTTPError, abort_of, await_or_disconnect, openai_error_body, read_json, wait_or_disconnect,
+)
+from sgrec.managers.rec import task_response
 from sgrec.managers.score import score_response
 from sgrec.managers.tokenizer_manager import TokenizerManager
 
@@ -33,3 +36,25 @@ def add_rec_routes(app: FastAPI, tm: TokenizerManager, model_name: str) -> None:
             return _error(*err)
         result = plan.result([s.lp["output_token_ids_logprobs"][0] for s in sub.states])
         return JSONResponse(score_response(result, body.get("model") or "default"))  # echoed, as SGLang
+
+    async def run_task(request: Request, submit):
+        try:
+            body = await read_json(request)
+            sub = submit(body)
+        except HTTPError as e:
+            return _error(e.status, e.message)
+        except ValueError as e:
+            return _error(400, str(e))
+        except RuntimeError as e:
+            return _error(503, str(e))
+        states = await await_or_disconnect(tm.wait_states(sub), tm, sub, request)
+        if states is None:
+            return Response(status_code=499)
+        fr = states[0].finish_reason or {}
+        if fr.get("type") == "abort":
+            return _error(fr.get("status_code") or 500, fr.get("message") or "aborted")
+        return JSONResponse(task_response(states[0]))
+
+    @app.post("/v1/rank")
+    async def rank(request: Request):
+        return await run_task(request, tm.submit_rank)

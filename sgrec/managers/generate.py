@@ -178,6 +178,7 @@ class ReqState:
     first_token_time: float | None = None
     finish_time: float | None = None
     lp: dict = field(default_factory=lambda: {k: [] for k in _LOGPROB_FIELDS})
+    result: dict | None = None  # a task's (rank / retrieve) answer
 
     @property
     def finished(self) -> bool:
@@ -192,6 +193,8 @@ class ReqState:
         self.num_retractions = out.num_retractions
         for k in _LOGPROB_FIELDS:
             self.lp[k] += getattr(out, k)
+        if out.result is not None:
+            self.result = out.result
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.finish_time = now

@@ -30,6 +30,16 @@ class TokenizedGenerateReq:
 
 
 @dataclass
+class TaskReq:
+    """A rank or retrieve request: run to completion in one scheduler step by its executor."""
+
+    rid: str
+    kind: str  # "rank" | "retrieve"
+    input_ids: list[int]  # the user's tokens (the prompt's start)
+    payload: dict  # the executor's keyword arguments (JSON-able)
+
+
+@dataclass
 class ReqOutput:
     """What changed for one request since its previous ReqOutput (deltas for lists)."""
 
@@ -46,6 +56,7 @@ class ReqOutput:
     output_top_logprobs: list = field(default_factory=list)
     input_token_ids_logprobs: list = field(default_factory=list)
     output_token_ids_logprobs: list = field(default_factory=list)
+    result: dict | None = None  # a finished TaskReq's answer
 
 
 @dataclass
@@ -95,7 +106,7 @@ class SchedulerReady:
 _TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        TokenizedGenerateReq, ReqOutput, BatchReqOutput, AbortReq, FlushCacheReq, FlushCacheResult,
+        TokenizedGenerateReq, TaskReq, ReqOutput, BatchReqOutput, AbortReq, FlushCacheReq, FlushCacheResult,
         SchedulerStats, SchedulerReady,
     )
 }

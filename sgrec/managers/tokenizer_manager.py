@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from sgrec.managers import io_struct as io
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
+from sgrec.managers.rec import build_rank_task
 from sgrec.managers.score import ScorePlan, build_score_request
 from sgrec.sampling import SamplingParams, SchemaError
 from sgrec.server_args import ServerArgs
@@ -144,6 +145,13 @@ class TokenizerManager:
         return self._send(msgs, [SamplingParams(max_new_tokens=0)] * len(msgs), True, False,
                           obj.get("routing_key")), plan
 
+    def submit_rank(self, obj: dict) -> Submission:
+        """A /v1/rank request (one task). Raises ValueError on bad input."""
+        if self.dead:
+            raise RuntimeError(self.dead)
+        msg = build_rank_task(obj, self.tokenizer, self.builder, self.args.max_rank_candidates)
+        return self._send([msg], [SamplingParams(max_new_tokens=0)], False, False, obj.get("routing_key"))
+
     def _send(self, msgs, params, is_list: bool, text_in_logprobs: bool, routing_key: str | None) -> Submission:
         dup = next((m.rid for m in msgs if m.rid in self.subs), None)
         if dup is not None:
@@ -166,12 +174,16 @@ class TokenizerManager:
         return min(range(n), key=lambda r: self.rank_load[r])
 
     async def wait(self, sub: Submission) -> list[dict]:
+        states = await self.wait_states(sub)
+        return [s.to_dict(self.tokenizer, sub.text_in_logprobs) for s in states]
+
+    async def wait_states(self, sub: Submission) -> list[ReqState]:
         while not sub.finished:
             sub.event.clear()
             if not sub.finished:
                 await sub.event.wait()
         self._forget(sub)
-        return [s.to_dict(self.tokenizer, sub.text_in_logprobs) for s in sub.states]
+        return sub.states
 
     async def stream(self, sub: Submission) -> AsyncIterator[tuple[int, dict]]:
         """Yields (index, cumulative chunk) whenever a request of the submission progressed."""

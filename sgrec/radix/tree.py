@@ -15,6 +15,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
@@ -31,6 +32,18 @@ def _child_key(extra_key: str | None, token: int) -> Any:
 
 def _as_list(key: Sequence[int] | torch.Tensor) -> list[int]:
     return key.tolist() if isinstance(key, torch.Tensor) else [int(t) for t in key]
+
+
+def start_key(node: TreeNode) -> int:
+    """Identity of what a node caches, independent of how the tree is split: a hash of its
+    extra_key and the token path from the root through the node's first token. The same content
+    re-inserted after an eviction gets the same key (O(depth))."""
+    parts = [node.key[:1]]
+    p = node.parent
+    while p is not None and p.parent is not None:
+        parts.append(p.key)
+        p = p.parent
+    return hash((node.extra_key, tuple(chain.from_iterable(reversed(parts)))))
 
 
 def _match_len(edge: list[int], key: list[int], start: int) -> int:
@@ -131,14 +144,27 @@ class RadixCache:
             new.access_tick, new.access_count = self._tick, 1
             self.evictable_size_ += len(new.key)
             self.policy.on_insert(new)
+            self.policy.on_update(node)
         return i
 
     # ---- eviction and locks --------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves in policy order until >= num_tokens tokens are freed or nothing is
-        evictable; a parent left childless and unlocked becomes a candidate. Returns tokens freed."""
+        evictable; a parent left childless and unlocked becomes a candidate. Returns tokens freed.
+        An indexed policy names each victim itself (`policy.victim()`); any other policy is asked
+        for `priority(node)` of every evictable leaf and the lowest goes first."""
         if self.disable or num_tokens <= 0:
             return 0
+        if self.policy.indexed:
+            freed = 0
+            while freed < num_tokens:
+                node = self.policy.victim()
+                if node is None:
+                    break
+                if node.children or node.lock_ref != 0 or self._detached(node) or node is self.root:
+                    raise RuntimeError(f"policy {self.policy.name} chose a non-evictable node {node!r}")
+                freed += self._delete_leaf(node)
+            return freed
         heap = [(self.policy.priority(n), n.id, n) for n in self._nodes()
                 if n is not self.root and not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
@@ -146,16 +172,21 @@ class RadixCache:
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)[2]
             parent = node.parent
-            assert parent is not None
-            del parent.children[_child_key(node.extra_key, node.key[0])]
-            self._free(node.value)
-            freed += len(node.key)
-            self.evictable_size_ -= len(node.key)
-            node.parent = None
-            self.policy.on_evict(node)
+            freed += self._delete_leaf(node)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (self.policy.priority(parent), parent.id, parent))
         return freed
+
+    def _delete_leaf(self, node: TreeNode) -> int:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[_child_key(node.extra_key, node.key[0])]
+        self._free(node.value)
+        self.evictable_size_ -= len(node.key)
+        node.parent = None
+        self.policy.on_evict(node)
+        self.policy.on_update(parent)
+        return len(node.key)
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock node..root (root excluded). Returns how many tokens became protected."""
@@ -163,11 +194,12 @@ class RadixCache:
             return 0
         delta = 0
         while node is not self.root:
-            if node.lock_ref == 0:
+            node.lock_ref += 1
+            if node.lock_ref == 1:
                 self.evictable_size_ -= len(node.key)
                 self.protected_size_ += len(node.key)
                 delta += len(node.key)
-            node.lock_ref += 1
+                self.policy.on_update(node)
             node = node.parent
         return delta
 
@@ -180,11 +212,12 @@ class RadixCache:
         while node is not self.root:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
-            if node.lock_ref == 1:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
                 self.evictable_size_ += len(node.key)
                 self.protected_size_ -= len(node.key)
                 delta += len(node.key)
-            node.lock_ref -= 1
+                self.policy.on_update(node)
             node = node.parent
         return delta
 
@@ -244,6 +277,7 @@ class RadixCache:
         vals = self.all_values()
         if len(torch.unique(vals)) != len(vals):
             raise RuntimeError("a KV slot appears twice in the tree")
+        self.policy.check_integrity(self)
 
     # ---- internals -----------------------------------------------------------------------------
     def _nodes(self) -> Iterator[TreeNode]:
@@ -260,7 +294,9 @@ class RadixCache:
         self.policy.on_access(node)
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
-        """Cut child's edge after m tokens; the new prefix node inherits lock_ref, times and counts."""
+        """Cut child's edge after m tokens; the new prefix node inherits lock_ref, times and counts.
+        NOTE: as in SGLang (which stamps the whole node before splitting it), the tail counts as used
+        for recency: it gets a fresh access_tick, while its time and count stay as they were."""
         parent = child.parent
         assert parent is not None and 0 < m < len(child.key)
         new = TreeNode(parent, child.key[:m], child.value[:m], child.extra_key)
@@ -269,7 +305,9 @@ class RadixCache:
         parent.children[_child_key(child.extra_key, child.key[0])] = new
         child.key, child.value, child.parent = child.key[m:], child.value[m:], new
         new.children[_child_key(child.extra_key, child.key[0])] = child
-        self.policy.on_insert(new)
+        self._tick += 1
+        child.access_tick = self._tick
+        self.policy.on_split(new, child)
         return new
 
     def _detached(self, node: TreeNode) -> bool:

@@ -41,7 +41,7 @@ class SchedulerLoop:
         tokenizer = Tokenizer(args.tokenizer_path or args.model_path)
         show = dp_rank == 0
         self.runner = ModelRunner(args, show_progress=show)
-        self.scheduler = Scheduler(args, self.runner, tokenizer)
+        self.scheduler = Scheduler(args, self.runner, tokenizer, show_progress=True)
         self.warm_up(show)
         self.last_stats = 0.0
         self.gen_tokens = 0
@@ -106,6 +106,13 @@ class SchedulerLoop:
             except (TypeError, ValueError) as e:
                 fr = {"type": "abort", "message": f"Invalid request: {e}", "status_code": 400, "err_type": None}
                 self.send(io.BatchReqOutput([io.ReqOutput(msg.rid, [], fr, len(msg.input_ids))]))
+        elif isinstance(msg, io.TaskReq):
+            limit = self.args.max_queued_requests
+            if limit is not None and len(sched.tasks) >= limit:
+                fr = {"type": "abort", "message": QUEUE_FULL, "status_code": 503, "err_type": None}
+                self.send(io.BatchReqOutput([io.ReqOutput(msg.rid, [], fr, len(msg.input_ids))]))
+                return
+            sched.add_task(msg)
         elif isinstance(msg, io.AbortReq):
             req = sched.abort(msg.rid, msg.message)
             if req is not None:
@@ -138,7 +145,7 @@ class SchedulerLoop:
             token_usage=used / pool.size,
             kv_used=used,
             kv_total=pool.size,
-            kv_cached=sched.tree.total_size(),
+            kv_cached=sched.cached_size(),
             last_gen_throughput=self.gen_tokens / max(now - self.gen_since, 1e-9),
         ))
         self.gen_tokens, self.gen_since, self.last_stats = 0, now, now

@@ -14,13 +14,16 @@ import time
 import torch
 
 from sgrec.model.attention import SeqLayout
+from sgrec.radix.eviction import make_policy
 from sgrec.radix.tree import RadixCache
 from sgrec.runner import ModelRunner
 from sgrec.sampling import GREEDY_EPS, Sampler
-from sgrec.managers.io_struct import TokenizedGenerateReq
+from sgrec.catalog import Catalog
+from sgrec.managers.io_struct import TaskReq, TokenizedGenerateReq
 from sgrec.sampling import SamplingParams
 from sgrec.scheduler.policy import LinearJct, jct_uncached_tokens, peek_prefix_len, pick_prefill_only
 from sgrec.scheduler.req import LogprobSpec, Req
+from sgrec.scheduler.task import Task, run_task
 from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
 
@@ -31,7 +34,7 @@ DECODE_RESERVE_CLIP = 512
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunner, tokenizer: Tokenizer):
+    def __init__(self, args: ServerArgs, runner: ModelRunner, tokenizer: Tokenizer, show_progress: bool = False):
         self.args = args
         self.runner = runner
         self.tokenizer = tokenizer
@@ -40,7 +43,8 @@ class Scheduler:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.allocator = runner.kv_pool.allocator
-        self.tree = RadixCache(self.allocator, policy=args.radix_eviction_policy, disable=args.disable_radix_cache)
+        self.tree = RadixCache(self.allocator, policy=make_policy(args.radix_eviction_policy, args.radix_eviction_policy_config),
+                               disable=args.disable_radix_cache)
         self.sampler = Sampler(args.random_seed, runner.device)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -49,6 +53,16 @@ class Scheduler:
         self.prefill_only_policy = args.schedule_policy if args.schedule_policy.startswith("srjf") else "fcfs"
         self.jct = jct_uncached_tokens  # set_jct_model() may replace it with a fitted LinearJct
         self.clock = time.monotonic
+        self.tasks: list[Task] = []  # rank / retrieve requests, each run to completion in one step
+        self.executors: dict = {}
+        self.catalog = self.rank_executor = None
+        if args.item_catalog:
+            from sgrec.rank.executor import RankExecutor
+
+            self.catalog = Catalog.load(args.item_catalog, tokenizer, runner.config.vocab_size)
+            self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args)
+            self.rank_executor.precompute(progress=show_progress)
+            self.executors["rank"] = self.rank_executor.run
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         self.last_was_prefill = False
 
@@ -72,6 +86,15 @@ class Scheduler:
             self.waiting.append(req)
         return req
 
+    def add_task(self, msg: TaskReq) -> Task:
+        task = Task(msg, arrival=self.clock())
+        self.tasks.append(task)
+        return task
+
+    def cached_size(self) -> int:
+        """KV slots held by the caches: the radix tree and the item store."""
+        return self.tree.total_size() + (self.rank_executor.total_size() if self.rank_executor else 0)
+
     def set_jct_model(self, jct: LinearJct) -> None:
         self.jct = jct
 
@@ -84,7 +107,7 @@ class Scheduler:
         return next((s for s in req.sampling.stop if s in tail), None)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.prefill_only)
+        return bool(self.waiting or self.running or self.chunked or self.prefill_only or self.tasks)
 
     def step(self) -> list[Req]:
         """Runs one batch; returns the requests that got a new token or finished.
@@ -93,6 +116,11 @@ class Scheduler:
         request waits at most one prefill batch (at most chunked_prefill_size tokens) per token."""
         if not (self.last_was_prefill and self.running):
             prefill = self._schedule_prefill()
+            if not prefill and self.tasks:
+                self.last_was_prefill = True
+                task = self.tasks.pop(0)
+                run_task(task, self.executors)
+                return [task]
             if not prefill and self.prefill_only:
                 prefill = self._schedule_prefill_only()
             if prefill:
@@ -104,7 +132,7 @@ class Scheduler:
         return []
 
     def _all_reqs(self) -> list[Req]:
-        return [*self.waiting, *self.prefill_only, *self.running, *([self.chunked] if self.chunked else [])]
+        return [*self.waiting, *self.prefill_only, *self.tasks, *self.running, *([self.chunked] if self.chunked else [])]
 
     def abort(self, rid: str, message: str = "Request aborted", status_code: int = 400) -> Req | None:
         """Ends a queued or running request; returns it (to report), or None if unknown."""
@@ -116,6 +144,8 @@ class Scheduler:
                     self.running.remove(req)
                 elif req in self.prefill_only:
                     self.prefill_only.remove(req)
+                elif req in self.tasks:
+                    self.tasks.remove(req)
                 else:
                     self.waiting.remove(req)
                 self._finish_abort(req, message, status_code)
@@ -126,13 +156,15 @@ class Scheduler:
         reqs = self._all_reqs()
         for req in reqs:
             self._finish_abort(req, message, status_code)
-        self.waiting, self.running, self.chunked, self.prefill_only = [], [], None, []
+        self.waiting, self.running, self.chunked, self.prefill_only, self.tasks = [], [], None, [], []
         return reqs
 
     def flush_cache(self) -> bool:
         if self.has_work():
             return False
         self.tree.reset()
+        if self.rank_executor is not None:
+            self.rank_executor.store.reset()
         return True
 
     def check_memory(self) -> None:
@@ -140,7 +172,7 @@ class Scheduler:
         if self.has_work():
             return
         self.tree.check_integrity()
-        free, cached = self.allocator.available_size(), self.tree.total_size()
+        free, cached = self.allocator.available_size(), self.cached_size()
         if free + cached != self.allocator.size or self.tree.protected_size():
             raise RuntimeError(
                 f"KV accounting broken: free {free} + cached {cached} != {self.allocator.size} "

@@ -1,0 +1,166 @@
+"""Prefill-only scheduling benchmark: FCFS vs plain SRJF vs SRJF with continuous JCT calibration.
+
+The post-recommendation workload of PrefillOnly §7.1, lengths scaled down for CPU with the ratios
+kept: users with long profiles (paper: 14,000 +- 3,000 tokens; here --profile-mean/--profile-std),
+each scored against --posts posts (paper: 50 posts of 150 tokens), one prefill-only request per
+(user, post) whose prompt is profile + post; the profile is the cached prefix. Requests arrive in a
+random user order as a Poisson process at multiples of the measured capacity. The KV pool holds
+about --cache-profiles profiles, so the order of service decides the prefix hit rate.
+
+Each run drives sgrec's real Scheduler (hybrid prefilling, suffix KV discarding, radix cache) in
+this process with wall-clock arrivals, and reports mean / P99 latency, throughput and the prefix
+hit rate; then, at the mean latency FCFS reaches at its capacity, the highest rate each policy
+sustains (linear interpolation between measured rates).
+
+    python benchmarks/bench_prefill_only.py                 # ~6 minutes on 2 CPU cores
+    python benchmarks/bench_prefill_only.py --users 4 --posts 10 --rates 0.5,2   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from sgrec import Engine
+from sgrec.managers.io_struct import TokenizedGenerateReq
+
+POLICIES = ["fcfs", "srjf-static", "srjf"]
+
+
+def make_workload(users: int, posts: int, mean: int, std: int, post_len: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    profiles = [[rng.randrange(3, vocab) for _ in range(max(post_len, int(rng.gauss(mean, std))))]
+                for _ in range(users)]
+    reqs = [(u, profiles[u] + [rng.randrange(3, vocab) for _ in range(post_len)], len(profiles[u]))
+            for u in range(users) for _ in range(posts)]
+    rng.shuffle(reqs)
+    return reqs
+
+
+def run(model: str, policy: str, reqs, rate: float, pool: int, seed: int) -> dict:
+    engine = Engine(model, device="cpu", dtype="float32", max_total_tokens=pool, schedule_policy=policy)
+    sched = engine.scheduler
+    engine.generate(input_ids=reqs[0][1][:32], sampling_params={"max_new_tokens": 0})  # warm-up
+    engine.flush_cache()
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, len(reqs)) if rate != float("inf") else np.zeros(len(reqs))
+    arrivals = np.cumsum(gaps) - gaps[0]
+    latency, hit_tokens, in_tokens = {}, 0, 0
+    t0, i = time.monotonic(), 0
+    while len(latency) < len(reqs):
+        now = time.monotonic() - t0
+        while i < len(reqs) and arrivals[i] <= now:
+            _, ids, keep = reqs[i]
+            sched.add_request(TokenizedGenerateReq(rid=str(i), input_ids=ids, sampling_params={"max_new_tokens": 0},
+                                                   cache_prefix_len=keep))
+            i += 1
+        if not sched.has_work():
+            time.sleep(max(0.0, min(0.002, arrivals[i] - now)))
+            continue
+        for req in sched.step():
+            if req.finished:
+                latency[req.rid] = time.monotonic() - t0 - arrivals[int(req.rid)]
+                hit_tokens += req.cached_tokens
+                in_tokens += len(req.input_ids)
+    duration = time.monotonic() - t0
+    lat = sorted(latency.values())
+    engine.check_memory()
+    return {
+        "mean": statistics.fmean(lat), "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        "throughput": len(reqs) / duration, "hit": hit_tokens / in_tokens,
+    }
+
+
+def rate_at_latency(points: list[tuple[float, float]], target: float) -> float:
+    """Highest rate whose mean latency stays <= target, interpolating between measured (rate, mean)."""
+    points = sorted(points)
+    best = 0.0
+    for (r0, m0), (r1, m1) in zip(points, points[1:]):
+        if m0 <= target:
+            best = r0
+            if m1 > target:
+                return r0 + (r1 - r0) * (target - m0) / (m1 - m0)
+    if points and points[-1][1] <= target:
+        best = points[-1][0]
+    return best
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF model dir (default: a generated 4-layer, hidden-256 random Llama)")
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--posts", type=int, default=20)
+    ap.add_argument("--profile-mean", type=int, default=700)
+    ap.add_argument("--profile-std", type=int, default=150)
+    ap.add_argument("--post-len", type=int, default=8)
+    ap.add_argument("--cache-profiles", type=float, default=2.0, help="KV pool size in mean profiles")
+    ap.add_argument("--rates", default="0.25,0.5,1,2,4", help="multiples of FCFS's measured capacity")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", default="bench_out/bench_prefill_only.png")
+    args = ap.parse_args(argv)
+
+    model = args.model
+    if model is None:
+        from sgrec.tools.make_tiny_model import make_tiny_model
+
+        model = make_tiny_model(tempfile.mkdtemp(prefix="sgrec_po_"), arch="llama", seed=1, hidden_size=256,
+                                intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2,
+                                max_position_embeddings=4096)
+    reqs = make_workload(args.users, args.posts, args.profile_mean, args.profile_std, args.post_len, 512, args.seed)
+    pool = int(args.cache_profiles * args.profile_mean * 1.1)
+    print(f"workload: {len(reqs)} requests ({args.users} users x {args.posts} posts), profiles "
+          f"{args.profile_mean}+-{args.profile_std} tokens, posts {args.post_len} tokens, KV pool {pool} tokens")
+
+    capacity = run(model, "fcfs", reqs, float("inf"), pool, args.seed)["throughput"]
+    print(f"FCFS capacity (all requests at t=0): {capacity:.2f} req/s")
+    mults = [float(x) for x in args.rates.split(",")]
+    results: dict[str, list[tuple[float, dict]]] = {p: [] for p in POLICIES}
+    print(f"\n| rate x cap | req/s offered | policy | mean s | P99 s | throughput req/s | prefix hit |")
+    print("|---|---|---|---|---|---|---|")
+    for m in mults:
+        for p in POLICIES:
+            r = run(model, p, reqs, m * capacity, pool, args.seed)
+            results[p].append((m * capacity, r))
+            print(f"| {m:g} | {m * capacity:.2f} | {p} | {r['mean']:.3f} | {r['p99']:.3f} | {r['throughput']:.2f} "
+                  f"| {r['hit']:.1%} |", flush=True)
+
+    fcfs_at_cap = [r for rate, r in results["fcfs"] if abs(rate - capacity) < 1e-9]
+    target = fcfs_at_cap[0]["mean"] if fcfs_at_cap else statistics.median(r["mean"] for _, r in results["fcfs"])
+    print(f"\nsustained rate at mean latency <= {target:.3f} s (FCFS's mean at its capacity):")
+    sustained = {p: rate_at_latency([(rate, r["mean"]) for rate, r in results[p]], target) for p in POLICIES}
+    for p in POLICIES:
+        ratio = sustained[p] / sustained["fcfs"] if sustained["fcfs"] else float("nan")
+        print(f"  {p:12s} {sustained[p]:.2f} req/s  ({ratio:.2f}x FCFS)")
+    print("target: calibrated SRJF (srjf) >= 1.4x FCFS")
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        for p in POLICIES:
+            xs = [rate for rate, _ in results[p]]
+            ax[0].plot(xs, [r["mean"] for _, r in results[p]], marker="o", label=p)
+            ax[1].plot(xs, [r["p99"] for _, r in results[p]], marker="o", label=p)
+        for a, name in zip(ax, ["mean latency (s)", "P99 latency (s)"]):
+            a.set_xlabel("offered rate (req/s)"), a.set_ylabel(name), a.set_yscale("log"), a.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot)
+        print(f"plot: {args.plot}")
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+    print("rerun: python benchmarks/bench_prefill_only.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Validation and tokenization of rank and retrieve requests (shared by the server and Engine).
+
+Both name a user: `{"id": "u42", "text": "..." | "token_ids": [...]}`. The user's text is
+tokenized like a prompt (special tokens added: it starts the sequence); instruction text is
+tokenized without them. Item ids are checked against the catalog by the scheduler's executor.
+"""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+
+from sgrec.managers.generate import RequestBuilder
+from sgrec.managers.io_struct import TaskReq
+from sgrec.tokenizer import Tokenizer
+
+DEFAULT_INSTRUCTION = "\nNext item:"
+RANK_FIELDS = {"user", "items", "instruction", "prefix", "top_k", "rid", "routing_key", "model"}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_user(user, tokenizer: Tokenizer, builder: RequestBuilder) -> tuple[str, list[int]]:
+    """(user key, user token ids) of a request's `user` object."""
+    if not isinstance(user, dict):
+        raise ValueError("user must be an object: {\"id\": ..., \"text\" | \"token_ids\": ...}")
+    unknown = set(user) - {"id", "text", "token_ids"}
+    if unknown:
+        raise ValueError(f"unknown user field(s): {', '.join(sorted(unknown))}")
+    if ("text" in user) == ("token_ids" in user):
+        raise ValueError("user needs exactly one of 'text' and 'token_ids'")
+    if "text" in user:
+        if not isinstance(user["text"], str) or not user["text"]:
+            raise ValueError("user.text must be a non-empty string")
+        ids = tokenizer.encode(user["text"])
+    else:
+        ids = user["token_ids"]
+        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+            raise ValueError("user.token_ids must be a non-empty list of token ids")
+    builder.check_prompt(ids)
+    key = user.get("id")
+    if key is None:
+        key = f"anon-{zlib.crc32(repr(ids).encode()):08x}"
+    if not isinstance(key, str) or not key:
+        raise ValueError("user.id must be a non-empty string")
+    return key, list(ids)
+
+
+def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_candidates: int) -> TaskReq:
+    if not isinstance(obj, dict):
+        raise ValueError("The request body must be a JSON object")
+    unknown = set(obj) - RANK_FIELDS
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    user_key, user_ids = parse_user(obj.get("user"), tokenizer, builder)
+    items = obj.get("items")
+    if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
+        raise ValueError("items must be a non-empty list of item id strings")
+    if len(items) > max_candidates:
+        raise ValueError(f"{len(items)} candidate items exceed --max-rank-candidates {max_candidates}")
+    instr = obj.get("instruction", DEFAULT_INSTRUCTION)
+    if isinstance(instr, str) and instr:
+        instr_ids = tokenizer.encode(instr, add_special_tokens=False)
+    elif isinstance(instr, list) and instr and all(_is_int(t) for t in instr):
+        instr_ids = instr
+    else:
+        raise ValueError("instruction must be a non-empty string or a non-empty list of token ids")
+    prefix = obj.get("prefix")
+    if prefix is not None and prefix not in ("auto", "user", "item", "none", "greedy"):
+        raise ValueError(f"prefix must be one of auto, user, item, none, greedy; got {prefix!r}")
+    top_k = obj.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    rid = obj.get("rid") or uuid.uuid4().hex
+    if not isinstance(rid, str):
+        raise ValueError("rid must be a string")
+    payload = {"user_key": user_key, "user_ids": user_ids, "item_ids": items, "instruction_ids": list(instr_ids),
+               "prefix": prefix, "top_k": top_k}
+    return TaskReq(rid=rid, kind="rank", input_ids=user_ids, payload=payload)
+
+
+def task_response(state) -> dict:
+    """The HTTP/Engine body of a finished task: the executor's result plus request facts."""
+    out = dict(state.result or {})
+    meta = dict(out.get("meta_info") or {})
+    meta["id"] = state.msg.rid
+    if state.finish_time is not None:
+        meta["e2e_latency"] = state.finish_time - state.created
+    out["meta_info"] = meta
+    return out

@@ -1,0 +1,220 @@
+"""The item KV store of bipartite-attention ranking (BAT §4.3, §5.2).
+
+Each item's KV is computed once, with the item-as-prefix positions of `sgrec.rank.layout` (its
+tokens at len(H) .. len(H)+len-1, attending to the shared header H and causally to itself), and is
+shared by every user. The header's own KV is held here too. Slots come from the runner's allocator
+and stay owned by the store until evicted or reset; `total_size()` counts them (header included)
+so KV accounting (free + tree + store == pool) can be checked.
+
+Budget: at most `budget_tokens` slots (header included). When the catalog fits, `precompute`
+fills it at start-up; otherwise items enter lazily on a miss (the request computes them anyway and
+hands their slots over), a cold entry giving way to a hotter one. Hotness is the per-item access
+count of the cache meta service, the last access breaking ties. Entries in use by a request are
+pinned and never evicted. With HRCS placement (`owns`), items this rank does not own are never
+kept: a miss on one is recomputed for the request and dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sgrec.catalog import Catalog, Item
+from sgrec.model.attention import SeqLayout
+from sgrec.rank import layout as L
+
+logger = logging.getLogger(__name__)
+
+PRECOMPUTE_BATCH_TOKENS = 4096
+
+
+@dataclass
+class _Entry:
+    slots: torch.Tensor
+    pins: int = 0
+    tick: int = 0
+
+
+class ItemStore:
+    def __init__(self, runner, catalog: Catalog, budget_tokens: int, header_ids: Sequence[int] = (),
+                 hotness: Callable[[str], float] | None = None, owns: Callable[[str], bool] | None = None):
+        self.runner = runner
+        self.allocator = runner.kv_pool.allocator
+        self.catalog = catalog
+        self.budget = int(budget_tokens)
+        self.header_ids = [int(t) for t in header_ids]
+        self.hotness = hotness or (lambda item_id: 0.0)
+        self.owns = owns or (lambda item_id: True)
+        self.entries: dict[str, _Entry] = {}
+        self.header_slots: torch.Tensor | None = None
+        self.item_tokens = 0
+        self.hits = self.misses = 0
+        self._ticks = itertools.count(1)
+
+    # ---- accounting -----------------------------------------------------------------------
+    def total_size(self) -> int:
+        """KV slots held by the store (items and header)."""
+        header = 0 if self.header_slots is None else len(self.header_slots)
+        return self.item_tokens + header
+
+    def __contains__(self, item_id: str) -> bool:
+        return item_id in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def all_values(self) -> torch.Tensor:
+        vals = [e.slots for e in self.entries.values()]
+        if self.header_slots is not None:
+            vals.append(self.header_slots)
+        return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
+
+    def reset(self) -> None:
+        """Frees every slot (items and header). Pinned entries are a caller error."""
+        if any(e.pins for e in self.entries.values()):
+            raise RuntimeError("ItemStore.reset while items are in use")
+        for e in self.entries.values():
+            self.allocator.free(e.slots)
+        if self.header_slots is not None:
+            self.allocator.free(self.header_slots)
+        self.entries, self.header_slots, self.item_tokens = {}, None, 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def ensure_header(self) -> torch.Tensor:
+        """The header's KV slots (computed on first use; causal at positions 0..h-1)."""
+        if self.header_slots is None:
+            h = len(self.header_ids)
+            slots = self._alloc(h)
+            if h:
+                lay = L.item_as_prefix(self.header_ids, [], [], [])
+                seq = SeqLayout(0, h, slots, lay.mask())
+                self.runner.forward(self.runner.make_batch(lay.token_ids, lay.positions, slots, [seq]), [h - 1])
+            self.header_slots = slots
+        return self.header_slots
+
+    def acquire(self, item_ids: Sequence[str]) -> list[torch.Tensor | None]:
+        """Pins and returns the cached slots of each item (None on a miss); counts hits and misses."""
+        out: list[torch.Tensor | None] = []
+        for item_id in item_ids:
+            e = self.entries.get(item_id)
+            if e is None:
+                self.misses += 1
+                out.append(None)
+                continue
+            self.hits += 1
+            e.pins += 1
+            e.tick = next(self._ticks)
+            out.append(e.slots)
+        return out
+
+    def release(self, item_ids: Sequence[str]) -> None:
+        """Undoes acquire for the items that were hits."""
+        for item_id in item_ids:
+            e = self.entries.get(item_id)
+            if e is not None and e.pins > 0:
+                e.pins -= 1
+
+    def admit(self, item_id: str, slots: torch.Tensor) -> bool:
+        """Offers a freshly computed item's KV. True: the store owns `slots` now; False: the caller
+        keeps them (not owned by this rank, over budget with nothing colder to evict, or present)."""
+        n = len(slots)
+        if item_id in self.entries or not self.owns(item_id) or n > self.budget - self.total_size() + self._colder_room(item_id, n):
+            return False
+        short = self.total_size() + n - self.budget
+        if short > 0:
+            self._evict(short, colder_than=self._rank(item_id, next(self._ticks)))
+        self.entries[item_id] = _Entry(slots.to(torch.int64).clone(), 0, next(self._ticks))
+        self.item_tokens += n
+        return True
+
+    def evict(self, num_tokens: int) -> int:
+        """Frees unpinned items, coldest first, until num_tokens are freed; returns tokens freed."""
+        return self._evict(num_tokens, colder_than=None)
+
+    # ---- start-up -------------------------------------------------------------------------
+    def precompute(self, progress: bool = False, items: Sequence[Item] | None = None) -> int:
+        """Computes and stores the KV of `items` (default: every owned catalog item) until the budget
+        is full, in batches of several items per forward. Returns how many items were added."""
+        from tqdm import tqdm
+
+        self.ensure_header()
+        todo = [it for it in (items if items is not None else self.catalog.items)
+                if it.id not in self.entries and self.owns(it.id)]
+        added = 0
+        bar = tqdm(total=len(todo), desc="item KV", unit="item", disable=not progress)
+        try:
+            batch: list[Item] = []
+            size = 0
+            for it in todo:
+                n = len(it.token_ids)
+                if self.total_size() + size + n > self.budget:
+                    break
+                batch.append(it)
+                size += n
+                if size >= PRECOMPUTE_BATCH_TOKENS:
+                    added += self._compute_and_keep(batch)
+                    bar.update(len(batch))
+                    batch, size = [], 0
+            if batch:
+                added += self._compute_and_keep(batch)
+                bar.update(len(batch))
+        finally:
+            bar.close()
+        if added < len(todo):
+            logger.info("item store: %d of %d items precomputed (budget %d tokens); the rest load lazily",
+                        added, len(todo), self.budget)
+        return added
+
+    def _compute_and_keep(self, items: list[Item]) -> int:
+        header = self.ensure_header()
+        slots = self._alloc(sum(len(it.token_ids) for it in items))
+        ids, pos, seqs = [], [], []
+        off = 0
+        for it in items:
+            lay = L.item_as_prefix(self.header_ids, [it.token_ids], [], [])
+            seg = lay.items()[0]
+            rows = list(range(seg.start, seg.stop))
+            mine = slots[off : off + seg.length]
+            seqs.append(SeqLayout(len(ids), seg.length, torch.cat([header, mine]), lay.mask(rows, None)))
+            ids += lay.token_ids[seg.start : seg.stop]
+            pos += lay.positions[seg.start : seg.stop]
+            off += seg.length
+        self.runner.forward(self.runner.make_batch(ids, pos, slots, seqs), [])
+        off = 0
+        for it in items:
+            n = len(it.token_ids)
+            self.entries[it.id] = _Entry(slots[off : off + n].clone(), 0, next(self._ticks))
+            self.item_tokens += n
+            off += n
+        return len(items)
+
+    # ---- internals ------------------------------------------------------------------------
+    def _rank(self, item_id: str, tick: int) -> tuple[float, int]:
+        return (self.hotness(item_id), tick)
+
+    def _colder_room(self, item_id: str, n: int) -> int:
+        """Tokens of unpinned entries colder than item_id (what admitting it may evict)."""
+        mine = self._rank(item_id, 1 << 62)
+        return sum(len(e.slots) for k, e in self.entries.items() if not e.pins and self._rank(k, e.tick) < mine)
+
+    def _evict(self, num_tokens: int, colder_than: tuple | None) -> int:
+        victims = sorted((self._rank(k, e.tick), k) for k, e in self.entries.items() if not e.pins)
+        freed = 0
+        for rank, k in victims:
+            if freed >= num_tokens or (colder_than is not None and rank >= colder_than):
+                break
+            e = self.entries.pop(k)
+            self.allocator.free(e.slots)
+            self.item_tokens -= len(e.slots)
+            freed += len(e.slots)
+        return freed
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise RuntimeError(f"item store: no room for {n} KV slots ({self.allocator.available_size()} free)")
+        return slots

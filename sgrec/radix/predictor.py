@@ -1,0 +1,221 @@
+"""Next-access predictors for learning-augmented eviction (LCR §3.2, §5.1).
+
+A predictor returns, for tree nodes, the absolute time of their predicted next access (in the
+tree's clock units); larger means "needed later". Work is split in two so that ASYNC mode can run
+the second half on a background thread:
+
+- `snapshot(nodes, keys)`: on the caller's thread, copy what the prediction needs (features).
+- `predict(snapshot)`: pure computation on the copy; returns one float per node.
+
+`LightGBMPredictor` learns online: every access of a node labels the feature row recorded at its
+previous access with the time in between; rows not followed by an access within the recent window
+become censored samples ("at least a window away"). Features (LCR §5.1): the last 10 inter-access
+deltas, 10 exponentially decayed counters and the node's depth in tokens; all tokens of a node share
+them. `OraclePredictor` wraps the true next access of a trace, optionally with the §5.3 noise.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from sgrec.radix.tree import TreeNode
+
+N_DELTAS = 10
+N_EDCS = 10
+N_FEATURES = N_DELTAS + N_EDCS + 1
+UNKNOWN = float("-inf")  # no prediction yet: ranks first in LRU order, never above a real prediction
+
+
+class Predictor:
+    """Interface. The hooks see every touch, new leaf, split and eviction of the tree."""
+
+    calls = 0  # predict() invocations
+    items = 0  # nodes predicted in all
+
+    def on_access(self, node: TreeNode, now: float) -> None:
+        pass
+
+    def on_insert(self, node: TreeNode, key: int, now: float) -> None:
+        """A new leaf whose content has start key `key` (see tree.start_key) was loaded."""
+
+    def on_split(self, prefix: TreeNode, tail: TreeNode) -> None:
+        pass
+
+    def on_evict(self, node: TreeNode, key: int) -> None:
+        pass
+
+    def snapshot(self, nodes: Sequence[TreeNode], keys: Sequence[int]) -> Any:
+        raise NotImplementedError
+
+    def predict(self, snap: Any) -> list[float]:
+        raise NotImplementedError
+
+
+class OraclePredictor(Predictor):
+    """True next access from `next_access(key, after)` (absolute time, inf if never). With
+    probability `noise` a prediction is replaced by the negative of the true next-access time
+    (LCR §5.3), so p = 1 ranks every item exactly backwards."""
+
+    def __init__(self, next_access: Callable[[int, float], float], noise: float = 0.0, seed: int = 0):
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"noise must be in [0, 1], got {noise}")
+        self.next_access, self.noise, self.rng = next_access, noise, random.Random(seed)
+        self.calls = self.items = 0
+
+    def snapshot(self, nodes: Sequence[TreeNode], keys: Sequence[int]) -> list[tuple[int, float]]:
+        return [(k, n.last_access_time) for n, k in zip(nodes, keys)]
+
+    def predict(self, snap: list[tuple[int, float]]) -> list[float]:
+        self.calls += 1
+        self.items += len(snap)
+        out = []
+        for key, last in snap:
+            t = self.next_access(key, last)
+            out.append(-t if self.noise and self.rng.random() < self.noise else t)
+        return out
+
+
+class _History:
+    __slots__ = ("last", "deltas", "edcs", "row")
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.deltas: list[float] = []
+        self.edcs = [0.0] * N_EDCS
+        self.row: list[float] | None = None
+
+    def copy(self) -> _History:
+        h = _History()
+        h.last, h.deltas, h.edcs, h.row = self.last, list(self.deltas), list(self.edcs), self.row
+        return h
+
+
+class LightGBMPredictor(Predictor):
+    """Online LightGBM regressor of log(1 + time to next access)."""
+
+    def __init__(self, window: int = 20000, retrain_interval: int = 10000, num_trees: int = 32,
+                 min_train: int = 256, edc_base: float = 1.0, horizon: float | None = None, seed: int = 0):
+        if window < 1 or retrain_interval < 1 or num_trees < 1 or min_train < 1 or edc_base <= 0:
+            raise ValueError("window, retrain_interval, num_trees, min_train and edc_base must be positive")
+        self.window, self.retrain_interval, self.num_trees = window, retrain_interval, num_trees
+        self.min_train, self.horizon, self.seed = min_train, horizon, seed
+        self.edc_rates = [math.log(2.0) / (edc_base * 2.0**i) for i in range(N_EDCS)]
+        self.hist: dict[TreeNode, _History] = {}
+        self.ghosts: OrderedDict[int, _History] = OrderedDict()  # histories of evicted content
+        self.pending: OrderedDict[_History, None] = OrderedDict()  # rows waiting for a label, oldest first
+        self.samples: deque[tuple[list[float], float]] = deque(maxlen=window)
+        self.times: deque[float] = deque(maxlen=window)  # recent access times, for the censoring horizon
+        self.model: Any = None
+        self.new_samples = 0
+        self.calls = self.items = self.trainings = 0
+
+    # ---- learning ------------------------------------------------------------------------------
+    def on_access(self, node: TreeNode, now: float) -> None:
+        h = self.hist.get(node)
+        if h is None:
+            h = self.hist[node] = _History()
+        if h.last is not None:
+            delta = now - h.last
+            if delta <= 0:  # the same request touching the node twice
+                return
+            self._add_sample(h.row, delta)
+            h.deltas.insert(0, delta)
+            del h.deltas[N_DELTAS:]
+            h.edcs = [1.0 + c * math.exp(-r * delta) for c, r in zip(h.edcs, self.edc_rates)]
+        else:
+            h.edcs = [1.0] * N_EDCS
+        h.last = now
+        h.row = h.deltas + [math.nan] * (N_DELTAS - len(h.deltas)) + h.edcs + [float(node.depth)]
+        self.pending.pop(h, None)
+        self.pending[h] = None
+        self.times.append(now)
+        self._censor(now)
+        if self.new_samples >= self.retrain_interval and len(self.samples) >= self.min_train:
+            self.train()
+
+    def on_insert(self, node: TreeNode, key: int, now: float) -> None:
+        ghost = self.ghosts.pop(key, None)
+        if ghost is not None:
+            self.hist[node] = ghost
+
+    def on_split(self, prefix: TreeNode, tail: TreeNode) -> None:
+        h = self.hist.get(tail)
+        if h is not None:
+            self.hist[prefix] = h.copy()
+
+    def on_evict(self, node: TreeNode, key: int) -> None:
+        h = self.hist.pop(node, None)
+        if h is not None:
+            self.ghosts.pop(key, None)
+            self.ghosts[key] = h
+            while len(self.ghosts) > self.window:
+                self.ghosts.popitem(last=False)
+
+    def _add_sample(self, row: list[float] | None, delta: float) -> None:
+        if row is not None:
+            self.samples.append((row, math.log1p(delta)))
+            self.new_samples += 1
+
+    def _censor(self, now: float) -> None:
+        """Rows not re-accessed within the horizon become samples labelled with the horizon."""
+        horizon = self.horizon
+        if horizon is None:
+            if len(self.times) < self.window:
+                return
+            horizon = max(self.times[-1] - self.times[0], 1e-9)
+        while self.pending:
+            h = next(iter(self.pending))
+            if h.last is None or now - h.last <= horizon:
+                break
+            self.pending.popitem(last=False)
+            self._add_sample(h.row, horizon)
+
+    def train(self) -> None:
+        import lightgbm as lgb
+
+        x = np.array([r for r, _ in self.samples], dtype=np.float64)
+        y = np.array([t for _, t in self.samples], dtype=np.float64)
+        params = {"objective": "regression", "learning_rate": 0.1, "num_leaves": 31, "min_data_in_leaf": 20,
+                  "verbose": -1, "num_threads": 1, "seed": self.seed, "deterministic": True,
+                  "force_row_wise": True}
+        self.model = lgb.train(params, lgb.Dataset(x, y), num_boost_round=self.num_trees)
+        self.new_samples = 0
+        self.trainings += 1
+
+    # ---- inference -----------------------------------------------------------------------------
+    def snapshot(self, nodes: Sequence[TreeNode], keys: Sequence[int]) -> tuple[Any, np.ndarray, np.ndarray]:
+        rows, lasts = [], []
+        for n in nodes:
+            h = self.hist.get(n)
+            ok = h is not None and h.row is not None
+            rows.append(h.row if ok else [math.nan] * (N_FEATURES - 1) + [float(n.depth)])
+            lasts.append(h.last if ok else n.last_access_time)
+        return self.model, np.array(rows, dtype=np.float64), np.array(lasts, dtype=np.float64)
+
+    def predict(self, snap: tuple[Any, np.ndarray, np.ndarray]) -> list[float]:
+        model, rows, lasts = snap
+        self.calls += 1
+        self.items += len(rows)
+        if model is None or len(rows) == 0:
+            return [UNKNOWN] * len(rows)
+        out = lasts + np.expm1(np.maximum(model.predict(rows, num_threads=1), 0.0))
+        return out.tolist()
+
+
+def make_predictor(config: dict[str, Any], seed: int = 0) -> Predictor:
+    """A predictor from policy config: an injected Predictor under "predictor", else LightGBM with
+    the config's window / retrain_interval / num_trees / min_train / edc_base / horizon."""
+    injected = config.get("predictor", "lightgbm")
+    if isinstance(injected, Predictor):
+        return injected
+    if injected != "lightgbm":
+        raise ValueError(f"unknown predictor {injected!r}: use 'lightgbm' or pass a Predictor instance")
+    keys = ("window", "retrain_interval", "num_trees", "min_train", "edc_base", "horizon")
+    return LightGBMPredictor(**{k: config[k] for k in keys if k in config}, seed=config.get("seed", seed))

@@ -1,0 +1,270 @@
+"""RankExecutor: runs one rank request with bipartite attention (BAT §4, §5).
+
+For a request (user tokens, candidate item ids, instruction tokens) it picks the prefix (§5.3,
+`sgrec.rank.policy`), builds the layout (`sgrec.rank.layout`), takes what is cached (the user's
+prefix from the radix tree for user-as-prefix; header and item KV from the item store for
+item-as-prefix), computes every other token of the layout in one forward (their rows of the
+layout's mask against the KV of all its tokens), and scores the candidates by a softmax over
+their id_token logits at the last position (BAT §2.2).
+
+KV ownership (the scheduler's discipline): a matched user prefix is locked for the request and
+the user's fresh KV goes into the tree afterwards (duplicates freed); item-store hits are pinned
+for the request and fresh item KV is offered to the store; every other slot is freed before `run`
+returns, whatever happens. Lock refs and pins end where they started.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from sgrec.catalog import Catalog, Item
+from sgrec.model.attention import SeqLayout
+from sgrec.radix.items import ItemStore
+from sgrec.rank import layout as L
+from sgrec.rank.policy import NONE, PREFIX_POLICIES, CacheMeta, select_prefix
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TAU_U = 1000  # user tokens assumed by the start-up HRCS plan before any request was seen
+DEFAULT_BANDWIDTH_GBPS = 100.0
+DEFAULT_ALPHA = 0.1
+
+
+class RankCapacityError(RuntimeError):
+    """The KV pool cannot hold a rank request even after evicting every unused cache entry."""
+
+
+class RankExecutor:
+    def __init__(self, runner, tree, catalog: Catalog, args, header_ids: Sequence[int] = (),
+                 meta: CacheMeta | None = None, dp_rank: int = 0, placement=None,
+                 user_extra_key: str | None = None):
+        self.runner = runner
+        self.tree = tree
+        self.catalog = catalog
+        self.args = args
+        self.allocator = runner.kv_pool.allocator
+        self.vocab_size = runner.config.vocab_size
+        self.header_ids = [int(t) for t in header_ids]
+        self.meta = meta or CacheMeta()
+        self.dp_rank = dp_rank
+        self.placement = placement
+        self.user_extra_key = user_extra_key
+        budget = args.item_cache_tokens
+        if budget is None:
+            catalog_tokens = sum(len(it.token_ids) for it in catalog.items) + len(self.header_ids)
+            budget = min(catalog_tokens, self.allocator.size // 2)
+        self.store = ItemStore(runner, catalog, budget, self.header_ids, hotness=self.meta.item_count,
+                               owns=self._owns)
+
+    # ---- start-up -------------------------------------------------------------------------
+    def _owns(self, item_id: str) -> bool:
+        return self.placement is None or self.placement.owns(self.dp_rank, item_id)
+
+    def precompute(self, progress: bool = False) -> int:
+        """Header and item KV for the whole catalog (this rank's share with dp_size > 1), as far as
+        the item budget allows; returns how many items were computed."""
+        if self.args.dp_size > 1 and self.placement is None:
+            self.placement = self._default_placement()
+        return self.store.precompute(progress)
+
+    def _default_placement(self):
+        from sgrec.radix import hrcs
+
+        items = self.catalog.items
+        freqs = [float(it.meta.get("popularity", 0)) + self.meta.item_count(it.id) + 1.0 for it in items]
+        tau_i = sum(len(it.token_ids) for it in items) / len(items)
+        c = min(100, self.args.max_rank_candidates, len(items))
+        prefix = round(c * tau_i)
+        shapes = [(s, p) for s in (32, 128, 512) for p in (0, prefix // 2, prefix)]
+        model = hrcs.PrefillTimeModel.fit(hrcs.measure_prefill(self.runner, shapes, repeats=1))
+        cfg = self.runner.config
+        per_token = self.runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                        self.runner.dtype)
+        bandwidth = DEFAULT_BANDWIDTH_GBPS * 1e9 / 8 / per_token
+        rep = hrcs.compute_replication_ratio(bandwidth, freqs, DEFAULT_TAU_U, tau_i, DEFAULT_ALPHA, c,
+                                             self.args.dp_size, model)
+        logger.info("HRCS: replication ratio %.3f (%d items), rank %d of %d", rep.ratio, rep.num_replicated,
+                    self.dp_rank, self.args.dp_size)
+        return hrcs.plan_placement([it.id for it in items], freqs, rep.ratio, self.args.dp_size)
+
+    # ---- accounting -----------------------------------------------------------------------
+    def total_size(self) -> int:
+        """KV slots held by the item store (the tree reports its own)."""
+        return self.store.total_size()
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate(self, user_ids, item_ids, instruction_ids, prefix, top_k) -> list[Item]:
+        """The candidates' catalog items; ValueError (a 400) on any bad input."""
+        if prefix is not None and prefix not in PREFIX_POLICIES:
+            raise ValueError(f"prefix must be one of {', '.join(PREFIX_POLICIES)}, got {prefix!r}")
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+            raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+        if not isinstance(item_ids, (list, tuple)) or not item_ids:
+            raise ValueError("items must be a non-empty list of item ids")
+        limit = self.args.max_rank_candidates
+        if len(item_ids) > limit:
+            raise ValueError(f"{len(item_ids)} candidate items exceed --max-rank-candidates {limit}")
+        seen, dups = set(), []
+        for i in item_ids:
+            if isinstance(i, str) and i in seen and i not in dups:
+                dups.append(i)
+            seen.add(i) if isinstance(i, str) else None
+        if dups:
+            raise ValueError(f"duplicate candidate item id(s): {', '.join(repr(d) for d in dups[:5])}")
+        items = self.catalog.lookup(item_ids)
+        for name, ids in (("user token_ids", user_ids), ("instruction token_ids", instruction_ids)):
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} hold {bad[0]!r}, not a token id in [0, {self.vocab_size})")
+        if not instruction_ids:
+            raise ValueError("the instruction must not be empty: its last token scores the candidates")
+        return items
+
+    def run(self, user_key: str, user_ids: list[int], item_ids: list[str], instruction_ids: list[int],
+            prefix: str | None = None, top_k: int | None = None) -> dict:
+        items = self.validate(user_ids, item_ids, instruction_ids, prefix, top_k)
+        policy = prefix or self.args.rank_prefix_policy
+        tau_u = len(user_ids)
+        tau_i = sum(len(it.token_ids) for it in items)
+        f_u = self.meta.record_user(user_key)
+        self.meta.record_items(item_ids)
+        choice = policy
+        if policy not in (L.USER_PREFIX, L.ITEM_PREFIX, NONE):
+            choice = select_prefix(
+                policy, tau_u, tau_i, f_u,
+                cached_freqs=self.meta.cached_freqs(exclude=user_key),
+                user_cached=self.meta.is_cached(user_key, tau_u, user_ids),
+            )
+        kind = L.ITEM_PREFIX if choice == L.ITEM_PREFIX else L.USER_PREFIX
+        lay = L.build(kind, self.header_ids, user_ids, [it.token_ids for it in items], instruction_ids)
+        id_tokens = [it.id_token for it in items]
+        if choice == L.USER_PREFIX:
+            scores, cached = self._run_user_prefix(lay, id_tokens, user_key, user_ids)
+        elif choice == L.ITEM_PREFIX:
+            scores, cached = self._run_item_prefix(lay, id_tokens, item_ids)
+        else:
+            scores, cached = self._forward(lay, {}, id_tokens), 0
+        vals = scores.tolist()
+        order = sorted(range(len(items)), key=lambda j: (-vals[j], j))
+        if top_k is not None:
+            order = order[:top_k]
+        return {
+            "ranking": [{"item": items[j].id, "score": vals[j]} for j in order],
+            "meta_info": {"prefix": choice, "prompt_tokens": len(lay), "cached_tokens": cached,
+                          "computed_tokens": len(lay) - cached},
+        }
+
+    def score_layout(self, lay: L.RankLayout, item_ids: Sequence[str]) -> torch.Tensor:
+        """Scores (in candidate order) of a layout computed from scratch, no cache read or write:
+        the reference path. `item_ids` are the candidates the layout was built from."""
+        return self._forward(lay, {}, [it.id_token for it in self.catalog.lookup(item_ids)])
+
+    # ---- the two cached paths -------------------------------------------------------------
+    def _run_user_prefix(self, lay: L.RankLayout, id_tokens: list[int], user_key: str, user_ids: list[int]) -> tuple[torch.Tensor, int]:
+        tree, seg = self.tree, lay.segment("user")
+        if seg is None or tree.disable:
+            return self._forward(lay, {}, id_tokens), 0
+        res = tree.match_prefix(user_ids, self.user_extra_key)
+        tree.inc_lock_ref(res.last_node)
+        m = res.indices.numel()
+        try:
+            fresh: dict[str, torch.Tensor | None] = {"user": None}
+            scores = self._forward(lay, {seg.start: res.indices} if m else {}, id_tokens, keep=fresh)
+            value = res.indices if fresh["user"] is None else torch.cat([res.indices, fresh["user"]])
+            try:
+                done = tree.insert(user_ids, value, self.user_extra_key)
+            except BaseException:
+                self.allocator.free(value[m:])
+                raise
+            self.allocator.free(value[m:done])  # fresh KV of tokens someone cached meanwhile
+            after = tree.match_prefix(user_ids, self.user_extra_key)
+            self.meta.set_cached(user_key, after.last_node, after.indices.numel(), user_ids)
+        finally:
+            tree.dec_lock_ref(res.last_node)
+        return scores, m
+
+    def _run_item_prefix(self, lay: L.RankLayout, id_tokens: list[int], item_ids: Sequence[str]) -> tuple[torch.Tensor, int]:
+        store = self.store
+        if store.header_slots is None:
+            self._make_room(len(self.header_ids))
+        header = store.ensure_header()
+        slots = store.acquire(item_ids)
+        try:
+            cached: dict[int, torch.Tensor] = {}
+            hseg = lay.segment("header")
+            if hseg is not None:
+                cached[hseg.start] = header
+            for seg, s in zip(lay.items(), slots):
+                if s is not None:
+                    cached[seg.start] = s
+            fresh: dict[str, torch.Tensor | None] = {f"item{seg.item}": None
+                                                     for seg, s in zip(lay.items(), slots) if s is None}
+            scores = self._forward(lay, cached, id_tokens, keep=fresh)
+            for seg, item_id, s in zip(lay.items(), item_ids, slots):
+                kv = fresh.get(f"item{seg.item}")
+                if kv is not None and not store.admit(item_id, kv):
+                    self.allocator.free(kv)
+        finally:
+            store.release(item_ids)
+        return scores, sum(len(s) for s in cached.values())
+
+    # ---- the one forward ------------------------------------------------------------------
+    def _forward(self, lay: L.RankLayout, cached: dict[int, torch.Tensor], id_tokens: list[int],
+                 keep: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Computes every layout token not in `cached` (segment start -> slots of that segment's
+        first len(slots) tokens) against the KV of all tokens, and returns the softmax over the
+        candidates' `id_tokens` logits at the last token.
+        `keep` names segments ("user", "item<j>") whose fresh slots are handed to the caller (as
+        the values of those keys) instead of being freed; a name with nothing fresh keeps None."""
+        cached_cols: list[int] = []
+        cached_slots: list[torch.Tensor] = []
+        fresh_rows: list[int] = []
+        owner: list[tuple[str, int, int]] = []  # (name, first fresh index, count) per segment
+        for seg in lay.segments:
+            s = cached.get(seg.start)
+            n_cached = 0 if s is None else len(s)
+            if n_cached:
+                cached_cols += range(seg.start, seg.start + n_cached)
+                cached_slots.append(s)
+            if n_cached < seg.length:
+                name = "user" if seg.kind == "user" else f"item{seg.item}" if seg.kind == "item" else seg.kind
+                owner.append((name, len(fresh_rows), seg.length - n_cached))
+                fresh_rows += range(seg.start + n_cached, seg.stop)
+        n = len(fresh_rows)
+        assert n and fresh_rows[-1] == len(lay) - 1, "the last token (instruction) is always computed"
+        self._make_room(n)
+        slots = self.allocator.alloc(n)
+        kept: set[str] = set()
+        try:
+            kv = torch.cat([*cached_slots, slots])
+            mask = lay.mask(fresh_rows, cached_cols + fresh_rows)
+            seq = SeqLayout(0, n, kv, mask)
+            ids = [lay.token_ids[r] for r in fresh_rows]
+            pos = [lay.positions[r] for r in fresh_rows]
+            logits = self.runner.forward(self.runner.make_batch(ids, pos, slots, [seq]), [n - 1])[0]
+            scores = torch.softmax(logits[torch.tensor(id_tokens, device=logits.device)], dim=0).cpu()
+            if keep is not None:
+                for name, start, count in owner:
+                    if name in keep:
+                        keep[name] = slots[start : start + count]
+                        kept.add(name)
+        finally:
+            free = [slots[start : start + count] for name, start, count in owner if name not in kept]
+            if free:
+                self.allocator.free(torch.cat(free))
+        return scores
+
+    def _make_room(self, n: int) -> None:
+        short = n - self.allocator.available_size()
+        if short > 0 and not self.tree.disable:
+            self.tree.evict(short)
+        short = n - self.allocator.available_size()
+        if short > 0:
+            self.store.evict(short)
+        if n > self.allocator.available_size():
+            raise RankCapacityError(
+                f"KV cache full: a rank request needs {n} slots, {self.allocator.available_size()} free after "
+                f"evicting every unused cache entry (pool {self.allocator.size})")

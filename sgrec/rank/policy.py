@@ -1,0 +1,135 @@
+"""Hotness-aware prefix selection for rank requests (BAT §5.3) and the cache meta service.
+
+`CacheMeta` tracks, without holding any KV:
+- each user's request frequency f_u over a sliding window of W seconds, kept as an exponentially
+  decayed count (time constant W): every access first decays the stored estimate to the current
+  time, then adds one (§5.3: the meta service decays a user's sliding-window frequency whenever it
+  is accessed). Reads decay to the time asked, so estimates of different users compare at one time.
+- which users' prefixes are cached (the deepest radix node of their tokens; a node detached by
+  eviction or reset means "no longer cached"),
+- per-item access counts (hotness for the item store and for HRCS placement).
+
+`select_prefix` is a pure function of the quantities in the §5.3 rule.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from sgrec.rank.layout import ITEM_PREFIX, USER_PREFIX
+
+PREFIX_POLICIES = ("auto", "user", "item", "none", "greedy")
+NONE = "none"  # recompute: user-as-prefix layout, no cache read or write
+DEFAULT_WINDOW_S = 300.0  # §5.3 analyses 5- and 60-minute windows
+
+
+def select_prefix(policy: str, user_tokens: int, item_tokens: int, f_user: float = 0.0,
+                  cached_freqs: Iterable[float] = (), user_cached: bool = False,
+                  fits_without_eviction: bool = False) -> str:
+    """The prefix of one request: "user", "item" or "none".
+
+    auto (§5.3): user-as-prefix when tau_u >= tau_i and f_u > min over cached users' f_p, else
+    item-as-prefix. With no cached user the minimum is over an empty set (-inf). One reading of
+    the rule's intent is explicit: a user whose prefix is already cached replaces nobody, so it
+    keeps user-as-prefix when tau_u >= tau_i (`user_cached`). `fits_without_eviction` (room for the
+    user without replacing anyone) is the same kind of exception; RankExecutor does not pass it,
+    since free slots on a shared pool are also the next requests' working room.
+    greedy (cache-agnostic, §5.3): the longer side is the prefix. user/item/none: fixed.
+    """
+    if policy == "user":
+        return USER_PREFIX
+    if policy == "item":
+        return ITEM_PREFIX
+    if policy == NONE:
+        return NONE
+    if policy == "greedy":
+        return USER_PREFIX if user_tokens >= item_tokens else ITEM_PREFIX
+    if policy != "auto":
+        raise ValueError(f"unknown prefix policy {policy!r}; expected one of {PREFIX_POLICIES}")
+    if user_tokens < item_tokens:
+        return ITEM_PREFIX
+    if user_cached or fits_without_eviction:
+        return USER_PREFIX
+    lowest = min(cached_freqs, default=-math.inf)
+    return USER_PREFIX if f_user > lowest else ITEM_PREFIX
+
+
+@dataclass
+class _UserStat:
+    freq: float = 0.0  # decayed count at time `at`
+    at: float = 0.0
+    node: object | None = None  # deepest radix node of the cached prefix, if any
+    cached_len: int = 0
+    tokens_hash: int = 0  # hash of the tokens that prefix was cached for
+
+
+class CacheMeta:
+    """The cache meta service: user window frequencies, cached-user index, item access counts."""
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        if window_s <= 0:
+            raise ValueError("window_s must be positive")
+        self.window_s = window_s
+        self.clock = clock
+        self.users: dict[str, _UserStat] = {}
+        self.item_counts: Counter[str] = Counter()
+
+    # ---- users ----------------------------------------------------------------------------
+    def _decayed(self, st: _UserStat, now: float) -> float:
+        return st.freq * math.exp(-max(0.0, now - st.at) / self.window_s)
+
+    def record_user(self, user: str, now: float | None = None) -> float:
+        """One request of `user`: decay its estimate to now, add one; returns the new f_u."""
+        now = self.clock() if now is None else now
+        st = self.users.setdefault(user, _UserStat(at=now))
+        st.freq, st.at = self._decayed(st, now) + 1.0, now
+        return st.freq
+
+    def user_freq(self, user: str, now: float | None = None) -> float:
+        st = self.users.get(user)
+        return 0.0 if st is None else self._decayed(st, self.clock() if now is None else now)
+
+    def set_cached(self, user: str, node: object | None, length: int, tokens: Sequence[int] = ()) -> None:
+        """The user's prefix (`length` tokens of `tokens`) now ends at radix node `node` (None: not cached)."""
+        st = self.users.setdefault(user, _UserStat(at=self.clock()))
+        st.node, st.cached_len = node, length if node is not None else 0
+        st.tokens_hash = hash(tuple(tokens))
+
+    @staticmethod
+    def _alive(st: _UserStat) -> bool:
+        node = st.node
+        return node is not None and getattr(node, "parent", None) is not None
+
+    def is_cached(self, user: str, length: int, tokens: Sequence[int] | None = None) -> bool:
+        """Whether the user's first `length` tokens are still cached (for these `tokens`, if given)."""
+        st = self.users.get(user)
+        if st is None or not self._alive(st) or st.cached_len < length:
+            return False
+        return tokens is None or st.tokens_hash == hash(tuple(tokens))
+
+    def cached_users(self) -> list[str]:
+        """Users whose prefix is still in the tree (forgets the ones evicted since)."""
+        out = []
+        for user, st in self.users.items():
+            if st.node is None:
+                continue
+            if self._alive(st):
+                out.append(user)
+            else:
+                st.node, st.cached_len = None, 0
+        return out
+
+    def cached_freqs(self, exclude: str | None = None, now: float | None = None) -> list[float]:
+        now = self.clock() if now is None else now
+        return [self._decayed(self.users[u], now) for u in self.cached_users() if u != exclude]
+
+    # ---- items ----------------------------------------------------------------------------
+    def record_items(self, item_ids: Iterable[str]) -> None:
+        self.item_counts.update(item_ids)
+
+    def item_count(self, item_id: str) -> int:
+        return self.item_counts.get(item_id, 0)

@@ -1,0 +1,391 @@
+"""Bipartite-attention ranking: layouts, exactness of both caches, permutation invariance, the
+§5.3 prefix rule, HRCS Algorithm 1, bad inputs and KV accounting."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from sgrec.catalog import Catalog, Item, UnknownItemError
+from sgrec.radix import hrcs
+from sgrec.radix.tree import RadixCache
+from sgrec.rank import layout as L
+from sgrec.rank.executor import RankCapacityError, RankExecutor
+from sgrec.rank.policy import CacheMeta, select_prefix
+from sgrec.runner import ModelRunner
+from sgrec.server_args import ServerArgs
+
+TOL = 1e-5
+HEADER = [5, 6, 7, 8]
+INSTR = [9, 10, 11]
+MODELS = [("llama", 0), ("qwen2", 1), ("qwen3", 2)]
+
+
+def make_catalog(n: int = 24, seed: int = 0, vocab: int = 512) -> Catalog:
+    rng = random.Random(seed)
+    return Catalog(
+        Item(f"i{k}", tuple(rng.randrange(3, vocab) for _ in range(rng.randint(1, 6))), rng.randrange(3, vocab))
+        for k in range(n)
+    )
+
+
+def ids(n: int, seed: int, vocab: int = 512) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+class Setup:
+    def __init__(self, path: str, catalog: Catalog, pool: int = 2048, header=HEADER, **kw):
+        self.args = ServerArgs(model_path=path, device="cpu", dtype="float32", max_total_tokens=pool, **kw)
+        self.runner = ModelRunner(self.args)
+        self.alloc = self.runner.kv_pool.allocator
+        self.tree = RadixCache(self.alloc)
+        self.catalog = catalog
+        self.ex = RankExecutor(self.runner, self.tree, catalog, self.args, header_ids=header)
+
+    def scratch(self, kind: str, user, cands, instr=INSTR) -> torch.Tensor:
+        lay = L.build(kind, self.ex.header_ids, user, [self.catalog.get(c).token_ids for c in cands], instr)
+        return self.ex.score_layout(lay, cands)
+
+    def check_accounting(self) -> None:
+        self.tree.check_integrity()
+        assert self.tree.protected_size() == 0
+        assert all(e.pins == 0 for e in self.ex.store.entries.values())
+        held = torch.cat([self.tree.all_values(), self.ex.store.all_values()])
+        assert len(torch.unique(held)) == len(held), "a slot is owned twice"
+        assert self.alloc.available_size() + self.tree.total_size() + self.ex.total_size() == self.alloc.size
+
+
+def scores_of(out: dict, cands) -> torch.Tensor:
+    by_id = {r["item"]: r["score"] for r in out["ranking"]}
+    return torch.tensor([by_id[c] for c in cands])
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return make_catalog()
+
+
+# ---- the layout ----------------------------------------------------------------------------
+def test_user_as_prefix_layout_hand_computed():
+    lay = L.user_as_prefix([1, 2], [[3, 4, 5], [6]], [7, 8])
+    assert lay.token_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert lay.positions == [0, 1, 2, 3, 4, 2, 5, 6]  # items start at u=2; Instr at u + max len 3
+    T = True
+    F = False
+    expect = [
+        [T, F, F, F, F, F, F, F],  # U causal
+        [T, T, F, F, F, F, F, F],
+        [T, T, T, F, F, F, F, F],  # item 0 sees U and itself causally
+        [T, T, T, T, F, F, F, F],
+        [T, T, T, T, T, F, F, F],
+        [T, T, F, F, F, T, F, F],  # item 1 sees U and itself, never item 0
+        [T, T, T, T, T, T, T, F],  # Instr sees everything before it
+        [T, T, T, T, T, T, T, T],
+    ]
+    assert lay.mask().tolist() == expect
+    assert lay.mask([6, 3], [0, 5, 3]).tolist() == [[T, T, T], [T, F, T]]
+
+
+def test_item_as_prefix_layout_hand_computed():
+    lay = L.item_as_prefix([1], [[3, 4], [6, 7, 8]], [2, 2], [9])
+    assert lay.token_ids == [1, 3, 4, 6, 7, 8, 2, 2, 9]
+    assert lay.positions == [0, 1, 2, 1, 2, 3, 4, 5, 6]  # items at h=1; U at h + 3; Instr after U
+    m = lay.mask()
+    assert m[1].tolist() == [1, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert m[4].tolist() == [1, 0, 0, 1, 1, 0, 0, 0, 0]  # item 1 sees H and itself only
+    assert m[7].tolist() == [1, 1, 1, 1, 1, 1, 1, 1, 0]  # U sees H, all items, itself causally
+    assert m[8].all()
+    no_header = L.item_as_prefix([], [[3], [4, 5]], [2], [9])
+    assert no_header.positions == [0, 0, 1, 2, 3]  # items reset to position 0
+
+
+# ---- exactness -----------------------------------------------------------------------------
+@pytest.mark.parametrize("arch,seed", MODELS)
+def test_cached_user_kv_equals_scratch(tiny_model_dir, catalog, arch, seed):
+    s = Setup(tiny_model_dir(arch, seed=seed), catalog)
+    user = ids(37, seed)
+    for rep, cands in enumerate([["i3", "i1", "i7", "i12", "i0"], ["i5", "i3", "i20", "i9"]]):
+        ref = s.scratch("user", user, cands)
+        out = s.ex.run("u", user, cands, INSTR, prefix="user")
+        assert out["meta_info"]["cached_tokens"] == (len(user) if rep else 0)
+        assert (scores_of(out, cands) - ref).abs().max().item() <= TOL
+    longer = user + ids(9, seed + 50)  # the profile grew: a partial hit, the new suffix computed
+    ref = s.scratch("user", longer, ["i2", "i4"])
+    out = s.ex.run("u", longer, ["i2", "i4"], INSTR, prefix="user")
+    assert out["meta_info"]["cached_tokens"] == len(user)
+    assert (scores_of(out, ["i2", "i4"]) - ref).abs().max().item() <= TOL
+    s.check_accounting()
+
+
+@pytest.mark.parametrize("arch,seed", MODELS)
+@pytest.mark.parametrize("budget", [None, 20])  # whole catalog precomputed / lazy with evictions
+def test_cached_item_kv_equals_scratch(tiny_model_dir, catalog, arch, seed, budget):
+    s = Setup(tiny_model_dir(arch, seed=seed), catalog, item_cache_tokens=budget)
+    s.ex.precompute()
+    user = ids(23, seed + 1)
+    for k in range(4):
+        cands = random.Random(k).sample([it.id for it in catalog.items], 8)
+        ref = s.scratch("item", user, cands)
+        out = s.ex.run(f"u{k}", user, cands, INSTR, prefix="item")
+        assert out["meta_info"]["prefix"] == "item"
+        assert (scores_of(out, cands) - ref).abs().max().item() <= TOL
+        assert s.ex.store.total_size() <= s.ex.store.budget
+        s.check_accounting()
+    if budget is None:
+        item_toks = sum(len(catalog.get(c).token_ids) for c in cands)
+        assert out["meta_info"]["cached_tokens"] == len(HEADER) + item_toks
+
+
+def test_layouts_differ_and_cache_is_read(tiny_model_dir, catalog):
+    """The checks above can fail: the two layouts give different scores, and corrupting cached KV
+    changes what a cached run returns."""
+    s = Setup(tiny_model_dir("llama", seed=0), catalog)
+    s.ex.precompute()
+    user, cands = ids(30, 3), ["i1", "i2", "i3", "i4"]
+    assert (s.scratch("user", user, cands) - s.scratch("item", user, cands)).abs().max() > 1e-3
+    ref = s.scratch("item", user, cands)
+    slots = s.ex.store.entries["i2"].slots
+    for layer in range(s.runner.kv_pool.num_layers):
+        s.runner.kv_pool.k_buffer[layer][slots] += 1.0
+    out = s.ex.run("u", user, cands, INSTR, prefix="item")
+    assert (scores_of(out, cands) - ref).abs().max() > 1e-4
+
+
+def test_matches_hf_transformers_with_explicit_mask(tiny_model_dir, hf_model, catalog):
+    """Both layouts equal HF transformers run on the same tokens, positions and 4-D mask."""
+    path = tiny_model_dir("qwen2", seed=1)
+    s = Setup(path, catalog)
+    model = hf_model(path)
+    user, cands = ids(15, 4), ["i6", "i0", "i11"]
+    for kind in L.KINDS:
+        lay = L.build(kind, HEADER, user, [catalog.get(c).token_ids for c in cands], INSTR)
+        bias = torch.zeros(len(lay), len(lay))
+        bias.masked_fill_(~lay.mask(), torch.finfo(torch.float32).min)
+        with torch.no_grad():
+            logits = model(torch.tensor([lay.token_ids]), attention_mask=bias[None, None],
+                           position_ids=torch.tensor([lay.positions])).logits[0, -1].float()
+        ref = torch.softmax(logits[[catalog.get(c).id_token for c in cands]], dim=0)
+        assert (s.scratch(kind, user, cands) - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("prefix", ["user", "item", "none"])
+def test_permuting_candidates_permutes_nothing(tiny_model_dir, catalog, prefix):
+    s = Setup(tiny_model_dir("qwen3", seed=2), catalog)
+    s.ex.precompute()
+    user = ids(19, 9)
+    cands = ["i0", "i4", "i8", "i15", "i16", "i23"]
+    base = scores_of(s.ex.run("u", user, cands, INSTR, prefix=prefix), cands)
+    for k in range(3):
+        perm = cands[:]
+        random.Random(k).shuffle(perm)
+        out = s.ex.run("u", user, perm, INSTR, prefix=prefix)
+        assert (scores_of(out, cands) - base).abs().max().item() <= TOL
+    assert abs(base.sum().item() - 1.0) < 1e-5
+    s.check_accounting()
+
+
+def test_top_k_orders_by_score(tiny_model_dir, catalog):
+    s = Setup(tiny_model_dir("llama", seed=0), catalog)
+    cands = [f"i{k}" for k in range(10)]
+    out = s.ex.run("u", ids(12, 1), cands, INSTR, prefix="none", top_k=3)
+    full = s.ex.run("u", ids(12, 1), cands, INSTR, prefix="none")
+    assert [r["item"] for r in out["ranking"]] == [r["item"] for r in full["ranking"][:3]]
+    vals = [r["score"] for r in full["ranking"]]
+    assert vals == sorted(vals, reverse=True)
+    assert out["meta_info"] == {"prefix": "none", "prompt_tokens": full["meta_info"]["prompt_tokens"],
+                                "cached_tokens": 0, "computed_tokens": full["meta_info"]["prompt_tokens"]}
+
+
+# ---- the §5.3 rule and the meta service ------------------------------------------------------
+def test_select_prefix_rule_on_constructed_states():
+    # tau_u >= tau_i and f_u above the coldest cached user -> user
+    assert select_prefix("auto", 800, 500, f_user=3.0, cached_freqs=[5.0, 2.0, 9.0]) == "user"
+    # not above the coldest (ties lose) -> item
+    assert select_prefix("auto", 800, 500, f_user=2.0, cached_freqs=[5.0, 2.0, 9.0]) == "item"
+    assert select_prefix("auto", 800, 500, f_user=1.0, cached_freqs=[5.0, 2.0]) == "item"
+    # fewer user tokens than item tokens -> item, however hot
+    assert select_prefix("auto", 499, 500, f_user=100.0, cached_freqs=[1.0]) == "item"
+    assert select_prefix("auto", 499, 500, f_user=100.0, user_cached=True, fits_without_eviction=True) == "item"
+    # no cached user: the minimum over an empty set
+    assert select_prefix("auto", 500, 500, f_user=0.5, cached_freqs=[]) == "user"
+    # already cached, or room without replacing anyone -> user
+    assert select_prefix("auto", 900, 100, f_user=1.0, cached_freqs=[4.0], user_cached=True) == "user"
+    assert select_prefix("auto", 900, 100, f_user=1.0, cached_freqs=[4.0], fits_without_eviction=True) == "user"
+    # baselines
+    assert select_prefix("greedy", 900, 100, f_user=0.0, cached_freqs=[4.0]) == "user"
+    assert select_prefix("greedy", 99, 100) == "item"
+    assert [select_prefix(p, 1, 1000) for p in ("user", "item", "none")] == ["user", "item", "none"]
+    with pytest.raises(ValueError):
+        select_prefix("bogus", 1, 1)
+
+
+def test_meta_window_frequency_decays():
+    now = [0.0]
+    meta = CacheMeta(window_s=10.0, clock=lambda: now[0])
+    assert meta.record_user("a") == 1.0
+    now[0] = 10.0
+    assert meta.record_user("a") == pytest.approx(1.0 + math.exp(-1.0))
+    now[0] = 20.0
+    assert meta.user_freq("a") == pytest.approx((1.0 + math.exp(-1.0)) * math.exp(-1.0))
+    assert meta.user_freq("nobody") == 0.0
+    meta.record_items(["x", "y", "x"])
+    assert (meta.item_count("x"), meta.item_count("y"), meta.item_count("z")) == (2, 1, 0)
+
+
+def test_meta_tracks_cached_users_through_eviction():
+    from sgrec.mem.kv_pool import TokenAllocator
+
+    alloc = TokenAllocator(64)
+    tree = RadixCache(alloc)
+    now = [0.0]
+    meta = CacheMeta(window_s=100.0, clock=lambda: now[0])
+    for user, toks, n in (("a", [1, 2, 3], 3), ("b", [4, 5], 1)):
+        for _ in range(n):
+            meta.record_user(user)
+        tree.insert(toks, alloc.alloc(len(toks)))
+        meta.set_cached(user, tree.match_prefix(toks).last_node, len(toks), toks)
+    assert sorted(meta.cached_users()) == ["a", "b"]
+    assert meta.is_cached("a", 3, [1, 2, 3]) and not meta.is_cached("a", 3, [1, 2, 9])
+    assert sorted(meta.cached_freqs()) == [1.0, 3.0]
+    assert meta.cached_freqs(exclude="b") == [3.0]
+    tree.reset()  # evicted: no longer counted as cached
+    assert meta.cached_users() == [] and not meta.is_cached("a", 3)
+
+
+def test_auto_policy_in_executor(tiny_model_dir):
+    """A long user with no cached user to beat takes user-as-prefix and keeps it; a long user colder
+    than every cached user falls back to item-as-prefix; a short user always gets item-as-prefix."""
+    cat = make_catalog(6, seed=1)
+    s = Setup(tiny_model_dir("llama", seed=0), cat, pool=162, item_cache_tokens=60)
+    s.ex.precompute()
+    cands = [it.id for it in cat.items]
+    tau_i = sum(len(it.token_ids) for it in cat.items)
+    long_a, long_b, long_c = ids(tau_i + 40, 1), ids(tau_i + 41, 2), ids(tau_i + 42, 3)
+    assert s.ex.run("short", ids(3, 4), cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "item"
+    for _ in range(3):
+        assert s.ex.run("a", long_a, cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "user"
+    out = s.ex.run("a", long_a, cands, INSTR, prefix="auto")
+    assert out["meta_info"]["cached_tokens"] == len(long_a)
+    # b: first request, f_b = 1 < f_a, the coldest cached user -> item
+    assert s.ex.run("b", long_b, cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "item"
+    # greedy ignores hotness
+    assert s.ex.run("c", long_c, cands, INSTR, prefix="greedy")["meta_info"]["prefix"] == "user"
+    s.check_accounting()
+
+
+# ---- HRCS ----------------------------------------------------------------------------------
+def test_algorithm1_hand_computed():
+    const = lambda s, p: 0.5  # noqa: E731
+    f = [1, 1, 5, 3]  # sorted and normalised inside: 0.5, 0.3, 0.1, 0.1
+    # R_max = 0.1*0.5 * 1000 * (2-1) / (10 * 5 * 2) = 0.5: CDF 0.5 reaches 1 - 0.5 at i = 1
+    r = hrcs.compute_replication_ratio(1000, f, 100, 5, 0.1, 10, 2, const)
+    assert (r.r_max, r.num_replicated, r.ratio, r.prefill_time) == (pytest.approx(0.5), 1, 0.25, 0.5)
+    # alpha 0.04 -> R_max 0.2: CDF 0.5, 0.8 -> i = 2
+    r = hrcs.compute_replication_ratio(1000, f, 100, 5, 0.04, 10, 2, const)
+    assert (r.r_max, r.ratio) == (pytest.approx(0.2), 0.5)
+    # one worker: nothing may be remote, everything is replicated
+    assert hrcs.compute_replication_ratio(1000, f, 100, 5, 0.1, 10, 1, const).ratio == 1.0
+    # the prefill time is asked for (tau_u, c * tau_i)
+    seen = []
+    hrcs.compute_replication_ratio(1000, f, 100, 5, 0.1, 10, 4, lambda s, p: seen.append((s, p)) or 0.1)
+    assert seen == [(100, 50)]
+
+
+def test_prefill_time_polynomial_fit_and_placement():
+    truth = lambda s, p: 0.002 + 3e-5 * s + 1e-6 * p + 2e-8 * s * s + 5e-9 * s * p  # noqa: E731
+    samples = [(s, p, truth(s, p)) for s in (16, 64, 256, 1024) for p in (0, 100, 1000)]
+    model = hrcs.PrefillTimeModel.fit(samples)
+    assert model(500, 300) == pytest.approx(truth(500, 300), rel=1e-6)
+    with pytest.raises(ValueError):
+        hrcs.PrefillTimeModel.fit(samples[:3])
+
+    items = ["a", "b", "c", "d", "e", "f"]
+    freqs = [1, 9, 1, 4, 2, 3]
+    pl = hrcs.plan_placement(items, freqs, 2 / 6, 2)
+    assert pl.replicated == {"b", "d"}
+    assert pl.owner == {"f": 0, "e": 1, "a": 0, "c": 1}  # round-robin by descending frequency
+    assert pl.owns(0, "b") and pl.owns(1, "b") and pl.owns(0, "f") and not pl.owns(1, "f")
+    plan = hrcs.make_plan(items, [2] * 6, freqs, 100, 1000, 10, 2, 0.1, 3, 2, lambda s, p: 1.0)
+    # R_max = 0.1 * 1 * 1000 * 1 / (3 * 2 * 2) = 8.33 >= 1: the first item already satisfies the CDF
+    assert plan.replication.num_replicated == 1
+    assert plan.per_rank_items == [1 + 3, 1 + 2]
+    assert plan.per_rank_bytes == [8 * 100, 6 * 100]
+    assert plan.remote_fraction == pytest.approx((1 - 9 / 20) * 0.5)
+
+
+def test_hrcs_cli_prints_plan(capsys):
+    hrcs.main(["--bandwidth-tokens", "5000", "--tau-u", "100", "--tau-i", "5", "-c", "10", "-N", "4",
+               "--num-items", "50", "--prefill-time", "0.1"])
+    out = capsys.readouterr().out
+    assert "replication ratio r" in out and "expected remote fraction" in out and out.count("MiB") == 4
+
+
+def test_non_owned_items_are_recomputed_not_kept(tiny_model_dir, catalog):
+    s = Setup(tiny_model_dir("qwen2", seed=1), catalog, dp_size=2)
+    ids_all = [it.id for it in catalog.items]
+    s.ex.placement = hrcs.plan_placement(ids_all, [1.0] * len(ids_all), 0.25, 2)
+    s.ex.precompute()
+    owned = [i for i in ids_all if s.ex.placement.owns(0, i)]
+    assert sorted(s.ex.store.entries) == sorted(owned) and len(owned) < len(ids_all)
+    cands = ids_all[:10]
+    user = ids(11, 2)
+    out = s.ex.run("u", user, cands, INSTR, prefix="item")
+    assert (scores_of(out, cands) - s.scratch("item", user, cands)).abs().max().item() <= TOL
+    assert sorted(s.ex.store.entries) == sorted(owned)
+    s.check_accounting()
+
+
+# ---- bad inputs and accounting --------------------------------------------------------------
+def test_bad_inputs_are_value_errors(tiny_model_dir, catalog):
+    s = Setup(tiny_model_dir("llama", seed=0), catalog, max_rank_candidates=5)
+    s.ex.precompute()
+    free_before = s.alloc.available_size()
+    user = ids(5, 1)
+    with pytest.raises(UnknownItemError, match="nope"):
+        s.ex.run("u", user, ["i1", "nope"], INSTR)
+    cases = [
+        (dict(item_ids=[]), "non-empty"),
+        (dict(item_ids=["i1", "i2", "i3", "i4", "i5", "i6"]), "max-rank-candidates"),
+        (dict(item_ids=["i1", "i2", "i1"]), "duplicate"),
+        (dict(prefix="both"), "prefix"),
+        (dict(top_k=0), "top_k"),
+        (dict(instruction_ids=[]), "instruction"),
+        (dict(user_ids=[1, 10**6]), "token id"),
+    ]
+    for bad, msg in cases:
+        kw = {**dict(user_key="u", user_ids=user, item_ids=["i1", "i2"], instruction_ids=INSTR), **bad}
+        with pytest.raises(ValueError, match=msg):
+            s.ex.run(**kw)
+    assert s.alloc.available_size() == free_before
+    s.check_accounting()
+
+
+def test_kv_accounting_balances_and_flushes(tiny_model_dir, catalog):
+    s = Setup(tiny_model_dir("qwen3", seed=2), catalog, pool=400, item_cache_tokens=40)
+    s.ex.precompute()
+    rng = random.Random(5)
+    users = {f"u{k}": ids(rng.randint(5, 60), k) for k in range(6)}
+    for step in range(14):
+        key = rng.choice(list(users))
+        cands = rng.sample([it.id for it in catalog.items], rng.randint(1, 10))
+        prefix = ["auto", "user", "item", "none", "greedy"][step % 5]
+        s.ex.run(key, users[key], cands, INSTR, prefix=prefix)
+        s.check_accounting()
+    s.tree.reset()
+    s.ex.store.reset()
+    assert s.alloc.available_size() == s.alloc.size
+
+
+def test_capacity_error_leaves_no_leak(tiny_model_dir, catalog):
+    s = Setup(tiny_model_dir("llama", seed=0), catalog, pool=64, item_cache_tokens=30)
+    s.ex.precompute()
+    with pytest.raises(RankCapacityError):
+        s.ex.run("u", ids(80, 1), ["i1", "i2"], INSTR, prefix="user")
+    s.check_accounting()
+    out = s.ex.run("u", ids(8, 1), ["i1", "i2"], INSTR, prefix="item")  # still serves what fits
+    assert len(out["ranking"]) == 2
+    s.check_accounting()
