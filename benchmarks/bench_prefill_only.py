@@ -3,14 +3,20 @@
 The post-recommendation workload of PrefillOnly §7.1, lengths scaled down for CPU with the ratios
 kept: users with long profiles (paper: 14,000 +- 3,000 tokens; here --profile-mean/--profile-std),
 each scored against --posts posts (paper: 50 posts of 150 tokens), one prefill-only request per
-(user, post) whose prompt is profile + post; the profile is the cached prefix. Requests arrive in a
-random user order as a Poisson process at multiples of the measured capacity. The KV pool holds
-about --cache-profiles profiles, so the order of service decides the prefix hit rate.
+(user, post) whose prompt is profile + post; the profile is the cached prefix. With --arrivals
+requests (default) the requests of all users are shuffled and arrive one by one as a Poisson
+process, so users interleave; with --arrivals users, users arrive as a Poisson process (paper §7.1),
+each with all its post requests at once. Rates are multiples of FCFS's measured capacity. The KV
+pool holds about --cache-profiles profiles, so the order of service decides the prefix hit rate.
 
 Each run drives sgrec's real Scheduler (hybrid prefilling, suffix KV discarding, radix cache) in
-this process with wall-clock arrivals, and reports mean / P99 latency, throughput and the prefix
-hit rate; then, at the mean latency FCFS reaches at its capacity, the highest rate each policy
-sustains (linear interpolation between measured rates).
+this process and reports mean / P99 latency, throughput and the prefix hit rate; then, at the mean
+latency FCFS reaches at its capacity, the highest rate each policy sustains (linear interpolation
+between measured rates). Time: with --clock model (default) each request's service time comes from
+a linear model a + b*uncached + c*cached fitted to prefill times measured first on this machine
+(the fastest of 3 runs per point), and a virtual clock advances by it: the real scheduler decides
+the order and the real radix cache decides the hits, while other load on a shared machine cannot
+distort the comparison. --clock wall runs on the wall clock instead (use it on a quiet machine).
 
     python benchmarks/bench_prefill_only.py                 # ~6 minutes on 2 CPU cores
     python benchmarks/bench_prefill_only.py --users 4 --posts 10 --rates 0.5,2   # quick look
@@ -27,6 +33,7 @@ import tempfile
 import time
 
 import numpy as np
+import torch
 
 from sgrec import Engine
 from sgrec.managers.io_struct import TokenizedGenerateReq
@@ -34,42 +41,87 @@ from sgrec.managers.io_struct import TokenizedGenerateReq
 POLICIES = ["fcfs", "srjf-static", "srjf"]
 
 
-def make_workload(users: int, posts: int, mean: int, std: int, post_len: int, vocab: int, seed: int):
+def make_workload(users: int, posts: int, mean: int, std: int, post_len: int, vocab: int, seed: int,
+                  interleave: bool):
+    """[(user, prompt ids, profile length)] in arrival order: shuffled, or grouped by user."""
     rng = random.Random(seed)
     profiles = [[rng.randrange(3, vocab) for _ in range(max(post_len, int(rng.gauss(mean, std))))]
                 for _ in range(users)]
     reqs = [(u, profiles[u] + [rng.randrange(3, vocab) for _ in range(post_len)], len(profiles[u]))
             for u in range(users) for _ in range(posts)]
-    rng.shuffle(reqs)
+    if interleave:
+        rng.shuffle(reqs)
     return reqs
 
 
-def run(model: str, policy: str, reqs, rate: float, pool: int, seed: int) -> dict:
+def fit_cost(model: str, lengths: list[int], pool: int):
+    """LinearJct in seconds from the fastest of 3 timed prefill-only forwards per (n, cached) point."""
+    from sgrec.model.attention import SeqLayout
+    from sgrec.scheduler.policy import LinearJct
+
+    engine = Engine(model, device="cpu", dtype="float32", max_total_tokens=pool)
+    runner, alloc = engine.runner, engine.runner.kv_pool.allocator
+    samples = []
+    for n in lengths:
+        ids = [(7 * t) % 509 + 3 for t in range(n)]
+        for cached in (0, n // 2, n - 8):
+            slots = alloc.alloc(cached)
+            if cached:
+                runner.forward(runner.make_batch(ids[:cached], list(range(cached)), slots,
+                                                 [SeqLayout(0, cached, slots)]), [cached - 1])
+            new, zeros = n - cached, torch.zeros(n - cached, dtype=torch.int64)
+            batch = runner.make_batch(ids[cached:], list(range(cached, n)), zeros,
+                                      [SeqLayout(0, new, torch.cat([slots, zeros]))])
+            best = float("inf")
+            for _ in range(3):
+                t = time.perf_counter()
+                runner.forward_prefill_only(batch, [new - 1])
+                best = min(best, time.perf_counter() - t)
+            samples.append((n, cached, best))
+            alloc.free(slots)
+    return LinearJct.fit(samples)
+
+
+def run(model: str, policy: str, reqs, rate: float, pool: int, seed: int, clock: str = "model", cost=None,
+        per_user: bool = False) -> dict:
+    """rate: arrivals (requests, or users with per_user) per second."""
     engine = Engine(model, device="cpu", dtype="float32", max_total_tokens=pool, schedule_policy=policy)
     sched = engine.scheduler
     engine.generate(input_ids=reqs[0][1][:32], sampling_params={"max_new_tokens": 0})  # warm-up
     engine.flush_cache()
     rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, len(reqs)) if rate != float("inf") else np.zeros(len(reqs))
-    arrivals = np.cumsum(gaps) - gaps[0]
+    keys = [u for u, _, _ in reqs] if per_user else list(range(len(reqs)))
+    uniq = list(dict.fromkeys(keys))
+    gaps = rng.exponential(1.0 / rate, len(uniq)) if rate != float("inf") else np.zeros(len(uniq))
+    at = dict(zip(uniq, np.cumsum(gaps) - gaps[0]))
+    arrivals = [at[k] for k in keys]
     latency, hit_tokens, in_tokens = {}, 0, 0
-    t0, i = time.monotonic(), 0
+    t0, vt, i = time.monotonic(), 0.0, 0
+
+    def now() -> float:
+        return vt if clock == "model" else time.monotonic() - t0
+
+    sched.clock = now  # queueing times for the fairness term on the same clock
     while len(latency) < len(reqs):
-        now = time.monotonic() - t0
-        while i < len(reqs) and arrivals[i] <= now:
+        while i < len(reqs) and arrivals[i] <= now():
             _, ids, keep = reqs[i]
             sched.add_request(TokenizedGenerateReq(rid=str(i), input_ids=ids, sampling_params={"max_new_tokens": 0},
                                                    cache_prefix_len=keep))
             i += 1
         if not sched.has_work():
-            time.sleep(max(0.0, min(0.002, arrivals[i] - now)))
+            if clock == "model":
+                vt = arrivals[i]
+            else:
+                time.sleep(max(0.0, min(0.002, arrivals[i] - now())))
             continue
-        for req in sched.step():
-            if req.finished:
-                latency[req.rid] = time.monotonic() - t0 - arrivals[int(req.rid)]
-                hit_tokens += req.cached_tokens
-                in_tokens += len(req.input_ids)
-    duration = time.monotonic() - t0
+        done = [r for r in sched.step() if r.finished]
+        if clock == "model":
+            vt += sum(cost(len(r.input_ids), r.cached_tokens) for r in done)
+        for req in done:
+            latency[req.rid] = now() - arrivals[int(req.rid)]
+            hit_tokens += req.cached_tokens
+            in_tokens += len(req.input_ids)
+    duration = now()
     lat = sorted(latency.values())
     engine.check_memory()
     return {
@@ -94,15 +146,17 @@ def rate_at_latency(points: list[tuple[float, float]], target: float) -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF model dir (default: a generated 4-layer, hidden-256 random Llama)")
+    ap.add_argument("--model", help="HF model dir (default: a generated 4-layer, hidden-128 random Llama)")
     ap.add_argument("--users", type=int, default=8)
-    ap.add_argument("--posts", type=int, default=20)
+    ap.add_argument("--posts", type=int, default=10)
     ap.add_argument("--profile-mean", type=int, default=700)
     ap.add_argument("--profile-std", type=int, default=150)
     ap.add_argument("--post-len", type=int, default=8)
     ap.add_argument("--cache-profiles", type=float, default=2.0, help="KV pool size in mean profiles")
     ap.add_argument("--rates", default="0.25,0.5,1,2,4", help="multiples of FCFS's measured capacity")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clock", choices=["model", "wall"], default="model")
+    ap.add_argument("--arrivals", choices=["requests", "users"], default="requests")
     ap.add_argument("--plot", default="bench_out/bench_prefill_only.png")
     args = ap.parse_args(argv)
 
@@ -110,25 +164,33 @@ def main(argv=None) -> None:
     if model is None:
         from sgrec.tools.make_tiny_model import make_tiny_model
 
-        model = make_tiny_model(tempfile.mkdtemp(prefix="sgrec_po_"), arch="llama", seed=1, hidden_size=256,
-                                intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2,
+        model = make_tiny_model(tempfile.mkdtemp(prefix="sgrec_po_"), arch="llama", seed=1, hidden_size=128,
+                                intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=2,
                                 max_position_embeddings=4096)
-    reqs = make_workload(args.users, args.posts, args.profile_mean, args.profile_std, args.post_len, 512, args.seed)
+    per_user = args.arrivals == "users"
+    reqs = make_workload(args.users, args.posts, args.profile_mean, args.profile_std, args.post_len, 512, args.seed,
+                         not per_user)
+    unit = args.posts if per_user else 1  # requests per arrival
     pool = int(args.cache_profiles * args.profile_mean * 1.1)
     print(f"workload: {len(reqs)} requests ({args.users} users x {args.posts} posts), profiles "
           f"{args.profile_mean}+-{args.profile_std} tokens, posts {args.post_len} tokens, KV pool {pool} tokens")
 
-    capacity = run(model, "fcfs", reqs, float("inf"), pool, args.seed)["throughput"]
-    print(f"FCFS capacity (all requests at t=0): {capacity:.2f} req/s")
+    cost = None
+    if args.clock == "model":
+        lens = sorted({len(ids) for _, ids, _ in reqs})
+        cost = fit_cost(model, [lens[0], lens[len(lens) // 2], lens[-1]], pool)
+        print(f"service time model (s): {cost.a:.4f} + {cost.b * 1e3:.4f} ms x uncached + {cost.c * 1e3:.4f} ms x cached")
+    capacity = run(model, "fcfs", reqs, float("inf"), pool, args.seed, args.clock, cost, per_user)["throughput"] / unit
+    print(f"FCFS capacity (all requests at t=0): {capacity * unit:.2f} req/s")
     mults = [float(x) for x in args.rates.split(",")]
     results: dict[str, list[tuple[float, dict]]] = {p: [] for p in POLICIES}
     print(f"\n| rate x cap | req/s offered | policy | mean s | P99 s | throughput req/s | prefix hit |")
     print("|---|---|---|---|---|---|---|")
     for m in mults:
         for p in POLICIES:
-            r = run(model, p, reqs, m * capacity, pool, args.seed)
+            r = run(model, p, reqs, m * capacity, pool, args.seed, args.clock, cost, per_user)
             results[p].append((m * capacity, r))
-            print(f"| {m:g} | {m * capacity:.2f} | {p} | {r['mean']:.3f} | {r['p99']:.3f} | {r['throughput']:.2f} "
+            print(f"| {m:g} | {m * capacity * unit:.2f} | {p} | {r['mean']:.3f} | {r['p99']:.3f} | {r['throughput']:.2f} "
                   f"| {r['hit']:.1%} |", flush=True)
 
     fcfs_at_cap = [r for rate, r in results["fcfs"] if abs(rate - capacity) < 1e-9]
@@ -137,7 +199,7 @@ def main(argv=None) -> None:
     sustained = {p: rate_at_latency([(rate, r["mean"]) for rate, r in results[p]], target) for p in POLICIES}
     for p in POLICIES:
         ratio = sustained[p] / sustained["fcfs"] if sustained["fcfs"] else float("nan")
-        print(f"  {p:12s} {sustained[p]:.2f} req/s  ({ratio:.2f}x FCFS)")
+        print(f"  {p:12s} {sustained[p] * unit:.2f} req/s  ({ratio:.2f}x FCFS)")
     print("target: calibrated SRJF (srjf) >= 1.4x FCFS")
 
     try:
@@ -149,7 +211,7 @@ def main(argv=None) -> None:
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
         fig, ax = plt.subplots(1, 2, figsize=(10, 4))
         for p in POLICIES:
-            xs = [rate for rate, _ in results[p]]
+            xs = [rate * unit for rate, _ in results[p]]
             ax[0].plot(xs, [r["mean"] for _, r in results[p]], marker="o", label=p)
             ax[1].plot(xs, [r["p99"] for _, r in results[p]], marker="o", label=p)
         for a, name in zip(ax, ["mean latency (s)", "P99 latency (s)"]):

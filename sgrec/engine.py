@@ -7,7 +7,7 @@ import uuid
 from typing import Iterator
 
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
-from sgrec.managers.rec import build_rank_task, task_response
+from sgrec.managers.rec import build_rank_task, build_retrieve_task, task_response
 from sgrec.managers.score import ScoreResult, build_score
 from sgrec.sampling import SamplingParams
 from sgrec.runner import ModelRunner
@@ -103,6 +103,14 @@ class Engine:
             obj["instruction"] = instruction
         msg = build_rank_task(obj, self.tokenizer, self.builder, self.server_args.max_rank_candidates)
         return self._run_task(msg)
+
+    def retrieve(self, user: dict, beam_width: int = 128, top_k: int | None = None, num_items: int = 10) -> dict:
+        """Generative retrieval with xBeam over the catalog's semantic IDs (needs item_catalog):
+        {"items": [{"item", "semantic_id", "score"}, ...], "meta_info": {...}}."""
+        obj = {"user": user, "beam_width": beam_width, "num_items": num_items}
+        if top_k is not None:
+            obj["top_k"] = top_k
+        return self._run_task(build_retrieve_task(obj, self.tokenizer, self.builder, self.server_args.max_beam_width))
 
     def _run_task(self, msg) -> dict:
         state = ReqState(msg, SamplingParams(max_new_tokens=0))

@@ -230,3 +230,12 @@ def test_linear_jct_fit_recovers_coefficients():
     samples = [(n, c, 0.5 + 0.01 * (n - c) + 0.001 * c) for n in (100, 500, 1000) for c in (0, 50, 90)]
     jct = LinearJct.fit(samples)
     assert abs(jct.a - 0.5) < 1e-9 and abs(jct.b - 0.01) < 1e-9 and abs(jct.c - 0.001) < 1e-9
+
+
+def test_linear_jct_model_is_profiled_at_start_up(tiny_model_dir):
+    e = Engine(tiny_model_dir("llama"), device="cpu", dtype="float32", max_total_tokens=512,
+               jct_model="linear", schedule_policy="srjf")
+    jct = e.scheduler.jct
+    assert isinstance(jct, LinearJct) and jct.b == 1.0  # normalised to uncached-token units
+    outs = e.generate(input_ids=[rand_ids(n, 512, n) for n in (30, 10, 20)], sampling_params={"max_new_tokens": 0})
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)

@@ -165,3 +165,63 @@ def test_rank_without_catalog_is_400(server):
 
 def test_rank_kv_free_after_flush(rank_server):
     assert wait_until(lambda: kv_idle_and_free(rank_server), timeout=30)
+
+
+# ---- /v1/retrieve ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sem_catalog_path(tmp_path_factory):
+    return write_catalog(tmp_path_factory.mktemp("semcat") / "catalog.jsonl", n=27, seed=1, semantic=True)
+
+
+def test_engine_retrieve_equals_naive_reference(model, sem_catalog_path):
+    from sgrec import Engine
+    from sgrec.beam import naive_retrieve
+
+    e = Engine(model, device="cpu", dtype="float32", max_total_tokens=4096, item_catalog=sem_catalog_path)
+    user = {"id": "u1", "token_ids": list(range(40, 90))}
+    for _ in range(2):  # the second request hits the prompt cache
+        out = e.retrieve(user, beam_width=8, num_items=5)
+    ref = naive_retrieve(e.runner, e.scheduler.catalog, user["token_ids"], 8, 8, 5)
+    assert [x["item"] for x in out["items"]] == [x["item"] for x in ref.items]
+    assert max(abs(a["score"] - b["score"]) for a, b in zip(out["items"], ref.items)) <= 1e-4
+    paths = {tuple(it.semantic_id): it.id for it in e.scheduler.catalog.items}
+    assert all(paths[tuple(x["semantic_id"])] == x["item"] for x in out["items"])
+    assert out["meta_info"]["cached_tokens"] == len(user["token_ids"]) - 1
+    e.check_memory()
+
+
+@pytest.fixture(scope="module")
+def retrieve_server(start_server, model, sem_catalog_path):
+    return start_server(model, "--max-total-tokens", "4096", "--item-catalog", sem_catalog_path,
+                        "--max-beam-width", "16")
+
+
+def test_retrieve_route(retrieve_server):
+    r = retrieve_server.client.post("/v1/retrieve", json={"user": {"id": "u3", "token_ids": [7, 8, 9, 10]},
+                                                          "beam_width": 16, "num_items": 4})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert len(out["items"]) == 4 and len({x["item"] for x in out["items"]}) == 4
+    assert [x["score"] for x in out["items"]] == sorted((x["score"] for x in out["items"]), reverse=True)
+    assert out["meta_info"]["e2e_latency"] > 0
+    rank = retrieve_server.client.post("/v1/rank", json={"user": {"id": "u3", "token_ids": [7, 8, 9]},
+                                                        "items": [x["item"] for x in out["items"]]})
+    assert rank.status_code == 200
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"user": {"id": "u", "token_ids": [5]}, "beam_width": 17}, "max-beam-width"),
+    ({"user": {"id": "u", "token_ids": [5]}, "beam_width": 4, "num_items": 5}, "must not exceed"),
+    ({"user": {"id": "u", "token_ids": [5]}, "beam_width": 0}, "positive integer"),
+    ({"user": {"id": "u", "token_ids": [5]}, "top_k": "a"}, "positive integer"),
+    ({"user": {"id": "u", "token_ids": [99999]}}, "input_ids must be integers"),
+])
+def test_retrieve_bad_input_is_400(retrieve_server, body, message):
+    r = retrieve_server.client.post("/v1/retrieve", json=body)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["message"]
+
+
+def test_retrieve_needs_semantic_ids(rank_server):
+    r = rank_server.client.post("/v1/retrieve", json={"user": {"id": "u", "token_ids": [5, 6]}, "beam_width": 4, "num_items": 2})
+    assert r.status_code == 400 and "semantic_id" in r.json()["message"]

@@ -1,4 +1,4 @@
-"""Recommendation routes: /v1/score (SGLang 0.5.23's ScoringRequest / ScoringResponse) and /v1/rank."""
+"""Recommendation routes: /v1/score (SGLang 0.5.23's ScoringRequest / ScoringResponse), /v1/rank, /v1/retrieve."""
 
 from __future__ import annotations
 
@@ -58,3 +58,7 @@ def add_rec_routes(app: FastAPI, tm: TokenizerManager, model_name: str) -> None:
     @app.post("/v1/rank")
     async def rank(request: Request):
         return await run_task(request, tm.submit_rank)
+
+    @app.post("/v1/retrieve")
+    async def retrieve(request: Request):
+        return await run_task(request, tm.submit_retrieve)

@@ -81,6 +81,33 @@ def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_cand
     return TaskReq(rid=rid, kind="rank", input_ids=user_ids, payload=payload)
 
 
+RETRIEVE_FIELDS = {"user", "beam_width", "top_k", "num_items", "rid", "routing_key", "model"}
+
+
+def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int) -> TaskReq:
+    if not isinstance(obj, dict):
+        raise ValueError("The request body must be a JSON object")
+    unknown = set(obj) - RETRIEVE_FIELDS
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    _, user_ids = parse_user(obj.get("user"), tokenizer, builder)
+    beam_width = obj.get("beam_width", 128)
+    top_k = obj.get("top_k", beam_width)
+    num_items = obj.get("num_items", 10)
+    for name, v in (("beam_width", beam_width), ("top_k", top_k), ("num_items", num_items)):
+        if not _is_int(v) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if beam_width > max_beam_width:
+        raise ValueError(f"beam_width {beam_width} exceeds --max-beam-width {max_beam_width}")
+    if num_items > beam_width:
+        raise ValueError(f"num_items ({num_items}) must not exceed beam_width ({beam_width})")
+    rid = obj.get("rid") or uuid.uuid4().hex
+    if not isinstance(rid, str):
+        raise ValueError("rid must be a string")
+    payload = {"input_ids": user_ids, "beam_width": beam_width, "top_k": top_k, "num_items": num_items}
+    return TaskReq(rid=rid, kind="retrieve", input_ids=user_ids, payload=payload)
+
+
 def task_response(state) -> dict:
     """The HTTP/Engine body of a finished task: the executor's result plus request facts."""
     out = dict(state.result or {})

@@ -43,6 +43,12 @@ class LinearJct:
     def __call__(self, n_input: int, n_cached: int) -> float:
         return self.a + self.b * (n_input - n_cached) + self.c * n_cached
 
+    def in_tokens(self) -> "LinearJct":
+        """The same model in units of one uncached token's time, so that --jct-fairness keeps its
+        meaning (tokens per second queued) whichever JCT model is used."""
+        b = self.b if self.b > 0 else 1.0
+        return LinearJct(self.a / b, self.b / b, self.c / b)
+
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, int, float]]) -> "LinearJct":
         """samples: (n_input, n_cached, seconds)."""
@@ -50,6 +56,38 @@ class LinearJct:
         y = np.array([t for _, _, t in samples])
         coef, *_ = np.linalg.lstsq(X, y, rcond=None)
         return cls(*map(float, coef))
+
+
+def profile_linear_jct(runner, max_len: int, steps: int = 4) -> LinearJct:
+    """Times prefill-only forwards over a grid of (n_input, n_cached) up to max_len (PrefillOnly §6.3
+    profiles at a 1,000-token granularity; here max_len / steps) and fits LinearJct."""
+    import time
+
+    import torch
+
+    from sgrec.model.attention import SeqLayout
+
+    alloc, vocab = runner.kv_pool.allocator, runner.config.vocab_size
+    samples = []
+    for i in range(1, steps + 1):
+        n = max(2, max_len * i // steps)
+        ids = [(7 * t) % (vocab - 3) + 3 for t in range(n)]
+        for cached in (0, n // 2):
+            slots = alloc.alloc(cached)
+            if slots is None:
+                continue
+            if cached:
+                runner.forward(runner.make_batch(ids[:cached], list(range(cached)), slots,
+                                                 [SeqLayout(0, cached, slots)]), [cached - 1])
+            new = n - cached
+            zeros = torch.zeros(new, dtype=torch.int64)
+            batch = runner.make_batch(ids[cached:], list(range(cached, n)), zeros,
+                                      [SeqLayout(0, new, torch.cat([slots, zeros]))])
+            start = time.perf_counter()
+            runner.forward_prefill_only(batch, [new - 1])
+            samples.append((n, cached, time.perf_counter() - start))
+            alloc.free(slots)
+    return LinearJct.fit(samples)
 
 
 def peek_prefix_len(tree: RadixCache, key: Sequence[int], extra_key: str | None = None) -> int:

@@ -21,7 +21,9 @@ from sgrec.sampling import GREEDY_EPS, Sampler
 from sgrec.catalog import Catalog
 from sgrec.managers.io_struct import TaskReq, TokenizedGenerateReq
 from sgrec.sampling import SamplingParams
-from sgrec.scheduler.policy import LinearJct, jct_uncached_tokens, peek_prefix_len, pick_prefill_only
+from sgrec.scheduler.policy import (
+    jct_uncached_tokens, peek_prefix_len, pick_prefill_only, profile_linear_jct,
+)
 from sgrec.scheduler.req import LogprobSpec, Req
 from sgrec.scheduler.task import Task, run_task
 from sgrec.server_args import ServerArgs
@@ -51,7 +53,10 @@ class Scheduler:
         self.chunked: Req | None = None  # a prompt in the middle of chunked prefill
         self.prefill_only: list[Req] = []  # max_new_tokens 0: hybrid prefilling, suffix KV discarded
         self.prefill_only_policy = args.schedule_policy if args.schedule_policy.startswith("srjf") else "fcfs"
-        self.jct = jct_uncached_tokens  # set_jct_model() may replace it with a fitted LinearJct
+        self.jct = jct_uncached_tokens
+        if args.jct_model == "linear":
+            self.jct = profile_linear_jct(runner, min(runner.max_input_len, runner.kv_pool.size, 4096)).in_tokens()
+            logger.info("JCT model fitted on profiled prefills: %s", self.jct)
         self.clock = time.monotonic
         self.tasks: list[Task] = []  # rank / retrieve requests, each run to completion in one step
         self.executors: dict = {}
@@ -63,6 +68,16 @@ class Scheduler:
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args)
             self.rank_executor.precompute(progress=show_progress)
             self.executors["rank"] = self.rank_executor.run
+            if self.catalog.semantic_id_len is not None:
+                from sgrec.beam.executor import RetrieveExecutor
+
+                retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width)
+
+                def retrieve(**kw) -> dict:
+                    res = retriever.run(**kw)
+                    return {"items": res.items, "meta_info": res.meta}
+
+                self.executors["retrieve"] = retrieve
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         self.last_was_prefill = False
 
@@ -94,9 +109,6 @@ class Scheduler:
     def cached_size(self) -> int:
         """KV slots held by the caches: the radix tree and the item store."""
         return self.tree.total_size() + (self.rank_executor.total_size() if self.rank_executor else 0)
-
-    def set_jct_model(self, jct: LinearJct) -> None:
-        self.jct = jct
 
     def _peek_cached(self, req: Req) -> int:
         return peek_prefix_len(self.tree, req.fill_ids[: req.prefix_match_limit()], req.extra_key)

@@ -38,8 +38,9 @@ def run_task(task: Task, executors: dict) -> None:
     """Runs the task's executor; bad input (ValueError) is a 400, a full KV pool (RuntimeError) a 503."""
     executor = executors.get(task.msg.kind)
     if executor is None:
-        what = "an item catalog (--item-catalog)" if task.msg.kind in ("rank", "retrieve") else "a known kind"
-        task.finish_reason = _abort(f"{task.msg.kind} requests need {what}", 400)
+        need = {"rank": "an item catalog (--item-catalog)",
+                "retrieve": "an item catalog (--item-catalog) whose items carry semantic_id"}
+        task.finish_reason = _abort(f"{task.msg.kind} requests need {need.get(task.msg.kind, 'a known kind')}", 400)
         return
     try:
         task.result = executor(**task.msg.payload)

@@ -1,0 +1,151 @@
+"""xBeam selection (xGR §2.2, §6.2-6.3): per-beam top-K, global top-BW with early termination,
+beam buffers reused in place.
+
+Ordering contract (shared with the naive reference in executor.py, so results compare exactly):
+a step keeps the m best candidates by accumulated log-probability, ties going to the
+lexicographically smaller path; the kept beams are stored in lexicographic path order (sorted by
+(parent row, token)), which makes parent indices non-decreasing: the property the in-place reorder
+below relies on. Final results are sorted by score, ties by path. (One tie is left to torch.topk:
+two tokens of one beam tied exactly at that beam's K-th place.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def per_beam_topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k best (log-prob, token), sorted descending; -inf where a row has fewer than k
+    valid tokens."""
+    k = min(k, logp.shape[-1])
+    vals, toks = torch.topk(logp, k, dim=-1, largest=True, sorted=True)
+    return vals, toks
+
+
+def _ordered_top(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, m: int, vocab: int):
+    """Top m of flat candidates by score, ties by (parent, token); returned in (parent, token) order."""
+    flat = parents * vocab + tokens
+    by_path = torch.argsort(flat)
+    order = torch.sort(scores[by_path], descending=True, stable=True).indices[:m]
+    keep = by_path[order]
+    keep = keep[torch.argsort(flat[keep])]
+    return parents[keep], tokens[keep], scores[keep]
+
+
+def select_beams(cand: torch.Tensor, cand_tok: torch.Tensor, m: int, vocab: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Global top-m of a [n, k] candidate pool whose rows are sorted descending (-inf = no candidate).
+
+    Early termination, vectorised: the m-th best value of the first c columns is a lower bound tau
+    on the m-th best of the pool. A row whose entry at column c is below tau (or missing) cannot
+    contribute anything past column c, so its scan stops there; while some row has not stopped, c
+    doubles. Then only the block's entries >= tau are ranked. Returns (parent, token, score,
+    candidates ranked), the kept candidates in (parent, token) order; fewer than m when the pool
+    has fewer finite entries.
+    """
+    n, k = cand.shape
+    if n == 0 or k == 0 or m <= 0:
+        empty = cand.new_empty(0, dtype=torch.int64)
+        return empty, empty.clone(), cand.new_empty(0), 0
+    c = min(k, -(-m // n))
+    while True:
+        block = cand[:, :c]
+        if block.numel() >= m:
+            tau = torch.topk(block.reshape(-1), m, sorted=False).values.min()
+        else:
+            tau = torch.tensor(NEG_INF, device=cand.device)
+        if c >= k:
+            break
+        nxt = cand[:, c]
+        if bool(((nxt < tau) | torch.isneginf(nxt)).all()):
+            break
+        c = min(k, 2 * c)
+    keep = torch.isfinite(block) & (block >= tau)
+    rows = torch.arange(n, device=cand.device)[:, None].expand(n, c)
+    p, t, s = _ordered_top(block[keep], rows[keep], cand_tok[:, :c][keep], m, vocab)
+    return p, t, s, int(keep.sum())
+
+
+def select_beams_full_sort(cand: torch.Tensor, cand_tok: torch.Tensor, m: int, vocab: int):
+    """Reference: the whole pool sorted, no early termination."""
+    n, k = cand.shape
+    finite = torch.isfinite(cand)
+    rows = torch.arange(n, device=cand.device)[:, None].expand(n, k)
+    return _ordered_top(cand[finite], rows[finite], cand_tok[finite], m, vocab)
+
+
+# ---- in-place reorder ---------------------------------------------------------------------------
+def inplace_schedule(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Write order for new_row[i] = old_row[parents[i]] done in one buffer (xGR §5.1).
+
+    parents must be non-decreasing. direction[i] is +1 when row i is filled from below
+    (parents[i] > i, an "upward" write), -1 when filled from above, 0 when it stays. Upward writes
+    go first in ascending i, then the downward ones in descending i. Why no row is overwritten
+    before it is read: an upward write to i reads p[i] > i, which no earlier upward write (targets
+    < i) touched; a downward write to i reads j = p[i] < i, and j is never an upward target
+    (p[j] <= p[i] = j) nor an earlier downward target (those are > i). The same holds for any
+    chunked execution that reads a chunk's sources before writing its targets.
+    Returns (dst rows, src rows, direction) in write order; rows that stay are left out.
+    """
+    n = parents.numel()
+    if n > 1 and bool((parents[1:] < parents[:-1]).any()):
+        raise ValueError("inplace_schedule needs non-decreasing parent indices")
+    i = torch.arange(n, device=parents.device)
+    direction = torch.sign(parents - i)
+    up = torch.nonzero(direction > 0).flatten()  # ascending
+    down = torch.nonzero(direction < 0).flatten().flip(0)  # descending
+    dst = torch.cat([up, down])
+    return dst, parents[dst], direction
+
+
+def apply_schedule_(buf: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, chunk: int = 64) -> None:
+    """buf[dst[j]] = buf[src[j]] in schedule order, `chunk` writes at a time (each chunk reads its
+    sources, then writes): one buffer, at most `chunk` rows in flight. dst/src index dim 0 of buf;
+    they may be [W, c] (a row of c buffer rows per write)."""
+    for a in range(0, dst.shape[0], chunk):
+        d, s = dst[a:a + chunk].reshape(-1), src[a:a + chunk].reshape(-1)
+        buf.index_copy_(0, d, buf.index_select(0, s))
+
+
+def reorder_rows_(buf: torch.Tensor, parents: torch.Tensor, chunk: int = 64) -> None:
+    """buf[:len(parents)] = buf[parents] in place (parents non-decreasing)."""
+    dst, src, _ = inplace_schedule(parents)
+    apply_schedule_(buf, dst, src, chunk)
+
+
+# ---- per-request beam buffers -------------------------------------------------------------------
+@dataclass
+class BeamBuffers:
+    """[BW, ND] tokens plus scores, parents and trie nodes, allocated once per request; `n` rows live."""
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    parents: torch.Tensor
+    nodes: torch.Tensor
+    n: int = 0
+
+    @classmethod
+    def allocate(cls, beam_width: int, depth: int, device: torch.device | str = "cpu") -> "BeamBuffers":
+        return cls(
+            tokens=torch.zeros(beam_width, depth, dtype=torch.int64, device=device),
+            scores=torch.zeros(beam_width, dtype=torch.float32, device=device),
+            parents=torch.zeros(beam_width, dtype=torch.int64, device=device),
+            nodes=torch.zeros(beam_width, dtype=torch.int64, device=device),
+        )
+
+    def advance_(self, step: int, parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor,
+                 nodes: torch.Tensor, chunk: int = 64) -> None:
+        """Rows 0..m-1 become the kept candidates: their paths are the parents' first `step` tokens
+        (rewritten in place) plus the new token."""
+        m = parents.numel()
+        if step > 0:
+            reorder_rows_(self.tokens[:, :step], parents, chunk)
+        self.tokens[:m, step] = tokens
+        self.parents[:m] = parents
+        self.scores[:m] = scores
+        self.nodes[:m] = nodes
+        self.n = m

@@ -1,0 +1,128 @@
+"""Valid semantic-ID paths (xGR §6.1): a level-by-level trie over the catalog's semantic ids, and
+the masks that keep beam search on it.
+
+Nodes at depth d are the distinct d-token prefixes of the catalog's paths, numbered in
+lexicographic order (depth 0 is the root, node 0). Each depth keeps its children in CSR form,
+grouped by parent and sorted by token, so a beam's valid next tokens are one contiguous run.
+
+Masks are additive and use -inf (never a large negative number): after log_softmax an invalid
+token has probability exactly 0 and cannot be picked. The first step's mask is dense and built
+here, once, at load time; later steps write each beam's few valid children into a reused
+[rows, vocab] buffer that is all -inf between uses (see `SparseMaskBuffer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sgrec.catalog import Catalog
+
+
+class SemanticIdTrie:
+    def __init__(self, paths: Sequence[Sequence[int]] | torch.Tensor, vocab_size: int,
+                 device: str | torch.device = "cpu"):
+        """paths[i] is the semantic id of leaf candidate i (all the same length ND >= 1). When several
+        rows share a path, the path's item is the first such row."""
+        p = torch.as_tensor(paths, dtype=torch.int64).cpu()
+        if p.dim() != 2 or p.shape[0] == 0 or p.shape[1] == 0:
+            raise ValueError("SemanticIdTrie needs a non-empty [num_items, ND] list of paths")
+        if int(p.min()) < 0 or int(p.max()) >= vocab_size:
+            raise ValueError(f"semantic id tokens must be in [0, {vocab_size})")
+        self.vocab_size = vocab_size
+        self.depth = p.shape[1]
+        self.device = torch.device(device)
+        V = vocab_size
+        parent_of_row = torch.zeros(p.shape[0], dtype=torch.int64)  # node at depth d of each row
+        self.num_nodes = [1]
+        self.child_ptr: list[torch.Tensor] = []  # [d]: [num_nodes[d] + 1]
+        self.child_tok: list[torch.Tensor] = []  # [d]: token of each node at depth d + 1
+        self.child_key: list[torch.Tensor] = []  # [d]: parent * V + token, ascending
+        self.max_children: list[int] = []
+        for d in range(self.depth):
+            key = parent_of_row * V + p[:, d]  # ascending key order == lexicographic prefix order
+            uniq, inverse = torch.unique(key, sorted=True, return_inverse=True)
+            parents, toks = uniq // V, uniq % V
+            counts = torch.bincount(parents, minlength=self.num_nodes[d])
+            ptr = torch.zeros(self.num_nodes[d] + 1, dtype=torch.int64)
+            ptr[1:] = torch.cumsum(counts, 0)
+            self.child_ptr.append(ptr.to(self.device))
+            self.child_tok.append(toks.to(self.device))
+            self.child_key.append(uniq.to(self.device))
+            self.max_children.append(int(counts.max()))
+            self.num_nodes.append(uniq.numel())
+            parent_of_row = inverse
+        # the leaf's item: the first row with that path
+        rows = torch.arange(p.shape[0], dtype=torch.int64)
+        leaf_item = torch.full((self.num_nodes[-1],), p.shape[0], dtype=torch.int64)
+        leaf_item.scatter_reduce_(0, parent_of_row, rows, reduce="amin")
+        self.leaf_item = leaf_item.to(self.device)
+        self.num_duplicate_paths = p.shape[0] - self.num_nodes[-1]
+        mask = torch.full((V,), float("-inf"), dtype=torch.float32)
+        mask[self.child_tok[0].cpu()] = 0.0
+        self.first_mask = mask.to(self.device)  # dense, precomputed at load
+
+    @classmethod
+    def from_catalog(cls, catalog: Catalog, vocab_size: int, device: str | torch.device = "cpu"
+                     ) -> tuple["SemanticIdTrie", list[int]]:
+        """The trie over the catalog items that carry a semantic_id, and the catalog index of each
+        trie row (so `catalog.items[rows[trie.leaf_item[leaf]]]` is a leaf's item)."""
+        rows = [i for i, it in enumerate(catalog.items) if it.semantic_id is not None]
+        if not rows:
+            raise ValueError("the item catalog has no semantic_id; retrieval needs one per item")
+        return cls([catalog.items[i].semantic_id for i in rows], vocab_size, device), rows
+
+    @property
+    def max_beams(self) -> int:
+        """The most beams that can be alive after any step but the last (a bound on useful BW)."""
+        return max(self.num_nodes[1:-1], default=0)
+
+    def children(self, depth: int, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sparse valid-children lists of beams at trie `depth` (their node ids): flat (row, token)
+        pairs, row = the beam's position in `nodes`, grouped by row, tokens ascending."""
+        ptr = self.child_ptr[depth]
+        start = ptr[nodes]
+        counts = ptr[nodes + 1] - start
+        rows = torch.repeat_interleave(torch.arange(nodes.numel(), device=nodes.device), counts)
+        offsets = torch.cumsum(counts, 0) - counts
+        pos = torch.repeat_interleave(start - offsets, counts) + torch.arange(rows.numel(), device=nodes.device)
+        return rows, self.child_tok[depth][pos]
+
+    def child_nodes(self, depth: int, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Node ids at depth + 1 of (parent node, token) pairs; raises if a pair is not a trie edge."""
+        keys = self.child_key[depth]
+        want = nodes * self.vocab_size + tokens
+        idx = torch.searchsorted(keys, want).clamp_(max=keys.numel() - 1)
+        if not torch.equal(keys[idx], want):
+            raise RuntimeError("beam search left the valid semantic-id paths")
+        return idx
+
+    def leaf_items(self, leaves: torch.Tensor) -> torch.Tensor:
+        return self.leaf_item[leaves]
+
+
+class SparseMaskBuffer:
+    """A [rows, vocab] additive mask kept all -inf between uses. `masked(logits, ...)` writes each
+    beam's valid children as 0 (sparse, in place), adds the mask to the logits, and puts the -inf
+    back at exactly those positions, so the buffer is reused by every later step and request."""
+
+    def __init__(self, vocab_size: int, device: str | torch.device = "cpu"):
+        self.vocab_size = vocab_size
+        self.buf = torch.full((0, vocab_size), float("-inf"), dtype=torch.float32, device=device)
+
+    def _ensure(self, rows: int) -> None:
+        if self.buf.shape[0] < rows:
+            self.buf = torch.full((rows, self.vocab_size), float("-inf"), dtype=torch.float32,
+                                  device=self.buf.device)
+
+    def masked(self, logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes: torch.Tensor) -> torch.Tensor:
+        n = nodes.numel()
+        self._ensure(n)
+        rows, toks = trie.children(depth, nodes)
+        view = self.buf[:n]
+        view[rows, toks] = 0.0
+        try:
+            return logits + view
+        finally:
+            view[rows, toks] = float("-inf")

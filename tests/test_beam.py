@@ -1,0 +1,446 @@
+"""xBeam generative retrieval: every fast path against the obviously-right slow one."""
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgrec.beam import KVCacheFullError, RetrieveExecutor, SemanticIdTrie, naive_retrieve
+from sgrec.beam.attention import UnsharedKV, staged_attention
+from sgrec.beam.search import (
+    apply_schedule_, inplace_schedule, per_beam_topk, reorder_rows_, select_beams, select_beams_full_sort,
+)
+from sgrec.beam.trie import SparseMaskBuffer
+from sgrec.catalog import Catalog, Item
+from sgrec.mem.kv_pool import KVPool
+from sgrec.model.attention import SeqLayout
+from sgrec.radix.tree import RadixCache
+from sgrec.runner import ModelRunner
+from sgrec.server_args import ServerArgs
+
+TOL = 1e-4
+POOL = 40000
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def random_catalog(rng: random.Random, n: int, nd: int, vocab: int, codes: int | None = None) -> Catalog:
+    """n random distinct paths (tokens from `codes` values per level if given, else the whole vocab)."""
+    pick = (lambda: rng.randrange(vocab)) if codes is None else (lambda: rng.randrange(vocab - codes, vocab))
+    assert n <= (codes or vocab) ** nd
+    paths: set[tuple[int, ...]] = set()
+    while len(paths) < n:
+        paths.add(tuple(pick() for _ in range(nd)))
+    order = list(paths)
+    rng.shuffle(order)
+    return Catalog([Item(f"i{i}", (1,), 1, p) for i, p in enumerate(order)])
+
+
+def sparse_catalog(rng: random.Random, roots: int, nd: int, vocab: int, p_single: float = 0.75) -> Catalog:
+    """A catalog where most prefixes have exactly one child."""
+    paths = [()]
+    for _ in range(nd):
+        nxt = []
+        for pre in paths:
+            width = 1 if (pre and rng.random() < p_single) else (roots if not pre else rng.randint(2, 5))
+            for t in rng.sample(range(vocab), width):
+                nxt.append(pre + (t,))
+        paths = nxt
+    return Catalog([Item(f"s{i}", (1,), 1, p) for i, p in enumerate(paths)])
+
+
+def make_runner(path: str, pool: int = POOL) -> ModelRunner:
+    return ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32", max_total_tokens=pool))
+
+
+def assert_balanced(runner: ModelRunner, tree: RadixCache) -> None:
+    tree.check_integrity()
+    alloc = runner.kv_pool.allocator
+    assert tree.protected_size() == 0
+    assert alloc.available_size() + tree.total_size() == alloc.size
+
+
+def assert_same(fast, slow) -> None:
+    assert [x["item"] for x in fast.items] == [x["item"] for x in slow.items]
+    assert [x["semantic_id"] for x in fast.items] == [x["semantic_id"] for x in slow.items]
+    for a, b in zip(fast.items, slow.items):
+        assert abs(a["score"] - b["score"]) <= TOL
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_model_dir):
+    cache = {}
+
+    def get(arch: str = "llama", **overrides) -> ModelRunner:
+        key = (arch, repr(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_runner(tiny_model_dir(arch, **overrides))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def new_tree():
+    """new_tree(runner, **kw) -> RadixCache on the runner's pool; reset after the test, so a failing
+    test does not leave KV behind for the next one on the shared runner."""
+    trees = []
+
+    def make(runner: ModelRunner, **kw) -> RadixCache:
+        trees.append(RadixCache(runner.kv_pool.allocator, **kw))
+        return trees[-1]
+
+    yield make
+    for t in trees:
+        t.reset()
+
+
+# ---- trie and masks -----------------------------------------------------------------------------
+def test_trie_children_and_masks():
+    rng = random.Random(1)
+    V = 64
+    cat = sparse_catalog(rng, 7, 3, V)
+    paths = {it.semantic_id for it in cat.items}
+    trie, rows = SemanticIdTrie.from_catalog(cat, V)
+    assert trie.depth == 3 and trie.num_nodes[-1] == len(paths)
+    first = sorted({p[0] for p in paths})
+    assert torch.equal(torch.nonzero(trie.first_mask == 0).flatten(), torch.tensor(first))
+    assert torch.isneginf(trie.first_mask).sum() == V - len(first)  # -inf, not a large negative number
+
+    # walk every prefix: the sparse children lists equal the catalog's
+    buf = SparseMaskBuffer(V)
+    nodes, prefixes = torch.zeros(1, dtype=torch.int64), [()]
+    for d in range(trie.depth):
+        want = [sorted({p[d] for p in paths if p[:d] == pre}) for pre in prefixes]
+        r, t = trie.children(d, nodes)
+        got = [t[r == i].tolist() for i in range(len(prefixes))]
+        assert got == want
+        masked = buf.masked(torch.zeros(len(prefixes), V), trie, d, nodes)
+        for i, w in enumerate(want):
+            assert torch.nonzero(torch.isfinite(masked[i])).flatten().tolist() == w
+        assert bool(torch.isneginf(buf.buf).all())  # the reused buffer is restored
+        par = torch.repeat_interleave(nodes, torch.tensor([len(w) for w in want]))
+        nodes = trie.child_nodes(d, par, torch.tensor([x for w in want for x in w]))
+        prefixes = [pre + (x,) for pre, w in zip(prefixes, want) for x in w]
+    leaves = trie.leaf_items(nodes).tolist()
+    assert [cat.items[rows[i]].semantic_id for i in leaves] == prefixes
+    with pytest.raises(RuntimeError):
+        bad = next(t for t in range(V) if t not in first)
+        trie.child_nodes(0, torch.zeros(1, dtype=torch.int64), torch.tensor([bad]))
+
+
+def test_trie_duplicate_paths_map_to_first_item():
+    trie = SemanticIdTrie([[1, 2], [1, 3], [1, 2]], vocab_size=8)
+    assert trie.num_duplicate_paths == 1
+    assert trie.leaf_item.tolist() == [0, 1]
+
+
+# ---- selection ----------------------------------------------------------------------------------
+def _brute_top(cand, tok, m, V):
+    pool = [(-float(cand[b, j]), b, int(tok[b, j])) for b in range(cand.shape[0]) for j in range(cand.shape[1])
+            if math.isfinite(float(cand[b, j]))]
+    top = sorted(pool)[:m]
+    top.sort(key=lambda x: (x[1], x[2]))
+    return [b for _, b, _ in top], [t for _, _, t in top], [-s for s, _, _ in top]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_beams_equals_full_sort(seed):
+    g = torch.Generator().manual_seed(seed)
+    V = 50
+    for n, k, m in [(1, 40, 32), (7, 5, 10), (32, 16, 32), (16, 50, 16), (3, 4, 100), (64, 8, 1)]:
+        logits = torch.randn(n, V, generator=g) * (3.0 if seed % 2 else 0.3)
+        if seed >= 3:
+            logits = torch.round(logits)  # many exact ties
+        logits[torch.rand(n, V, generator=g) < 0.3] = float("-inf")
+        logits[:, 0] = 0.0  # every row keeps a valid token
+        vals, toks = per_beam_topk(torch.log_softmax(logits, -1), k)
+        cand = torch.round(torch.randn(n, 1, generator=g)) + vals
+        p, t, s, ranked = select_beams(cand, toks, m, V)
+        rp, rt, rs = select_beams_full_sort(cand, toks, m, V)
+        bp, bt, bs = _brute_top(cand, toks, m, V)
+        assert p.tolist() == rp.tolist() == bp and t.tolist() == rt.tolist() == bt
+        assert s.tolist() == rs.tolist() == bs
+        assert ranked <= int(torch.isfinite(cand).sum())
+
+
+def test_select_beams_terminates_early():
+    n, k, m = 64, 64, 64
+    tok = torch.arange(k).repeat(n, 1)
+    # steep rows: the top m is every row's first candidate; one column is scanned
+    cand = -torch.arange(n, dtype=torch.float32)[:, None] * 0.01 - torch.arange(k, dtype=torch.float32) * 10
+    p, t, s, ranked = select_beams(cand, tok, m, k)
+    assert ranked == m and p.tolist() == list(range(n)) and t.tolist() == [0] * n
+    # one dominant beam: its row is scanned to the end, the others stop at once
+    cand = -torch.arange(n, dtype=torch.float32)[:, None] * 10 - torch.arange(k, dtype=torch.float32) * 0.01
+    p, t, s, ranked = select_beams(cand, tok, m, k)
+    assert ranked == m and p.tolist() == [0] * m and t.tolist() == list(range(k))
+
+
+# ---- in-place reorder ---------------------------------------------------------------------------
+def random_parents(rng: random.Random, n_old: int, m: int) -> torch.Tensor:
+    return torch.tensor(sorted(rng.randrange(n_old) for _ in range(m)))
+
+
+def test_inplace_schedule_sequential_equals_copy():
+    rng = random.Random(3)
+    for _ in range(300):
+        n_old = rng.randint(1, 40)
+        m = rng.randint(1, 40)
+        parents = random_parents(rng, n_old, m)
+        rows = list(range(max(n_old, m)))
+        want = [rows[p] for p in parents.tolist()]
+        dst, src, direction = inplace_schedule(parents)
+        buf = list(rows)
+        for d, s in zip(dst.tolist(), src.tolist()):  # one write at a time, in schedule order
+            buf[d] = buf[s]
+        assert buf[:m] == want
+        assert direction.tolist() == [(p > i) - (p < i) for i, p in enumerate(parents.tolist())]
+
+
+def test_naive_write_order_would_be_wrong():
+    # the test above can fail: writing in plain ascending order overwrites row 1 before row 2 reads it
+    parents = [0, 0, 1]
+    buf = [10, 11, 12]
+    for i, p in enumerate(parents):
+        buf[i] = buf[p]
+    assert buf != [10, 10, 11]
+    with pytest.raises(ValueError):
+        inplace_schedule(torch.tensor([1, 0]))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_inplace_update_equals_copy_based(chunk):
+    rng = random.Random(chunk)
+    g = torch.Generator().manual_seed(chunk)
+    rows, cols = 24, 3
+    pool = KVPool(rows * cols + 10, num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    slots = pool.allocator.alloc(rows * cols)
+    slots = slots[torch.randperm(slots.numel(), generator=g)].view(rows, cols)  # slots in no order
+    kv = UnsharedKV(pool, slots, chunk=chunk)
+    for _ in range(30):
+        for layer in range(2):
+            pool.k_buffer[layer].normal_(generator=g)
+            pool.v_buffer[layer].normal_(generator=g)
+        n_old, m, c = rng.randint(1, rows), rng.randint(1, rows), rng.randint(1, cols)
+        parents = random_parents(rng, n_old, m)
+        want = [(pool.k_buffer[L][slots[parents, :c]].clone(), pool.v_buffer[L][slots[parents, :c]].clone())
+                for L in range(2)]
+        untouched = [pool.k_buffer[L][slots[m:]].clone() for L in range(2)]
+        kv.reorder_(parents, c)
+        for L in range(2):
+            assert torch.equal(pool.k_buffer[L][slots[:m, :c]], want[L][0])
+            assert torch.equal(pool.v_buffer[L][slots[:m, :c]], want[L][1])
+            assert torch.equal(pool.k_buffer[L][slots[m:]], untouched[L])
+        # the token buffer path too
+        toks = torch.randint(0, 100, (rows, cols), generator=g)
+        ref = toks[parents, :c].clone()
+        reorder_rows_(toks[:, :c], parents, chunk)
+        assert torch.equal(toks[:m, :c], ref)
+
+
+def test_apply_schedule_chunked_reads_before_writes():
+    buf = torch.arange(6.0)[:, None]
+    dst, src, _ = inplace_schedule(torch.tensor([1, 2, 2, 3, 3, 5]))
+    apply_schedule_(buf, dst, src, chunk=2)
+    assert buf.flatten().tolist() == [1, 2, 2, 3, 3, 5]
+
+
+# ---- staged attention ---------------------------------------------------------------------------
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("P,s", [(1, 1), (37, 2), (300, 3), (0, 2), (5, 0)])
+def test_staged_attention_equals_plain(hq, hkv, P, s):
+    g = torch.Generator().manual_seed(P * 10 + s)
+    n, D, slots = 9, 8, 400
+    k_buf = torch.randn(slots, hkv, D, generator=g) * 2
+    v_buf = torch.randn(slots, hkv, D, generator=g)
+    q = torch.randn(n, hq, D, generator=g) * 2
+    perm = torch.randperm(slots - 1, generator=g) + 1
+    shared = perm[:P]
+    unshared = perm[P:P + n * s].view(n, s)
+    out = staged_attention(q, k_buf, v_buf, shared, unshared, scale=D**-0.5)
+    for b in range(n):
+        idx = torch.cat([shared, unshared[b]])
+        ref = F.scaled_dot_product_attention(
+            q[b][:, None, :], k_buf[idx].transpose(0, 1), v_buf[idx].transpose(0, 1), scale=D**-0.5,
+            enable_gqa=hq != hkv,
+        )  # [Hq, 1, D]
+        assert torch.allclose(out[b], ref.reshape(-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_beam_step_logits_equal_plain_backend(new_tree, runners, arch):
+    """A whole model step through StagedBeamBackend == the runner's plain backend over each beam's
+    concatenated KV (prompt slots + its own slots)."""
+    runner = runners(arch)
+    V, alloc = runner.config.vocab_size, runner.kv_pool.allocator
+    g = torch.Generator().manual_seed(3)
+    P, n, s = 33, 12, 3
+    ids = torch.randint(0, V, (P,), generator=g).tolist()
+    prompt = alloc.alloc(P)
+    own = alloc.alloc(n * s).view(n, s)
+    try:
+        runner.forward(runner.make_batch(ids, list(range(P)), prompt, [SeqLayout(0, P, prompt)]), [P - 1])
+        ex = RetrieveExecutor(runner, new_tree(runner), random_catalog(random.Random(0), 20, 2, V))
+        toks = torch.randint(0, V, (n, s), generator=g)
+        for step in range(s):  # fill each beam's own tokens, then compare the last step
+            staged = ex._beam_forward(toks[:, step], P + step, prompt, own[:, : step + 1])
+        seqs = [SeqLayout(b, 1, torch.cat([prompt, own[b]])) for b in range(n)]
+        plain = runner.forward(runner.make_batch(toks[:, -1].tolist(), [P + s - 1] * n, own[:, -1], seqs),
+                               list(range(n)))
+        assert (staged - plain).abs().max() <= TOL
+    finally:
+        alloc.free(prompt)
+        alloc.free(own.reshape(-1))
+
+
+# ---- the executor against the naive reference ----------------------------------------------------
+@pytest.mark.parametrize(
+    "arch,overrides,seed,bw,top_k,num_items,nd,n_items",
+    [
+        ("llama", {}, 0, 8, 8, 8, 3, 300),
+        ("qwen2", {}, 1, 32, 5, 10, 3, 2000),
+        ("qwen3", {}, 2, 64, 64, 20, 3, 1500),
+        ("llama", {"num_key_value_heads": 1}, 3, 16, 100, 16, 4, 800),
+        ("llama", {}, 4, 128, 16, 50, 2, 1200),
+        ("qwen2", {}, 5, 1, 3, 1, 3, 100),
+        ("llama", {}, 6, 20, 20, 5, 1, 30),
+    ],
+)
+def test_matches_naive_reference(new_tree, runners, arch, overrides, seed, bw, top_k, num_items, nd, n_items):
+    runner = runners(arch, **overrides)
+    V = runner.config.vocab_size
+    rng = random.Random(seed)
+    cat = random_catalog(rng, n_items, nd, V, codes=None if seed % 2 else 40)
+    tree = new_tree(runner)
+    ex = RetrieveExecutor(runner, tree, cat)
+    ids = [rng.randrange(V) for _ in range(rng.randint(1, 60))]
+    slow = naive_retrieve(runner, cat, ids, bw, top_k, num_items)
+    fast = ex.run(ids, bw, top_k, num_items)
+    assert len(fast.items) == min(num_items, n_items) and len(slow.items) == len(fast.items)
+    assert_same(fast, slow)
+    again = ex.run(ids, bw, top_k, num_items)  # from the prefix cache
+    assert again.meta["cached_tokens"] == len(ids) - 1
+    assert_same(again, slow)
+    tree.reset()
+    assert_balanced(runner, tree)
+
+
+def test_matches_naive_with_cached_prefix_and_chunked_prefill(new_tree, tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    runner = ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32",
+                                                max_total_tokens=POOL, chunked_prefill_size=16))
+    rng = random.Random(11)
+    V = runner.config.vocab_size
+    cat = random_catalog(rng, 1000, 3, V, codes=60)
+    tree = new_tree(runner)
+    ex = RetrieveExecutor(runner, tree, cat)
+    history = [rng.randrange(V) for _ in range(70)]
+    ex.run(history[:40], 16, 16, 4)
+    res = ex.run(history, 48, 48, 12, )  # extends the cached 40-token history
+    assert res.meta["cached_tokens"] == 40
+    assert_same(res, naive_retrieve(runner, cat, history, 48, 48, 12))
+    assert_balanced(runner, tree)
+
+
+# ---- invariants ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed,roots,nd,bw", [(0, 30, 3, 512), (1, 30, 2, 300), (2, 30, 4, 512), (3, 30, 3, 7),
+                                              (4, 400, 3, 512), (5, 200, 4, 512)])
+def test_every_returned_path_is_in_catalog(new_tree, runners, seed, roots, nd, bw):
+    runner = runners("llama")
+    V = runner.config.vocab_size
+    rng = random.Random(100 + seed)
+    cat = sparse_catalog(rng, roots, nd, V, p_single=0.8)
+    valid = {it.semantic_id: it.id for it in cat.items}
+    tree = new_tree(runner)
+    ex = RetrieveExecutor(runner, tree, cat)
+    ids = [rng.randrange(V) for _ in range(20)]
+    res = ex.run(ids, bw, bw, bw)
+    assert len(res.items) == min(bw, len(valid))
+    for it in res.items:
+        assert valid[tuple(it["semantic_id"])] == it["item"]
+    assert len({it["item"] for it in res.items}) == len(res.items)
+    scores = [it["score"] for it in res.items]
+    assert scores == sorted(scores, reverse=True)
+    if bw >= len(valid):  # exhaustive: the scores are a distribution over the whole catalog
+        assert abs(sum(math.exp(s) for s in scores) - 1.0) < 1e-4
+    else:
+        assert sum(math.exp(s) for s in scores) <= 1.0 + 1e-4
+        k = min(bw, 64)
+        assert_same(ex.run(ids, bw, bw, k), naive_retrieve(runner, cat, ids, bw, bw, k))
+    tree.reset()
+    assert_balanced(runner, tree)
+
+
+def test_kv_accounting_and_prefix_cache(new_tree, runners):
+    runner = runners("llama")
+    V = runner.config.vocab_size
+    rng = random.Random(5)
+    cat = random_catalog(rng, 500, 3, V, codes=50)
+    tree = new_tree(runner)
+    ex = RetrieveExecutor(runner, tree, cat)
+    alloc = runner.kv_pool.allocator
+    user = [rng.randrange(V) for _ in range(30)]
+    first = ex.run(user, 64, 64, 10, extra_key="u1")
+    assert first.meta["cached_tokens"] == 0
+    assert tree.total_size() == len(user) and tree.protected_size() == 0
+    assert alloc.available_size() == alloc.size - len(user)
+    second = ex.run(user, 64, 64, 10, extra_key="u1")
+    assert second.meta["cached_tokens"] == len(user) - 1
+    assert tree.total_size() == len(user)
+    assert_same(second, first)
+    assert ex.run(user, 64, 64, 10, extra_key="u2").meta["cached_tokens"] == 0  # namespaced
+    longer = ex.run(user + [7, 8, 9], 64, 64, 10, extra_key="u1")
+    assert longer.meta["cached_tokens"] == len(user)
+    assert_balanced(runner, tree)
+    tree.reset()
+    assert alloc.available_size() == alloc.size
+
+
+def test_radix_disabled_frees_everything(new_tree, runners):
+    runner = runners("llama")
+    V = runner.config.vocab_size
+    cat = random_catalog(random.Random(6), 200, 3, V)
+    tree = new_tree(runner, disable=True)
+    ex = RetrieveExecutor(runner, tree, cat)
+    ids = list(range(3, 23))
+    a, b = ex.run(ids, 32, 8, 8), ex.run(ids, 32, 8, 8)
+    assert b.meta["cached_tokens"] == 0
+    assert_same(a, b)
+    assert runner.kv_pool.allocator.available_size() == runner.kv_pool.allocator.size
+
+
+def test_bad_arguments(new_tree, runners):
+    runner = runners("llama")
+    V = runner.config.vocab_size
+    cat = random_catalog(random.Random(7), 50, 3, V)
+    tree = new_tree(runner)
+    ex = RetrieveExecutor(runner, tree, cat, max_beam_width=64)
+    for kw in [dict(beam_width=0), dict(beam_width=65), dict(top_k=0), dict(num_items=0),
+               dict(num_items=9), dict(beam_width=True), dict(top_k=2.5)]:
+        args = dict(input_ids=[5, 6], beam_width=8, top_k=4, num_items=4) | kw
+        with pytest.raises(ValueError):
+            ex.run(**args)
+    for ids in ([], [V], [-1], ["a"]):
+        with pytest.raises(ValueError):
+            ex.run(ids, 8, 4, 4)
+    no_sem = RetrieveExecutor(runner, tree, Catalog([Item("a", (1,), 1)]))
+    with pytest.raises(ValueError, match="semantic_id"):
+        no_sem.run([5, 6], 8, 4, 4)
+    assert_balanced(runner, tree)
+
+
+def test_pool_too_small_is_a_clear_error(new_tree, tiny_model_dir):
+    runner = make_runner(tiny_model_dir("llama"), pool=120)
+    V = runner.config.vocab_size
+    cat = random_catalog(random.Random(8), 400, 3, V, codes=40)
+    tree = new_tree(runner)
+    ex = RetrieveExecutor(runner, tree, cat)
+    ids = list(range(3, 43))
+    ok = ex.run(ids, 32, 8, 4)  # 40 + 32 x 2 slots fit
+    with pytest.raises(KVCacheFullError, match="beam_width"):
+        ex.run(list(range(50, 90)), 64, 8, 4)  # 40 + 64 x 2 do not, even after evicting the cache
+    assert isinstance(KVCacheFullError("x"), RuntimeError)
+    assert_balanced(runner, tree)
+    assert_same(ex.run(ids, 32, 8, 4), ok)  # still serves after the error
