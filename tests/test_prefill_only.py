@@ -239,3 +239,11 @@ def test_linear_jct_model_is_profiled_at_start_up(tiny_model_dir):
     assert isinstance(jct, LinearJct) and jct.b == 1.0  # normalised to uncached-token units
     outs = e.generate(input_ids=[rand_ids(n, 512, n) for n in (30, 10, 20)], sampling_params={"max_new_tokens": 0})
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+
+
+def test_linear_jct_fit_never_goes_negative():
+    # noisy timings that an unconstrained fit would give a negative per-cached-token cost
+    samples = [(100, 0, 0.10), (100, 50, 0.04), (100, 90, 0.0), (200, 0, 0.21), (200, 100, 0.08), (200, 190, 0.0)]
+    jct = LinearJct.fit(samples)
+    assert min(jct.a, jct.b, jct.c) >= 0 and jct.b > 0
+    assert all(jct(n, c) >= 0 for n, c, _ in samples)

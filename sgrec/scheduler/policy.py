@@ -51,11 +51,20 @@ class LinearJct:
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, int, float]]) -> "LinearJct":
-        """samples: (n_input, n_cached, seconds)."""
+        """samples: (n_input, n_cached, seconds). Least squares with non-negative coefficients (a
+        term whose fit comes out negative, e.g. from timing noise, is dropped and the rest refitted)."""
         X = np.array([[1.0, n - c, c] for n, c, _ in samples])
         y = np.array([t for _, _, t in samples])
-        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-        return cls(*map(float, coef))
+        keep = [0, 1, 2]
+        while True:
+            coef, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
+            if (coef >= 0).all() or len(keep) == 1:
+                break
+            keep.pop(int(np.argmin(coef)))
+        full = [0.0, 0.0, 0.0]
+        for k, v in zip(keep, coef):
+            full[k] = max(float(v), 0.0)
+        return cls(*full)
 
 
 def profile_linear_jct(runner, max_len: int, steps: int = 4) -> LinearJct:
