@@ -7,7 +7,10 @@ import uuid
 from typing import Iterator
 
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
-from sgrec.managers.rec import build_rank_task, build_retrieve_task, task_response
+from sgrec.managers.rec import (
+    beam_generate_response, build_beam_generate_task, build_rank_task, build_retrieve_task, is_beam_generate,
+    task_response,
+)
 from sgrec.managers.score import ScoreResult, build_score
 from sgrec.sampling import SamplingParams
 from sgrec.runner import ModelRunner
@@ -52,7 +55,13 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         extra_key: str | None = None,
+        constrain_to_catalog: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
+        if is_beam_generate({"sampling_params": sampling_params}):
+            obj = {"text": text, "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
+                   "constrain_to_catalog": constrain_to_catalog, "stream": stream, "return_logprob": return_logprob}
+            task = build_beam_generate_task(obj, self.tokenizer, self.builder, self.server_args.max_beam_width)
+            return beam_generate_response(self._run_task(task), self.tokenizer)
         msgs, params, is_list = self.builder.build(
             text, input_ids, sampling_params, return_logprob, logprob_start_len,
             top_logprobs_num, token_ids_logprob, rid, extra_key,
@@ -102,7 +111,7 @@ class Engine:
         if instruction is not None:
             obj["instruction"] = instruction
         msg = build_rank_task(obj, self.tokenizer, self.builder, self.server_args.max_rank_candidates)
-        return self._run_task(msg)
+        return task_response(self._run_task(msg))
 
     def retrieve(self, user: dict, beam_width: int = 128, top_k: int | None = None, num_items: int = 10) -> dict:
         """Generative retrieval with xBeam over the catalog's semantic IDs (needs item_catalog):
@@ -110,9 +119,10 @@ class Engine:
         obj = {"user": user, "beam_width": beam_width, "num_items": num_items}
         if top_k is not None:
             obj["top_k"] = top_k
-        return self._run_task(build_retrieve_task(obj, self.tokenizer, self.builder, self.server_args.max_beam_width))
+        return task_response(
+            self._run_task(build_retrieve_task(obj, self.tokenizer, self.builder, self.server_args.max_beam_width)))
 
-    def _run_task(self, msg) -> dict:
+    def _run_task(self, msg) -> ReqState:
         state = ReqState(msg, SamplingParams(max_new_tokens=0))
         with self._lock:
             if msg.rid in self._states:
@@ -123,7 +133,7 @@ class Engine:
         fr = state.finish_reason or {}
         if fr.get("type") == "abort":
             raise (ValueError if fr.get("status_code") == 400 else RuntimeError)(fr.get("message"))
-        return task_response(state)
+        return state
 
     def flush_cache(self) -> bool:
         with self._lock:

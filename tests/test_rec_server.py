@@ -225,3 +225,29 @@ def test_retrieve_bad_input_is_400(retrieve_server, body, message):
 def test_retrieve_needs_semantic_ids(rank_server):
     r = rank_server.client.post("/v1/retrieve", json={"user": {"id": "u", "token_ids": [5, 6]}, "beam_width": 4, "num_items": 2})
     assert r.status_code == 400 and "semantic_id" in r.json()["message"]
+
+
+def test_generate_beam_width_constrained_to_catalog(retrieve_server):
+    body = {"input_ids": [7, 8, 9, 10], "sampling_params": {"beam_width": 8, "n": 3}, "constrain_to_catalog": True}
+    r = retrieve_server.client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    beams = out["meta_info"]["beam_results"]
+    ref = retrieve_server.client.post("/v1/retrieve", json={"user": {"token_ids": [7, 8, 9, 10]}, "beam_width": 8,
+                                                            "num_items": 3}).json()["items"]
+    assert [b["meta_info"]["item"] for b in beams] == [x["item"] for x in ref]
+    assert [b["output_ids"] for b in beams] == [x["semantic_id"] for x in ref]
+    assert all(abs(b["meta_info"]["sequence_score"] - x["score"] / 3) < 1e-5 for b, x in zip(beams, ref))
+    assert out["output_ids"] == beams[0]["output_ids"] and out["meta_info"]["completion_tokens"] == 9
+    unconstrained = retrieve_server.client.post("/generate", json={**body, "constrain_to_catalog": False})
+    assert unconstrained.status_code == 400 and "constrain_to_catalog" in unconstrained.json()["error"]["message"]
+
+
+def test_engine_generate_beam_width(model, sem_catalog_path):
+    from sgrec import Engine
+
+    e = Engine(model, device="cpu", dtype="float32", max_total_tokens=2048, item_catalog=sem_catalog_path)
+    out = e.generate(input_ids=[7, 8, 9, 10], sampling_params={"beam_width": 4, "n": 2}, constrain_to_catalog=True)
+    assert len(out["meta_info"]["beam_results"]) == 2
+    with pytest.raises(ValueError, match="constrain_to_catalog"):
+        e.generate(input_ids=[7, 8], sampling_params={"beam_width": 4})

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from sgrec import __version__
+from sgrec.managers.rec import is_beam_generate
 from sgrec.managers.tokenizer_manager import Submission, TokenizerManager
 from sgrec.sampling import SchemaError
 from sgrec.server_args import ServerArgs
@@ -119,6 +120,8 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
     # ---- /generate ---------------------------------------------------------------------
     async def generate(request: Request):
         obj = await read_json(request)
+        if is_beam_generate(obj):
+            return await app.state.beam_generate(request, obj)
         try:
             sub = tm.submit(obj)
         except SchemaError as e:

@@ -108,6 +108,56 @@ def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_
     return TaskReq(rid=rid, kind="retrieve", input_ids=user_ids, payload=payload)
 
 
+BEAM_SAMPLING_KEYS = {"beam_width", "n", "max_new_tokens"}
+
+
+def is_beam_generate(obj) -> bool:
+    """A native /generate asking for beam search (sampling_params.beam_width > 1)."""
+    sp = obj.get("sampling_params") if isinstance(obj, dict) else None
+    return isinstance(sp, dict) and sp.get("beam_width") not in (None, 0, 1)
+
+
+def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int) -> TaskReq:
+    """SGLang's native beam form, constrained to the catalog's semantic-ID paths: one prompt,
+    `n` (default 1) best paths out of `beam_width` beams."""
+    if obj.get("constrain_to_catalog") is not True:
+        raise ValueError("beam search (sampling_params.beam_width) is supported only with "
+                         "\"constrain_to_catalog\": true: beams over the catalog's semantic-ID paths")
+    sp = obj["sampling_params"]
+    unknown = set(sp) - BEAM_SAMPLING_KEYS
+    if unknown:
+        raise ValueError(f"sampling_params {', '.join(sorted(unknown))} cannot be used with beam_width")
+    if obj.get("stream") or obj.get("return_logprob"):
+        raise ValueError("beam search does not support stream or return_logprob")
+    text, ids = obj.get("text"), obj.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ValueError("give exactly one of text and input_ids (one prompt) with beam_width")
+    user = {"text": text} if text is not None else {"token_ids": ids}
+    beam_width, n = sp["beam_width"], sp.get("n", 1)
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    task = build_retrieve_task({"user": user, "beam_width": beam_width, "top_k": beam_width, "num_items": n,
+                                "rid": obj.get("rid")}, tokenizer, builder, max_beam_width)
+    return task
+
+
+def beam_generate_response(state, tokenizer: Tokenizer) -> dict:
+    """SGLang's /generate beam response: the best path on top, every path in meta_info.beam_results."""
+    beams = []
+    for x in state.result["items"]:
+        nd = len(x["semantic_id"])
+        beams.append({"text": tokenizer.decode(x["semantic_id"]), "output_ids": x["semantic_id"],
+                      "meta_info": {"finish_reason": {"type": "length", "length": nd},
+                                    "sequence_score": x["score"] / nd, "item": x["item"]}})
+    meta = task_response(state)["meta_info"]
+    return {"text": beams[0]["text"], "output_ids": beams[0]["output_ids"], "meta_info": {
+        "id": state.msg.rid, "finish_reason": beams[0]["meta_info"]["finish_reason"],
+        "prompt_tokens": len(state.msg.input_ids), "completion_tokens": sum(len(b["output_ids"]) for b in beams),
+        "cached_tokens": meta.get("cached_tokens", 0), "e2e_latency": meta.get("e2e_latency"),
+        "beam_results": beams,
+    }}
+
+
 def task_response(state) -> dict:
     """The HTTP/Engine body of a finished task: the executor's result plus request facts."""
     out = dict(state.result or {})

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from sgrec.managers import io_struct as io
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
-from sgrec.managers.rec import build_rank_task, build_retrieve_task
+from sgrec.managers.rec import build_beam_generate_task, build_rank_task, build_retrieve_task
 from sgrec.managers.score import ScorePlan, build_score_request
 from sgrec.sampling import SamplingParams, SchemaError
 from sgrec.server_args import ServerArgs
@@ -152,11 +152,13 @@ class TokenizerManager:
         msg = build_rank_task(obj, self.tokenizer, self.builder, self.args.max_rank_candidates)
         return self._send([msg], [SamplingParams(max_new_tokens=0)], False, False, obj.get("routing_key"))
 
-    def submit_retrieve(self, obj: dict) -> Submission:
-        """A /v1/retrieve request (one task). Raises ValueError on bad input."""
+    def submit_retrieve(self, obj: dict, native_beam: bool = False) -> Submission:
+        """A /v1/retrieve request, or a native /generate with beam_width (one task each). Raises
+        ValueError on bad input."""
         if self.dead:
             raise RuntimeError(self.dead)
-        msg = build_retrieve_task(obj, self.tokenizer, self.builder, self.args.max_beam_width)
+        build = build_beam_generate_task if native_beam else build_retrieve_task
+        msg = build(obj, self.tokenizer, self.builder, self.args.max_beam_width)
         return self._send([msg], [SamplingParams(max_new_tokens=0)], False, False, obj.get("routing_key"))
 
     def _send(self, msgs, params, is_list: bool, text_in_logprobs: bool, routing_key: str | None) -> Submission:
