@@ -6,7 +6,8 @@ the §5.3 noise sweep (with a PNG plot), and the per-access cost at ~10^4 cached
     python benchmarks/bench_laru.py --requests 3000 --skip-scale   # quick look
 
 Cache sizes are fractions of each trace's footprint (distinct tokens of all its prompts). Rows:
-sgrec's lru / laru / fpb / hf with the online LightGBM predictor, laru with oracle predictions, opt
+sgrec's lru / laru / fpb / hf with the online LightGBM predictor (laru with the §5.1 lambda rule, the
+default; laru-every with lambda / b at every detected misprediction), laru with oracle predictions, opt
 (Belady over leaves), SGLang 0.5.23's RadixCache (lru / lfu / slru) on the same request steps, and
 libCacheSim on the flattened node-access stream (its hit rates count node hits without the
 prefix rule, so they are a reference, not a like-for-like peer).
@@ -24,8 +25,9 @@ import time
 from sgrec.radix.sim import LCS_POLICIES, SGLANG_POLICIES, TraceIndex, simulate
 from sgrec.radix.traces import gr_users, multiturn, scan, zipf
 
-ROWS = [("lru", "lightgbm"), ("laru", "lightgbm"), ("fpb", "lightgbm"), ("hf", "lightgbm"), ("laru", "oracle"),
-        ("opt", "oracle")] + [(p, None) for p in SGLANG_POLICIES + LCS_POLICIES]
+ROWS = [("lru", "lightgbm"), ("laru", "lightgbm"), ("laru-every", "lightgbm"), ("fpb", "lightgbm"), ("hf", "lightgbm"),
+        ("laru", "oracle"), ("opt", "oracle")] + [(p, None) for p in SGLANG_POLICIES + LCS_POLICIES]
+EVERY = {"lambda_rule": "every"}  # laru-every: Algorithm 1's lambda / b per detected misprediction at any k
 NOISE = [0.0, 0.1, 0.3, 0.5, 1.0]
 
 
@@ -49,7 +51,8 @@ def run_table(traces: dict, fractions: list[float], log) -> dict:
         for frac in fractions:
             cap = int(fp * frac)
             for policy, pred in ROWS:
-                r = simulate(trace, policy, cap, predictor=pred or "lightgbm", index=index)
+                r = simulate(trace, policy.removesuffix("-every"), cap, predictor=pred or "lightgbm", index=index,
+                             config=EVERY if policy.endswith("-every") else None)
                 out[(tname, frac, label(policy, pred))] = r.row() | {"footprint": fp}
                 log(f"{tname:9s} {frac:4.2f} cap={cap:7d} {label(policy, pred):14s} hit={r.token_hit_rate:.4f} "
                     f"req_hit={r.request_hit_rate:.4f} calls={r.predictor_calls} us/acc={r.us_per_access:.0f}")
@@ -61,9 +64,10 @@ def run_noise(trace, frac: float, log) -> dict:
     cap = int(footprint(index) * frac)
     out = {"cap": cap, "lru": simulate(trace, "lru", cap).token_hit_rate,
            "opt": simulate(trace, "opt", cap, index=index).token_hit_rate}
-    for policy in ("laru", "fpb", "hf"):
+    for policy in ("laru", "laru-every", "fpb", "hf"):
         for p in NOISE:
-            r = simulate(trace, policy, cap, noise=p, index=index)
+            r = simulate(trace, policy.removesuffix("-every"), cap, noise=p, index=index,
+                         config=EVERY if policy.endswith("-every") else None)
             out[(policy, p)] = r.row()
             log(f"noise {policy:4s} p={p:.1f} hit={r.token_hit_rate:.4f} calls={r.predictor_calls}")
     return out
@@ -88,7 +92,7 @@ def plot_noise(noise: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for policy, marker in (("laru", "o"), ("fpb", "s"), ("hf", "^")):
+    for policy, marker in (("laru", "o"), ("laru-every", "D"), ("fpb", "s"), ("hf", "^")):
         ax.plot(NOISE, [noise[(policy, p)]["token_hit_rate"] for p in NOISE], marker=marker, label=policy.upper())
     ax.axhline(noise["lru"], color="gray", ls="--", label="LRU")
     ax.axhline(noise["opt"], color="black", ls=":", label="OPT")
@@ -112,14 +116,14 @@ def print_tables(table: dict, traces: list[str], fractions: list[float], noise: 
     print("\nPredictor calls / microseconds per request (sgrec policies):\n")
     print("| policy | " + " | ".join(f"{t} {f:.0%}" for t, f in cols) + " |")
     print("|---|" + "---:|" * len(cols))
-    for lab in ("lru", "laru", "fpb", "hf", "laru (oracle)", "opt"):
+    for lab in ("lru", "laru", "laru-every", "fpb", "hf", "laru (oracle)", "opt"):
         print(f"| {lab} | " + " | ".join(f"{table[(t, f, lab)]['predictor_calls']} / {table[(t, f, lab)]['us_per_access']:.0f}"
                                          for t, f in cols) + " |")
     if noise:
         print(f"\nNoise sweep (multiturn, {noise['cap']} tokens; LRU {noise['lru']:.4f}, OPT {noise['opt']:.4f}):\n")
         print("| policy | " + " | ".join(f"p={p}" for p in NOISE) + " |")
         print("|---|" + "---:|" * len(NOISE))
-        for policy in ("laru", "fpb", "hf"):
+        for policy in ("laru", "laru-every", "fpb", "hf"):
             print(f"| {policy} | " + " | ".join(f"{noise[(policy, p)]['token_hit_rate']:.4f}" for p in NOISE) + " |")
         print("| predictor calls (laru/fpb/hf, p=0) | " + " / ".join(
             str(noise[(pol, 0.0)]["predictor_calls"]) for pol in ("laru", "fpb", "hf")) + " |")

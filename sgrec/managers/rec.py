@@ -48,12 +48,21 @@ def parse_user(user, tokenizer: Tokenizer, builder: RequestBuilder) -> tuple[str
     return key, list(ids)
 
 
-def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_candidates: int) -> TaskReq:
+def _check_body(obj, fields: set[str]) -> str:
+    """A JSON object with only known fields; returns its request id (given or new)."""
     if not isinstance(obj, dict):
         raise ValueError("The request body must be a JSON object")
-    unknown = set(obj) - RANK_FIELDS
+    unknown = set(obj) - fields
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    rid = obj.get("rid") or uuid.uuid4().hex
+    if not isinstance(rid, str):
+        raise ValueError("rid must be a string")
+    return rid
+
+
+def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_candidates: int) -> TaskReq:
+    rid = _check_body(obj, RANK_FIELDS)
     user_key, user_ids = parse_user(obj.get("user"), tokenizer, builder)
     items = obj.get("items")
     if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
@@ -73,9 +82,6 @@ def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_cand
     top_k = obj.get("top_k")
     if top_k is not None and (not _is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
-    rid = obj.get("rid") or uuid.uuid4().hex
-    if not isinstance(rid, str):
-        raise ValueError("rid must be a string")
     payload = {"user_key": user_key, "user_ids": user_ids, "item_ids": items, "instruction_ids": list(instr_ids),
                "prefix": prefix, "top_k": top_k}
     return TaskReq(rid=rid, kind="rank", input_ids=user_ids, payload=payload)
@@ -85,11 +91,7 @@ RETRIEVE_FIELDS = {"user", "beam_width", "top_k", "num_items", "rid", "routing_k
 
 
 def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int) -> TaskReq:
-    if not isinstance(obj, dict):
-        raise ValueError("The request body must be a JSON object")
-    unknown = set(obj) - RETRIEVE_FIELDS
-    if unknown:
-        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    rid = _check_body(obj, RETRIEVE_FIELDS)
     _, user_ids = parse_user(obj.get("user"), tokenizer, builder)
     beam_width = obj.get("beam_width", 128)
     top_k = obj.get("top_k", beam_width)
@@ -101,9 +103,6 @@ def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_
         raise ValueError(f"beam_width {beam_width} exceeds --max-beam-width {max_beam_width}")
     if num_items > beam_width:
         raise ValueError(f"num_items ({num_items}) must not exceed beam_width ({beam_width})")
-    rid = obj.get("rid") or uuid.uuid4().hex
-    if not isinstance(rid, str):
-        raise ValueError("rid must be a string")
     payload = {"input_ids": user_ids, "beam_width": beam_width, "top_k": top_k, "num_items": num_items}
     return TaskReq(rid=rid, kind="retrieve", input_ids=user_ids, payload=payload)
 
