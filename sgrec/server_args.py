@@ -70,6 +70,19 @@ class ServerArgs:
         ["auto", "user", "item", "none", "greedy"])
     max_rank_candidates: int = _arg(1000, "Most candidate items in one rank request.")
     max_beam_width: int = _arg(512, "Largest beam_width of a retrieve request.")
+    max_batch_tokens: int = _arg(
+        16384, "Concurrent execution (xGR): token capacity of one batch of same-kind requests (rank, score, "
+        "retrieve); a batch is dispatched once the next request would not fit.")
+    batch_wait_ms: float | None = _arg(
+        None, "Longest wait of a batch's oldest request before the batch is dispatched unfilled (default: "
+        "derived per kind from --slo-ms as (SLO - 2 x measured batch time) / 2, else 2 ms).")
+    slo_ms: float | None = _arg(
+        None, "Latency target per request; sets the batching wait quota when --batch-wait-ms is not given.")
+    stream_pool_mb: float = _arg(
+        64.0, "Per-stream tensor pool of the multi-stream executor: once a stream's pool holds more than "
+        "this many MB, tensors whose recorded event has completed are released.")
+    num_streams: int = _arg(
+        4, "Streams of the multi-stream executor (CUDA streams; on CPU the inline executor uses one).")
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg("torch", "Attention implementation.", ["torch"])
     enable_weight_packing: bool = _arg(
@@ -102,6 +115,18 @@ class ServerArgs:
             raise ValueError("jct_fairness must be non-negative")
         if self.max_rank_candidates < 1 or self.max_beam_width < 1:
             raise ValueError("max_rank_candidates and max_beam_width must be at least 1")
+        if self.max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be at least 1")
+        if self.slo_ms is not None and self.slo_ms <= 0:
+            raise ValueError("slo_ms must be positive")
+        if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
+            raise ValueError("batch_wait_ms must be non-negative")
+        if self.batch_wait_ms is not None and self.slo_ms is not None and self.batch_wait_ms >= self.slo_ms:
+            raise ValueError("batch_wait_ms must be below slo_ms (the wait alone would miss the SLO)")
+        if self.stream_pool_mb < 0:
+            raise ValueError("stream_pool_mb must be non-negative")
+        if self.num_streams < 1:
+            raise ValueError("num_streams must be at least 1")
         if self.item_cache_tokens is not None and self.item_cache_tokens < 0:
             raise ValueError("item_cache_tokens must be non-negative")
         if self.dp_size < 1:

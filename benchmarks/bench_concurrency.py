@@ -1,0 +1,213 @@
+"""Concurrent execution (issue 9; RecOS §4.1 concurrency levels, xGR §7 multi-stream batches):
+closed-loop clients at concurrency 1, 8, 15, 22, 30 on mixed rank / score / retrieve traffic.
+
+    python benchmarks/bench_concurrency.py                       # CPU defaults below
+    python benchmarks/bench_concurrency.py --requests-per-client 6 --occupancy 0.25 --num-streams 4 \\
+        --json bench_out/bench_concurrency.json
+
+Each client sends a request, waits for its answer, sends the next (no think time); client i's
+k-th request is of kind (i + k) mod 3 over rank, score, retrieve, so every level sees the same mix.
+
+1. Profile: each kind is timed --profile-reps times on a real in-process `sgrec.Engine` (a tiny
+   random llama, a 27-item catalog with 3-level semantic IDs) after a warm-up; the median is the
+   kind's cost.
+2. Measured inline: the clients are threads calling the same Engine (today's single-stream
+   in-process path: one request runs at a time).
+3. Simulated: the same closed loop on `SimStreams` (virtual clock), each request one work unit with
+   the profiled cost of its kind, under `single` (one stream, FIFO) and `sgrec` (--num-streams
+   streams, DepValue order, RecOS stream selection). The occupancy of a unit cannot be measured on
+   a CPU; --occupancy (default 0.25, RecOS Figure 3's "a quarter of the device") is an assumption,
+   and the multi-stream gain is bounded by min(num_streams, 1 / occupancy). On a GPU the executor
+   would run on CUDA streams (not wired into the scheduler yet, see README "Concurrent execution").
+
+Prints per level and kind: mean and P99 latency (ms) of the measured inline run, the simulated
+single-stream and multi-stream runs, and the ratios sim-single / measured (how well the cost model
+reproduces the real single-stream run) and single / multi (the simulated multi-stream gain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from sgrec.scheduler.streams import MultiStreamScheduler, SimStreams, UnitCost, WorkUnit  # noqa: E402
+
+KINDS = ("rank", "score", "retrieve")
+
+
+def write_catalog(path: str, n: int = 27, seed: int = 1) -> str:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for k in range(n):
+            tokens = [rng.randrange(3, 500) for _ in range(rng.randint(1, 5))]
+            item = {"id": f"i{k}", "token_ids": tokens, "id_token": rng.randrange(3, 500),
+                    "semantic_id": [k // 9, (k // 3) % 3, k % 3]}
+            f.write(json.dumps(item) + "\n")
+    return path
+
+
+class Traffic:
+    """Request k of client i: kind (i + k) % 3, a user history of --history tokens."""
+
+    def __init__(self, engine, history: int, candidates: int, beam_width: int, seed: int = 0):
+        self.engine, self.history, self.candidates, self.beam_width = engine, history, candidates, beam_width
+        self.seed = seed
+
+    def kind(self, client: int, k: int) -> str:
+        return KINDS[(client + k) % 3]
+
+    def call(self, kind: str, client: int, k: int):
+        rng = random.Random(self.seed * 1_000_003 + client * 1009 + k)
+        user = {"id": f"u{client}", "token_ids": [rng.randrange(3, 500) for _ in range(self.history)]}
+        if kind == "rank":
+            items = [f"i{j}" for j in rng.sample(range(27), self.candidates)]
+            return self.engine.rank(user, items)
+        if kind == "score":
+            items = [[rng.randrange(3, 500) for _ in range(3)] for _ in range(self.candidates)]
+            return self.engine.score(query=user["token_ids"], items=items, label_token_ids=[5, 6, 7])
+        return self.engine.retrieve(user, beam_width=self.beam_width, num_items=5)
+
+
+def profile(traffic: Traffic, reps: int) -> dict[str, float]:
+    costs = {}
+    for kind in KINDS:
+        traffic.call(kind, 999, 0)  # warm-up
+        times = []
+        for r in range(reps):
+            t0 = time.perf_counter()
+            traffic.call(kind, 1000 + r, r)
+            times.append(time.perf_counter() - t0)
+        costs[kind] = statistics.median(times)
+    return costs
+
+
+def measured_closed_loop(traffic: Traffic, concurrency: int, per_client: int) -> dict[str, list[float]]:
+    lat: dict[str, list[float]] = {k: [] for k in KINDS}
+    lock = threading.Lock()
+    errors = []
+
+    def client(i: int) -> None:
+        try:
+            for k in range(per_client):
+                kind = traffic.kind(i, k)
+                t0 = time.perf_counter()
+                traffic.call(kind, i, k)
+                dt = time.perf_counter() - t0
+                with lock:
+                    lat[kind].append(dt)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return lat
+
+
+def simulated_closed_loop(costs: dict[str, float], concurrency: int, per_client: int, policy: str,
+                          num_streams: int, occupancy: float) -> dict[str, list[float]]:
+    sim = SimStreams(num_streams if policy != "single" else 1)
+    sch = MultiStreamScheduler(sim, policy)
+    lat: dict[str, list[float]] = {k: [] for k in KINDS}
+    issued: dict[str, tuple[int, int, str, float]] = {}
+
+    def submit(i: int, k: int) -> None:
+        kind = KINDS[(i + k) % 3]
+        name = f"c{i}.r{k}"
+        issued[name] = (i, k, kind, sim.now())
+        sch.submit([WorkUnit(name, UnitCost(costs[kind], occupancy), group=f"c{i}")])
+
+    for i in range(concurrency):
+        submit(i, 0)
+    while not sch.idle:
+        for name in sch.step():
+            i, k, kind, t0 = issued[name]
+            lat[kind].append(sim.now() - t0)
+            if k + 1 < per_client:
+                submit(i, k + 1)
+    return lat
+
+
+def p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(0.99 * len(xs) + 0.5)) - 1))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,8,15,22,30")
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--profile-reps", type=int, default=15)
+    ap.add_argument("--history", type=int, default=64, help="user history tokens per request")
+    ap.add_argument("--candidates", type=int, default=8, help="rank candidates / score items per request")
+    ap.add_argument("--beam-width", type=int, default=8)
+    ap.add_argument("--num-streams", type=int, default=4)
+    ap.add_argument("--occupancy", type=float, default=0.25, help="assumed device share of one request")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from sgrec import Engine
+    from sgrec.tools.make_tiny_model import make_tiny_model
+
+    torch.set_num_threads(args.threads)
+    tmp = tempfile.mkdtemp(prefix="bench_concurrency_")
+    model = make_tiny_model(os.path.join(tmp, "model"), arch="llama")
+    catalog = write_catalog(os.path.join(tmp, "catalog.jsonl"))
+    engine = Engine(model, device="cpu", dtype="float32", max_total_tokens=16384, item_catalog=catalog)
+    traffic = Traffic(engine, args.history, args.candidates, args.beam_width)
+    costs = profile(traffic, args.profile_reps)
+    print(f"profiled cost per request (median of {args.profile_reps}): "
+          + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.items()))
+    print(f"simulated: occupancy {args.occupancy} per request (assumed), multi-stream = sgrec policy on "
+          f"{args.num_streams} streams")
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    rows = []
+    header = ("| clients | kind | n | measured inline mean / P99 ms | sim single mean / P99 ms | "
+              "sim multi mean / P99 ms | sim single / measured (mean) | single / multi (mean) | single / multi (P99) |")
+    print(header)
+    print("|" + "---|" * 9)
+    for c in levels:
+        meas = measured_closed_loop(traffic, c, args.requests_per_client)
+        single = simulated_closed_loop(costs, c, args.requests_per_client, "single", 1, args.occupancy)
+        multi = simulated_closed_loop(costs, c, args.requests_per_client, "sgrec", args.num_streams, args.occupancy)
+        for kind in KINDS + ("all",):
+            pick = (lambda d: [x for k in KINDS for x in d[k]]) if kind == "all" else (lambda d, kind=kind: d[kind])
+            m, s, u = pick(meas), pick(single), pick(multi)
+            if not m:  # too few requests per client for every kind at this level
+                continue
+            row = {"clients": c, "kind": kind, "n": len(m),
+                   "measured_mean_ms": statistics.mean(m) * 1e3, "measured_p99_ms": p99(m) * 1e3,
+                   "sim_single_mean_ms": statistics.mean(s) * 1e3, "sim_single_p99_ms": p99(s) * 1e3,
+                   "sim_multi_mean_ms": statistics.mean(u) * 1e3, "sim_multi_p99_ms": p99(u) * 1e3}
+            rows.append(row)
+            print(f"| {c} | {kind} | {len(m)} | {row['measured_mean_ms']:.1f} / {row['measured_p99_ms']:.1f} | "
+                  f"{row['sim_single_mean_ms']:.1f} / {row['sim_single_p99_ms']:.1f} | "
+                  f"{row['sim_multi_mean_ms']:.1f} / {row['sim_multi_p99_ms']:.1f} | "
+                  f"{row['sim_single_mean_ms'] / row['measured_mean_ms']:.2f} | "
+                  f"{row['sim_single_mean_ms'] / row['sim_multi_mean_ms']:.2f}x | "
+                  f"{row['sim_single_p99_ms'] / row['sim_multi_p99_ms']:.2f}x |", flush=True)
+    print("rerun: python benchmarks/bench_concurrency.py " + " ".join(sys.argv[1:]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "costs_s": costs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
