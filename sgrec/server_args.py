@@ -83,6 +83,10 @@ class ServerArgs:
         "this many MB, tensors whose recorded event has completed are released.")
     num_streams: int = _arg(
         4, "Streams of the multi-stream executor (CUDA streams; on CPU the inline executor uses one).")
+    max_request_bytes: int = _arg(16 << 20, "Largest HTTP request body in bytes; larger ones get a 413.")
+    max_batch_size: int = _arg(
+        1024, "Most prompts in one batch /generate request, and most items in one score request (more: 400).")
+    max_n: int = _arg(64, "Largest n (samples per prompt) of a generate request (more: 400).")
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg("torch", "Attention implementation.", ["torch"])
     enable_weight_packing: bool = _arg(
@@ -125,6 +129,8 @@ class ServerArgs:
             raise ValueError("batch_wait_ms must be below slo_ms (the wait alone would miss the SLO)")
         if self.stream_pool_mb < 0:
             raise ValueError("stream_pool_mb must be non-negative")
+        if self.max_request_bytes < 1 or self.max_batch_size < 1 or self.max_n < 1:
+            raise ValueError("max_request_bytes, max_batch_size and max_n must be at least 1")
         if self.num_streams < 1:
             raise ValueError("num_streams must be at least 1")
         if self.item_cache_tokens is not None and self.item_cache_tokens < 0:

@@ -251,3 +251,32 @@ def test_engine_generate_beam_width(model, sem_catalog_path):
     assert len(out["meta_info"]["beam_results"]) == 2
     with pytest.raises(ValueError, match="constrain_to_catalog"):
         e.generate(input_ids=[7, 8], sampling_params={"beam_width": 4})
+
+
+# ---- request limits ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def limits_server(start_server, model):
+    return start_server(model, "--max-total-tokens", "1024", "--max-request-bytes", "2000",
+                        "--max-batch-size", "3", "--max-n", "2")
+
+
+def test_request_limits(limits_server):
+    c = limits_server.client
+    big = {"input_ids": [5] * 1000, "sampling_params": {"max_new_tokens": 1}}
+    r = c.post("/generate", json=big)
+    assert r.status_code == 413 and "max-request-bytes" in r.json()["message"]
+
+    def chunks():  # no Content-Length: the body is counted as it streams in
+        for _ in range(30):
+            yield b" " * 100
+
+    r = c.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    r = c.post("/generate", json={"input_ids": [[5, 6]] * 4, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and "max-batch-size" in r.text
+    r = c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1, "n": 3}})
+    assert r.status_code == 400 and "max-n" in r.text
+    r = c.post("/v1/score", json={"query": [5], "items": [[6]] * 4, "label_token_ids": [1]})
+    assert r.status_code == 400 and "max-batch-size" in r.text
+    ok = c.post("/generate", json={"input_ids": [[5, 6]] * 3, "sampling_params": {"max_new_tokens": 1, "n": 2}})
+    assert ok.status_code == 200 and len(ok.json()) == 6

@@ -87,6 +87,44 @@ async def wait_or_disconnect(tm: TokenizerManager, sub: Submission, request: Req
     return await await_or_disconnect(tm.wait(sub), tm, sub, request)
 
 
+class BodyLimitMiddleware:
+    """Pure ASGI: a request body over `limit` bytes gets a 413 before it is read whole (by its
+    Content-Length, or by counting the chunks of a streamed body)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(scope, receive, send)
+        seen = 0
+
+        async def counting_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge()
+            return msg
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope, receive, send):
+        message = f"Request body larger than --max-request-bytes ({self.limit} bytes)"
+        await JSONResponse(openai_error_body(413, message, "RequestTooLarge"), status_code=413)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
 class APIKeyMiddleware:
     """Pure ASGI (BaseHTTPMiddleware would hide client disconnects from the handlers)."""
 
@@ -116,6 +154,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
 
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(BodyLimitMiddleware, limit=args.max_request_bytes)
 
     # ---- /generate ---------------------------------------------------------------------
     async def generate(request: Request):

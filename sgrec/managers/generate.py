@@ -33,6 +33,8 @@ class Limits:
     context_len: int
     pool_size: int
     max_input_len: int  # prompts longer than this get a 400
+    max_batch_size: int = 1024  # prompts per batch request (and items per score request)
+    max_n: int = 64
 
 
 class RequestBuilder:
@@ -80,9 +82,13 @@ class RequestBuilder:
         if extra_key is not None and not isinstance(extra_key, str):
             raise ValueError("extra_key must be a string")
         count = len(ids_list)
+        if count > self.limits.max_batch_size:
+            raise ValueError(f"{count} prompts in one request exceed --max-batch-size {self.limits.max_batch_size}")
         sps = _per_item(sampling_params, count, "sampling_params", is_batch)
         params = [SamplingParams.from_dict(sp, self.limits.vocab_size) for sp in sps]
         n = params[0].n
+        if n > self.limits.max_n:
+            raise ValueError(f"n = {n} exceeds --max-n {self.limits.max_n}")
         if any(p.n != n for p in params):
             raise ValueError("all prompts of a batch must use the same n")
         lp_args = zip(

@@ -173,6 +173,8 @@ def build_score_request(obj, tokenizer: Tokenizer, builder: RequestBuilder) -> S
         obj.get("apply_softmax", False), obj.get("item_first", False), obj.get("temperature", 1.0),
         obj.get("return_token_logprobs", False),
     )
+    if len(plan.prompts) > builder.limits.max_batch_size:
+        raise ValueError(f"{len(plan.prompts)} items exceed --max-batch-size {builder.limits.max_batch_size}")
     for ids in plan.prompts:
         builder.check_prompt(ids)
     return plan

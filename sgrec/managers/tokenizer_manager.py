@@ -111,7 +111,8 @@ class TokenizerManager:
         first = self.ready[0]
         pool = min(r.max_total_num_tokens for r in self.ready.values())
         self.builder = RequestBuilder(
-            self.tokenizer, Limits(first.vocab_size, first.context_len, pool, first.max_input_len))
+            self.tokenizer, Limits(first.vocab_size, first.context_len, pool, first.max_input_len,
+                                   self.args.max_batch_size, self.args.max_n))
         self.listener = asyncio.create_task(self._listen())
 
     @property
