@@ -30,7 +30,13 @@ def cache_dir() -> str:
 
 
 def ensure_default_model() -> str:
-    """The embedded default model: a generated tiny Llama until the demo model lands."""
+    """The embedded default model: the packaged MovieLens-100K demo recommender (sgrec.demo), or a
+    generated tiny random Llama when the demo artifacts are missing (a source tree before
+    `python -m sgrec.demo.train`)."""
+    from sgrec import demo
+
+    if demo.available():
+        return demo.model_path()
     path = os.path.join(cache_dir(), "default-tiny-llama")
     if not os.path.exists(os.path.join(path, "config.json")):
         from sgrec.tools.make_tiny_model import make_tiny_model
@@ -138,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(message)s")
     if args.model_path is None:
         args.model_path = ensure_default_model()
-        logger.info("no --model-path: serving the embedded default model at %s", args.model_path)
+        from sgrec import demo
+
+        if args.item_catalog is None and args.model_path == demo.model_path():
+            args.item_catalog = demo.catalog_path()
+        logger.info("no --model-path: serving the embedded default model at %s (item catalog %s)",
+                    args.model_path, args.item_catalog)
     try:
         facts = _model_facts(args.model_path)
     except (OSError, ValueError, KeyError) as e:

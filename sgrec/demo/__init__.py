@@ -1,0 +1,46 @@
+"""The embedded demo recommender: a small Llama trained on MovieLens-100K (issue 8).
+
+One model serves both tasks of sgrec's recommendation API:
+- rank (BAT): user history + candidate items + RANK_INSTRUCTION; the candidates are scored by
+  their `id_token` logits at the last position;
+- retrieve (xGR / TIGER): user history + RETRIEVE_INSTRUCTION; beam search over semantic-ID paths.
+
+The artifacts (HF-format weights, tokenizer, item catalog) live in `ARTIFACT_DIR` and ship with the
+wheel; they are produced by `python -m sgrec.demo.train` and measured by `python -m sgrec.demo.evaluate`.
+"""
+
+from __future__ import annotations
+
+import os
+
+ARTIFACT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ml100k")
+CATALOG_NAME = "catalog.jsonl"
+
+# The engine's default rank instruction (sgrec.managers.rec.DEFAULT_INSTRUCTION): a rank request
+# without an instruction gets exactly the prompts the model was trained on.
+RANK_INSTRUCTION = "\nNext item:"
+RETRIEVE_INSTRUCTION = "\nSemantic ID:"
+HISTORY_LEN = 30  # most recent interactions in a user prompt
+
+
+def model_path() -> str:
+    """The packaged model directory (config, safetensors weights, tokenizer, catalog)."""
+    return ARTIFACT_DIR
+
+
+def catalog_path() -> str:
+    return os.path.join(ARTIFACT_DIR, CATALOG_NAME)
+
+
+def available() -> bool:
+    return all(os.path.exists(os.path.join(ARTIFACT_DIR, f)) for f in ("config.json", "model.safetensors", CATALOG_NAME))
+
+
+def item_token(movie_id: int) -> str:
+    """The vocabulary token of a movie (its catalog `id_token`)."""
+    return f"<i{movie_id}>"
+
+
+def item_id(movie_id: int) -> str:
+    """The catalog id of a movie."""
+    return f"m{movie_id}"
