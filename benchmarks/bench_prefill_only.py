@@ -14,7 +14,7 @@ this process and reports mean / P99 latency, throughput and the prefix hit rate;
 latency FCFS reaches at its capacity, the highest rate each policy sustains (linear interpolation
 between measured rates). Time: with --clock model (default) each request's service time comes from
 a linear model a + b*uncached + c*cached fitted to prefill times measured first on this machine
-(the fastest of 3 runs per point), and a virtual clock advances by it: the real scheduler decides
+(the fastest of 5 runs per point), and a virtual clock advances by it: the real scheduler decides
 the order and the real radix cache decides the hits, while other load on a shared machine cannot
 distort the comparison. --clock wall runs on the wall clock instead (use it on a quiet machine).
 
@@ -55,7 +55,7 @@ def make_workload(users: int, posts: int, mean: int, std: int, post_len: int, vo
 
 
 def fit_cost(model: str, lengths: list[int], pool: int):
-    """LinearJct in seconds from the fastest of 3 timed prefill-only forwards per (n, cached) point."""
+    """LinearJct in seconds from the fastest of 5 timed prefill-only forwards per (n, cached) point."""
     from sgrec.model.attention import SeqLayout
     from sgrec.scheduler.policy import LinearJct
 
@@ -73,7 +73,7 @@ def fit_cost(model: str, lengths: list[int], pool: int):
             batch = runner.make_batch(ids[cached:], list(range(cached, n)), zeros,
                                       [SeqLayout(0, new, torch.cat([slots, zeros]))])
             best = float("inf")
-            for _ in range(3):
+            for _ in range(5):
                 t = time.perf_counter()
                 runner.forward_prefill_only(batch, [new - 1])
                 best = min(best, time.perf_counter() - t)
@@ -146,7 +146,7 @@ def rate_at_latency(points: list[tuple[float, float]], target: float) -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF model dir (default: a generated 4-layer, hidden-128 random Llama)")
+    ap.add_argument("--model", help="HF model dir (default: a generated 4-layer, hidden-256 random Llama)")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--posts", type=int, default=10)
     ap.add_argument("--profile-mean", type=int, default=700)
@@ -164,8 +164,8 @@ def main(argv=None) -> None:
     if model is None:
         from sgrec.tools.make_tiny_model import make_tiny_model
 
-        model = make_tiny_model(tempfile.mkdtemp(prefix="sgrec_po_"), arch="llama", seed=1, hidden_size=128,
-                                intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=2,
+        model = make_tiny_model(tempfile.mkdtemp(prefix="sgrec_po_"), arch="llama", seed=1, hidden_size=256,
+                                intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2,
                                 max_position_embeddings=4096)
     per_user = args.arrivals == "users"
     reqs = make_workload(args.users, args.posts, args.profile_mean, args.profile_std, args.post_len, 512, args.seed,
@@ -177,8 +177,8 @@ def main(argv=None) -> None:
 
     cost = None
     if args.clock == "model":
-        lens = sorted({len(ids) for _, ids, _ in reqs})
-        cost = fit_cost(model, [lens[0], lens[len(lens) // 2], lens[-1]], pool)
+        longest = max(len(ids) for _, ids, _ in reqs)
+        cost = fit_cost(model, [64, longest // 4, longest // 2, longest], pool)
         print(f"service time model (s): {cost.a:.4f} + {cost.b * 1e3:.4f} ms x uncached + {cost.c * 1e3:.4f} ms x cached")
     capacity = run(model, "fcfs", reqs, float("inf"), pool, args.seed, args.clock, cost, per_user)["throughput"] / unit
     print(f"FCFS capacity (all requests at t=0): {capacity * unit:.2f} req/s")

@@ -300,6 +300,8 @@ def test_prefill_time_polynomial_fit_and_placement():
     samples = [(s, p, truth(s, p)) for s in (16, 64, 256, 1024) for p in (0, 100, 1000)]
     model = hrcs.PrefillTimeModel.fit(samples)
     assert model(500, 300) == pytest.approx(truth(500, 300), rel=1e-6)
+    rel = hrcs.PrefillTimeModel.fit(samples, relative=True)  # exact data: same polynomial either way
+    assert rel(500, 300) == pytest.approx(truth(500, 300), rel=1e-6)
     with pytest.raises(ValueError):
         hrcs.PrefillTimeModel.fit(samples[:3])
 
@@ -309,11 +311,15 @@ def test_prefill_time_polynomial_fit_and_placement():
     assert pl.replicated == {"b", "d"}
     assert pl.owner == {"f": 0, "e": 1, "a": 0, "c": 1}  # round-robin by descending frequency
     assert pl.owns(0, "b") and pl.owns(1, "b") and pl.owns(0, "f") and not pl.owns(1, "f")
+    # ranks that derived a different ratio agree on the owner of every item both shard
+    other = hrcs.plan_placement(items, freqs, 3 / 6, 2)
+    assert other.replicated == {"b", "d", "f"}
+    assert all(other.owner[i] == pl.owner[i] for i in other.owner)
     plan = hrcs.make_plan(items, [2] * 6, freqs, 100, 1000, 10, 2, 0.1, 3, 2, lambda s, p: 1.0)
     # R_max = 0.1 * 1 * 1000 * 1 / (3 * 2 * 2) = 8.33 >= 1: the first item already satisfies the CDF
     assert plan.replication.num_replicated == 1
-    assert plan.per_rank_items == [1 + 3, 1 + 2]
-    assert plan.per_rank_bytes == [8 * 100, 6 * 100]
+    assert plan.per_rank_items == [1 + 2, 1 + 3]  # d (position 1) -> rank 1, f -> 0, e -> 1, a -> 0, c -> 1
+    assert plan.per_rank_bytes == [6 * 100, 8 * 100]
     assert plan.remote_fraction == pytest.approx((1 - 9 / 20) * 0.5)
 
 
@@ -388,4 +394,72 @@ def test_capacity_error_leaves_no_leak(tiny_model_dir, catalog):
     s.check_accounting()
     out = s.ex.run("u", ids(8, 1), ["i1", "i2"], INSTR, prefix="item")  # still serves what fits
     assert len(out["ranking"]) == 2
+    s.check_accounting()
+
+
+# ---- hard user-cache budget and §5.3 replacement ---------------------------------------------
+def test_user_cache_cap_and_lowest_frequency_replacement(tiny_model_dir):
+    """With user_cache_tokens the tree never exceeds the cap. auto: a first request (f_u = 0, no
+    room) gets item-as-prefix; a returning user above the coldest cached user replaces the
+    lowest-frequency user (§5.3), not the least recently used one. greedy: LRU order."""
+    cat = make_catalog(4, seed=2)
+    cands = [it.id for it in cat.items][:2]
+    tau_i = sum(len(cat.get(c).token_ids) for c in cands)
+    n = max(20, tau_i)
+    user = {k: [100 + 50 * j + t % 40 for t in range(n)] for j, k in enumerate("abc")}
+    for policy, survivor, victim in (("auto", "a", "b"), ("greedy", "b", "a")):
+        now = [0.0]
+        args = ServerArgs(model_path=tiny_model_dir("llama", seed=0), device="cpu", dtype="float32",
+                          max_total_tokens=512, item_cache_tokens=64)
+        runner = ModelRunner(args)
+        tree = RadixCache(runner.kv_pool.allocator)
+        ex = RankExecutor(runner, tree, cat, args, header_ids=HEADER, meta=CacheMeta(60.0, clock=lambda: now[0]),
+                          user_cache_tokens=2 * n + 5)
+        ex.precompute()
+        seq = [("a", "user"), ("a", "user"), ("a", "user"), ("b", "user"), ("c", "item"), ("c", "user")]
+        for t, (u, expect) in enumerate(seq):
+            now[0] = float(t)
+            out = ex.run(u, user[u], cands, INSTR, prefix=policy)
+            if policy == "auto":
+                assert out["meta_info"]["prefix"] == expect, (t, u)
+            assert tree.total_size() <= 2 * n + 5
+        assert ex.meta.is_cached(survivor, n) and not ex.meta.is_cached(victim, n) and ex.meta.is_cached("c", n)
+        tree.check_integrity()
+        assert runner.kv_pool.allocator.available_size() + tree.total_size() + ex.total_size() == 512
+
+
+def test_auto_uses_prior_frequency():
+    """f_u counts the requests before this one: a user's first request has f_u = 0 and loses to any
+    cached user; with nobody cached (or room under the cap) it still gets user-as-prefix."""
+    now = [0.0]
+    meta = CacheMeta(window_s=60.0, clock=lambda: now[0])
+    assert meta.user_freq("x") == 0.0
+    meta.record_user("x")
+    now[0] = 60.0
+    assert meta.user_freq("x") == pytest.approx(math.exp(-1.0))
+    assert select_prefix("auto", 900, 100, f_user=0.0, cached_freqs=[0.01]) == "item"
+    assert select_prefix("auto", 900, 100, f_user=0.0, cached_freqs=[]) == "user"
+
+
+def test_bounded_cache_rule_beats_every_replaced_user():
+    # with a bounded cache f_u must beat every user it would replace; none to replace -> user
+    assert select_prefix("auto", 900, 100, f_user=2.0, cached_freqs=[1.0, 5.0], replaced_freqs=[1.0, 3.0]) == "item"
+    assert select_prefix("auto", 900, 100, f_user=4.0, cached_freqs=[1.0, 5.0], replaced_freqs=[1.0, 3.0]) == "user"
+    assert select_prefix("auto", 900, 100, f_user=0.0, cached_freqs=[1.0], replaced_freqs=[]) == "user"
+    # a prefix longer than the whole user cache can never be reused
+    assert select_prefix("auto", 900, 100, f_user=9.0, cached_freqs=[], replaced_freqs=[], cacheable=False) == "item"
+    assert select_prefix("auto", 900, 100, f_user=9.0, user_cached=True, cacheable=False) == "user"
+
+
+def test_auto_uncapped_caches_new_users_while_the_pool_has_room(tiny_model_dir):
+    """No user-cache cap: a first request (f_u = 0) still takes user-as-prefix while free slots beyond
+    the reserve hold it (nobody is replaced); on a nearly full pool it falls back to item."""
+    cat = make_catalog(6, seed=1)
+    cands = [it.id for it in cat.items]
+    tau_i = sum(len(it.token_ids) for it in cat.items)
+    s = Setup(tiny_model_dir("llama", seed=0), cat, pool=2048, item_cache_tokens=60)
+    s.ex.precompute()
+    assert s.ex.run("a", ids(tau_i + 5, 1), cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "user"
+    assert s.ex.run("b", ids(tau_i + 6, 2), cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "user"
+    assert s.ex.meta.is_cached("a", tau_i + 5) and s.ex.meta.is_cached("b", tau_i + 6)
     s.check_accounting()

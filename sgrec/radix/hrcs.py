@@ -18,7 +18,6 @@ B is the network bandwidth in tokens/s. Everything here is pure (no I/O) except 
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -49,14 +48,20 @@ class PrefillTimeModel:
         return np.stack([s**a * p**b for a, b in self.exps], axis=-1)
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[float, float, float]], degree: int = 2) -> "PrefillTimeModel":
-        """samples: (suffix_tokens, prefix_tokens, seconds)."""
+    def fit(cls, samples: Sequence[tuple[float, float, float]], degree: int = 2,
+            relative: bool = False) -> "PrefillTimeModel":
+        """samples: (suffix_tokens, prefix_tokens, seconds). relative: minimise relative rather than
+        absolute errors (rows weighted by 1/seconds), so short prefills are fitted as well as long."""
         m = cls(degree)
         m.exps = cls._exps(degree)
         if len(samples) < len(m.exps):
             raise ValueError(f"a degree-{degree} fit needs at least {len(m.exps)} samples, got {len(samples)}")
         arr = np.asarray(samples, float)
-        m.coef, *_ = np.linalg.lstsq(m._features(arr[:, 0], arr[:, 1]), arr[:, 2], rcond=None)
+        x, y = m._features(arr[:, 0], arr[:, 1]), arr[:, 2]
+        if relative:
+            w = 1.0 / np.maximum(y, 1e-9)
+            x, y = x * w[:, None], y * w
+        m.coef, *_ = np.linalg.lstsq(x, y, rcond=None)
         return m
 
     def __call__(self, suffix: float, prefix: float) -> float:
@@ -146,13 +151,15 @@ class Placement:
 def plan_placement(item_ids: Sequence[str], freqs: Sequence[float], ratio: float, n: int) -> Placement:
     """Replicates the round(ratio * |items|) most frequent items (ties: catalog order); deals the rest
     to the n ranks round-robin in descending frequency, so every rank gets an equal share of the
-    items and of the cold traffic."""
+    items and of the cold traffic. The owner of the item at position j of that order is j mod n
+    whatever the ratio, so ranks that measured different prefill times (a different r) still agree
+    on the owner of every item they both shard."""
     if len(item_ids) != len(freqs):
         raise ValueError("item_ids and freqs differ in length")
     order = sorted(range(len(item_ids)), key=lambda k: (-float(freqs[k]), k))
     k = min(len(order), max(0, round(ratio * len(order))))
     replicated = {item_ids[j] for j in order[:k]}
-    owner = {item_ids[j]: rank for j, rank in zip(order[k:], itertools.cycle(range(n)))}
+    owner = {item_ids[j]: pos % n for pos, j in enumerate(order) if pos >= k}
     return Placement(n, replicated, owner)
 
 

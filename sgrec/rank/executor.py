@@ -11,6 +11,12 @@ KV ownership (the scheduler's discipline): a matched user prefix is locked for t
 the user's fresh KV goes into the tree afterwards (duplicates freed); item-store hits are pinned
 for the request and fresh item KV is offered to the store; every other slot is freed before `run`
 returns, whatever happens. Lock refs and pins end where they started.
+
+Budgets: the item store has `--item-cache-tokens`; the user cache is the rest of the pool, or a hard
+cap `user_cache_tokens` (the tree is trimmed to it after each insert: lowest-frequency users first
+under `auto`, as §5.3 replaces them, else the tree's eviction order). Cross-rank items (HRCS): with
+`self.fetcher` set (sgrec.radix.item_fetch.ItemFetcher), a miss on an item another rank owns is
+filled with the owner's KV for this request (borrowed slots, freed afterwards) or recomputed.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TAU_U = 1000  # user tokens assumed by the start-up HRCS plan before any request was seen
 DEFAULT_BANDWIDTH_GBPS = 100.0
 DEFAULT_ALPHA = 0.1
+USER_FREE_RESERVE = 0.25  # uncapped user cache: free share of the pool kept for other requests
 
 
 class RankCapacityError(RuntimeError):
@@ -40,7 +47,7 @@ class RankCapacityError(RuntimeError):
 class RankExecutor:
     def __init__(self, runner, tree, catalog: Catalog, args, header_ids: Sequence[int] = (),
                  meta: CacheMeta | None = None, dp_rank: int = 0, placement=None,
-                 user_extra_key: str | None = None):
+                 user_extra_key: str | None = None, user_cache_tokens: int | None = None):
         self.runner = runner
         self.tree = tree
         self.catalog = catalog
@@ -52,6 +59,12 @@ class RankExecutor:
         self.dp_rank = dp_rank
         self.placement = placement
         self.user_extra_key = user_extra_key
+        # Cross-rank item KV (sgrec.radix.item_fetch.ItemFetcher): fetch(item_id, n) -> (k, v) or None
+        self.fetcher = None
+        # Hard cap on the user-prefix cache (the radix tree's share of the pool). None: the rest of the
+        # pool (the tree grows into whatever the item store and running requests leave free).
+        cap = user_cache_tokens if user_cache_tokens is not None else getattr(args, "user_cache_tokens", None)
+        self.user_cache_tokens = None if cap is None else max(0, int(cap))
         budget = args.item_cache_tokens
         if budget is None:
             catalog_tokens = sum(len(it.token_ids) for it in catalog.items) + len(self.header_ids)
@@ -129,33 +142,42 @@ class RankExecutor:
         policy = prefix or self.args.rank_prefix_policy
         tau_u = len(user_ids)
         tau_i = sum(len(it.token_ids) for it in items)
-        f_u = self.meta.record_user(user_key)
+        # f_u of §5.3: the user's decayed sliding-window frequency of the requests *before* this one
+        # (the predicted near-future frequency), so a first request (f_u = 0) never displaces a
+        # cached user: such users would only add compulsory misses (§5.3, "cache-agnostic").
+        f_u = self.meta.user_freq(user_key)
+        self.meta.record_user(user_key)
         self.meta.record_items(item_ids)
         choice = policy
         if policy not in (L.USER_PREFIX, L.ITEM_PREFIX, NONE):
+            capped = self.user_cache_tokens is not None and not self.tree.disable
             choice = select_prefix(
                 policy, tau_u, tau_i, f_u,
                 cached_freqs=self.meta.cached_freqs(exclude=user_key),
                 user_cached=self.meta.is_cached(user_key, tau_u, user_ids),
+                fits_without_eviction=self._user_fits(tau_u, tau_u + tau_i + len(instruction_ids)),
+                replaced_freqs=self._replaced_freqs(user_key, tau_u) if capped else None,
+                cacheable=not capped or tau_u <= self.user_cache_tokens,
             )
         kind = L.ITEM_PREFIX if choice == L.ITEM_PREFIX else L.USER_PREFIX
         lay = L.build(kind, self.header_ids, user_ids, [it.token_ids for it in items], instruction_ids)
         id_tokens = [it.id_token for it in items]
+        fetched = 0
         if choice == L.USER_PREFIX:
-            scores, cached = self._run_user_prefix(lay, id_tokens, user_key, user_ids)
+            scores, cached = self._run_user_prefix(lay, id_tokens, user_key, user_ids, by_freq=policy == "auto")
         elif choice == L.ITEM_PREFIX:
-            scores, cached = self._run_item_prefix(lay, id_tokens, item_ids)
+            scores, cached, fetched = self._run_item_prefix(lay, id_tokens, item_ids)
         else:
             scores, cached = self._forward(lay, {}, id_tokens), 0
         vals = scores.tolist()
         order = sorted(range(len(items)), key=lambda j: (-vals[j], j))
         if top_k is not None:
             order = order[:top_k]
-        return {
-            "ranking": [{"item": items[j].id, "score": vals[j]} for j in order],
-            "meta_info": {"prefix": choice, "prompt_tokens": len(lay), "cached_tokens": cached,
-                          "computed_tokens": len(lay) - cached},
-        }
+        meta = {"prefix": choice, "prompt_tokens": len(lay), "cached_tokens": cached,
+                "computed_tokens": len(lay) - cached}
+        if self.fetcher is not None:
+            meta["fetched_tokens"] = fetched  # of cached_tokens, KV fetched from another rank
+        return {"ranking": [{"item": items[j].id, "score": vals[j]} for j in order], "meta_info": meta}
 
     def score_layout(self, lay: L.RankLayout, item_ids: Sequence[str]) -> torch.Tensor:
         """Scores (in candidate order) of a layout computed from scratch, no cache read or write:
@@ -163,7 +185,65 @@ class RankExecutor:
         return self._forward(lay, {}, [it.id_token for it in self.catalog.lookup(item_ids)])
 
     # ---- the two cached paths -------------------------------------------------------------
-    def _run_user_prefix(self, lay: L.RankLayout, id_tokens: list[int], user_key: str, user_ids: list[int]) -> tuple[torch.Tensor, int]:
+    def _user_fits(self, tau_u: int, prompt_tokens: int) -> bool:
+        """The whole user prefix can be cached without replacing anyone: within the cap's free room,
+        or, with no cap, in free pool slots beyond this request's own and a reserve of
+        USER_FREE_RESERVE of the pool (working room of the other requests)."""
+        if self.tree.disable:
+            return False
+        cap = self.user_cache_tokens
+        if cap is not None:
+            return self.tree.total_size() + tau_u <= cap
+        reserve = USER_FREE_RESERVE * self.allocator.size
+        return self.allocator.available_size() - prompt_tokens - tau_u >= reserve
+
+    def _replaced_freqs(self, user_key: str, tau_u: int) -> list[float]:
+        """Frequencies of the cached users BAT would evict, lowest first, to fit tau_u more tokens
+        under the user-cache cap (approximate: a shared prefix frees less than its user's length)."""
+        need = self.tree.total_size() + tau_u - self.user_cache_tokens
+        out: list[float] = []
+        if need <= 0:
+            return out
+        now = self.meta.clock()
+        for f, u in sorted((self.meta.user_freq(u, now), u) for u in self.meta.cached_users() if u != user_key):
+            out.append(f)
+            need -= self.meta.users[u].cached_len
+            if need <= 0:
+                break
+        return out
+
+    def _trim_users(self, keep: str, by_freq: bool) -> None:
+        """Evicts user prefixes until the tree is within `user_cache_tokens`. BAT (auto, §5.3: the new
+        user "replaces" the lowest-frequency cached users) evicts the lowest-frequency users first;
+        every other policy uses the tree's own eviction order (--radix-eviction-policy)."""
+        cap, tree = self.user_cache_tokens, self.tree
+        if cap is None or tree.disable or tree.total_size() <= cap:
+            return
+        if by_freq:
+            now = self.meta.clock()
+            victims = sorted((self.meta.user_freq(u, now), u) for u in self.meta.cached_users() if u != keep)
+            for _, u in victims:
+                if tree.total_size() <= cap:
+                    return
+                self._evict_user(u)
+        if tree.total_size() > cap:
+            tree.evict(tree.total_size() - cap)
+
+    def _evict_user(self, user: str) -> int:
+        """Frees the tree nodes only `user`'s prefix uses (unlocked leaves up from its deepest node)."""
+        st = self.meta.users.get(user)
+        node, freed, root = (st.node if st else None), 0, self.tree.root
+        while node is not None and node is not root and node.parent is not None and not node.children \
+                and node.lock_ref == 0:
+            parent = node.parent
+            freed += self.tree._delete_leaf(node)
+            node = parent
+        if st is not None:
+            st.node, st.cached_len = None, 0
+        return freed
+
+    def _run_user_prefix(self, lay: L.RankLayout, id_tokens: list[int], user_key: str, user_ids: list[int],
+                         by_freq: bool = False) -> tuple[torch.Tensor, int]:
         tree, seg = self.tree, lay.segment("user")
         if seg is None or tree.disable:
             return self._forward(lay, {}, id_tokens), 0
@@ -184,15 +264,20 @@ class RankExecutor:
             self.meta.set_cached(user_key, after.last_node, after.indices.numel(), user_ids)
         finally:
             tree.dec_lock_ref(res.last_node)
+        self._trim_users(user_key, by_freq)
         return scores, m
 
-    def _run_item_prefix(self, lay: L.RankLayout, id_tokens: list[int], item_ids: Sequence[str]) -> tuple[torch.Tensor, int]:
+    def _run_item_prefix(self, lay: L.RankLayout, id_tokens: list[int], item_ids: Sequence[str]) -> tuple[torch.Tensor, int, int]:
+        """Returns (scores, cached tokens, of which fetched from another rank)."""
         store = self.store
         if store.header_slots is None:
             self._make_room(len(self.header_ids))
         header = store.ensure_header()
         slots = store.acquire(item_ids)
+        borrowed: list[torch.Tensor] = []  # fetched item KV: used by this request only, then freed
         try:
+            if self.fetcher is not None:
+                self._fetch_remote(lay, item_ids, slots, borrowed)
             cached: dict[int, torch.Tensor] = {}
             hseg = lay.segment("header")
             if hseg is not None:
@@ -209,7 +294,26 @@ class RankExecutor:
                     self.allocator.free(kv)
         finally:
             store.release(item_ids)
-        return scores, sum(len(s) for s in cached.values())
+            if borrowed:
+                self.allocator.free(torch.cat(borrowed))
+        return scores, sum(len(s) for s in cached.values()), sum(len(b) for b in borrowed)
+
+    def _fetch_remote(self, lay: L.RankLayout, item_ids: Sequence[str], slots: list, borrowed: list) -> None:
+        """Fills the misses of items owned by another rank with their KV fetched from the owner (when
+        the fetcher finds that cheaper than recomputing); `slots[j]` becomes the borrowed slots."""
+        from sgrec.radix.item_fetch import write_item_kv
+
+        for j, (seg, item_id) in enumerate(zip(lay.items(), item_ids)):
+            if slots[j] is not None or self._owns(item_id):
+                continue
+            kv = self.fetcher.fetch(item_id, seg.length)
+            if kv is None:
+                continue
+            self._make_room(seg.length)
+            got = self.allocator.alloc(seg.length)
+            write_item_kv(self.runner.kv_pool, got, *kv)
+            borrowed.append(got)
+            slots[j] = got
 
     # ---- the one forward ------------------------------------------------------------------
     def _forward(self, lay: L.RankLayout, cached: dict[int, torch.Tensor], id_tokens: list[int],

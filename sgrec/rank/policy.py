@@ -29,15 +29,22 @@ DEFAULT_WINDOW_S = 300.0  # §5.3 analyses 5- and 60-minute windows
 
 def select_prefix(policy: str, user_tokens: int, item_tokens: int, f_user: float = 0.0,
                   cached_freqs: Iterable[float] = (), user_cached: bool = False,
-                  fits_without_eviction: bool = False) -> str:
+                  fits_without_eviction: bool = False, replaced_freqs: Iterable[float] | None = None,
+                  cacheable: bool = True) -> str:
     """The prefix of one request: "user", "item" or "none".
 
     auto (§5.3): user-as-prefix when tau_u >= tau_i and f_u > min over cached users' f_p, else
     item-as-prefix. With no cached user the minimum is over an empty set (-inf). One reading of
     the rule's intent is explicit: a user whose prefix is already cached replaces nobody, so it
     keeps user-as-prefix when tau_u >= tau_i (`user_cached`). `fits_without_eviction` (room for the
-    user without replacing anyone) is the same kind of exception; RankExecutor does not pass it,
-    since free slots on a shared pool are also the next requests' working room.
+    user without replacing anyone) is the same kind of exception: RankExecutor passes it when the
+    user fits under its hard user-cache cap, or, with no cap, in free pool slots beyond a reserve
+    for the other requests' working room. RankExecutor's f_u counts the user's requests before
+    this one.
+    With a bounded user cache the executor knows which cached users the new prefix would replace
+    (the lowest-frequency ones, until it fits): `replaced_freqs` are their frequencies and f_u must
+    beat every one of them (with one victim this is the rule's min); `cacheable=False` (the prefix
+    is longer than the whole user cache, so it could never be reused) means item-as-prefix.
     greedy (cache-agnostic, §5.3): the longer side is the prefix. user/item/none: fixed.
     """
     if policy == "user":
@@ -54,6 +61,10 @@ def select_prefix(policy: str, user_tokens: int, item_tokens: int, f_user: float
         return ITEM_PREFIX
     if user_cached or fits_without_eviction:
         return USER_PREFIX
+    if not cacheable:
+        return ITEM_PREFIX
+    if replaced_freqs is not None:
+        return USER_PREFIX if f_user > max(replaced_freqs, default=-math.inf) else ITEM_PREFIX
     lowest = min(cached_freqs, default=-math.inf)
     return USER_PREFIX if f_user > lowest else ITEM_PREFIX
 
