@@ -36,27 +36,36 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(model: str, mode: str, n: int, chunk: int) -> int:
-    """Runs in the subprocess: peak RSS growth (bytes) of one prefill of n tokens."""
+def measure(model: str, mode: str, n: int, chunk: int, device: str = "cpu") -> int:
+    """Runs in the subprocess: peak memory growth (bytes) of one prefill of n tokens: the RSS on CPU,
+    torch.cuda.max_memory_allocated on CUDA."""
     import torch
 
-    from sgrec.mem.kv_pool import KVPool
     from sgrec.model.attention import SeqLayout
     from sgrec.runner import ModelRunner
     from sgrec.server_args import ServerArgs
 
     torch.set_num_threads(2)
-    runner = ModelRunner(ServerArgs(model_path=model, device="cpu", dtype="float32", max_total_tokens=64,
+    runner = ModelRunner(ServerArgs(model_path=model, device=device, dtype="float32", max_total_tokens=64,
                                     hybrid_chunk_size=chunk))
+    dev = runner.device
     cfg = runner.config
     ids = [(7 * i) % (cfg.vocab_size - 3) + 3 for i in range(n)]
-    warm = runner.make_batch(ids[:16], list(range(16)), torch.arange(1, 17), [SeqLayout(0, 16, torch.arange(1, 17))])
+    warm = runner.make_batch(ids[:16], list(range(16)), torch.arange(1, 17),
+                             [SeqLayout(0, 16, torch.arange(1, 17, device=dev))])
     runner.forward(warm, [15])
     runner.forward_prefill_only(warm, [15])
     runner.kv_pool = None
     import gc
 
     gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        run_prefill(runner, mode, ids, n, chunk)
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
     base, peak, stop = _rss(), [0], threading.Event()
 
     def sample():
@@ -66,21 +75,32 @@ def measure(model: str, mode: str, n: int, chunk: int) -> int:
 
     t = threading.Thread(target=sample)
     t.start()
+    run_prefill(runner, mode, ids, n, chunk)
+    stop.set()
+    t.join()
+    return max(peak[0], _rss()) - base
+
+
+def run_prefill(runner, mode: str, ids: list[int], n: int, chunk: int) -> None:
+    """One prefill of ids in the given mode; the KV pool is allocated here (counted in the peak)."""
+    import torch
+
+    from sgrec.mem.kv_pool import KVPool
+    from sgrec.model.attention import SeqLayout
+
+    cfg, dev = runner.config, runner.device
     if mode == "hybrid":
-        runner.kv_pool = KVPool(1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype)
-        zeros = torch.zeros(n, dtype=torch.int64)
+        runner.kv_pool = KVPool(1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype, dev)
+        zeros = torch.zeros(n, dtype=torch.int64, device=dev)
         runner.forward_prefill_only(runner.make_batch(ids, list(range(n)), zeros, [SeqLayout(0, n, zeros)]), [n - 1])
     else:
-        runner.kv_pool = KVPool(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype)
-        slots = torch.arange(1, n + 1)
+        runner.kv_pool = KVPool(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype, dev)
+        slots = torch.arange(1, n + 1, device=dev)
         step = n if mode == "standard" else chunk
         for s in range(0, n, step):
             e = min(s + step, n)
             batch = runner.make_batch(ids[s:e], list(range(s, e)), slots[s:e], [SeqLayout(0, e - s, slots[:e])])
             runner.forward(batch, [e - s - 1])
-    stop.set()
-    t.join()
-    return max(peak[0], _rss()) - base
 
 
 def fit_line(points: list[tuple[int, int]]) -> tuple[float, float]:
@@ -110,11 +130,12 @@ def main(argv=None) -> None:
     ap.add_argument("--lengths", default="512,1024,2048,4096")
     ap.add_argument("--chunk", type=int, default=512, help="chunked-prefill chunk and hybrid chunk (tokens)")
     ap.add_argument("--budget-mib", type=float, default=1024.0)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--measure", nargs=3, metavar=("MODEL", "MODE", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.measure:
         model, mode, n = args.measure
-        print(json.dumps({"peak": measure(model, mode, int(n), args.chunk)}))
+        print(json.dumps({"peak": measure(model, mode, int(n), args.chunk, args.device)}))
         return
     model = args.model or default_model()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -125,8 +146,9 @@ def main(argv=None) -> None:
     for n in lengths:
         row = []
         for mode in MODES:
-            out = subprocess.run([sys.executable, __file__, "--chunk", str(args.chunk), "--measure", model, mode,
-                                  str(n)], capture_output=True, text=True, check=True, env=MALLOC_ENV)
+            out = subprocess.run([sys.executable, __file__, "--chunk", str(args.chunk), "--device", args.device,
+                                  "--measure", model, mode, str(n)], capture_output=True, text=True, check=True,
+                                  env=MALLOC_ENV)
             peak = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
             peaks[mode].append((n, peak))
             row.append(peak)
