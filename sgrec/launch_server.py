@@ -82,9 +82,11 @@ async def serve(args: ServerArgs, in_addrs: list[str], out_addr: str, launch: di
     _Server = _server_class()
 
     tm = TokenizerManager(args, in_addrs, out_addr)
+    # one item-KV endpoint per rank: with HRCS a rank fetches cold items it does not own from their owner
+    item_addrs = [a.replace("/scheduler-", "/items-") for a in in_addrs]
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=run_scheduler_process, args=(args.to_dict(), r, in_addrs[r], out_addr),
+        ctx.Process(target=run_scheduler_process, args=(args.to_dict(), r, in_addrs[r], out_addr, item_addrs),
                     name=f"sgrec-scheduler-{r}", daemon=True)
         for r in range(args.dp_size)
     ]

@@ -280,3 +280,23 @@ def test_request_limits(limits_server):
     assert r.status_code == 400 and "max-batch-size" in r.text
     ok = c.post("/generate", json={"input_ids": [[5, 6]] * 3, "sampling_params": {"max_new_tokens": 1, "n": 2}})
     assert ok.status_code == 200 and len(ok.json()) == 6
+
+
+def test_dp_ranks_fetch_cold_items_from_their_owner(start_server, model, catalog_path):
+    """--dp-size 2 with HRCS: each rank holds the hot items and its shard of the cold ones; a rank
+    fetches the KV of a cold item it does not own from the owner. Scores equal one rank's."""
+    from sgrec import Engine
+
+    srv = start_server(model, "--max-total-tokens", "4096", "--item-catalog", catalog_path, "--dp-size", "2")
+    items = [f"i{k}" for k in range(20)]
+    user = {"id": "u", "token_ids": list(range(30, 50))}
+    ref = Engine(model, device="cpu", dtype="float32", max_total_tokens=4096, item_catalog=catalog_path)
+    want = {x["item"]: x["score"] for x in ref.rank(user, items, prefix="item")["ranking"]}
+    fetched = 0
+    for key in ("a", "b", "c", "d", "e", "f"):  # routing keys spread the requests over both ranks
+        r = srv.client.post("/v1/rank", json={"user": user, "items": items, "prefix": "item", "routing_key": key})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        fetched += out["meta_info"].get("fetched_tokens", 0)
+        assert max(abs(x["score"] - want[x["item"]]) for x in out["ranking"]) <= 1e-5
+    assert fetched > 0

@@ -29,7 +29,8 @@ QUEUE_FULL = "The request queue is full."
 
 
 class SchedulerLoop:
-    def __init__(self, args: ServerArgs, dp_rank: int, in_addr: str, out_addr: str):
+    def __init__(self, args: ServerArgs, dp_rank: int, in_addr: str, out_addr: str,
+                 item_addrs: list[str] | None = None):
         self.args = args
         self.dp_rank = dp_rank
         self.parent = os.getppid()
@@ -41,7 +42,12 @@ class SchedulerLoop:
         tokenizer = Tokenizer(args.tokenizer_path or args.model_path)
         show = dp_rank == 0
         self.runner = ModelRunner(args, show_progress=show)
-        self.scheduler = Scheduler(args, self.runner, tokenizer, show_progress=True)
+        self.scheduler = Scheduler(args, self.runner, tokenizer, show_progress=True, dp_rank=dp_rank)
+        self.item_server = self._start_item_fetch(ctx, item_addrs)
+        self.poller = zmq.Poller()  # idle: wake for a request or for a peer's item-KV fetch
+        self.poller.register(self.recv_sock, zmq.POLLIN)
+        if self.item_server is not None:
+            self.poller.register(self.item_server.sock, zmq.POLLIN)
         self.warm_up(show)
         self.last_stats = 0.0
         self.gen_tokens = 0
@@ -65,12 +71,34 @@ class SchedulerLoop:
     def send(self, msg) -> None:
         self.send_sock.send(io.encode(msg))
 
+    def _start_item_fetch(self, ctx, item_addrs: list[str] | None):
+        """HRCS across ranks: serve this rank's item KV to the others, and fetch cold items this rank
+        does not own from their owner (a dead or slow owner: the item is recomputed)."""
+        ex = self.scheduler.rank_executor
+        if ex is None or self.args.dp_size < 2 or not item_addrs:
+            return None
+        from sgrec.radix.item_fetch import ItemFetcher, ItemKVClient, ItemKVServer
+
+        pool = self.runner.kv_pool
+        server = ItemKVServer(ex.store, pool, item_addrs[self.dp_rank], ctx)
+        client = ItemKVClient({r: a for r, a in enumerate(item_addrs) if r != self.dp_rank}, ctx)
+        cfg = self.runner.config
+        per_token = pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.dtype)
+        ex.fetcher = ItemFetcher(self.dp_rank, ex.placement, client, ex.header_ids, bytes_per_token=per_token,
+                                 server=server)
+        return server
+
     def run(self) -> None:
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
                                     self.runner.config.vocab_size, self.runner.max_input_len))
         while True:
             busy = self.scheduler.has_work()
-            if self.recv_sock.poll(0 if busy else IDLE_POLL_MS):
+            if self.item_server is not None:
+                self.item_server.poll(0)
+                ready = dict(self.poller.poll(0 if busy else IDLE_POLL_MS))
+                if self.recv_sock in ready:
+                    self.drain()
+            elif self.recv_sock.poll(0 if busy else IDLE_POLL_MS):
                 self.drain()
             if os.getppid() != self.parent:
                 logger.error("parent process died; scheduler %d exits", self.dp_rank)
@@ -151,7 +179,8 @@ class SchedulerLoop:
         self.gen_tokens, self.gen_since, self.last_stats = 0, now, now
 
 
-def run_scheduler_process(args_dict: dict, dp_rank: int, in_addr: str, out_addr: str) -> None:
+def run_scheduler_process(args_dict: dict, dp_rank: int, in_addr: str, out_addr: str,
+                          item_addrs: list[str] | None = None) -> None:
     """Entry point of a scheduler process (multiprocessing spawn target)."""
     args = ServerArgs(**args_dict)
     logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s DP{dp_rank}] %(message)s")
@@ -159,7 +188,7 @@ def run_scheduler_process(args_dict: dict, dp_rank: int, in_addr: str, out_addr:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.dp_size))
-        SchedulerLoop(args, dp_rank, in_addr, out_addr).run()
+        SchedulerLoop(args, dp_rank, in_addr, out_addr, item_addrs).run()
     except KeyboardInterrupt:
         pass
     except Exception:

@@ -36,7 +36,8 @@ DECODE_RESERVE_CLIP = 512
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunner, tokenizer: Tokenizer, show_progress: bool = False):
+    def __init__(self, args: ServerArgs, runner: ModelRunner, tokenizer: Tokenizer, show_progress: bool = False,
+                 dp_rank: int = 0):
         self.args = args
         self.runner = runner
         self.tokenizer = tokenizer
@@ -65,7 +66,7 @@ class Scheduler:
             from sgrec.rank.executor import RankExecutor
 
             self.catalog = Catalog.load(args.item_catalog, tokenizer, runner.config.vocab_size)
-            self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args)
+            self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
             self.rank_executor.precompute(progress=show_progress)
             self.executors["rank"] = self.rank_executor.run
             if self.catalog.semantic_id_len is not None:
