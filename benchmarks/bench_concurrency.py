@@ -44,6 +44,11 @@ from sgrec.scheduler.streams import MultiStreamScheduler, SimStreams, UnitCost, 
 KINDS = ("rank", "score", "retrieve")
 
 
+def kind_of(client: int, k: int) -> str:
+    """The kind of client `client`'s k-th request (the same mix at every level)."""
+    return KINDS[(client + k) % 3]
+
+
 def write_catalog(path: str, n: int = 27, seed: int = 1) -> str:
     rng = random.Random(seed)
     with open(path, "w") as f:
@@ -61,9 +66,6 @@ class Traffic:
     def __init__(self, engine, history: int, candidates: int, beam_width: int, seed: int = 0):
         self.engine, self.history, self.candidates, self.beam_width = engine, history, candidates, beam_width
         self.seed = seed
-
-    def kind(self, client: int, k: int) -> str:
-        return KINDS[(client + k) % 3]
 
     def call(self, kind: str, client: int, k: int):
         rng = random.Random(self.seed * 1_000_003 + client * 1009 + k)
@@ -98,7 +100,7 @@ def measured_closed_loop(traffic: Traffic, concurrency: int, per_client: int) ->
     def client(i: int) -> None:
         try:
             for k in range(per_client):
-                kind = traffic.kind(i, k)
+                kind = kind_of(i, k)
                 t0 = time.perf_counter()
                 traffic.call(kind, i, k)
                 dt = time.perf_counter() - t0
@@ -119,13 +121,13 @@ def measured_closed_loop(traffic: Traffic, concurrency: int, per_client: int) ->
 
 def simulated_closed_loop(costs: dict[str, float], concurrency: int, per_client: int, policy: str,
                           num_streams: int, occupancy: float) -> dict[str, list[float]]:
-    sim = SimStreams(num_streams if policy != "single" else 1)
+    sim = SimStreams(num_streams)
     sch = MultiStreamScheduler(sim, policy)
     lat: dict[str, list[float]] = {k: [] for k in KINDS}
     issued: dict[str, tuple[int, int, str, float]] = {}
 
     def submit(i: int, k: int) -> None:
-        kind = KINDS[(i + k) % 3]
+        kind = kind_of(i, k)
         name = f"c{i}.r{k}"
         issued[name] = (i, k, kind, sim.now())
         sch.submit([WorkUnit(name, UnitCost(costs[kind], occupancy), group=f"c{i}")])

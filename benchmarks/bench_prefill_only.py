@@ -33,7 +33,6 @@ import tempfile
 import time
 
 import numpy as np
-import torch
 
 from sgrec import Engine
 from sgrec.managers.io_struct import TokenizedGenerateReq
@@ -56,30 +55,10 @@ def make_workload(users: int, posts: int, mean: int, std: int, post_len: int, vo
 
 def fit_cost(model: str, lengths: list[int], pool: int):
     """LinearJct in seconds from the fastest of 5 timed prefill-only forwards per (n, cached) point."""
-    from sgrec.model.attention import SeqLayout
-    from sgrec.scheduler.policy import LinearJct
+    from sgrec.scheduler.policy import profile_linear_jct
 
     engine = Engine(model, device="cpu", dtype="float32", max_total_tokens=pool)
-    runner, alloc = engine.runner, engine.runner.kv_pool.allocator
-    samples = []
-    for n in lengths:
-        ids = [(7 * t) % 509 + 3 for t in range(n)]
-        for cached in (0, n // 2, n - 8):
-            slots = alloc.alloc(cached)
-            if cached:
-                runner.forward(runner.make_batch(ids[:cached], list(range(cached)), slots,
-                                                 [SeqLayout(0, cached, slots)]), [cached - 1])
-            new, zeros = n - cached, torch.zeros(n - cached, dtype=torch.int64)
-            batch = runner.make_batch(ids[cached:], list(range(cached, n)), zeros,
-                                      [SeqLayout(0, new, torch.cat([slots, zeros]))])
-            best = float("inf")
-            for _ in range(5):
-                t = time.perf_counter()
-                runner.forward_prefill_only(batch, [new - 1])
-                best = min(best, time.perf_counter() - t)
-            samples.append((n, cached, best))
-            alloc.free(slots)
-    return LinearJct.fit(samples)
+    return profile_linear_jct(engine.runner, lengths, repeats=5)
 
 
 def run(model: str, policy: str, reqs, rate: float, pool: int, seed: int, clock: str = "model", cost=None,

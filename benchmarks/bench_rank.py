@@ -61,6 +61,8 @@ import torch
 
 from sgrec.catalog import Catalog, Item
 from sgrec.data.movielens import load_ml100k
+from sgrec.mem.kv_pool import KVPool
+from sgrec.model.config import ModelConfig
 from sgrec.radix import hrcs
 from sgrec.radix.tree import RadixCache
 from sgrec.rank.executor import RankExecutor
@@ -142,7 +144,7 @@ class Rank:
     user-cache budget and an item-store budget; the pool adds one request's working room."""
 
     def __init__(self, model, catalog, header, policy, user_budget, item_budget, transient, placement=None,
-                 rank=0, n=1, fetch=None):
+                 rank=0, n=1):
         pool = user_budget + item_budget + transient
         if placement is None and n > 1:  # replicated: every rank may keep every item
             placement = hrcs.Placement(n, {it.id for it in catalog.items}, {})
@@ -213,10 +215,8 @@ def fit_cost(model, max_tokens: int, repeats: int):
 def hrcs_placement(model, catalog, trace, ranks, candidates, bandwidth_gbps, cost):
     """Algorithm 1: B in this model's KV tokens/s, alpha = 0.1, t = the fitted cost model, F = the
     candidate counts of the first half of the trace (the 'past period')."""
-    args = ServerArgs(model_path=model, device="cpu", dtype="float32", max_total_tokens=64)
-    runner = ModelRunner(args)
-    cfg = runner.config
-    bpt = runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype)
+    cfg = ModelConfig.from_dir(model)  # the replays' KV: float32
+    bpt = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     tau_i = sum(len(it.token_ids) for it in catalog.items) / len(catalog)
     counts = Counter(c for _, _, cands, _ in trace[: len(trace) // 2] for c in cands)
     ids = [it.id for it in catalog.items]

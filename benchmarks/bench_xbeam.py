@@ -7,7 +7,7 @@ Setup: a random-weight llama toy model (--layers 3, hidden 64, 4 heads / 2 KV he
 --vocab-size) made by sgrec.tools.make_tiny_model, float32 on CPU; a random catalog of
 --num-items items with ND = --nd semantic-id tokens, each level drawn from its own --codes
 token ids at the top of the vocabulary; prompts of --prompt-len random token ids below them.
-Every request asks for BW = K (beam_width = top_k) and num_items = 10.
+Every request asks for BW = K (beam_width = top_k) and num_items = min(BW, 10).
 
 Peers, all on the same model weights, prompts and catalog:
 * sgrec:  RetrieveExecutor.run (shared prompt KV + unshared BW x (ND-1) buffer, staged
@@ -168,29 +168,30 @@ def main(argv=None) -> None:
     results = {}
     for bw in bws:
         it = iter(prompts)
+        n_items = min(bw, 10)  # num_items
 
         def cold():
             tree.reset()
-            return ex.run(next(it, prompts[0]), bw, bw, 10)
+            return ex.run(next(it, prompts[0]), bw, bw, n_items)
 
         times, res = timed(cold, args.repeats)
         kv = res.meta["shared_kv_tokens"] + res.meta["unshared_kv_tokens"]
         results[("sgrec", bw)] = record("sgrec", bw, times, kv, {"items": [x["item"] for x in res.items]})
-        warm_times, _ = timed(lambda: ex.run(prompts[0], bw, bw, 10), args.repeats)
+        warm_times, _ = timed(lambda: ex.run(prompts[0], bw, bw, n_items), args.repeats)
         record("sgrec warm", bw, warm_times, kv)
         tree.reset()
         if bw in naive_bws:
             it2 = iter(prompts)
-            times, nres = timed(lambda: naive_retrieve(runner, catalog, next(it2, prompts[0]), bw, bw, 10),
+            times, nres = timed(lambda: naive_retrieve(runner, catalog, next(it2, prompts[0]), bw, bw, n_items),
                                 args.repeats)
             results[("naive", bw)] = record("naive", bw, times, nres.meta["kv_tokens_peak"],
                                             {"items": [x["item"] for x in nres.items]})
             # the same prompt through both: same items (the exactness check the tests make)
-            a = ex.run(prompts[1], bw, bw, 10)
-            b = naive_retrieve(runner, catalog, prompts[1], bw, bw, 10)
+            a = ex.run(prompts[1], bw, bw, n_items)
+            b = naive_retrieve(runner, catalog, prompts[1], bw, bw, n_items)
             tree.reset()
             same = [x["item"] for x in a.items] == [x["item"] for x in b.items]
-            print(f"            BW={bw:4d}  sgrec and naive return the same 10 items: {same}", flush=True)
+            print(f"            BW={bw:4d}  sgrec and naive return the same {n_items} items: {same}", flush=True)
     if hf_bws:
         hf = hf_peer(model_dir, catalog, prompts[0], nd)
         hf(2, prompts[0][:16])  # warm-up on a tiny call

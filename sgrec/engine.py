@@ -11,7 +11,8 @@ from sgrec.managers.rec import (
     beam_generate_response, build_beam_generate_task, build_rank_task, build_retrieve_task, is_beam_generate,
     task_response,
 )
-from sgrec.managers.score import ScoreResult, build_score
+from sgrec.managers.io_struct import TaskReq
+from sgrec.managers.score import ScoreResult, build_score, check_plan
 from sgrec.sampling import SamplingParams
 from sgrec.runner import ModelRunner
 from sgrec.scheduler.scheduler import Scheduler
@@ -88,14 +89,8 @@ class Engine:
         softmax over the labels), one prefill-only request per item."""
         plan = build_score(self.tokenizer, self.vocab_size, query, items, label_token_ids, apply_softmax,
                            item_first, temperature, return_token_logprobs)
-        for ids in plan.prompts:
-            self.builder.check_prompt(ids)
-        msgs = plan.messages(uuid.uuid4().hex)
-        states = self._add([ReqState(m, SamplingParams(max_new_tokens=0)) for m in msgs])
-        self._wait(states)
-        for s in states:
-            if s.finish_reason and s.finish_reason.get("type") == "abort":
-                raise RuntimeError(s.finish_reason.get("message") or "score request aborted")
+        check_plan(plan, self.builder)
+        states = self._run([ReqState(m, SamplingParams(max_new_tokens=0)) for m in plan.messages(uuid.uuid4().hex)])
         return plan.result([s.lp["output_token_ids_logprobs"][0] for s in states])
 
     def rank(
@@ -123,18 +118,17 @@ class Engine:
         return task_response(
             self._run_task(build_retrieve_task(obj, self.tokenizer, self.builder, self.server_args.max_beam_width)))
 
-    def _run_task(self, msg) -> ReqState:
-        state = ReqState(msg, SamplingParams(max_new_tokens=0))
-        with self._lock:
-            if msg.rid in self._states:
-                raise ValueError(f"Duplicate request id {msg.rid!r}")
-            self._states[msg.rid] = state
-            self.scheduler.add_task(msg)
-        self._wait([state])
-        fr = state.finish_reason or {}
-        if fr.get("type") == "abort":
-            raise (ValueError if fr.get("status_code") == 400 else RuntimeError)(fr.get("message"))
-        return state
+    def _run_task(self, msg: TaskReq) -> ReqState:
+        return self._run([ReqState(msg, SamplingParams(max_new_tokens=0))])[0]
+
+    def _run(self, states: list[ReqState]) -> list[ReqState]:
+        """Runs requests to the end; an aborted one raises (ValueError for a 400, else RuntimeError)."""
+        self._wait(self._add(states))
+        for s in states:
+            fr = s.finish_reason or {}
+            if fr.get("type") == "abort":
+                raise (ValueError if fr.get("status_code") == 400 else RuntimeError)(fr.get("message") or "aborted")
+        return states
 
     def flush_cache(self) -> bool:
         with self._lock:
@@ -156,7 +150,7 @@ class Engine:
                 raise ValueError(f"Duplicate request id {clash[0]!r}")
             for s in states:
                 self._states[s.msg.rid] = s
-                self.scheduler.add_request(s.msg)
+                (self.scheduler.add_task if isinstance(s.msg, TaskReq) else self.scheduler.add_request)(s.msg)
         return states
 
     def _wait(self, states: list[ReqState]) -> None:

@@ -15,7 +15,12 @@ import torch
 from sgrec import demo
 from sgrec.demo import item_id
 
-pytestmark = pytest.mark.skipif(not demo.available(), reason="demo artifacts missing (python -m sgrec.demo.train)")
+# The artifacts are committed and CI (the CI environment variable set) can download the recbole
+# wheel, so there a missing input fails the tests instead of skipping them.
+IN_CI = bool(os.environ.get("CI"))
+
+pytestmark = pytest.mark.skipif(not demo.available() and not IN_CI,
+                                reason="demo artifacts missing (python -m sgrec.demo.train)")
 
 # A fixed user (hand-picked movie ids, not a MovieLens user) and 100 fixed candidates.
 USER = [1, 50, 181, 172, 174, 127, 98, 56, 100, 7, 117, 121, 405, 222, 258]
@@ -45,12 +50,15 @@ def vocab(engine):
 
 @pytest.fixture(scope="module")
 def split():
+    from sgrec.data.movielens import wheel_path
     from sgrec.demo.data import load_split
 
-    try:
-        return load_split()
-    except (RuntimeError, OSError) as e:  # no cached recbole wheel and no network
-        pytest.skip(f"MovieLens-100K unavailable: {e}")
+    if not IN_CI:
+        try:
+            wheel_path()  # only fetching the data may skip; reading and splitting it must work
+        except (RuntimeError, OSError) as e:  # no cached recbole wheel and no network
+            pytest.skip(f"MovieLens-100K unavailable: {e}")
+    return load_split()
 
 
 def test_artifacts_small_and_catalog_consistent():

@@ -13,7 +13,7 @@ from sgrec.mem.kv_pool import TokenAllocator
 from sgrec.radix.eviction import FPBPolicy, HFPolicy, LARUPolicy, LRUPolicy, make_policy
 from sgrec.radix.leaf_index import RecencyIndex
 from sgrec.radix.predictor import LightGBMPredictor, OraclePredictor, Predictor
-from sgrec.radix.sim import SGLangReplay, SgrecReplay, TraceIndex, sglang_counter_clock, simulate
+from sgrec.radix.sim import SGLangReplay, SgrecReplay, TraceIndex, replay, sglang_counter_clock, sim_policy, simulate
 from sgrec.radix.traces import TraceRequest, multiturn, profile_tokens, zipf
 from sgrec.radix.tree import RadixCache
 from test_radix_tree import RadixMachine, path_values
@@ -339,8 +339,10 @@ def test_lightgbm_learns_short_and_long_reuse():
 
 def test_lightgbm_policy_runs_end_to_end():
     trace = zipf(num_requests=1200, num_items=100, item_len=4, seed=5)
-    r = simulate(trace, "laru", 120, config={"retrain_interval": 300, "window": 2000, "num_trees": 8})
+    pol = sim_policy("laru", config={"retrain_interval": 300, "window": 2000, "num_trees": 8})
+    r = replay(trace, SgrecReplay(pol, 120), "laru")  # what simulate() does, keeping the policy
     assert r.requests == 1200 and r.predictor_calls > 0 and 0.0 < r.token_hit_rate < 1.0
+    assert pol.predictor.trainings > 0  # a model was trained: not every prediction stayed UNKNOWN
 
 
 # ---- config and traces ---------------------------------------------------------------------------------------

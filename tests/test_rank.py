@@ -132,9 +132,11 @@ def test_cached_item_kv_equals_scratch(tiny_model_dir, catalog, arch, seed, budg
         ref = s.scratch("item", user, cands)
         out = s.ex.run(f"u{k}", user, cands, INSTR, prefix="item")
         assert out["meta_info"]["prefix"] == "item"
+        assert out["meta_info"]["cached_tokens"] >= len(HEADER)  # the header is always read from the store
         assert (scores_of(out, cands) - ref).abs().max().item() <= TOL
         assert s.ex.store.total_size() <= s.ex.store.budget
         s.check_accounting()
+    assert s.ex.store.hits > 0  # cached item KV was actually used, not only recomputed
     if budget is None:
         item_toks = sum(len(catalog.get(c).token_ids) for c in cands)
         assert out["meta_info"]["cached_tokens"] == len(HEADER) + item_toks
@@ -462,4 +464,12 @@ def test_auto_uncapped_caches_new_users_while_the_pool_has_room(tiny_model_dir):
     assert s.ex.run("a", ids(tau_i + 5, 1), cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "user"
     assert s.ex.run("b", ids(tau_i + 6, 2), cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "user"
     assert s.ex.meta.is_cached("a", tau_i + 5) and s.ex.meta.is_cached("b", tau_i + 6)
+    s.check_accounting()
+    # pool 140: after a is cached, b's prompt and prefix would leave less than USER_FREE_RESERVE of the
+    # pool free, so b (f_b = 0, below a) must replace someone -> item-as-prefix, nothing cached for b
+    s = Setup(tiny_model_dir("llama", seed=0), cat, pool=140, item_cache_tokens=60)
+    s.ex.precompute()
+    assert s.ex.run("a", ids(tau_i + 5, 1), cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "user"
+    assert s.ex.run("b", ids(tau_i + 6, 2), cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "item"
+    assert s.ex.meta.is_cached("a", tau_i + 5) and not s.ex.meta.is_cached("b", tau_i + 6)
     s.check_accounting()

@@ -109,14 +109,19 @@ def test_engine_rank_layouts_agree_with_recompute(model, catalog_path):
     e = Engine(model, device="cpu", dtype="float32", max_total_tokens=4096, item_catalog=catalog_path)
     user = {"id": "u1", "token_ids": list(range(20, 60))}
     cands = [f"i{k}" for k in (3, 7, 1, 12, 25)]
-    for prefix in ("user", "item"):
-        ref = {r["item"]: r["score"] for r in e.rank(user, cands, prefix="none" if prefix == "user" else "item")["ranking"]}
+    from sgrec.managers.rec import DEFAULT_INSTRUCTION
+    from sgrec.rank import layout as L
+
+    ex, instr = e.scheduler.rank_executor, e.tokenizer.encode(DEFAULT_INSTRUCTION, add_special_tokens=False)
+    for prefix in ("user", "item"):  # each layout through the caches == the same layout from scratch
+        lay = L.build(L.USER_PREFIX if prefix == "user" else L.ITEM_PREFIX, ex.header_ids, user["token_ids"],
+                      [ex.catalog.get(c).token_ids for c in cands], instr)
+        ref = dict(zip(cands, ex.score_layout(lay, cands).tolist()))
         for _ in range(2):  # the second call reads the cache
             out = e.rank(user, cands, prefix=prefix)
             assert out["meta_info"]["prefix"] == prefix
-            if prefix == "user":
-                got = {r["item"]: r["score"] for r in out["ranking"]}
-                assert max(abs(got[c] - ref[c]) for c in cands) <= 1e-5
+            got = {r["item"]: r["score"] for r in out["ranking"]}
+            assert max(abs(got[c] - ref[c]) for c in cands) <= 1e-5
     assert out["meta_info"]["cached_tokens"] > 0
     assert [r["score"] for r in out["ranking"]] == sorted((r["score"] for r in out["ranking"]), reverse=True)
     assert abs(sum(r["score"] for r in out["ranking"]) - 1) < 1e-5

@@ -46,11 +46,7 @@ def staged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         ks = k_buf.index_select(0, shared_idx).float().permute(1, 2, 0)
         vs = v_buf.index_select(0, shared_idx).float().transpose(0, 1)
         qs = qf.permute(1, 0, 2, 3).reshape(hkv, n * g, d)
-        s1 = torch.bmm(qs, ks)  # [Hkv, n*G, P]
-        m1 = s1.amax(-1, keepdim=True)
-        e1 = s1.sub_(m1).exp_()
-        l1 = e1.sum(-1, keepdim=True)
-        o1 = torch.bmm(e1, vs)  # [Hkv, n*G, D]
+        o1, m1, l1 = _partial(torch.bmm(qs, ks), vs, "hqp,hpd->hqd")  # scores [Hkv, n*G, P] -> [Hkv, n*G, D]
 
         def back(t: torch.Tensor) -> torch.Tensor:  # [Hkv, n*G, x] -> [n, Hkv, G, x]
             return t.view(hkv, n, g, -1).permute(1, 0, 2, 3)
@@ -106,11 +102,13 @@ class UnsharedKV:
         self.slots = slots
         self.chunk = chunk
 
-    def reorder_(self, parents: torch.Tensor, cols: int) -> None:
-        """Rows 0..len(parents)-1 take the first `cols` tokens' K/V of rows `parents` (non-decreasing)."""
+    def reorder_(self, parents: torch.Tensor, cols: int,
+                 schedule: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Rows 0..len(parents)-1 take the first `cols` tokens' K/V of rows `parents` (non-decreasing).
+        `schedule`: inplace_schedule(parents)'s (dst, src), when the caller already has it."""
         if cols == 0:
             return
-        dst, src, _ = inplace_schedule(parents)
+        dst, src = schedule if schedule is not None else inplace_schedule(parents)[:2]
         if dst.numel() == 0:
             return
         d, s = self.slots[dst, :cols], self.slots[src, :cols]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sgrec.beam.attention import BeamStepMeta, StagedBeamBackend, UnsharedKV
-from sgrec.beam.search import BeamBuffers, per_beam_topk, select_beams
+from sgrec.beam.search import BeamBuffers, inplace_schedule, per_beam_topk, select_beams
 from sgrec.beam.trie import SemanticIdTrie, SparseMaskBuffer
 from sgrec.catalog import Catalog
 from sgrec.model.attention import ForwardBatch, SeqLayout
@@ -61,7 +61,7 @@ def _prefill(runner, ids: list[int], kv: torch.Tensor, start: int) -> torch.Tens
     """Computes ids[start:] (kv[:start] already holds the prefix) into kv[start:]; returns the
     last position's float32 logits [1, vocab]. Chunked like the scheduler's prefill."""
     chunk = runner.args.chunked_prefill_size
-    chunk = len(ids) if chunk is None or chunk < 0 else chunk
+    chunk = len(ids) if chunk < 0 else chunk  # -1: no chunking (ServerArgs rejects 0)
     logits = None
     for a in range(start, len(ids), chunk):
         b = min(len(ids), a + chunk)
@@ -81,7 +81,7 @@ class RetrieveExecutor:
         self.allocator = runner.kv_pool.allocator
         self.device = runner.device
         self.vocab_size = runner.config.vocab_size
-        self.max_beam_width = max_beam_width or getattr(runner.args, "max_beam_width", 512)
+        self.max_beam_width = max_beam_width or runner.args.max_beam_width
         self.reorder_chunk = reorder_chunk
         self.trie: SemanticIdTrie | None = None
         self._trie_rows: list[int] = []
@@ -204,9 +204,10 @@ class RetrieveExecutor:
             vals, toks = per_beam_topk(logp, min(top_k, trie.max_children[step]))
             parents, tokens, scores, _ = select_beams(parent_scores[:, None] + vals, toks, m, V)
             nodes = trie.child_nodes(step, parent_nodes[parents], tokens)
-            if 0 < step and not last:
-                kv.reorder_(parents, step)
-            bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk)
+            schedule = inplace_schedule(parents)[:2] if step > 0 else None  # shared by KV and tokens
+            if schedule is not None and not last:
+                kv.reorder_(parents, step, schedule)
+            bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk, schedule)
         n = bufs.n
         order = torch.sort(bufs.scores[:n], descending=True, stable=True).indices  # ties: path order
         rows = trie.leaf_items(bufs.nodes[:n][order]).tolist()

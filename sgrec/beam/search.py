@@ -111,9 +111,11 @@ def apply_schedule_(buf: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, chu
         buf.index_copy_(0, d, buf.index_select(0, s))
 
 
-def reorder_rows_(buf: torch.Tensor, parents: torch.Tensor, chunk: int = 64) -> None:
-    """buf[:len(parents)] = buf[parents] in place (parents non-decreasing)."""
-    dst, src, _ = inplace_schedule(parents)
+def reorder_rows_(buf: torch.Tensor, parents: torch.Tensor, chunk: int = 64,
+                  schedule: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """buf[:len(parents)] = buf[parents] in place (parents non-decreasing). `schedule`:
+    inplace_schedule(parents)'s (dst, src), when the caller already has it."""
+    dst, src = schedule if schedule is not None else inplace_schedule(parents)[:2]
     apply_schedule_(buf, dst, src, chunk)
 
 
@@ -138,12 +140,13 @@ class BeamBuffers:
         )
 
     def advance_(self, step: int, parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor,
-                 nodes: torch.Tensor, chunk: int = 64) -> None:
+                 nodes: torch.Tensor, chunk: int = 64,
+                 schedule: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Rows 0..m-1 become the kept candidates: their paths are the parents' first `step` tokens
         (rewritten in place) plus the new token."""
         m = parents.numel()
         if step > 0:
-            reorder_rows_(self.tokens[:, :step], parents, chunk)
+            reorder_rows_(self.tokens[:, :step], parents, chunk, schedule)
         self.tokens[:m, step] = tokens
         self.parents[:m] = parents
         self.scores[:m] = scores

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgrec.demo import HISTORY_LEN
+from sgrec.demo import HISTORY_LEN, RANK_INSTRUCTION, RETRIEVE_INSTRUCTION, item_token
 from sgrec.data.movielens import MovieLens100K, load_ml100k
 
 CANDIDATE_SCHEMES = ("popular", "uniform")
@@ -98,8 +98,6 @@ class Vocab:
     @classmethod
     def from_tokenizer(cls, tok, catalog) -> "Vocab":
         """`tok`: an HF tokenizer of the demo; `catalog`: sgrec.catalog.Catalog of the demo."""
-        from sgrec.demo import RANK_INSTRUCTION, RETRIEVE_INSTRUCTION
-
         item, sid = {}, {}
         for it in catalog.items:
             m = int(it.meta["movie_id"])
@@ -120,14 +118,10 @@ class Vocab:
 def user_text(history: list[int]) -> str:
     """The user's text for the API (`{"user": {"text": ...}}`): the tokenizer (which adds BOS)
     turns it into exactly `Vocab.user_ids(history)`."""
-    from sgrec.demo import item_token
-
     return "".join(item_token(m) for m in history[-HISTORY_LEN:])
 
 
 def retrieve_text(history: list[int]) -> str:
     """The user's text for `/v1/retrieve` (whose prompt is the user's tokens alone): the history
     followed by RETRIEVE_INSTRUCTION, tokenized into exactly `Vocab.retrieve_ids(history)`."""
-    from sgrec.demo import RETRIEVE_INSTRUCTION
-
     return user_text(history) + RETRIEVE_INSTRUCTION

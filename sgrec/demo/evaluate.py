@@ -1,5 +1,5 @@
 """`python -m sgrec.demo.evaluate`: recommendation quality of the packaged demo model, measured
-through sgrec itself (sgrec.Engine.rank, and xBeam's RetrieveExecutor on the engine's runner).
+through sgrec itself (sgrec.Engine.rank and sgrec.Engine.retrieve).
 
 Held-out data: the last interaction of each user (leave-last-out, sgrec.demo.data); the prompt
 holds the HISTORY_LEN interactions before it.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 
@@ -79,16 +78,12 @@ def evaluate_ranking(engine, vocab: Vocab, split: Split, users: list[int], schem
     return res
 
 
-def retrieve_executor(engine):
-    from sgrec.beam.executor import RetrieveExecutor
-
-    return RetrieveExecutor(engine.runner, engine.scheduler.tree, engine.scheduler.catalog)
-
-
-def retrieve_user(ex, vocab: Vocab, split: Split, user: int, beam_width: int, num_items: int = 10) -> list[str]:
+def retrieve_user(engine, vocab: Vocab, split: Split, user: int, beam_width: int, num_items: int = 10) -> list[str]:
+    """The engine's xBeam retrieval for the user (per-beam top-K = beam width), best first."""
     hist, _ = split.test_case(user)
-    res = ex.run(vocab.retrieve_ids(hist), beam_width=beam_width, top_k=beam_width, num_items=num_items)
-    return [r["item"] for r in res.items]
+    out = engine.retrieve(user={"id": f"u{user}", "token_ids": vocab.retrieve_ids(hist)}, beam_width=beam_width,
+                          top_k=beam_width, num_items=num_items)
+    return [r["item"] for r in out["items"]]
 
 
 def hit_rank(items: list[str], target: str) -> int:
@@ -98,13 +93,12 @@ def hit_rank(items: list[str], target: str) -> int:
 def evaluate_retrieval(engine, vocab: Vocab, split: Split, users: list[int], beam_widths=(32, 128)) -> dict:
     pop10 = [item_id(m) for m in split.popularity_order()[:10]]
     res = {"popularity": _r10([hit_rank(pop10, item_id(split.test_case(u)[1])) for u in users])}
-    ex = retrieve_executor(engine)
     catalog = engine.scheduler.catalog
     for bw in beam_widths:
         t = time.perf_counter()
         ranks, invalid = [], 0
         for u in users:
-            items = retrieve_user(ex, vocab, split, u, bw)
+            items = retrieve_user(engine, vocab, split, u, bw)
             invalid += sum(i not in catalog for i in items)
             ranks.append(hit_rank(items, item_id(split.test_case(u)[1])))
         res[f"xBeam BW={bw}"] = {**_r10(ranks), "invalid_items": invalid, "seconds": time.perf_counter() - t}
@@ -147,15 +141,11 @@ def main(argv=None) -> None:
         out[f"rank/{scheme}"] = res
         print_table(f"Ranking, 100 candidates ({scheme} negatives)", res, cols)
     if a.beam_widths:
-        try:
-            res = evaluate_retrieval(engine, vocab, split, users, a.beam_widths)
-        except ImportError as e:
-            print(f"\nRetrieval: skipped, xBeam is not importable ({e})")
-        else:
-            out["retrieve"] = res
-            print_table("Retrieval, all 1,682 movies (top 10)", res, ["Recall@10", "NDCG@10"])
-            bad = sum(v.get("invalid_items", 0) for v in res.values())
-            print(f"items returned that are not in the catalog: {bad}")
+        res = evaluate_retrieval(engine, vocab, split, users, a.beam_widths)
+        out["retrieve"] = res
+        print_table("Retrieval, all 1,682 movies (top 10)", res, ["Recall@10", "NDCG@10"])
+        bad = sum(v.get("invalid_items", 0) for v in res.values())
+        print(f"items returned that are not in the catalog: {bad}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -32,6 +32,7 @@ from sgrec.demo import ARTIFACT_DIR, CATALOG_NAME, HISTORY_LEN, RANK_INSTRUCTION
 from sgrec.demo.data import CANDIDATE_SCHEMES, Split, Vocab, load_split, sample_candidates
 from sgrec.demo.semantic_ids import hierarchical_codes, item_features
 from sgrec.demo.tokenizer import build_tokenizer, semantic_token
+from sgrec.model.rope import rope_inv_freq
 from sgrec.rank import layout as L
 
 MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -69,8 +70,7 @@ def write_catalog(rows: list[dict], path: str) -> None:
 
 # ---- the training forward (same math as HF Llama / sgrec.model.llama, arbitrary masks) ----
 def rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    f = positions.float()[..., None] * inv
+    f = positions.float()[..., None] * rope_inv_freq(head_dim, theta, None)
     emb = torch.cat([f, f], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -132,14 +132,14 @@ def rank_example(vocab: Vocab, history: list[int], target: int, cands: list[int]
     return Example(lay.token_ids, lay.positions, lay.mask(), lm, cand)
 
 
-def retrieve_example(vocab: Vocab, history: list[int], target: int, eos: int) -> Example:
+def retrieve_example(vocab: Vocab, history: list[int], target: int) -> Example:
     hist = history[-HISTORY_LEN:]
     prompt = vocab.retrieve_ids(hist)
     sid = list(vocab.semantic_id[target])
     ids = prompt + sid
     T = len(ids)
     lm = _user_lm(0, hist, target, vocab)
-    outs = sid + [eos]
+    outs = sid + [vocab.eos]
     lm += [(len(prompt) - 1 + j, outs[j]) for j in range(len(outs))]
     mask = torch.ones(T, T, dtype=torch.bool).tril()
     return Example(ids, list(range(T)), mask, lm)
@@ -214,7 +214,7 @@ class ExampleStream:
 
     def retrieve(self) -> Example:
         _, hist, target, _ = self._draw()
-        return retrieve_example(self.vocab, hist, target, self.vocab.eos)
+        return retrieve_example(self.vocab, hist, target)
 
 
 # ---- main -------------------------------------------------------------------------------

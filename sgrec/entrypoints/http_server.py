@@ -300,5 +300,5 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
     add_openai_routes(app, tm, model_name)
     from sgrec.entrypoints.rec_api import add_rec_routes
 
-    add_rec_routes(app, tm, model_name)
+    add_rec_routes(app, tm)
     return app

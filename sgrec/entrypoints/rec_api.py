@@ -1,48 +1,28 @@
-"""Recommendation routes: /v1/score (SGLang 0.5.23's ScoringRequest / ScoringResponse), /v1/rank, /v1/retrieve."""
+"""Recommendation routes: /v1/score (SGLang 0.5.23's ScoringRequest / ScoringResponse), /v1/rank, /v1/retrieve,
+and the native /generate beam form."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from sgrec.entrypoints.http_server import (
-    HTTPError, abort_of, await_or_disconnect, native_error, openai_error_body, read_json, wait_or_disconnect,
-)
+from sgrec.entrypoints.http_server import HTTPError, await_or_disconnect, native_error, openai_error_body, read_json
 from sgrec.managers.rec import beam_generate_response, task_response
 from sgrec.managers.score import score_response
 from sgrec.managers.tokenizer_manager import TokenizerManager
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(openai_error_body(status, message), status_code=status)
-
-
 def error(request: Request, status: int, message: str) -> JSONResponse:
     """OpenAI-style errors on /v1 routes, SGLang's native ones on /generate."""
-    return _error(status, message) if request.url.path.startswith("/v1/") else native_error(status, message)
+    if request.url.path.startswith("/v1/"):
+        return JSONResponse(openai_error_body(status, message), status_code=status)
+    return native_error(status, message)
 
 
-def add_rec_routes(app: FastAPI, tm: TokenizerManager, model_name: str) -> None:
-    @app.post("/v1/score")
-    async def score(request: Request):
-        try:
-            body = await read_json(request)
-            sub, plan = tm.submit_score(body)
-        except HTTPError as e:
-            return _error(e.status, e.message)
-        except ValueError as e:
-            return _error(400, str(e))
-        except RuntimeError as e:  # shutting down, or a scheduler died
-            return _error(503, str(e))
-        outs = await wait_or_disconnect(tm, sub, request)
-        if outs is None:
-            return Response(status_code=499)
-        if (err := abort_of(outs)) is not None:
-            return _error(*err)
-        result = plan.result([s.lp["output_token_ids_logprobs"][0] for s in sub.states])
-        return JSONResponse(score_response(result, body.get("model") or "default"))  # echoed, as SGLang
-
-    async def run_task(request: Request, submit, respond=task_response, body=None):
+def add_rec_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    async def run(request: Request, submit, respond, body=None):
+        """Validates and submits the body (`submit(body) -> Submission`), waits (aborting when the
+        client leaves) and answers `respond(states, body)`, or the first request's error."""
         try:
             if body is None:
                 body = await read_json(request)
@@ -51,27 +31,43 @@ def add_rec_routes(app: FastAPI, tm: TokenizerManager, model_name: str) -> None:
             return error(request, e.status, e.message)
         except ValueError as e:
             return error(request, 400, str(e))
-        except RuntimeError as e:
+        except RuntimeError as e:  # shutting down, or a scheduler died
             return error(request, 503, str(e))
         states = await await_or_disconnect(tm.wait_states(sub), tm, sub, request)
         if states is None:
             return Response(status_code=499)
-        fr = states[0].finish_reason or {}
-        if fr.get("type") == "abort":
-            return error(request, fr.get("status_code") or 500, fr.get("message") or "aborted")
-        return JSONResponse(respond(states[0]))
+        for s in states:
+            fr = s.finish_reason or {}
+            if fr.get("type") == "abort":
+                return error(request, fr.get("status_code") or 500, fr.get("message") or "aborted")
+        return JSONResponse(respond(states, body))
+
+    @app.post("/v1/score")
+    async def score(request: Request):
+        plan = None
+
+        def submit(body):
+            nonlocal plan
+            sub, plan = tm.submit_score(body)
+            return sub
+
+        def respond(states, body):
+            result = plan.result([s.lp["output_token_ids_logprobs"][0] for s in states])
+            return score_response(result, body.get("model") or "default")  # the model is echoed, as SGLang
+
+        return await run(request, submit, respond)
 
     @app.post("/v1/rank")
     async def rank(request: Request):
-        return await run_task(request, tm.submit_rank)
+        return await run(request, tm.submit_rank, lambda states, _: task_response(states[0]))
 
     @app.post("/v1/retrieve")
     async def retrieve(request: Request):
-        return await run_task(request, tm.submit_retrieve)
+        return await run(request, tm.submit_retrieve, lambda states, _: task_response(states[0]))
 
     async def beam_generate(request: Request, body: dict):
         """Native /generate with sampling_params.beam_width (routed here by the /generate handler)."""
-        return await run_task(request, lambda b: tm.submit_retrieve(b, native_beam=True),
-                              lambda state: beam_generate_response(state, tm.tokenizer), body)
+        return await run(request, lambda b: tm.submit_retrieve(b, native_beam=True),
+                         lambda states, _: beam_generate_response(states[0], tm.tokenizer), body)
 
     app.state.beam_generate = beam_generate

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgrec.managers.io_struct import ReqOutput, TokenizedGenerateReq
+from sgrec.managers.io_struct import ReqOutput, TokenizedGenerateReq, abort_reason
 from sgrec.sampling import SamplingParams
 from sgrec.tokenizer import Tokenizer
 
@@ -23,8 +23,19 @@ def _per_item(value: Any, count: int, name: str, is_batch: bool, scalar_is_list:
     return [value] * count
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def wrong_type_field(obj: dict, fields: dict[str, tuple]) -> str | None:
+    """The first field of `obj` whose JSON type is not among its allowed types (bool is not an int
+    unless bool is allowed), or None."""
+    for name, types in fields.items():
+        if name in obj:
+            v = obj[name]
+            if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+                return name
+    return None
 
 
 @dataclass
@@ -33,8 +44,8 @@ class Limits:
     context_len: int
     pool_size: int
     max_input_len: int  # prompts longer than this get a 400
-    max_batch_size: int = 1024  # prompts per batch request (and items per score request)
-    max_n: int = 64
+    max_batch_size: int  # prompts per batch request (and items per score request)
+    max_n: int
 
 
 class RequestBuilder:
@@ -119,7 +130,7 @@ class RequestBuilder:
         lim = self.limits
         if not ids:
             raise ValueError("Prompt cannot be empty")
-        if not all(_is_int(t) and 0 <= t < lim.vocab_size for t in ids):
+        if not all(is_int(t) and 0 <= t < lim.vocab_size for t in ids):
             raise ValueError(f"input_ids must be integers in [0, {lim.vocab_size})")
         if len(ids) >= lim.context_len:
             raise ValueError(
@@ -143,7 +154,7 @@ class RequestBuilder:
     def _validate_logprob_args(self, ids, return_logprob, start, top_num, token_ids) -> None:
         lim = self.limits
         for name, v in (("logprob_start_len", start), ("top_logprobs_num", top_num)):
-            if not _is_int(v):
+            if not is_int(v):
                 raise ValueError(f"{name} must be an integer, got {v!r}")
         if start < -1:
             raise ValueError(f"logprob_start_len must be -1 or non-negative, got {start}")
@@ -152,7 +163,7 @@ class RequestBuilder:
         if top_num < 0:
             raise ValueError(f"top_logprobs_num must be non-negative, got {top_num}")
         if token_ids is not None and not (
-            isinstance(token_ids, list) and all(_is_int(x) and 0 <= x < lim.vocab_size for x in token_ids)
+            isinstance(token_ids, list) and all(is_int(x) and 0 <= x < lim.vocab_size for x in token_ids)
         ):
             raise ValueError(f"token_ids_logprob must be a list of token ids in [0, {lim.vocab_size})")
 
@@ -206,7 +217,7 @@ class ReqState:
             self.finish_time = now
 
     def fail(self, message: str, status_code: int) -> None:
-        self.finish_reason = {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+        self.finish_reason = abort_reason(message, status_code)
         self.finish_time = time.monotonic()
 
     def text(self, tokenizer: Tokenizer) -> str:

@@ -103,6 +103,11 @@ class SchedulerReady:
     max_input_len: int
 
 
+def abort_reason(message: str, status_code: int) -> dict:
+    """The finish_reason of a request that ended with an error (SGLang's shape)."""
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+
 _TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (

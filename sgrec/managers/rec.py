@@ -10,16 +10,12 @@ from __future__ import annotations
 import uuid
 import zlib
 
-from sgrec.managers.generate import RequestBuilder
+from sgrec.managers.generate import RequestBuilder, is_int
 from sgrec.managers.io_struct import TaskReq
 from sgrec.tokenizer import Tokenizer
 
 DEFAULT_INSTRUCTION = "\nNext item:"
 RANK_FIELDS = {"user", "items", "instruction", "prefix", "top_k", "rid", "routing_key", "model"}
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def parse_user(user, tokenizer: Tokenizer, builder: RequestBuilder) -> tuple[str, list[int]]:
@@ -37,7 +33,7 @@ def parse_user(user, tokenizer: Tokenizer, builder: RequestBuilder) -> tuple[str
         ids = tokenizer.encode(user["text"])
     else:
         ids = user["token_ids"]
-        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+        if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
             raise ValueError("user.token_ids must be a non-empty list of token ids")
     builder.check_prompt(ids)
     key = user.get("id")
@@ -72,7 +68,7 @@ def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_cand
     instr = obj.get("instruction", DEFAULT_INSTRUCTION)
     if isinstance(instr, str) and instr:
         instr_ids = tokenizer.encode(instr, add_special_tokens=False)
-    elif isinstance(instr, list) and instr and all(_is_int(t) for t in instr):
+    elif isinstance(instr, list) and instr and all(is_int(t) for t in instr):
         instr_ids = instr
     else:
         raise ValueError("instruction must be a non-empty string or a non-empty list of token ids")
@@ -80,7 +76,7 @@ def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_cand
     if prefix is not None and prefix not in ("auto", "user", "item", "none", "greedy"):
         raise ValueError(f"prefix must be one of auto, user, item, none, greedy; got {prefix!r}")
     top_k = obj.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
     payload = {"user_key": user_key, "user_ids": user_ids, "item_ids": items, "instruction_ids": list(instr_ids),
                "prefix": prefix, "top_k": top_k}
@@ -97,7 +93,7 @@ def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_
     top_k = obj.get("top_k", beam_width)
     num_items = obj.get("num_items", 10)
     for name, v in (("beam_width", beam_width), ("top_k", top_k), ("num_items", num_items)):
-        if not _is_int(v) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if beam_width > max_beam_width:
         raise ValueError(f"beam_width {beam_width} exceeds --max-beam-width {max_beam_width}")
@@ -133,7 +129,7 @@ def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder,
         raise ValueError("give exactly one of text and input_ids (one prompt) with beam_width")
     user = {"text": text} if text is not None else {"token_ids": ids}
     beam_width, n = sp["beam_width"], sp.get("n", 1)
-    if not _is_int(n) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")
     task = build_retrieve_task({"user": user, "beam_width": beam_width, "top_k": beam_width, "num_items": n,
                                 "rid": obj.get("rid")}, tokenizer, builder, max_beam_width)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from sgrec.managers.generate import RequestBuilder
+from sgrec.managers.generate import RequestBuilder, wrong_type_field
 from sgrec.managers.io_struct import TokenizedGenerateReq
 from sgrec.tokenizer import Tokenizer
 
@@ -161,10 +161,8 @@ def build_score_request(obj, tokenizer: Tokenizer, builder: RequestBuilder) -> S
     """A /v1/score JSON body -> ScorePlan, every prompt checked against the server's limits."""
     if not isinstance(obj, dict):
         raise ValueError("The request body must be a JSON object")
-    for name, types in SCORE_FIELDS.items():
-        value = obj.get(name)
-        if (name in obj and not isinstance(value, types)) or (isinstance(value, bool) and bool not in types):
-            raise ValueError(f"{name} has the wrong type ({type(obj[name]).__name__})")
+    if (name := wrong_type_field(obj, SCORE_FIELDS)) is not None:
+        raise ValueError(f"{name} has the wrong type ({type(obj[name]).__name__})")
     for name in UNSUPPORTED_SCORE_FIELDS:
         if obj.get(name) not in (None, False):
             raise ValueError(f"{name} is not supported by sgrec (CausalLM pointwise scoring only)")
@@ -173,11 +171,16 @@ def build_score_request(obj, tokenizer: Tokenizer, builder: RequestBuilder) -> S
         obj.get("apply_softmax", False), obj.get("item_first", False), obj.get("temperature", 1.0),
         obj.get("return_token_logprobs", False),
     )
+    check_plan(plan, builder)
+    return plan
+
+
+def check_plan(plan: ScorePlan, builder: RequestBuilder) -> None:
+    """The server's limits: --max-batch-size items, each prompt within the context and --max-input-len."""
     if len(plan.prompts) > builder.limits.max_batch_size:
         raise ValueError(f"{len(plan.prompts)} items exceed --max-batch-size {builder.limits.max_batch_size}")
     for ids in plan.prompts:
         builder.check_prompt(ids)
-    return plan
 
 
 def score_response(result: ScoreResult, model: str) -> dict:

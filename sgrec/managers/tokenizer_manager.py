@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from sgrec.managers import io_struct as io
-from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
+from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates, wrong_type_field
 from sgrec.managers.rec import build_beam_generate_task, build_rank_task, build_retrieve_task
 from sgrec.managers.score import ScorePlan, build_score_request
 from sgrec.sampling import SamplingParams, SchemaError
@@ -62,12 +62,8 @@ class Submission:
 def check_generate_types(obj: dict) -> None:
     if not isinstance(obj, dict):
         raise SchemaError("the request body must be a JSON object")
-    for name, types in GENERATE_FIELDS.items():
-        if name not in obj:
-            continue
-        v = obj[name]
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):  # bool is an int
-            raise SchemaError(f"invalid type for `{name}`: {type(v).__name__}")
+    if (name := wrong_type_field(obj, GENERATE_FIELDS)) is not None:
+        raise SchemaError(f"invalid type for `{name}`: {type(obj[name]).__name__}")
     for name in UNSUPPORTED_INPUTS:
         if obj.get(name) not in (None, [], ""):
             raise ValueError(f"`{name}` is not supported by sgrec")
@@ -126,8 +122,6 @@ class TokenizerManager:
     # ---- requests -----------------------------------------------------------------------
     def submit(self, obj: dict) -> Submission:
         """Validates, tokenizes and sends a native /generate request. Raises ValueError on bad input."""
-        if self.dead:
-            raise RuntimeError(self.dead)
         check_generate_types(obj)
         msgs, params, is_list = self.builder.build(
             obj.get("text"), obj.get("input_ids"), obj.get("sampling_params"),
@@ -139,8 +133,6 @@ class TokenizerManager:
 
     def submit_score(self, obj: dict) -> tuple[Submission, ScorePlan]:
         """A /v1/score request: one prefill-only request per item. Raises ValueError on bad input."""
-        if self.dead:
-            raise RuntimeError(self.dead)
         plan = build_score_request(obj, self.tokenizer, self.builder)
         msgs = plan.messages(uuid.uuid4().hex)
         return self._send(msgs, [SamplingParams(max_new_tokens=0)] * len(msgs), True, False,
@@ -148,21 +140,21 @@ class TokenizerManager:
 
     def submit_rank(self, obj: dict) -> Submission:
         """A /v1/rank request (one task). Raises ValueError on bad input."""
-        if self.dead:
-            raise RuntimeError(self.dead)
-        msg = build_rank_task(obj, self.tokenizer, self.builder, self.args.max_rank_candidates)
-        return self._send([msg], [SamplingParams(max_new_tokens=0)], False, False, obj.get("routing_key"))
+        return self._send_task(build_rank_task(obj, self.tokenizer, self.builder, self.args.max_rank_candidates),
+                               obj)
 
     def submit_retrieve(self, obj: dict, native_beam: bool = False) -> Submission:
         """A /v1/retrieve request, or a native /generate with beam_width (one task each). Raises
         ValueError on bad input."""
-        if self.dead:
-            raise RuntimeError(self.dead)
         build = build_beam_generate_task if native_beam else build_retrieve_task
-        msg = build(obj, self.tokenizer, self.builder, self.args.max_beam_width)
+        return self._send_task(build(obj, self.tokenizer, self.builder, self.args.max_beam_width), obj)
+
+    def _send_task(self, msg: io.TaskReq, obj: dict) -> Submission:
         return self._send([msg], [SamplingParams(max_new_tokens=0)], False, False, obj.get("routing_key"))
 
     def _send(self, msgs, params, is_list: bool, text_in_logprobs: bool, routing_key: str | None) -> Submission:
+        if self.dead:
+            raise RuntimeError(self.dead)
         dup = next((m.rid for m in msgs if m.rid in self.subs), None)
         if dup is not None:
             raise ValueError(f"Duplicate request id {dup!r}")

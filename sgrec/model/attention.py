@@ -5,8 +5,9 @@ sequence names the KV slots it attends to (cached prefix + its new tokens, in or
 optionally an explicit boolean mask; without one it is causal, with the new tokens at the
 end of its KV. Prefill reads only the prefix from the pool and the new tokens' K/V as
 computed, so a new token whose KV is discarded (prefill-only suffix) may be given slot 0,
-the padding slot, as its out_cache_loc and kv_indices entry. Later request kinds (ranking layouts, beams) pass explicit masks and
-positions; the model itself never assumes positions 0..n-1.
+the padding slot, as its out_cache_loc and kv_indices entry. Later request kinds (ranking
+layouts, beams) pass explicit masks and positions; the model itself never assumes positions
+0..n-1.
 """
 
 from __future__ import annotations

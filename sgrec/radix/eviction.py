@@ -70,7 +70,8 @@ class EvictionPolicy(ABC):
         """Raise RuntimeError if the policy's view of the tree is wrong."""
 
 
-def _evictable(node: TreeNode) -> bool:
+def is_evictable(node: TreeNode) -> bool:
+    """An attached, childless, unlocked non-root node (the root is parentless)."""
     return node.parent is not None and not node.children and node.lock_ref == 0
 
 
@@ -85,9 +86,6 @@ class LRUPolicy(EvictionPolicy):
         self.index = RecencyIndex()
         self.evicted = 0
 
-    def priority(self, node: TreeNode) -> tuple:
-        return (node.access_tick,)
-
     def victim(self) -> TreeNode | None:
         return self.index.first()
 
@@ -97,7 +95,7 @@ class LRUPolicy(EvictionPolicy):
 
     def on_insert(self, node: TreeNode) -> None:
         self.index.add(node)
-        self.index.set_active(node, _evictable(node))
+        self.index.set_active(node, is_evictable(node))
 
     def on_split(self, prefix: TreeNode, tail: TreeNode) -> None:
         self.index.touch(tail)
@@ -105,7 +103,7 @@ class LRUPolicy(EvictionPolicy):
 
     def on_update(self, node: TreeNode) -> None:
         if node in self.index:
-            self.index.set_active(node, _evictable(node))
+            self.index.set_active(node, is_evictable(node))
 
     def on_evict(self, node: TreeNode) -> None:
         self.index.remove(node)
@@ -119,7 +117,7 @@ class LRUPolicy(EvictionPolicy):
         if set(self.index.pos) != set(nodes):
             raise RuntimeError(f"{self.name}: tracked nodes differ from the tree's nodes")
         active = self.index.active_items()
-        if set(active) != {n for n in nodes if _evictable(n)}:
+        if set(active) != {n for n in nodes if is_evictable(n)}:
             raise RuntimeError(f"{self.name}: active set differs from the evictable leaves")
         ticks = [n.access_tick for n in active]
         if ticks != sorted(ticks):
@@ -155,7 +153,9 @@ class PredictivePolicy(LRUPolicy):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> PredictivePolicy:
-        return cls(make_predictor(config), mode=config.get("mode", "sync"))
+        """The predictor from the shared keys; a subclass's own keys go to its __init__ by name."""
+        own = {k: config[k] for k in cls.config_keys - PredictivePolicy.config_keys if k in config}
+        return cls(make_predictor(config), mode=config.get("mode", "sync"), **own)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def key(self, node: TreeNode) -> int:
@@ -317,13 +317,9 @@ class HFPolicy(PredictivePolicy):
 
     def __init__(self, predictor: Predictor, mode: str = "sync", candidates: int = 4) -> None:
         super().__init__(predictor, mode)
-        if candidates < 1:
+        self.candidates = int(candidates)
+        if self.candidates < 1:
             raise ValueError("candidates must be >= 1")
-        self.candidates = candidates
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> PredictivePolicy:
-        return cls(make_predictor(config), config.get("mode", "sync"), int(config.get("candidates", 4)))
 
     def _choose(self) -> TreeNode | None:
         return self._farthest_among_oldest(self.candidates)
@@ -359,6 +355,7 @@ class LARUPolicy(PredictivePolicy):
     def __init__(self, predictor: Predictor, mode: str = "sync", b: float = 2.0, lambda_rule: str = "k_div",
                  k_div: int = 32, large_k: int = 1024) -> None:
         super().__init__(predictor, mode)
+        b, k_div, large_k = float(b), int(k_div), int(large_k)
         if b <= 1.0:
             raise ValueError(f"b must be > 1, got {b}")
         lambda_rule = "k_div" if lambda_rule == "paper" else lambda_rule
@@ -366,7 +363,7 @@ class LARUPolicy(PredictivePolicy):
             raise ValueError(f"lambda_rule must be 'auto', 'every' or 'k_div' (alias 'paper'), got {lambda_rule!r}")
         if k_div < 1 or large_k < 1:
             raise ValueError("k_div and large_k must be >= 1")
-        self.b, self.lambda_rule, self.k_div, self.large_k = float(b), lambda_rule, int(k_div), int(large_k)
+        self.b, self.lambda_rule, self.k_div, self.large_k = b, lambda_rule, k_div, large_k
         self.lam = 1.0
         self.old: set[TreeNode] = set()
         self.predicted_out: set[int] = set()  # start keys evicted by predictions in this phase
@@ -374,11 +371,6 @@ class LARUPolicy(PredictivePolicy):
         self.line14 = 0  # prediction-induced misses since lambda last decreased
         self.phases = self.lru_fallbacks = self.prediction_evictions = self.lru_evictions = 0
         self.last_l = 0
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> PredictivePolicy:
-        return cls(make_predictor(config), config.get("mode", "sync"), float(config.get("b", 2.0)),
-                   config.get("lambda_rule", "k_div"), int(config.get("k_div", 32)), int(config.get("large_k", 1024)))
 
     def halve_after(self, k: int) -> int:
         """How many prediction-induced misses (line 14 runs) divide lambda by b, with k items."""

@@ -29,6 +29,7 @@ Wire format: request one JSON frame `{"id", "item", "header"}`; reply a JSON fra
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -52,11 +53,12 @@ def header_key(header_ids: Sequence[int]) -> str:
 
 def read_item_kv(kv_pool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of `slots` for every layer: two tensors [layers, n, kv_heads, head_dim] (CPU)."""
+    loc = slots.to(kv_pool.device)
     ks, vs = [], []
     for layer in range(kv_pool.num_layers):
         k, v = kv_pool.get_kv(layer)
-        ks.append(k[slots.to(k.device)])
-        vs.append(v[slots.to(v.device)])
+        ks.append(k[loc])
+        vs.append(v[loc])
     return torch.stack(ks).cpu(), torch.stack(vs).cpu()
 
 
@@ -186,7 +188,8 @@ class ItemKVClient:
             if left <= 0:
                 self._mark_dead(rank)
                 return None
-            if sock.poll(min(left * 1000.0, 5 if serve else left * 1000.0)):
+            wait_ms = left * 1000.0 if serve is None else min(left * 1000.0, 5)  # serve() every 5 ms
+            if sock.poll(wait_ms):
                 frames = sock.recv_multipart()
                 try:
                     meta = json.loads(frames[0])
@@ -267,7 +270,7 @@ class ItemFetcher:
         return kv
 
 
-_loopback_ids = iter(range(1 << 30))
+_loopback_ids = itertools.count()
 
 
 def connect_loopback(executors: Sequence, ctx: zmq.Context | None = None, threaded: bool = True, **fetcher_kw):

@@ -122,11 +122,14 @@ class ItemStore:
         """Offers a freshly computed item's KV. True: the store owns `slots` now; False: the caller
         keeps them (not owned by this rank, over budget with nothing colder to evict, or present)."""
         n = len(slots)
-        if item_id in self.entries or not self.owns(item_id) or n > self.budget - self.total_size() + self._colder_room(item_id, n):
+        if item_id in self.entries or not self.owns(item_id):
             return False
         short = self.total_size() + n - self.budget
-        if short > 0:
-            self._evict(short, colder_than=self._rank(item_id, next(self._ticks)))
+        if short > 0:  # over budget: only unpinned entries colder than this item may make room
+            mine = self._rank(item_id, next(self._ticks))
+            if self._colder_room(mine) < short:
+                return False
+            self._evict(short, colder_than=mine)
         self.entries[item_id] = _Entry(slots.to(torch.int64).clone(), 0, next(self._ticks))
         self.item_tokens += n
         return True
@@ -196,9 +199,8 @@ class ItemStore:
     def _rank(self, item_id: str, tick: int) -> tuple[float, int]:
         return (self.hotness(item_id), tick)
 
-    def _colder_room(self, item_id: str, n: int) -> int:
-        """Tokens of unpinned entries colder than item_id (what admitting it may evict)."""
-        mine = self._rank(item_id, 1 << 62)
+    def _colder_room(self, mine: tuple[float, int]) -> int:
+        """Tokens of unpinned entries colder than rank `mine` (what admitting an item may evict)."""
         return sum(len(e.slots) for k, e in self.entries.items() if not e.pins and self._rank(k, e.tick) < mine)
 
     def _evict(self, num_tokens: int, colder_than: tuple | None) -> int:

@@ -272,7 +272,7 @@ class LightGBMPredictor(Predictor):
         return out.tolist()
 
 
-def make_predictor(config: dict[str, Any], seed: int = 0) -> Predictor:
+def make_predictor(config: dict[str, Any]) -> Predictor:
     """A predictor from policy config: an injected Predictor under "predictor", else LightGBM with
     the config's window / retrain_interval / num_trees / min_train / edc_base / horizon."""
     injected = config.get("predictor", "lightgbm")
@@ -281,4 +281,4 @@ def make_predictor(config: dict[str, Any], seed: int = 0) -> Predictor:
     if injected != "lightgbm":
         raise ValueError(f"unknown predictor {injected!r}: use 'lightgbm' or pass a Predictor instance")
     keys = ("window", "retrain_interval", "num_trees", "min_train", "edc_base", "horizon")
-    return LightGBMPredictor(**{k: config[k] for k in keys if k in config}, seed=config.get("seed", seed))
+    return LightGBMPredictor(**{k: config[k] for k in keys if k in config}, seed=config.get("seed", 0))

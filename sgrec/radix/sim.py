@@ -213,12 +213,17 @@ class SGLangReplay:
 
 
 # ---- runners ---------------------------------------------------------------------------------------
+def _uses_oracle(policy: str, predictor: str, noise: float | None) -> bool:
+    """Whether the policy predicts from the trace's true next accesses (so needs its TraceIndex)."""
+    return policy == "opt" or predictor == "oracle" or noise is not None
+
+
 def sim_policy(name: str, index: TraceIndex | None = None, predictor: str = "lightgbm", noise: float | None = None,
                config: dict[str, Any] | str | None = None, seed: int = 0) -> EvictionPolicy:
     """An sgrec policy for a simulation; `index` (the trace's TraceIndex) is needed for opt, the oracle
     predictor and noise."""
     cfg = parse_config(config)
-    if name == "opt" or predictor == "oracle" or noise is not None:
+    if _uses_oracle(name, predictor, noise):
         if index is None:
             raise ValueError("the oracle predictor needs the trace index")
         cfg["predictor"] = OraclePredictor(index.next_access, noise or 0.0, seed)
@@ -291,7 +296,7 @@ def simulate(trace: Trace, policy: str, cache_tokens: int, predictor: str = "lig
     if policy in LCS_POLICIES:
         index = index or TraceIndex(trace)
         return run_libcachesim(policy, index.flattened(), cache_tokens, len(trace))
-    needs_index = policy == "opt" or predictor == "oracle" or noise is not None
+    needs_index = _uses_oracle(policy, predictor, noise)
     if needs_index and index is None:
         index = TraceIndex(trace)
     pol = sim_policy(policy, index, predictor, noise, config, seed)
@@ -301,10 +306,8 @@ def simulate(trace: Trace, policy: str, cache_tokens: int, predictor: str = "lig
 
 def load(trace: str, requests: int | None = None) -> Trace:
     if trace in TRACES:
-        kw = {} if requests is None else ({"max_requests": requests} if trace == "gr-users" else {})
-        if requests is not None and trace in ("scan", "zipf"):
-            kw = {"num_requests": requests}
-        tr = make_trace(trace, **kw)
+        size_arg = {"gr-users": "max_requests", "scan": "num_requests", "zipf": "num_requests"}.get(trace)
+        tr = make_trace(trace, **({size_arg: requests} if requests is not None and size_arg else {}))
     else:
         tr = load_trace(trace)
     return tr if requests is None else tr[:requests]

@@ -15,13 +15,12 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import torch
 
 from sgrec.mem.kv_pool import TokenAllocator
-from sgrec.radix.eviction import EvictionPolicy, make_policy
+from sgrec.radix.eviction import EvictionPolicy, is_evictable, make_policy
 
 _node_ids = itertools.count()
 
@@ -43,7 +42,7 @@ def start_key(node: TreeNode) -> int:
     while p is not None and p.parent is not None:
         parts.append(p.key)
         p = p.parent
-    return hash((node.extra_key, tuple(chain.from_iterable(reversed(parts)))))
+    return hash((node.extra_key, tuple(itertools.chain.from_iterable(reversed(parts)))))
 
 
 def _match_len(edge: list[int], key: list[int], start: int) -> int:
@@ -110,6 +109,23 @@ class RadixCache:
         node, _, parts = self._walk(key, extra_key, self.clock())
         return MatchResult(torch.cat(parts) if parts else self._empty(), node)
 
+    def peek_prefix_len(self, key: Sequence[int], extra_key: str | None = None) -> int:
+        """Length of the cached prefix of `key`, read without touching the tree (no access-time
+        update, no split), so a scheduler may ask often without disturbing the eviction order."""
+        if self.disable:
+            return 0
+        node, i, key = self.root, 0, _as_list(key)
+        while i < len(key):
+            child = node.children.get(_child_key(extra_key, key[i]))
+            if child is None:
+                break
+            m = _match_len(child.key, key, i)
+            i += m
+            if m < len(child.key):
+                break
+            node = child
+        return i
+
     def _walk(self, key: list[int], extra_key: str | None, now: float) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Follows key from the root, splitting the last edge where the match ends inside it and
         touching every node on the way; returns (deepest node, tokens matched, their slot runs)."""
@@ -161,20 +177,29 @@ class RadixCache:
                 node = self.policy.victim()
                 if node is None:
                     break
-                if node.children or node.lock_ref != 0 or self._detached(node) or node is self.root:
+                if not is_evictable(node):
                     raise RuntimeError(f"policy {self.policy.name} chose a non-evictable node {node!r}")
                 freed += self._delete_leaf(node)
             return freed
-        heap = [(self.policy.priority(n), n.id, n) for n in self._nodes()
-                if n is not self.root and not n.children and n.lock_ref == 0]
+        heap = [(self.policy.priority(n), n.id, n) for n in self._nodes() if is_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)[2]
             parent = node.parent
             freed += self._delete_leaf(node)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if is_evictable(parent):
                 heapq.heappush(heap, (self.policy.priority(parent), parent.id, parent))
+        return freed
+
+    def evict_branch(self, node: TreeNode) -> int:
+        """Frees `node` and then each ancestor left childless, while they are unlocked: the part of
+        the tree only this path uses (e.g. one user's prefix). Returns the tokens freed."""
+        freed = 0
+        while is_evictable(node):
+            parent = node.parent
+            freed += self._delete_leaf(node)
+            node = parent
         return freed
 
     def _delete_leaf(self, node: TreeNode) -> int:

@@ -28,6 +28,7 @@ import torch
 
 from sgrec.catalog import Catalog, Item
 from sgrec.model.attention import SeqLayout
+from sgrec.radix.item_fetch import write_item_kv
 from sgrec.radix.items import ItemStore
 from sgrec.rank import layout as L
 from sgrec.rank.policy import NONE, PREFIX_POLICIES, CacheMeta, select_prefix
@@ -63,8 +64,7 @@ class RankExecutor:
         self.fetcher = None
         # Hard cap on the user-prefix cache (the radix tree's share of the pool). None: the rest of the
         # pool (the tree grows into whatever the item store and running requests leave free).
-        cap = user_cache_tokens if user_cache_tokens is not None else getattr(args, "user_cache_tokens", None)
-        self.user_cache_tokens = None if cap is None else max(0, int(cap))
+        self.user_cache_tokens = None if user_cache_tokens is None else max(0, int(user_cache_tokens))
         budget = args.item_cache_tokens
         if budget is None:
             catalog_tokens = sum(len(it.token_ids) for it in catalog.items) + len(self.header_ids)
@@ -122,9 +122,10 @@ class RankExecutor:
             raise ValueError(f"{len(item_ids)} candidate items exceed --max-rank-candidates {limit}")
         seen, dups = set(), []
         for i in item_ids:
-            if isinstance(i, str) and i in seen and i not in dups:
-                dups.append(i)
-            seen.add(i) if isinstance(i, str) else None
+            if isinstance(i, str):
+                if i in seen and i not in dups:
+                    dups.append(i)
+                seen.add(i)
         if dups:
             raise ValueError(f"duplicate candidate item id(s): {', '.join(repr(d) for d in dups[:5])}")
         items = self.catalog.lookup(item_ids)
@@ -149,7 +150,7 @@ class RankExecutor:
         self.meta.record_user(user_key)
         self.meta.record_items(item_ids)
         choice = policy
-        if policy not in (L.USER_PREFIX, L.ITEM_PREFIX, NONE):
+        if policy == "auto":  # only auto reads the cache state (a scan of the cached users)
             capped = self.user_cache_tokens is not None and not self.tree.disable
             choice = select_prefix(
                 policy, tau_u, tau_i, f_u,
@@ -159,6 +160,8 @@ class RankExecutor:
                 replaced_freqs=self._replaced_freqs(user_key, tau_u) if capped else None,
                 cacheable=not capped or tau_u <= self.user_cache_tokens,
             )
+        elif policy not in (L.USER_PREFIX, L.ITEM_PREFIX, NONE):  # greedy (an unknown name: ValueError)
+            choice = select_prefix(policy, tau_u, tau_i)
         kind = L.ITEM_PREFIX if choice == L.ITEM_PREFIX else L.USER_PREFIX
         lay = L.build(kind, self.header_ids, user_ids, [it.token_ids for it in items], instruction_ids)
         id_tokens = [it.id_token for it in items]
@@ -232,12 +235,7 @@ class RankExecutor:
     def _evict_user(self, user: str) -> int:
         """Frees the tree nodes only `user`'s prefix uses (unlocked leaves up from its deepest node)."""
         st = self.meta.users.get(user)
-        node, freed, root = (st.node if st else None), 0, self.tree.root
-        while node is not None and node is not root and node.parent is not None and not node.children \
-                and node.lock_ref == 0:
-            parent = node.parent
-            freed += self.tree._delete_leaf(node)
-            node = parent
+        freed = self.tree.evict_branch(st.node) if st is not None and st.node is not None else 0
         if st is not None:
             st.node, st.cached_len = None, 0
         return freed
@@ -288,7 +286,7 @@ class RankExecutor:
             fresh: dict[str, torch.Tensor | None] = {f"item{seg.item}": None
                                                      for seg, s in zip(lay.items(), slots) if s is None}
             scores = self._forward(lay, cached, id_tokens, keep=fresh)
-            for seg, item_id, s in zip(lay.items(), item_ids, slots):
+            for seg, item_id in zip(lay.items(), item_ids):
                 kv = fresh.get(f"item{seg.item}")
                 if kv is not None and not store.admit(item_id, kv):
                     self.allocator.free(kv)
@@ -301,8 +299,6 @@ class RankExecutor:
     def _fetch_remote(self, lay: L.RankLayout, item_ids: Sequence[str], slots: list, borrowed: list) -> None:
         """Fills the misses of items owned by another rank with their KV fetched from the owner (when
         the fetcher finds that cheaper than recomputing); `slots[j]` becomes the borrowed slots."""
-        from sgrec.radix.item_fetch import write_item_kv
-
         for j, (seg, item_id) in enumerate(zip(lay.items(), item_ids)):
             if slots[j] is not None or self._owns(item_id):
                 continue

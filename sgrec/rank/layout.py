@@ -41,9 +41,6 @@ class Segment:
     def stop(self) -> int:
         return self.start + self.length
 
-    def positions(self) -> range:
-        return range(self.pos0, self.pos0 + self.length)
-
 
 @dataclass
 class RankLayout:

@@ -148,31 +148,35 @@ class BatchFormer:
         ds = [d for k in self._queues if (d := self.deadline(k)) is not None]
         return min(ds) if ds else None
 
-    def _take(self, kind: str) -> tuple[list[BatchItem], bool]:
-        """The oldest requests that fit in the budget; full is True when the next one does not fit."""
+    def _take(self, kind: str) -> tuple[int, bool]:
+        """How many of the oldest requests fit in the budget; full is True when the next one does not
+        fit (or the budget is met)."""
         q = self._queues[kind]
         n, i = 0, 0
         while i < len(q) and n + q[i].num_tokens <= self.max_batch_tokens:
             n += q[i].num_tokens
             i += 1
-        return [q[j] for j in range(i)], i < len(q) or n == self.max_batch_tokens
+        return i, i < len(q) or n == self.max_batch_tokens
+
+    def _pop(self, kind: str, count: int, now: float, reason: str) -> Batch:
+        q = self._queues[kind]
+        items = [q.popleft() for _ in range(count)]
+        self._tokens[kind] -= sum(it.num_tokens for it in items)
+        return Batch(kind, items, now, reason)
 
     def poll(self, now: float) -> list[Batch]:
         """Every batch due at `now`, oldest first request first."""
         out = []
         for kind, q in self._queues.items():
             while q:
-                items, full = self._take(kind)
+                count, full = self._take(kind)
                 if full:
                     reason = "full"
-                elif now >= q[0].arrival + self.wait_quota.quota(kind):
+                elif now >= self.deadline(kind):
                     reason = "quota"
                 else:
                     break
-                for _ in items:
-                    q.popleft()
-                self._tokens[kind] -= sum(it.num_tokens for it in items)
-                out.append(Batch(kind, items, now, reason))
+                out.append(self._pop(kind, count, now, reason))
         out.sort(key=lambda b: b.items[0].arrival)
         return out
 
@@ -181,11 +185,7 @@ class BatchFormer:
         out = []
         for kind, q in self._queues.items():
             while q:
-                items, _ = self._take(kind)
-                for _ in items:
-                    q.popleft()
-                self._tokens[kind] -= sum(it.num_tokens for it in items)
-                out.append(Batch(kind, items, now, "flush"))
+                out.append(self._pop(kind, self._take(kind)[0], now, "flush"))
         out.sort(key=lambda b: b.items[0].arrival)
         return out
 

@@ -15,8 +15,6 @@ from typing import Protocol
 
 import numpy as np
 
-from sgrec.radix.tree import RadixCache, _child_key, _match_len
-
 
 class PrefillOnlyJob(Protocol):
     arrival: float  # seconds, same clock as `now`
@@ -67,9 +65,10 @@ class LinearJct:
         return cls(*full)
 
 
-def profile_linear_jct(runner, max_len: int, steps: int = 4) -> LinearJct:
-    """Times prefill-only forwards over a grid of (n_input, n_cached) up to max_len (PrefillOnly §6.3
-    profiles at a 1,000-token granularity; here max_len / steps) and fits LinearJct."""
+def profile_linear_jct(runner, lengths: Sequence[int], repeats: int = 1) -> LinearJct:
+    """Times prefill-only forwards of each length with nothing, half and all but 8 tokens cached (the
+    fastest of `repeats` runs per point; PrefillOnly §6.3 profiles at a 1,000-token granularity) and
+    fits LinearJct in seconds."""
     import time
 
     import torch
@@ -78,12 +77,11 @@ def profile_linear_jct(runner, max_len: int, steps: int = 4) -> LinearJct:
 
     alloc, vocab = runner.kv_pool.allocator, runner.config.vocab_size
     samples = []
-    for i in range(1, steps + 1):
-        n = max(2, max_len * i // steps)
+    for n in lengths:
         ids = [(7 * t) % (vocab - 3) + 3 for t in range(n)]
-        for cached in (0, n // 2):
+        for cached in sorted({0, n // 2, max(n - 8, 0)}):
             slots = alloc.alloc(cached)
-            if slots is None:
+            if slots is None or cached >= n:
                 continue
             if cached:
                 runner.forward(runner.make_batch(ids[:cached], list(range(cached)), slots,
@@ -92,29 +90,14 @@ def profile_linear_jct(runner, max_len: int, steps: int = 4) -> LinearJct:
             zeros = torch.zeros(new, dtype=torch.int64)
             batch = runner.make_batch(ids[cached:], list(range(cached, n)), zeros,
                                       [SeqLayout(0, new, torch.cat([slots, zeros]))])
-            start = time.perf_counter()
-            runner.forward_prefill_only(batch, [new - 1])
-            samples.append((n, cached, time.perf_counter() - start))
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                runner.forward_prefill_only(batch, [new - 1])
+                best = min(best, time.perf_counter() - start)
+            samples.append((n, cached, best))
             alloc.free(slots)
     return LinearJct.fit(samples)
-
-
-def peek_prefix_len(tree: RadixCache, key: Sequence[int], extra_key: str | None = None) -> int:
-    """Length of the cached prefix of `key`, read without touching the tree (no access-time
-    update, no split), so calibration does not disturb the eviction order."""
-    if tree.disable:
-        return 0
-    node, i, key = tree.root, 0, list(key)
-    while i < len(key):
-        child = node.children.get(_child_key(extra_key, key[i]))
-        if child is None:
-            break
-        m = _match_len(child.key, key, i)
-        i += m
-        if m < len(child.key):
-            break
-        node = child
-    return i
 
 
 def pick_prefill_only(

@@ -92,13 +92,10 @@ class SchedulerLoop:
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
                                     self.runner.config.vocab_size, self.runner.max_input_len))
         while True:
-            busy = self.scheduler.has_work()
-            if self.item_server is not None:
+            ready = dict(self.poller.poll(0 if self.scheduler.has_work() else IDLE_POLL_MS))
+            if self.item_server is not None and self.item_server.sock in ready:
                 self.item_server.poll(0)
-                ready = dict(self.poller.poll(0 if busy else IDLE_POLL_MS))
-                if self.recv_sock in ready:
-                    self.drain()
-            elif self.recv_sock.poll(0 if busy else IDLE_POLL_MS):
+            if self.recv_sock in ready:
                 self.drain()
             if os.getppid() != self.parent:
                 logger.error("parent process died; scheduler %d exits", self.dp_rank)
@@ -121,26 +118,20 @@ class SchedulerLoop:
                 continue
             self.handle(msg)
 
+    def _reject(self, msg, message: str, status_code: int) -> None:
+        fr = io.abort_reason(message, status_code)
+        self.send(io.BatchReqOutput([io.ReqOutput(msg.rid, [], fr, len(msg.input_ids))]))
+
     def handle(self, msg) -> None:
         sched = self.scheduler
-        if isinstance(msg, io.TokenizedGenerateReq):
+        if isinstance(msg, (io.TokenizedGenerateReq, io.TaskReq)):
             limit = self.args.max_queued_requests
-            if limit is not None and len(sched.waiting) + len(sched.prefill_only) >= limit:
-                fr = {"type": "abort", "message": QUEUE_FULL, "status_code": 503, "err_type": None}
-                self.send(io.BatchReqOutput([io.ReqOutput(msg.rid, [], fr, len(msg.input_ids))]))
-                return
+            if limit is not None and sched.num_queued() >= limit:
+                return self._reject(msg, QUEUE_FULL, 503)
             try:
-                sched.add_request(msg)
+                (sched.add_task if isinstance(msg, io.TaskReq) else sched.add_request)(msg)
             except (TypeError, ValueError) as e:
-                fr = {"type": "abort", "message": f"Invalid request: {e}", "status_code": 400, "err_type": None}
-                self.send(io.BatchReqOutput([io.ReqOutput(msg.rid, [], fr, len(msg.input_ids))]))
-        elif isinstance(msg, io.TaskReq):
-            limit = self.args.max_queued_requests
-            if limit is not None and len(sched.tasks) >= limit:
-                fr = {"type": "abort", "message": QUEUE_FULL, "status_code": 503, "err_type": None}
-                self.send(io.BatchReqOutput([io.ReqOutput(msg.rid, [], fr, len(msg.input_ids))]))
-                return
-            sched.add_task(msg)
+                self._reject(msg, f"Invalid request: {e}", 400)
         elif isinstance(msg, io.AbortReq):
             req = sched.abort(msg.rid, msg.message)
             if req is not None:
@@ -169,7 +160,7 @@ class SchedulerLoop:
         self.send(io.SchedulerStats(
             dp_rank=self.dp_rank,
             num_running_reqs=len(sched.running) + (1 if sched.chunked else 0),
-            num_queue_reqs=len(sched.waiting) + len(sched.prefill_only),
+            num_queue_reqs=sched.num_queued(),
             token_usage=used / pool.size,
             kv_used=used,
             kv_total=pool.size,

@@ -19,10 +19,10 @@ from sgrec.radix.tree import RadixCache
 from sgrec.runner import ModelRunner
 from sgrec.sampling import GREEDY_EPS, Sampler
 from sgrec.catalog import Catalog
-from sgrec.managers.io_struct import TaskReq, TokenizedGenerateReq
+from sgrec.managers.io_struct import TaskReq, TokenizedGenerateReq, abort_reason
 from sgrec.sampling import SamplingParams
 from sgrec.scheduler.policy import (
-    jct_uncached_tokens, peek_prefix_len, pick_prefill_only, profile_linear_jct,
+    jct_uncached_tokens, pick_prefill_only, profile_linear_jct,
 )
 from sgrec.scheduler.req import LogprobSpec, Req
 from sgrec.scheduler.task import Task, run_task
@@ -56,7 +56,8 @@ class Scheduler:
         self.prefill_only_policy = args.schedule_policy if args.schedule_policy.startswith("srjf") else "fcfs"
         self.jct = jct_uncached_tokens
         if args.jct_model == "linear":
-            self.jct = profile_linear_jct(runner, min(runner.max_input_len, runner.kv_pool.size, 4096)).in_tokens()
+            longest = max(2, min(runner.max_input_len, runner.kv_pool.size, 4096))
+            self.jct = profile_linear_jct(runner, [longest * i // 4 or 2 for i in range(1, 5)]).in_tokens()
             logger.info("JCT model fitted on profiled prefills: %s", self.jct)
         self.clock = time.monotonic
         self.tasks: list[Task] = []  # rank / retrieve requests, each run to completion in one step
@@ -103,16 +104,20 @@ class Scheduler:
         return req
 
     def add_task(self, msg: TaskReq) -> Task:
-        task = Task(msg, arrival=self.clock())
+        task = Task(msg)
         self.tasks.append(task)
         return task
+
+    def num_queued(self) -> int:
+        """Requests not yet started: generate prompts, prefill-only requests and tasks."""
+        return len(self.waiting) + len(self.prefill_only) + len(self.tasks)
 
     def cached_size(self) -> int:
         """KV slots held by the caches: the radix tree and the item store."""
         return self.tree.total_size() + (self.rank_executor.total_size() if self.rank_executor else 0)
 
     def _peek_cached(self, req: Req) -> int:
-        return peek_prefix_len(self.tree, req.fill_ids[: req.prefix_match_limit()], req.extra_key)
+        return self.tree.peek_prefix_len(req.fill_ids[: req.prefix_match_limit()], req.extra_key)
 
     def _stop_match(self, req: Req) -> str | None:
         longest = max(len(s) for s in req.sampling.stop)
@@ -213,10 +218,7 @@ class Scheduler:
 
     def _order_waiting(self) -> list[Req]:
         if self.args.schedule_policy == "lpm" and len(self.waiting) <= 128:
-            def cached_len(r: Req) -> int:
-                return self.tree.match_prefix(r.fill_ids[: r.prefix_match_limit()], r.extra_key).indices.numel()
-
-            return sorted(self.waiting, key=lambda r: -cached_len(r))
+            return sorted(self.waiting, key=lambda r: -self._peek_cached(r))
         return list(self.waiting)
 
     def _schedule_prefill(self) -> list[tuple[Req, int, torch.Tensor]]:
@@ -451,4 +453,4 @@ class Scheduler:
 
     def _finish_abort(self, req: Req, message: str, status_code: int = 400) -> None:
         self._release(req, cache=False)  # an aborted request's KV is not cached
-        req.finish_reason = {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+        req.finish_reason = abort_reason(message, status_code)

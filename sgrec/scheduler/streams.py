@@ -12,9 +12,10 @@ device it can fill (RecOS measures it as the kernels' grid size; occupancy = gri
   expected occupancy past the threshold, in which case the second earliest.
 - `dep_values` ranks the units of a DAG: DepValue(v) = 1 + sum over children c of
   DepValue(c) / indegree(c) (RecOS §3.2); among ready units the highest goes first.
-- `MultiStreamScheduler` launches units whose dependencies have completed, with one of three
+- `MultiStreamScheduler` launches units whose dependencies have completed, with one of four
   policies: `single` (one stream, FIFO), `per_query` (each group of units, e.g. a query, on one
-  stream chosen round-robin) and `sgrec` (DepValue order + RecOS stream selection).
+  stream chosen round-robin), `topo` (submission order + RecOS stream selection) and `sgrec`
+  (DepValue order + RecOS stream selection).
 - `StreamTensorPool` keeps tensors produced on a stream until the event recorded after their last
   use has completed; a pool is checked when it holds more than its threshold (--stream-pool-mb).
 

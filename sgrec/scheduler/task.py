@@ -3,23 +3,18 @@ their executor (they compute one forward per request or a fixed number of beam s
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from sgrec.managers.io_struct import ReqOutput, TaskReq
-
-logger = logging.getLogger(__name__)
+from sgrec.managers.io_struct import ReqOutput, TaskReq, abort_reason
 
 
 @dataclass
 class Task:
     msg: TaskReq
-    arrival: float = 0.0
     finish_reason: dict | None = None
     result: dict | None = None
     last_node: object = None  # holds no KV between steps (the scheduler's release path skips it)
     cached_tokens: int = 0
-    sent: bool = field(default=False, repr=False)
 
     @property
     def rid(self) -> str:
@@ -40,20 +35,17 @@ def run_task(task: Task, executors: dict) -> None:
     if executor is None:
         need = {"rank": "an item catalog (--item-catalog)",
                 "retrieve": "an item catalog (--item-catalog) whose items carry semantic_id"}
-        task.finish_reason = _abort(f"{task.msg.kind} requests need {need.get(task.msg.kind, 'a known kind')}", 400)
+        task.finish_reason = abort_reason(f"{task.msg.kind} requests need {need.get(task.msg.kind, 'a known kind')}",
+                                          400)
         return
     try:
         task.result = executor(**task.msg.payload)
     except ValueError as e:
-        task.finish_reason = _abort(str(e), 400)
+        task.finish_reason = abort_reason(str(e), 400)
         return
     except RuntimeError as e:
-        task.finish_reason = _abort(str(e), 503)
+        task.finish_reason = abort_reason(str(e), 503)
         return
     meta = task.result.get("meta_info", {})
     task.cached_tokens = int(meta.get("cached_tokens", 0))
     task.finish_reason = {"type": "stop", "matched": None}
-
-
-def _abort(message: str, status: int) -> dict:
-    return {"type": "abort", "message": message, "status_code": status, "err_type": None}
