@@ -71,6 +71,28 @@ def _server_class():
     return Server
 
 
+SERVER_HEADER = b"x-sgrec-server"
+
+
+def _tag_responses(app, server: str):
+    """Every response names the server that answered (`X-Sgrec-Server: host:port`), so that behind
+    a load balancer a client or a test can tell which one served it. Plain ASGI: streams stay streams."""
+    value = server.encode()
+
+    async def tagged(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (SERVER_HEADER, value)]}
+            await send(message)
+
+        return await app(scope, receive, send_tagged)
+
+    return tagged
+
+
 async def serve(args: ServerArgs, in_addrs: list[str], out_addr: str, launch: dict) -> int:
     import uvicorn
 
@@ -83,7 +105,11 @@ async def serve(args: ServerArgs, in_addrs: list[str], out_addr: str, launch: di
 
     tm = TokenizerManager(args, in_addrs, out_addr)
     # one item-KV endpoint per rank: with HRCS a rank fetches cold items it does not own from their owner
-    item_addrs = [a.replace("/scheduler-", "/items-") for a in in_addrs]
+    # (over TCP with --item-kv-port, so that ranks of other servers can too: see --item-peers)
+    if args.item_kv_port is not None:
+        item_addrs = [f"tcp://{args.item_kv_host or args.host}:{args.item_kv_port + r}" for r in range(args.dp_size)]
+    else:
+        item_addrs = [a.replace("/scheduler-", "/items-") for a in in_addrs]
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=run_scheduler_process, args=(args.to_dict(), r, in_addrs[r], out_addr, item_addrs),
@@ -108,7 +134,7 @@ async def serve(args: ServerArgs, in_addrs: list[str], out_addr: str, launch: di
         return 1
     if args.enable_metrics:
         tm.metrics = Metrics(args.served_model_name)
-    app = create_app(tm, args, launch)
+    app = _tag_responses(create_app(tm, args, launch), f"{args.host}:{args.port}")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
     server = _Server(config)

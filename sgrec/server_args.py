@@ -94,6 +94,15 @@ class ServerArgs:
         "summation order (logprobs differ from HF by up to ~1e-3 on some models instead of ~1e-4).")
     random_seed: int = _arg(0, "Seed of the shared sampling generator.")
     dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.")
+    item_kv_port: int | None = _arg(
+        None, "Serve each DP rank's item KV over TCP at --item-kv-host, port item_kv_port + rank, so other "
+        "servers can fetch cold items from it (HRCS across servers; default: ipc, this server only).")
+    item_kv_host: str | None = _arg(
+        None, "Address the item-KV endpoints bind to and peers reach them at (default: --host).")
+    item_peers: str | None = _arg(
+        None, "JSON file of the servers sharing the item pool: {\"servers\": [{\"name\", \"url\", \"item_kv\": "
+        "[tcp endpoint per DP rank]}]}; re-read when it changes (servers join and leave at run time). "
+        "Needs --item-kv-port and --item-catalog.")
     api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")
     enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.")
     log_level: str = _arg("info", "Log level.", ["debug", "info", "warning", "error"])
@@ -137,6 +146,10 @@ class ServerArgs:
             raise ValueError("item_cache_tokens must be non-negative")
         if self.dp_size < 1:
             raise ValueError("dp_size must be at least 1")
+        if self.item_kv_port is not None and not 0 < self.item_kv_port <= 65536 - self.dp_size:
+            raise ValueError("item_kv_port + dp_size must be within [1, 65535]")
+        if self.item_peers is not None and self.item_kv_port is None:
+            raise ValueError("item_peers needs item_kv_port (peers reach this server's item KV over TCP)")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         for f in dataclasses.fields(self):

@@ -191,6 +191,32 @@ def make_plan(item_ids: Sequence[str], item_lens: Sequence[int], freqs: Sequence
     return Plan(rep, pl, per_items, per_tokens, [t * bytes_per_token for t in per_tokens], float(remote))
 
 
+def catalog_freqs(items) -> list[float]:
+    """Static item frequencies for placement: catalog popularity + 1. Every server computes the same
+    numbers, so all agree on the owners (run-time access counts differ between servers)."""
+    return [float(it.meta.get("popularity", 0)) + 1.0 for it in items]
+
+
+def fit_catalog_prefill(runner, items, max_candidates: int) -> PrefillTimeModel:
+    """Prefill-time model of this runner over the shapes a rank request of the catalog has."""
+    tau_i = sum(len(it.token_ids) for it in items) / len(items)
+    c = min(100, max_candidates, len(items))
+    prefix = round(c * tau_i)
+    shapes = [(s, p) for s in (32, 128, 512) for p in (0, prefix // 2, prefix)]
+    return PrefillTimeModel.fit(measure_prefill(runner, shapes, repeats=1))
+
+
+def plan_catalog(items, n: int, prefill_time: Callable[[float, float], float], bytes_per_token: int,
+                 max_candidates: int, tau_u: float, bandwidth_gbps: float, alpha: float) -> tuple[Placement, ReplicationResult]:
+    """Algorithm 1 and the placement over `n` ranks (all ranks of all servers) for a catalog."""
+    freqs = catalog_freqs(items)
+    tau_i = sum(len(it.token_ids) for it in items) / len(items)
+    c = min(100, max_candidates, len(items))
+    bandwidth = bandwidth_gbps * 1e9 / 8 / bytes_per_token
+    rep = compute_replication_ratio(bandwidth, freqs, tau_u, tau_i, alpha, c, n, prefill_time)
+    return plan_placement([it.id for it in items], freqs, rep.ratio, n), rep
+
+
 def format_plan(plan: Plan) -> str:
     rep = plan.replication
     lines = [

@@ -147,46 +147,59 @@ class ItemKVServer:
 
 
 class ItemKVClient:
+    """DEALER sockets to the peers' item-KV servers, by rank. Sockets and dead marks are kept per
+    address, so a re-numbering of the ranks (a server joined or left) keeps both."""
+
     def __init__(self, endpoints: dict[int, str], ctx: zmq.Context | None = None,
                  dead_cooldown_s: float = DEAD_COOLDOWN_S, clock: Callable[[], float] = time.monotonic):
         self.ctx = ctx or zmq.Context.instance()
         self.endpoints = dict(endpoints)
-        self.socks: dict[int, zmq.Socket] = {}
-        self.dead_until: dict[int, float] = {}
+        self.socks: dict[str, zmq.Socket] = {}
+        self.dead_until: dict[str, float] = {}
         self.dead_cooldown_s = dead_cooldown_s
         self.clock = clock
         self._next_id = 0
         self.fetched = self.timeouts = 0
 
-    def _sock(self, rank: int) -> zmq.Socket:
-        s = self.socks.get(rank)
+    def set_endpoints(self, endpoints: dict[int, str]) -> None:
+        """New rank -> address map (membership changed); sockets to addresses no longer listed close."""
+        self.endpoints = dict(endpoints)
+        keep = set(self.endpoints.values())
+        for addr in [a for a in self.socks if a not in keep]:
+            self.socks.pop(addr).close(0)
+        self.dead_until = {a: t for a, t in self.dead_until.items() if a in keep}
+
+    def _sock(self, addr: str) -> zmq.Socket:
+        s = self.socks.get(addr)
         if s is None:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
-            s.connect(self.endpoints[rank])
-            self.socks[rank] = s
+            s.connect(addr)
+            self.socks[addr] = s
         return s
 
     def alive(self, rank: int) -> bool:
-        return rank in self.endpoints and self.clock() >= self.dead_until.get(rank, 0.0)
+        addr = self.endpoints.get(rank)
+        return addr is not None and self.clock() >= self.dead_until.get(addr, 0.0)
 
     def fetch(self, rank: int, item_id: str, header: str, timeout_ms: int = DEFAULT_TIMEOUT_MS,
               serve: Callable[[], object] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.alive(rank):
             return None
-        sock = self._sock(rank)
+        addr = self.endpoints[rank]
+        sock = self._sock(addr)
         self._next_id += 1
         rid = self._next_id
         try:
             sock.send(json.dumps({"id": rid, "item": item_id, "header": header}).encode(), zmq.NOBLOCK)
         except zmq.Again:
-            self._mark_dead(rank)
+            self._mark_dead(addr)
             return None
         deadline = self.clock() + timeout_ms / 1000.0
         while True:
             left = deadline - self.clock()
             if left <= 0:
-                self._mark_dead(rank)
+                self._mark_dead(addr)
                 return None
             wait_ms = left * 1000.0 if serve is None else min(left * 1000.0, 5)  # serve() every 5 ms
             if sock.poll(wait_ms):
@@ -199,18 +212,20 @@ class ItemKVClient:
                     continue  # a late reply to a request that already timed out
                 if not meta.get("ok") or len(frames) != 3:
                     return None
-                dtype = _DTYPES[meta["dtype"]]
+                dtype = _DTYPES.get(meta.get("dtype"))
+                if dtype is None:
+                    return None
                 self.fetched += 1
                 return _tensor_from(frames[1], meta["shape"], dtype), _tensor_from(frames[2], meta["shape"], dtype)
             if serve is not None:
                 serve()
 
-    def _mark_dead(self, rank: int) -> None:
+    def _mark_dead(self, addr: str) -> None:
         self.timeouts += 1
-        self.dead_until[rank] = self.clock() + self.dead_cooldown_s
-        logger.warning("item fetch: rank %d did not answer; recomputing its items for %.0f s", rank,
+        self.dead_until[addr] = self.clock() + self.dead_cooldown_s
+        logger.warning("item fetch: %s did not answer; recomputing its items for %.0f s", addr,
                        self.dead_cooldown_s)
-        s = self.socks.pop(rank, None)  # drop queued requests with the socket
+        s = self.socks.pop(addr, None)  # drop queued requests with the socket
         if s is not None:
             s.close(0)
 
@@ -241,7 +256,11 @@ class ItemFetcher:
         self.recompute_s = recompute_s
         self.timeout_ms = timeout_ms
         self.server = server  # polled while waiting, so mutual fetches do not deadlock
+        # remote_items: misses on items another rank owns; of those, fetched_items came over the
+        # network (fetch_seconds in all, misses and timeouts included), the rest were recomputed
+        self.remote_items = self.fetched_items = 0
         self.fetched_tokens = self.recomputed_tokens = 0
+        self.fetch_seconds = 0.0
 
     def owner(self, item_id: str) -> int | None:
         """The rank holding item_id, None when this rank should hold it itself."""
@@ -259,13 +278,19 @@ class ItemFetcher:
 
     def fetch(self, item_id: str, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         owner = self.owner(item_id)
-        if owner is None or not self.client.alive(owner) or not self.worth_fetching(n_tokens):
+        if owner is None:
             return None
-        serve = self.server.poll if self.server is not None else None
-        kv = self.client.fetch(owner, item_id, self.header, self.timeout_ms, serve=serve)
+        self.remote_items += 1
+        kv = None
+        if self.client.alive(owner) and self.worth_fetching(n_tokens):
+            serve = self.server.poll if self.server is not None else None
+            t0 = time.perf_counter()
+            kv = self.client.fetch(owner, item_id, self.header, self.timeout_ms, serve=serve)
+            self.fetch_seconds += time.perf_counter() - t0
         if kv is None or kv[0].shape[1] != n_tokens:
             self.recomputed_tokens += n_tokens
             return None
+        self.fetched_items += 1
         self.fetched_tokens += n_tokens
         return kv
 

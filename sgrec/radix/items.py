@@ -138,6 +138,17 @@ class ItemStore:
         """Frees unpinned items, coldest first, until num_tokens are freed; returns tokens freed."""
         return self._evict(num_tokens, colder_than=None)
 
+    def drop_unowned(self) -> int:
+        """Frees the unpinned entries this rank no longer owns (the HRCS placement changed: a server
+        joined or left); returns the tokens freed."""
+        freed = 0
+        for k in [k for k, e in self.entries.items() if not e.pins and not self.owns(k)]:
+            e = self.entries.pop(k)
+            self.allocator.free(e.slots)
+            self.item_tokens -= len(e.slots)
+            freed += len(e.slots)
+        return freed
+
     # ---- start-up -------------------------------------------------------------------------
     def precompute(self, progress: bool = False, items: Sequence[Item] | None = None) -> int:
         """Computes and stores the KV of `items` (default: every owned catalog item) until the budget

@@ -75,18 +75,14 @@ class SchedulerLoop:
         """HRCS across ranks: serve this rank's item KV to the others, and fetch cold items this rank
         does not own from their owner (a dead or slow owner: the item is recomputed)."""
         ex = self.scheduler.rank_executor
-        if ex is None or self.args.dp_size < 2 or not item_addrs:
+        self.item_pool = None
+        if ex is None or not item_addrs or (self.args.dp_size < 2 and not self.args.item_peers):
             return None
-        from sgrec.radix.item_fetch import ItemFetcher, ItemKVClient, ItemKVServer
+        from sgrec.radix.item_peers import ItemPool
 
-        pool = self.runner.kv_pool
-        server = ItemKVServer(ex.store, pool, item_addrs[self.dp_rank], ctx)
-        client = ItemKVClient({r: a for r, a in enumerate(item_addrs) if r != self.dp_rank}, ctx)
-        cfg = self.runner.config
-        per_token = pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.dtype)
-        ex.fetcher = ItemFetcher(self.dp_rank, ex.placement, client, ex.header_ids, bytes_per_token=per_token,
-                                 server=server)
-        return server
+        # --item-peers: the pool spans the servers listed there (re-read at run time, see item_peers.py)
+        self.item_pool = ItemPool(ex, self.runner, ctx, item_addrs, self.dp_rank, self.args.item_peers)
+        return self.item_pool.server
 
     def run(self) -> None:
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
@@ -95,6 +91,8 @@ class SchedulerLoop:
             ready = dict(self.poller.poll(0 if self.scheduler.has_work() else IDLE_POLL_MS))
             if self.item_server is not None and self.item_server.sock in ready:
                 self.item_server.poll(0)
+            if self.item_pool is not None:
+                self.item_pool.refresh()  # servers joined or left the item pool
             if self.recv_sock in ready:
                 self.drain()
             if os.getppid() != self.parent:

@@ -1,0 +1,174 @@
+"""HRCS across servers (BAT §5.2): who shares the item pool, and re-planning when that changes.
+
+One scheduler process (one DP rank) of one server runs an `ItemPool`. The pool's members are the
+item-KV endpoints of every rank of every server, in order; a rank's place in that list is its rank in
+the placement (`sgrec.radix.hrcs`, Algorithm 1 with N = all ranks of all servers). Each rank keeps
+the replicated hot items and its shard of the cold ones, serves them to the others
+(`ItemKVServer`), and fetches a cold item it does not own from its owner or recomputes it
+(`ItemFetcher`; a dead owner: recomputed, never an error).
+
+Membership comes from a peer file (`--item-peers`), JSON:
+
+    {"servers": [{"name": "s0", "url": "http://10.0.0.1:30000",
+                  "item_kv": ["tcp://10.0.0.1:40000", "tcp://10.0.0.1:40001"]},   # one per DP rank
+                 {"name": "s1", "url": "http://10.0.0.2:30000", "item_kv": ["tcp://10.0.0.2:40000"]}]}
+
+Only `item_kv` matters here (`name` and `url` are for people and the launch recipes). The file is
+re-read when it changes (checked every `CHECK_INTERVAL_S`), so servers are admitted and removed at
+run time without a restart: the placement is re-planned over the new list, items this rank no longer
+owns are freed and the ones it now owns are computed. A server whose own endpoint is not in the file
+(or with no file) pools its own DP ranks only. Every server derives the placement from the same
+static inputs (catalog order and popularity), so all agree on the owners; while they re-read the file
+at slightly different moments a fetch may miss, and a miss is recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from sgrec.radix import hrcs
+from sgrec.radix.item_fetch import ItemFetcher, ItemKVClient, ItemKVServer
+
+logger = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 1.0
+
+
+def read_peer_file(path: str) -> list[str]:
+    """The item-KV endpoints of every rank of every server listed in `path`, in order.
+    ValueError on a malformed file."""
+    with open(path) as f:
+        data = json.load(f)
+    servers = data.get("servers") if isinstance(data, dict) else None
+    if not isinstance(servers, list):
+        raise ValueError(f"{path}: expected {{\"servers\": [...]}}")
+    out: list[str] = []
+    for k, srv in enumerate(servers):
+        eps = srv.get("item_kv") if isinstance(srv, dict) else None
+        if not isinstance(eps, list) or not eps or not all(isinstance(e, str) and e for e in eps):
+            raise ValueError(f"{path}: server {k} needs a non-empty list 'item_kv' of endpoints")
+        out += eps
+    if len(set(out)) != len(out):
+        raise ValueError(f"{path}: an item_kv endpoint is listed twice")
+    return out
+
+
+def write_peer_file(path: str, servers: Sequence[dict]) -> None:
+    """Writes the peer file atomically (readers never see half a file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"servers": list(servers)}, f, indent=1)
+    os.replace(tmp, path)
+
+
+class ItemPool:
+    """The item pool as seen by one rank: its server, its fetcher (set on the executor) and the
+    membership; `refresh()` (called from the scheduler loop) applies changes of the peer file."""
+
+    def __init__(self, executor, runner, ctx, local_addrs: Sequence[str], dp_rank: int,
+                 peers_path: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 bandwidth_gbps: float | None = None):
+        from sgrec.rank import executor as rank_executor
+
+        self.ex = executor
+        self.runner = runner
+        self.local_addrs = list(local_addrs)
+        self.addr = self.local_addrs[dp_rank]
+        self.peers_path = peers_path
+        self.clock = clock
+        self.bandwidth_gbps = bandwidth_gbps or rank_executor.DEFAULT_BANDWIDTH_GBPS
+        self.tau_u = rank_executor.DEFAULT_TAU_U
+        self.alpha = rank_executor.DEFAULT_ALPHA
+        cfg = runner.config
+        pool = runner.kv_pool
+        self.bytes_per_token = pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.dtype)
+        self.server = ItemKVServer(executor.store, pool, self.addr, ctx)
+        self.client = ItemKVClient({}, ctx)
+        self.fetcher = ItemFetcher(dp_rank, executor.placement, self.client, executor.header_ids,
+                                   bytes_per_token=self.bytes_per_token, server=self.server)
+        executor.fetcher = self.fetcher
+        self.members: list[str] = []
+        self._prefill_model = None
+        self._stamp: tuple | None = None
+        self._next_check = 0.0
+        self.replans = 0
+        self._filled = False
+        self.apply(self._read() or self.local_addrs)
+
+    # ---- membership -----------------------------------------------------------------------
+    def _read(self) -> list[str] | None:
+        """The listed endpoints if this rank is among them, the local ranks if it is not, None when
+        the file is unchanged or unreadable (the current membership stays)."""
+        if not self.peers_path:
+            return None
+        try:
+            st = os.stat(self.peers_path)
+        except OSError:
+            return None
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp == self._stamp:
+            return None
+        try:
+            members = read_peer_file(self.peers_path)
+        except (OSError, ValueError) as e:
+            logger.warning("item peers: %s; keeping the current members", e)
+            return None
+        self._stamp = stamp
+        return members if self.addr in members else self.local_addrs
+
+    def refresh(self) -> bool:
+        """Re-reads the peer file when due and changed; True when the membership changed."""
+        if not self._filled:  # first call, after the warm-up flushed the store: this rank's share now
+            self._filled = True
+            self.ex.store.precompute()
+        now = self.clock()
+        if now < self._next_check:
+            return False
+        self._next_check = now + CHECK_INTERVAL_S
+        members = self._read()
+        if members is None or members == self.members:
+            return False
+        self.apply(members)
+        return True
+
+    def apply(self, members: Sequence[str]) -> None:
+        """Re-plans the placement over `members` and re-shards this rank's item store."""
+        members = list(members)
+        rank, n = members.index(self.addr), len(members)
+        ex = self.ex
+        if not (members == self.local_addrs and ex.placement is not None and ex.placement.n == n):
+            ex.placement = self._plan(n) if n > 1 else None
+        ex.dp_rank = rank  # the executor's rank in the placement
+        self.fetcher.rank, self.fetcher.placement = rank, ex.placement
+        self.client.set_endpoints({r: a for r, a in enumerate(members) if r != rank})
+        freed = ex.store.drop_unowned()
+        added = ex.store.precompute() if self._filled else 0
+        if self.members:
+            self.replans += 1
+        logger.info("item pool: rank %d of %d; freed %d item tokens, computed %d items", rank, n, freed, added)
+        self.members = members
+
+    def _plan(self, n: int):
+        items = self.ex.catalog.items
+        if self._prefill_model is None:
+            self._prefill_model = hrcs.fit_catalog_prefill(self.runner, items, self.ex.args.max_rank_candidates)
+        placement, rep = hrcs.plan_catalog(items, n, self._prefill_model, self.bytes_per_token,
+                                           self.ex.args.max_rank_candidates, self.tau_u, self.bandwidth_gbps,
+                                           self.alpha)
+        logger.info("HRCS over %d ranks: replication ratio %.3f (%d items)", n, rep.ratio, rep.num_replicated)
+        return placement
+
+    def stats(self) -> dict:
+        f = self.fetcher
+        return {"rank": f.rank, "ranks": len(self.members), "remote_items": f.remote_items,
+                "fetched_items": f.fetched_items, "fetched_tokens": f.fetched_tokens,
+                "recomputed_tokens": f.recomputed_tokens, "fetch_seconds": f.fetch_seconds,
+                "served": self.server.served, "replans": self.replans}
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
