@@ -38,20 +38,26 @@ logger = logging.getLogger(__name__)
 CHECK_INTERVAL_S = 1.0
 
 
-def read_peer_file(path: str) -> list[str]:
-    """The item-KV endpoints of every rank of every server listed in `path`, in order.
-    ValueError on a malformed file."""
+def read_servers(path: str) -> list[dict]:
+    """The server entries of the peer file at `path`; ValueError on a malformed file."""
     with open(path) as f:
         data = json.load(f)
     servers = data.get("servers") if isinstance(data, dict) else None
     if not isinstance(servers, list):
         raise ValueError(f"{path}: expected {{\"servers\": [...]}}")
-    out: list[str] = []
     for k, srv in enumerate(servers):
         eps = srv.get("item_kv") if isinstance(srv, dict) else None
         if not isinstance(eps, list) or not eps or not all(isinstance(e, str) and e for e in eps):
             raise ValueError(f"{path}: server {k} needs a non-empty list 'item_kv' of endpoints")
-        out += eps
+    return servers
+
+
+def read_peer_file(path: str) -> list[str]:
+    """The item-KV endpoints of every rank of every server listed in `path`, in order.
+    ValueError on a malformed file."""
+    out: list[str] = []
+    for srv in read_servers(path):
+        out += srv["item_kv"]
     if len(set(out)) != len(out):
         raise ValueError(f"{path}: an item_kv endpoint is listed twice")
     return out
