@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Iterator
 
@@ -18,6 +19,8 @@ from sgrec.runner import ModelRunner
 from sgrec.scheduler.scheduler import Scheduler
 from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
+
+IDLE_SLEEP_S = 0.005  # longest nap of a caller waiting for a rank / retrieve batch's quota
 
 
 class Engine:
@@ -159,8 +162,9 @@ class Engine:
         finally:
             self._forget(states)
 
-    def _step(self) -> None:
-        """One scheduler step (lock held): routes each progressed request's output to its state."""
+    def _step(self) -> list:
+        """One scheduler step (lock held): routes each progressed request's output to its state;
+        returns the requests that progressed."""
         try:
             reqs = self.scheduler.step()
         except Exception:
@@ -168,6 +172,7 @@ class Engine:
             self._deliver(reqs)
             raise
         self._deliver(reqs)
+        return reqs
 
     def _deliver(self, reqs) -> None:
         for req in reqs:
@@ -178,8 +183,11 @@ class Engine:
     def _run_until(self, done) -> None:
         while not done():
             with self._lock:
-                if not done():
-                    self._step()
+                if done():
+                    return
+                wait = None if self._step() else self.scheduler.idle_wait()
+            if wait:  # only rank / retrieve requests wait, for their batch's quota: sleep, lock released
+                time.sleep(min(wait, IDLE_SLEEP_S))
 
     def _forget(self, states: list[ReqState]) -> None:
         with self._lock:

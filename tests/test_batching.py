@@ -177,8 +177,9 @@ def test_retrieve_round_steps():
     assert seen == ["prefill", "beam", "beam"] and rnd.step == 3
     with pytest.raises(RuntimeError):
         rnd.advance()
+    assert round_phases(0) == ["prefill"]  # one semantic-ID level: selected from the prefill's logits
     with pytest.raises(ValueError):
-        round_phases(0)
+        round_phases(-1)
 
 
 def test_from_server_args():

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from sgrec.beam import KVCacheFullError, RetrieveExecutor, SemanticIdTrie, naive_retrieve
-from sgrec.beam.attention import UnsharedKV, staged_attention
+from sgrec.beam.attention import BeamStepMeta, UnsharedKV, staged_attention
 from sgrec.beam.search import (
     apply_schedule_, inplace_schedule, per_beam_topk, reorder_rows_, select_beams, select_beams_full_sort,
 )
@@ -285,7 +285,8 @@ def test_beam_step_logits_equal_plain_backend(new_tree, runners, arch):
         ex = RetrieveExecutor(runner, new_tree(runner), random_catalog(random.Random(0), 20, 2, V))
         toks = torch.randint(0, V, (n, s), generator=g)
         for step in range(s):  # fill each beam's own tokens, then compare the last step
-            staged = ex._beam_forward(toks[:, step], P + step, prompt, own[:, : step + 1])
+            staged = ex._beam_forward(toks[:, step], torch.full((n,), P + step), own[:, step].contiguous(),
+                                      BeamStepMeta(prompt, own[:, : step + 1]))
         seqs = [SeqLayout(b, 1, torch.cat([prompt, own[b]])) for b in range(n)]
         plain = runner.forward(runner.make_batch(toks[:, -1].tolist(), [P + s - 1] * n, own[:, -1], seqs),
                                list(range(n)))
@@ -444,3 +445,64 @@ def test_pool_too_small_is_a_clear_error(new_tree, tiny_model_dir):
     assert isinstance(KVCacheFullError("x"), RuntimeError)
     assert_balanced(runner, tree)
     assert_same(ex.run(ids, 32, 8, 4), ok)  # still serves after the error
+
+
+# ---- batched rounds (xGR §7: several requests' beams in one forward per level) -------------------
+@pytest.mark.parametrize("arch,chunk", [("llama", 2048), ("qwen3", 24)])
+def test_batched_round_equals_one_by_one(new_tree, tiny_model_dir, arch, chunk):
+    """run_batch over requests with different prompts, widths, top-k, item counts, a cached prefix,
+    a repeated prompt and a bad one == each request run alone (and the naive reference), with every
+    slot and lock back where it was; chunk 24 splits the packed prefill (one prompt is chunked alone)."""
+    runner = ModelRunner(ServerArgs.from_kwargs(model_path=tiny_model_dir(arch), device="cpu", dtype="float32",
+                                                max_total_tokens=POOL, chunked_prefill_size=chunk))
+    V = runner.config.vocab_size
+    rng = random.Random(21)
+    cat = random_catalog(rng, 900, 3, V, codes=40)
+    hist = [rng.randrange(V) for _ in range(50)]
+    reqs = [dict(input_ids=hist[:30], beam_width=16, top_k=16, num_items=8, extra_key="u1"),
+            dict(input_ids=[rng.randrange(V) for _ in range(9)], beam_width=64, top_k=5, num_items=20),
+            dict(input_ids=hist, beam_width=32, top_k=32, num_items=32, extra_key="u1"),  # extends request 0's
+            dict(input_ids=[1, 2, V], beam_width=8, top_k=8, num_items=8),  # bad token id
+            dict(input_ids=hist[:30], beam_width=16, top_k=16, num_items=8, extra_key="u1"),  # == request 0
+            dict(input_ids=[7], beam_width=1, top_k=3, num_items=1)]
+    alone_tree = new_tree(runner)
+    alone_ex = RetrieveExecutor(runner, alone_tree, cat)
+    alone = []
+    for kw in reqs:
+        try:
+            alone.append(alone_ex.run(**kw))
+        except ValueError as e:
+            alone.append(e)
+    alone_tree.reset()
+    tree = new_tree(runner)
+    ex = RetrieveExecutor(runner, tree, cat)
+    ex.run(hist[:20], 8, 8, 4, extra_key="u1")  # a cached prefix for requests 0, 2 and 4
+    batched = ex.run_batch(reqs)
+    for kw, a, b in zip(reqs, alone, batched):
+        if isinstance(a, Exception):
+            assert isinstance(b, ValueError) and str(b) == str(a)
+            continue
+        assert_same(b, a)
+        assert_same(b, naive_retrieve(runner, cat, kw["input_ids"], kw["beam_width"], kw["top_k"], kw["num_items"]))
+    assert batched[0].meta["cached_tokens"] == 20 and batched[2].meta["cached_tokens"] == 20
+    assert tree.total_size() == 50 + 9 + 1  # hist (one path), request 1's prompt, request 5's
+    assert_balanced(runner, tree)
+    tree.reset()
+
+
+def test_batched_round_splits_when_the_pool_is_short(new_tree, tiny_model_dir):
+    """Requests that fit only one at a time run in consecutive rounds; one that never fits gets its
+    KVCacheFullError while the others are served."""
+    runner = make_runner(tiny_model_dir("llama"), pool=200)
+    V = runner.config.vocab_size
+    cat = random_catalog(random.Random(8), 400, 3, V, codes=40)
+    ex = RetrieveExecutor(runner, new_tree(runner, disable=True), cat)
+    a, b = list(range(3, 43)), list(range(50, 90))
+    reqs = [dict(input_ids=a, beam_width=32, top_k=8, num_items=4),  # 40 + 64 slots each: not both at once
+            dict(input_ids=list(range(100, 140)), beam_width=128, top_k=8, num_items=4),  # 40 + 256: never
+            dict(input_ids=b, beam_width=32, top_k=8, num_items=4)]
+    out = ex.run_batch(reqs)
+    assert isinstance(out[1], KVCacheFullError) and "beam_width" in str(out[1])
+    assert_same(out[0], ex.run(a, 32, 8, 4))
+    assert_same(out[2], ex.run(b, 32, 8, 4))
+    assert runner.kv_pool.allocator.available_size() == runner.kv_pool.allocator.size

@@ -77,19 +77,39 @@ class BeamStepMeta:
     unshared_idx: torch.Tensor  # [n, s] each beam's generated-token slots, the new token last
 
 
+@dataclass
+class BeamBatchMeta:
+    """Several requests' beams in one forward (a batched beam step): request g owns rows
+    starts[g] .. starts[g] + n_g of the flat batch and attends to its own prompt and beams."""
+
+    groups: list[BeamStepMeta]
+
+    def rows(self) -> list[tuple[int, int]]:
+        out, a = [], 0
+        for g in self.groups:
+            out.append((a, a + g.unshared_idx.shape[0]))
+            a = out[-1][1]
+        return out
+
+
 class StagedBeamBackend(AttentionBackend):
-    """AttentionBackend for a beam step; the caller sets batch.attn_meta to a BeamStepMeta."""
+    """AttentionBackend for a beam step; the caller sets batch.attn_meta to a BeamStepMeta (one
+    request) or a BeamBatchMeta (several requests: the projections and MLP run on all their beams
+    at once, attention per request)."""
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if not isinstance(batch.attn_meta, BeamStepMeta):
-            raise TypeError("StagedBeamBackend needs batch.attn_meta = BeamStepMeta(...)")
+        if not isinstance(batch.attn_meta, (BeamStepMeta, BeamBatchMeta)):
+            raise TypeError("StagedBeamBackend needs batch.attn_meta = BeamStepMeta(...) or BeamBatchMeta(...)")
 
     def forward(self, q, k, v, layer, batch, scale):
         pool = batch.kv_pool
         pool.set_kv(layer, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv(layer)
-        meta: BeamStepMeta = batch.attn_meta
-        return staged_attention(q, k_buf, v_buf, meta.shared_idx, meta.unshared_idx, scale)
+        meta = batch.attn_meta
+        if isinstance(meta, BeamStepMeta):
+            return staged_attention(q, k_buf, v_buf, meta.shared_idx, meta.unshared_idx, scale)
+        return torch.cat([staged_attention(q[a:b], k_buf, v_buf, g.shared_idx, g.unshared_idx, scale)
+                          for g, (a, b) in zip(meta.groups, meta.rows())])
 
 
 class UnsharedKV:

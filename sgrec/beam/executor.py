@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgrec.beam.attention import BeamStepMeta, StagedBeamBackend, UnsharedKV
+from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, UnsharedKV
 from sgrec.beam.search import BeamBuffers, inplace_schedule, per_beam_topk, select_beams
 from sgrec.beam.trie import SemanticIdTrie, SparseMaskBuffer
 from sgrec.catalog import Catalog
@@ -72,6 +72,28 @@ def _prefill(runner, ids: list[int], kv: torch.Tensor, start: int) -> torch.Tens
     return logits
 
 
+@dataclass
+class _Request:
+    """One retrieve request inside a round: its inputs, the KV it holds and its beams."""
+
+    index: int  # position in run_batch's list
+    ids: list[int]
+    beam_width: int
+    top_k: int
+    num_items: int
+    extra_key: str | None
+    t0: float
+    lock: object = None  # the radix node locked for the prompt
+    cached: int = 0  # prompt tokens the tree held on arrival
+    prompt_kv: torch.Tensor | None = None
+    new_slots: torch.Tensor | None = None  # prompt slots not (yet) owned by the tree
+    unshared: torch.Tensor | None = None
+    kv: UnsharedKV | None = None
+    bufs: BeamBuffers | None = None
+    logits0: torch.Tensor | None = None
+    t1: float = 0.0
+
+
 class RetrieveExecutor:
     def __init__(self, runner, tree, catalog: Catalog, max_beam_width: int | None = None, reorder_chunk: int = 64):
         self.runner = runner
@@ -91,64 +113,175 @@ class RetrieveExecutor:
         self.mask = SparseMaskBuffer(self.vocab_size, self.device)
 
     # ---- public API ---------------------------------------------------------------------
+    def tokens(self, payload: dict) -> int:
+        """A request's size in the scheduler's batch budget: its prompt plus one token per beam and level."""
+        levels = self.trie.depth - 1 if self.trie is not None else 0
+        return len(payload["input_ids"]) + int(payload["beam_width"]) * levels
+
     def run(self, input_ids: list[int], beam_width: int, top_k: int, num_items: int,
             extra_key: str | None = None) -> RetrieveResult:
+        out = self.run_batch([dict(input_ids=input_ids, beam_width=beam_width, top_k=top_k, num_items=num_items,
+                                   extra_key=extra_key)])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def run_batch(self, requests: list[dict]) -> list[RetrieveResult | Exception]:
+        """Runs several requests (each a dict of run()'s arguments) as fixed-step rounds (xGR §7):
+        their prompts in shared prefill forwards, then each beam level for all of them in one
+        forward. Returns, per request, its result or the error it raised (ValueError: bad input;
+        KVCacheFullError: it does not fit in the pool even alone). Requests that fit only after the
+        round's others are done run in a following round."""
+        out: list[RetrieveResult | Exception | None] = [None] * len(requests)
+        pending: list[_Request] = []
+        for i, kw in enumerate(requests):
+            try:
+                pending.append(self._parse(i, **kw))
+            except (TypeError, ValueError) as e:
+                out[i] = e if isinstance(e, ValueError) else ValueError(str(e))
+        while pending:
+            round_, rest = [], []
+            for r in pending:
+                try:
+                    if self._admit(r):
+                        round_.append(r)
+                    elif round_:
+                        rest.append(r)  # fits once this round's KV is released
+                    else:
+                        raise self._full_error(r)
+                except KVCacheFullError as e:
+                    out[r.index] = e
+            try:
+                if round_:
+                    self._round(round_)
+                    for r in round_:
+                        out[r.index] = self._result(r)
+            finally:
+                for r in round_:
+                    self._release(r)
+            pending = rest
+        return out  # type: ignore[return-value]
+
+    # ---- a round ------------------------------------------------------------------------
+    def _parse(self, index: int, input_ids, beam_width, top_k, num_items, extra_key=None) -> _Request:
         t0 = time.perf_counter()
         trie = self._validate(beam_width, top_k, num_items)
         ids = _check_ids(input_ids, self.vocab_size)
-        P, nd = len(ids), trie.depth
-        if P + nd - 1 > self.runner.context_len:
-            raise ValueError(f"prompt of {P} tokens + {nd} semantic-id steps exceeds the context "
+        if len(ids) + trie.depth - 1 > self.runner.context_len:
+            raise ValueError(f"prompt of {len(ids)} tokens + {trie.depth} semantic-id steps exceeds the context "
                              f"length {self.runner.context_len}")
-        rows, cols = min(beam_width, max(trie.max_beams, 1)), nd - 1
-        tree, alloc = self.tree, self.allocator
+        return _Request(index, ids, beam_width, top_k, num_items, extra_key, t0)
 
-        res = tree.match_prefix(ids[: P - 1], extra_key)  # the last token is always computed
-        lock = res.last_node
-        tree.inc_lock_ref(lock)
-        cached = res.indices
-        c = cached.numel()
-        new_slots = unshared = None
-        try:
-            need = (P - c) + rows * cols
-            if not self._ensure_free(need):
-                raise KVCacheFullError(
-                    f"retrieve needs {need} free KV slots ({P - c} prompt + {rows}x{cols} beam tokens) but "
-                    f"only {alloc.available_size()} can be freed (pool {alloc.size}); lower beam_width or "
-                    f"raise --max-total-tokens")
-            new_slots = alloc.alloc(P - c)
-            unshared = alloc.alloc(rows * cols)
-            prompt_kv = torch.cat([cached.to(new_slots.device), new_slots])
-            logits0 = _prefill(self.runner, ids, prompt_kv, c)
-            if not tree.disable:  # hand the prompt to the tree; keep it locked while beams read it
-                prefix = tree.insert(ids, prompt_kv, extra_key)
-                alloc.free(prompt_kv[c:prefix])
-                new_slots = None
-                full = tree.match_prefix(ids, extra_key)
-                tree.inc_lock_ref(full.last_node)
-                tree.dec_lock_ref(lock)
-                lock, prompt_kv = full.last_node, full.indices
-            t1 = time.perf_counter()
-            kv = UnsharedKV(self.pool, unshared.view(rows, cols), self.reorder_chunk)
-            items = self._search(trie, logits0, prompt_kv, kv, beam_width, top_k, num_items)
-        finally:
-            if unshared is not None:
-                alloc.free(unshared)
-            if new_slots is not None:
-                alloc.free(new_slots)
-            tree.dec_lock_ref(lock)
+    def _rows_cols(self, r: _Request) -> tuple[int, int]:
+        return min(r.beam_width, max(self.trie.max_beams, 1)), self.trie.depth - 1
+
+    def _admit(self, r: _Request) -> bool:
+        """Matches the prompt in the tree (locking it) and takes the request's slots; False (holding
+        nothing) when the pool cannot hold it now."""
+        tree, alloc = self.tree, self.allocator
+        P = len(r.ids)
+        res = tree.match_prefix(r.ids[: P - 1], r.extra_key)  # the last token is always computed
+        tree.inc_lock_ref(res.last_node)
+        rows, cols = self._rows_cols(r)
+        c = res.indices.numel()
+        if not self._ensure_free((P - c) + rows * cols):
+            tree.dec_lock_ref(res.last_node)
+            return False
+        r.lock, r.cached = res.last_node, c
+        r.new_slots = alloc.alloc(P - c)
+        r.unshared = alloc.alloc(rows * cols)
+        r.prompt_kv = torch.cat([res.indices.to(r.new_slots.device), r.new_slots])
+        return True
+
+    def _full_error(self, r: _Request) -> KVCacheFullError:
+        rows, cols = self._rows_cols(r)
+        need = len(r.ids) + rows * cols
+        return KVCacheFullError(
+            f"retrieve needs up to {need} free KV slots ({len(r.ids)} prompt + {rows}x{cols} beam tokens) but "
+            f"only {self.allocator.available_size()} can be freed (pool {self.allocator.size}); lower beam_width "
+            f"or raise --max-total-tokens")
+
+    def _release(self, r: _Request) -> None:
+        if r.unshared is not None:
+            self.allocator.free(r.unshared)
+            r.unshared = None
+        if r.new_slots is not None:
+            self.allocator.free(r.new_slots)
+            r.new_slots = None
+        if r.lock is not None:
+            self.tree.dec_lock_ref(r.lock)
+            r.lock = None
+
+    def _round(self, reqs: list[_Request]) -> None:
+        """Prefill + the beam levels of the round's requests (all of one trie, so of one depth)."""
+        from sgrec.scheduler.batching import run_fixed_round
+
+        run_fixed_round(_RoundHooks(self, reqs), self.trie.depth - 1, overlap=True)
+
+    def _prefill_all(self, reqs: list[_Request]) -> None:
+        """Computes every prompt's uncached tokens: requests are packed into shared forwards of at
+        most --chunked-prefill-size tokens; a longer prompt is chunked on its own. Then each prompt
+        goes to the radix tree and stays locked while its beams read it."""
+        chunk = self.runner.args.chunked_prefill_size
+        chunk = 1 << 62 if chunk < 0 else chunk
+        group: list[_Request] = []
+        for r in reqs:
+            n = len(r.ids) - r.cached
+            if n > chunk:
+                r.logits0 = _prefill(self.runner, r.ids, r.prompt_kv, r.cached)
+                continue
+            if group and sum(len(g.ids) - g.cached for g in group) + n > chunk:
+                self._prefill_packed(group)
+                group = []
+            group.append(r)
+        if group:
+            self._prefill_packed(group)
+        for r in reqs:
+            r.t1 = time.perf_counter()
+            if self.tree.disable:
+                continue
+            c = r.cached  # hand the prompt to the tree; keep it locked while beams read it
+            prefix = self.tree.insert(r.ids, r.prompt_kv, r.extra_key)
+            self.allocator.free(r.prompt_kv[c:prefix])
+            r.new_slots = None
+            full = self.tree.match_prefix(r.ids, r.extra_key)
+            self.tree.inc_lock_ref(full.last_node)
+            self.tree.dec_lock_ref(r.lock)
+            r.lock, r.prompt_kv = full.last_node, full.indices
+
+    def _prefill_packed(self, reqs: list[_Request]) -> None:
+        ids, pos, seqs, rows, locs = [], [], [], [], []
+        for r in reqs:
+            a, b = r.cached, len(r.ids)
+            seqs.append(SeqLayout(q_start=len(ids), q_len=b - a, kv_indices=r.prompt_kv))
+            ids += r.ids[a:b]
+            pos += range(a, b)
+            locs.append(r.prompt_kv[a:b])
+            rows.append(len(ids) - 1)
+        logits = self.runner.forward(self.runner.make_batch(ids, pos, torch.cat(locs), seqs), rows)
+        for r, row in zip(reqs, logits):
+            r.logits0 = row[None]
+
+    def _result(self, r: _Request) -> RetrieveResult:
+        rows, cols = self._rows_cols(r)
+        n = r.bufs.n
+        order = torch.sort(r.bufs.scores[:n], descending=True, stable=True).indices  # ties: path order
+        leaf_rows = self.trie.leaf_items(r.bufs.nodes[:n][order]).tolist()
+        paths, scores = r.bufs.tokens[:n][order].tolist(), r.bufs.scores[:n][order].tolist()
+        items = [{"item": self.catalog.items[self._trie_rows[lr]].id, "semantic_id": path, "score": float(s)}
+                 for lr, path, s in zip(leaf_rows, paths, scores)]
         t2 = time.perf_counter()
         meta = {
-            "prompt_tokens": P,
-            "cached_tokens": c,
-            "beam_width": beam_width,
-            "top_k": top_k,
-            "num_steps": nd,
-            "shared_kv_tokens": P,
+            "prompt_tokens": len(r.ids),
+            "cached_tokens": r.cached,
+            "beam_width": r.beam_width,
+            "top_k": r.top_k,
+            "num_steps": self.trie.depth,
+            "shared_kv_tokens": len(r.ids),
             "unshared_kv_tokens": rows * cols,
-            "prefill_s": t1 - t0,
-            "beam_search_s": t2 - t1,
-            "e2e_latency": t2 - t0,
+            "prefill_s": r.t1 - r.t0,
+            "beam_search_s": t2 - r.t1,
+            "e2e_latency": t2 - r.t0,
         }
         return RetrieveResult(items, meta)
 
@@ -167,56 +300,80 @@ class RetrieveExecutor:
             self.tree.evict(short)
         return self.allocator.available_size() >= n
 
-    def _beam_forward(self, tokens: torch.Tensor, position: int, prompt_kv: torch.Tensor,
-                      unshared_idx: torch.Tensor) -> torch.Tensor:
-        """One token per beam at `position`; its K/V goes to unshared_idx[:, -1]. -> logits [n, V]."""
-        n = tokens.numel()
-        batch = ForwardBatch(
-            input_ids=tokens.contiguous(),
-            positions=torch.full((n,), position, dtype=torch.int64, device=self.device),
-            out_cache_loc=unshared_idx[:, -1].contiguous(),
-            seqs=[],
-            kv_pool=self.pool,
-            attn_meta=BeamStepMeta(prompt_kv, unshared_idx),
-        )
+    def _beam_forward(self, tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
+                      meta: BeamStepMeta | BeamBatchMeta) -> torch.Tensor:
+        """One token per beam (of one or several requests) -> logits [n, V]."""
+        batch = ForwardBatch(input_ids=tokens, positions=positions, out_cache_loc=out_loc, seqs=[],
+                             kv_pool=self.pool, attn_meta=meta)
         model = self.runner.model
         return model.compute_logits(model(batch, self.backend))
 
+    def _select(self, r: _Request, step: int, logits: torch.Tensor | None) -> None:
+        """Level `step` of request r: mask, per-beam top-k, global top-BW, in-place reorders."""
+        trie, V = self.trie, self.vocab_size
+        last = step == trie.depth - 1
+        m = min(r.beam_width, r.num_items) if last else r.beam_width
+        if step == 0:
+            parent_scores = torch.zeros(1, device=self.device)
+            parent_nodes = torch.zeros(1, dtype=torch.int64, device=self.device)
+            masked = r.logits0 + trie.first_mask  # dense mask, precomputed at load
+        else:
+            n = r.bufs.n
+            parent_scores, parent_nodes = r.bufs.scores[:n], r.bufs.nodes[:n]
+            masked = self.mask.masked(logits, trie, step, parent_nodes)
+        logp = torch.log_softmax(masked, dim=-1)
+        vals, toks = per_beam_topk(logp, min(r.top_k, trie.max_children[step]))
+        parents, tokens, scores, _ = select_beams(parent_scores[:, None] + vals, toks, m, V)
+        nodes = trie.child_nodes(step, parent_nodes[parents], tokens)
+        schedule = inplace_schedule(parents)[:2] if step > 0 else None  # shared by KV and tokens
+        if schedule is not None and not last:
+            r.kv.reorder_(parents, step, schedule)
+        r.bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk, schedule)
+
+
+class _RoundHooks:
+    """run_fixed_round's hooks for a retrieve round. Phase 0 (prefill) computes the prompts and
+    selects level 0 from their logits; phase s >= 1 forwards every live beam of every request once
+    (level s - 1's tokens) and selects level s. prepare(s) builds what does not depend on level
+    s - 1's selection: the per-request positions and the step's constant buffers; on a CUDA
+    stream it overlaps the previous step's kernels."""
+
+    def __init__(self, ex: RetrieveExecutor, reqs: list[_Request]):
+        self.ex, self.reqs = ex, reqs
+
+    def prepare(self, step: int, phase: str) -> object:
+        if phase == "prefill":
+            return None
+        return [len(r.ids) + step - 1 for r in self.reqs]  # the position of every beam of request r
+
     @torch.inference_mode()
-    def _search(self, trie: SemanticIdTrie, logits0: torch.Tensor, prompt_kv: torch.Tensor, kv: UnsharedKV,
-                beam_width: int, top_k: int, num_items: int) -> list[dict]:
-        nd, V, P = trie.depth, self.vocab_size, prompt_kv.numel()
-        bufs = BeamBuffers.allocate(beam_width, nd, self.device)
-        for step in range(nd):
-            last = step == nd - 1
-            m = min(beam_width, num_items) if last else beam_width
-            if step == 0:
-                parent_scores = torch.zeros(1, device=self.device)
-                parent_nodes = torch.zeros(1, dtype=torch.int64, device=self.device)
-                masked = logits0 + trie.first_mask  # dense mask, precomputed at load
-            else:
-                n = bufs.n
-                parent_scores, parent_nodes = bufs.scores[:n], bufs.nodes[:n]
-                logits = self._beam_forward(bufs.tokens[:n, step - 1], P + step - 1, prompt_kv,
-                                            kv.slots[:n, :step])
-                masked = self.mask.masked(logits, trie, step, parent_nodes)
-            logp = torch.log_softmax(masked, dim=-1)
-            vals, toks = per_beam_topk(logp, min(top_k, trie.max_children[step]))
-            parents, tokens, scores, _ = select_beams(parent_scores[:, None] + vals, toks, m, V)
-            nodes = trie.child_nodes(step, parent_nodes[parents], tokens)
-            schedule = inplace_schedule(parents)[:2] if step > 0 else None  # shared by KV and tokens
-            if schedule is not None and not last:
-                kv.reorder_(parents, step, schedule)
-            bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk, schedule)
-        n = bufs.n
-        order = torch.sort(bufs.scores[:n], descending=True, stable=True).indices  # ties: path order
-        rows = trie.leaf_items(bufs.nodes[:n][order]).tolist()
-        paths, scores = bufs.tokens[:n][order].tolist(), bufs.scores[:n][order].tolist()
-        out = []
-        for r, path, s in zip(rows, paths, scores):
-            item = self.catalog.items[self._trie_rows[r]]
-            out.append({"item": item.id, "semantic_id": path, "score": float(s)})
-        return out
+    def launch(self, step: int, phase: str, prepared: object) -> object:
+        ex = self.ex
+        if phase == "prefill":
+            ex._prefill_all(self.reqs)
+            for r in self.reqs:
+                rows, cols = ex._rows_cols(r)
+                r.kv = UnsharedKV(ex.pool, r.unshared.view(rows, cols), ex.reorder_chunk)
+                r.bufs = BeamBuffers.allocate(r.beam_width, ex.trie.depth, ex.device)
+            return None
+        groups, tokens, positions, locs = [], [], [], []
+        for r, p in zip(self.reqs, prepared):
+            n = r.bufs.n
+            idx = r.kv.slots[:n, :step]
+            groups.append(BeamStepMeta(r.prompt_kv, idx))
+            tokens.append(r.bufs.tokens[:n, step - 1])
+            positions.append(torch.full((n,), p, dtype=torch.int64, device=ex.device))
+            locs.append(idx[:, -1])
+        meta = groups[0] if len(groups) == 1 else BeamBatchMeta(groups)
+        return ex._beam_forward(torch.cat(tokens), torch.cat(positions), torch.cat(locs).contiguous(), meta)
+
+    @torch.inference_mode()
+    def finish(self, step: int, phase: str, handle: object) -> None:
+        a = 0
+        for r in self.reqs:
+            n = r.bufs.n
+            self.ex._select(r, step, None if handle is None else handle[a : a + n])
+            a += n
 
 
 # ---- the reference ------------------------------------------------------------------------------

@@ -137,6 +137,23 @@ class RankExecutor:
             raise ValueError("the instruction must not be empty: its last token scores the candidates")
         return items
 
+    def tokens(self, payload: dict) -> int:
+        """A request's prompt length (its size in the scheduler's batch budget); unknown items count 1."""
+        cat = self.catalog
+        items = sum(len(cat.get(i).token_ids) if isinstance(i, str) and i in cat else 1 for i in payload["item_ids"])
+        return len(payload["user_ids"]) + items + len(payload["instruction_ids"])
+
+    def run_batch(self, payloads: list[dict]) -> list[dict | Exception]:
+        """The requests of a batch in turn (each reads what the earlier ones cached); per request its
+        result or its ValueError / RankCapacityError."""
+        out: list[dict | Exception] = []
+        for p in payloads:
+            try:
+                out.append(self.run(**p))
+            except (TypeError, ValueError, RuntimeError) as e:
+                out.append(ValueError(str(e)) if isinstance(e, TypeError) else e)
+        return out
+
     def run(self, user_key: str, user_ids: list[int], item_ids: list[str], instruction_ids: list[int],
             prefix: str | None = None, top_k: int | None = None) -> dict:
         items = self.validate(user_ids, item_ids, instruction_ids, prefix, top_k)

@@ -20,8 +20,9 @@ scheduler tick and execution-time variance: q = max(0, SLO - 2 * T_exec) / 2, wh
 exponential moving average of the kind's measured batch execution time. Before the first
 measurement T_exec is taken as SLO / 4, so the quota starts at SLO / 4.
 
-Retrieval runs as fixed-step rounds: a dispatched retrieve batch runs one prefill then ND beam
-steps together, and no request joins or leaves mid-round. `run_fixed_round` drives a round through
+Retrieval runs as fixed-step rounds: a dispatched retrieve batch runs one prefill then ND - 1 beam
+forwards together (ND semantic-ID levels; level 0 is selected from the prefill's logits), and no
+request joins or leaves mid-round. `run_fixed_round` drives a round through
 `RoundHooks` so that the host-side preparation of step i + 1 (buffer reuse, pre-allocation, the
 parts of the valid-path mask that do not read step i's output) runs while step i's device work is
 in flight. The clock is always passed in: nothing here reads the time.
@@ -135,6 +136,16 @@ class BatchFormer:
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
+    def remove(self, rid: str) -> BatchItem | None:
+        """Takes a queued request out (an abort); None if it is not queued."""
+        for kind, q in self._queues.items():
+            for it in q:
+                if it.rid == rid:
+                    q.remove(it)
+                    self._tokens[kind] -= it.num_tokens
+                    return it
+        return None
+
     def queued_tokens(self, kind: str) -> int:
         return self._tokens.get(kind, 0)
 
@@ -143,8 +154,13 @@ class BatchFormer:
         q = self._queues.get(kind)
         return q[0].arrival + self.wait_quota.quota(kind) if q else None
 
+    def has_full(self) -> bool:
+        """Some kind has a full batch queued (due now, whatever its quota)."""
+        return any(q and self._take(kind)[1] for kind, q in self._queues.items())
+
     def next_deadline(self) -> float | None:
-        """The earliest quota expiry over all kinds: a scheduler may sleep until then."""
+        """The earliest quota expiry over all kinds: a scheduler may sleep until then (unless
+        `has_full`)."""
         ds = [d for k in self._queues if (d := self.deadline(k)) is not None]
         return min(ds) if ds else None
 
@@ -192,9 +208,11 @@ class BatchFormer:
 
 # ---- retrieval: fixed-step rounds -------------------------------------------------------------
 def round_phases(num_levels: int) -> list[str]:
-    """One prefill then one beam step per semantic-ID level (ND)."""
-    if num_levels < 1:
-        raise ValueError("num_levels must be at least 1")
+    """One prefill then `num_levels` beam forwards. A retrieve round over ND semantic-ID levels has
+    ND - 1 of them: level 0 is chosen from the prefill's logits, and the last level's tokens are
+    never forwarded."""
+    if num_levels < 0:
+        raise ValueError("num_levels must be non-negative")
     return ["prefill"] + ["beam"] * num_levels
 
 

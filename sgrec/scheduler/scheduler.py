@@ -25,7 +25,7 @@ from sgrec.scheduler.policy import (
     jct_uncached_tokens, pick_prefill_only, profile_linear_jct,
 )
 from sgrec.scheduler.req import LogprobSpec, Req
-from sgrec.scheduler.task import Task, run_task
+from sgrec.scheduler.task import Task, TaskKind, TaskQueue, stream_backend
 from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
 
@@ -60,8 +60,7 @@ class Scheduler:
             self.jct = profile_linear_jct(runner, [longest * i // 4 or 2 for i in range(1, 5)]).in_tokens()
             logger.info("JCT model fitted on profiled prefills: %s", self.jct)
         self.clock = time.monotonic
-        self.tasks: list[Task] = []  # rank / retrieve requests, each run to completion in one step
-        self.executors: dict = {}
+        kinds: dict[str, TaskKind] = {}  # rank / retrieve: batched by kind, each batch one work unit
         self.catalog = self.rank_executor = None
         if args.item_catalog:
             from sgrec.rank.executor import RankExecutor
@@ -69,17 +68,18 @@ class Scheduler:
             self.catalog = Catalog.load(args.item_catalog, tokenizer, runner.config.vocab_size)
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
             self.rank_executor.precompute(progress=show_progress)
-            self.executors["rank"] = self.rank_executor.run
+            kinds["rank"] = TaskKind(self.rank_executor.run_batch, self.rank_executor.tokens)
             if self.catalog.semantic_id_len is not None:
                 from sgrec.beam.executor import RetrieveExecutor
 
                 retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width)
 
-                def retrieve(**kw) -> dict:
-                    res = retriever.run(**kw)
-                    return {"items": res.items, "meta_info": res.meta}
+                def retrieve(payloads: list[dict]) -> list:
+                    return [r if isinstance(r, Exception) else {"items": r.items, "meta_info": r.meta}
+                            for r in retriever.run_batch(payloads)]
 
-                self.executors["retrieve"] = retrieve
+                kinds["retrieve"] = TaskKind(retrieve, retriever.tokens)
+        self.tasks = TaskQueue(args, kinds, stream_backend(args, runner.device), clock=lambda: self.clock())
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         self.last_was_prefill = False
 
@@ -104,9 +104,7 @@ class Scheduler:
         return req
 
     def add_task(self, msg: TaskReq) -> Task:
-        task = Task(msg)
-        self.tasks.append(task)
-        return task
+        return self.tasks.add(msg)
 
     def num_queued(self) -> int:
         """Requests not yet started: generate prompts, prefill-only requests and tasks."""
@@ -127,18 +125,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.prefill_only or self.tasks)
 
+    def idle_wait(self) -> float | None:
+        """Seconds until a step has something to run: 0 when it has now, the time left until the
+        next rank / retrieve batch falls due when only those wait, None when there is no work."""
+        if self.waiting or self.running or self.chunked or self.prefill_only:
+            return 0.0
+        due = self.tasks.next_deadline()
+        return None if due is None else max(0.0, due - self.clock())
+
     def step(self) -> list[Req]:
         """Runs one batch; returns the requests that got a new token or finished.
 
         Prefill goes first, but never twice in a row while requests are decoding: a running
         request waits at most one prefill batch (at most chunked_prefill_size tokens) per token."""
         if not (self.last_was_prefill and self.running):
+            due = self.tasks.next_deadline()
+            if due is not None and due <= self.clock():  # a rank / retrieve batch is full or at its quota
+                done = self.tasks.run_due()
+                if done:
+                    self.last_was_prefill = True
+                    return done
             prefill = self._schedule_prefill()
-            if not prefill and self.tasks:
-                self.last_was_prefill = True
-                task = self.tasks.pop(0)
-                run_task(task, self.executors)
-                return [task]
             if not prefill and self.prefill_only:
                 prefill = self._schedule_prefill_only()
             if prefill:
@@ -150,7 +157,8 @@ class Scheduler:
         return []
 
     def _all_reqs(self) -> list[Req]:
-        return [*self.waiting, *self.prefill_only, *self.tasks, *self.running, *([self.chunked] if self.chunked else [])]
+        return [*self.waiting, *self.prefill_only, *self.tasks.tasks(), *self.running,
+                *([self.chunked] if self.chunked else [])]
 
     def abort(self, rid: str, message: str = "Request aborted", status_code: int = 400) -> Req | None:
         """Ends a queued or running request; returns it (to report), or None if unknown."""
@@ -162,8 +170,9 @@ class Scheduler:
                     self.running.remove(req)
                 elif req in self.prefill_only:
                     self.prefill_only.remove(req)
-                elif req in self.tasks:
-                    self.tasks.remove(req)
+                elif isinstance(req, Task):
+                    if self.tasks.remove(rid) is None:
+                        return None  # in flight or already finished: its answer is on its way
                 else:
                     self.waiting.remove(req)
                 self._finish_abort(req, message, status_code)
@@ -174,7 +183,8 @@ class Scheduler:
         reqs = self._all_reqs()
         for req in reqs:
             self._finish_abort(req, message, status_code)
-        self.waiting, self.running, self.chunked, self.prefill_only, self.tasks = [], [], None, [], []
+        self.waiting, self.running, self.chunked, self.prefill_only = [], [], None, []
+        self.tasks.clear()
         return reqs
 
     def flush_cache(self) -> bool:

@@ -1,11 +1,26 @@
-"""Rank and retrieve requests inside the scheduler: queued, then run to completion in one step by
-their executor (they compute one forward per request or a fixed number of beam steps, never decode)."""
+"""Rank and retrieve requests inside the scheduler (issue 9, xGR §7, RecOS §3).
+
+They never decode: a rank request is one forward, a retrieve request one fixed-step round (prefill
+plus one forward per semantic-ID level). `TaskQueue` batches them by kind under a token budget
+(`BatchFormer`: dispatched when full or when the oldest request has waited its quota), and runs
+each dispatched batch as one work unit of the multi-stream executor (`MultiStreamScheduler`: CUDA
+streams on a GPU with --num-streams > 1, else inline on one stream). A batch's unit ends by reading
+its results on the host, so the KV slots it frees are never read by a kernel still in flight.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sgrec.managers.io_struct import ReqOutput, TaskReq, abort_reason
+from sgrec.scheduler.batching import Batch, BatchFormer, batch_former_from_args
+from sgrec.scheduler.streams import MultiStreamScheduler, StreamBackend, UnitCost, WorkUnit, make_backend
+
+NEEDS = {"rank": "an item catalog (--item-catalog)",
+         "retrieve": "an item catalog (--item-catalog) whose items carry semantic_id"}
+EMA_ALPHA = 0.2  # smoothing of a kind's measured batch time (the units' profiled cost)
 
 
 @dataclass
@@ -28,24 +43,127 @@ class Task:
         return ReqOutput(rid=self.rid, new_output_ids=[], finish_reason=self.finish_reason,
                          prompt_tokens=len(self.msg.input_ids), cached_tokens=self.cached_tokens, result=self.result)
 
+    def finish(self, outcome: dict | Exception) -> None:
+        """A result dict, or the error the executor gave: ValueError (bad input) is a 400,
+        RuntimeError (no room in the KV pool) a 503."""
+        if isinstance(outcome, ValueError):
+            self.finish_reason = abort_reason(str(outcome), 400)
+        elif isinstance(outcome, RuntimeError):
+            self.finish_reason = abort_reason(str(outcome), 503)
+        elif isinstance(outcome, Exception):
+            raise outcome
+        else:
+            self.result = outcome
+            self.cached_tokens = int(outcome.get("meta_info", {}).get("cached_tokens", 0))
+            self.finish_reason = {"type": "stop", "matched": None}
 
-def run_task(task: Task, executors: dict) -> None:
-    """Runs the task's executor; bad input (ValueError) is a 400, a full KV pool (RuntimeError) a 503."""
-    executor = executors.get(task.msg.kind)
-    if executor is None:
-        need = {"rank": "an item catalog (--item-catalog)",
-                "retrieve": "an item catalog (--item-catalog) whose items carry semantic_id"}
-        task.finish_reason = abort_reason(f"{task.msg.kind} requests need {need.get(task.msg.kind, 'a known kind')}",
-                                          400)
-        return
-    try:
-        task.result = executor(**task.msg.payload)
-    except ValueError as e:
-        task.finish_reason = abort_reason(str(e), 400)
-        return
-    except RuntimeError as e:
-        task.finish_reason = abort_reason(str(e), 503)
-        return
-    meta = task.result.get("meta_info", {})
-    task.cached_tokens = int(meta.get("cached_tokens", 0))
-    task.finish_reason = {"type": "stop", "matched": None}
+
+@dataclass
+class TaskKind:
+    """How the scheduler runs one kind: `run_batch(payloads)` -> per payload a result dict or the
+    exception it raised; `tokens(payload)`: the request's size in the batch token budget."""
+
+    run_batch: Callable[[list[dict]], list]
+    tokens: Callable[[dict], int]
+
+
+def stream_backend(args, device) -> StreamBackend:
+    """CUDA streams on a GPU when --num-streams > 1, else the inline executor (one stream)."""
+    if str(device).startswith("cuda") and args.num_streams > 1:
+        return make_backend("cuda", args.num_streams)
+    return make_backend("inline")
+
+
+class TaskQueue:
+    def __init__(self, args, kinds: dict[str, TaskKind], backend: StreamBackend,
+                 clock: Callable[[], float] = time.monotonic):
+        self.kinds = kinds
+        self.batcher: BatchFormer = batch_former_from_args(args)
+        self.clock = clock
+        self.backend = backend
+        self.queued: dict[str, Task] = {}  # rid -> task waiting in the batcher
+        self.exec_s: dict[str, float] = {}  # kind -> EMA of its measured batch time
+        self.batches_run = 0
+        self._finished: list[Task] = []  # refused on arrival, reported at the next run
+        self.inflight: list[Task] = []  # in a batch being run (an internal error aborts them)
+
+    def __len__(self) -> int:
+        return len(self.queued) + len(self._finished)
+
+    def tasks(self) -> list[Task]:
+        return [*self.queued.values(), *self._finished, *self.inflight]
+
+    def add(self, msg: TaskReq) -> Task:
+        task = Task(msg)
+        kind = self.kinds.get(msg.kind)
+        if kind is None:
+            task.finish_reason = abort_reason(f"{msg.kind} requests need {NEEDS.get(msg.kind, 'a known kind')}", 400)
+            self._finished.append(task)
+            return task
+        try:
+            n = kind.tokens(msg.payload)
+        except (KeyError, TypeError, ValueError) as e:
+            task.finish(ValueError(f"Invalid {msg.kind} request: {e}"))
+            self._finished.append(task)
+            return task
+        # a request larger than the budget is dispatched alone (a batch of one)
+        self.batcher.add(msg.rid, msg.kind, max(1, min(n, self.batcher.max_batch_tokens)), self.clock())
+        self.queued[msg.rid] = task
+        return task
+
+    def remove(self, rid: str) -> Task | None:
+        task = self.queued.pop(rid, None)
+        if task is not None:
+            self.batcher.remove(rid)
+        return task
+
+    def clear(self) -> list[Task]:
+        out = self.tasks()
+        for rid in list(self.queued):
+            self.batcher.remove(rid)
+        self.queued.clear()
+        self._finished, self.inflight = [], []
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When the next batch falls due: 0 when one is full (or a refused request waits to be
+        reported), else when the oldest request of a kind reaches its quota; None: nothing queued."""
+        return 0.0 if self._finished or self.batcher.has_full() else self.batcher.next_deadline()
+
+    def run_due(self) -> list[Task]:
+        """Runs every batch due now (full, or its oldest request at its quota); returns the tasks
+        that finished."""
+        done, self._finished = self._finished, []
+        batches = self.batcher.poll(self.clock())
+        if not batches:
+            return done
+        units = []
+        for b in batches:
+            tasks = [self.queued.pop(it.rid) for it in b.items]
+            self.inflight += tasks
+            cost = UnitCost(self.exec_s.get(b.kind, 0.0), min(1.0, b.num_tokens / self.batcher.max_batch_tokens))
+            units.append(WorkUnit(f"batch{self.batches_run}", cost, group=b.kind, fn=self._unit(b, tasks)))
+            self.batches_run += 1
+        streams = MultiStreamScheduler(self.backend, policy="sgrec")  # drained here: no state to keep
+        streams.submit(units)
+        streams.run_until_idle()
+        done += self.inflight
+        self.inflight = []
+        return done
+
+    def _unit(self, batch: Batch, tasks: list[Task]) -> Callable[[], None]:
+        def run() -> None:
+            t0 = time.perf_counter()
+            outcomes = self.kinds[batch.kind].run_batch([t.msg.payload for t in tasks])
+            for t, o in zip(tasks, outcomes):
+                if isinstance(o, dict):
+                    o.setdefault("meta_info", {})["batch_size"] = len(tasks)  # requests run together
+                t.finish(o)
+            dt = time.perf_counter() - t0
+            old = self.exec_s.get(batch.kind)
+            self.exec_s[batch.kind] = dt if old is None else (1 - EMA_ALPHA) * old + EMA_ALPHA * dt
+            observe = getattr(self.batcher.wait_quota, "observe", None)
+            if observe is not None:
+                observe(batch.kind, dt)
+
+        return run
