@@ -473,3 +473,59 @@ def test_auto_uncapped_caches_new_users_while_the_pool_has_room(tiny_model_dir):
     assert s.ex.run("b", ids(tau_i + 6, 2), cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "item"
     assert s.ex.meta.is_cached("a", tau_i + 5) and not s.ex.meta.is_cached("b", tau_i + 6)
     s.check_accounting()
+
+
+# ---- batches (issue 9: one forward for several rank requests) -------------------------------------
+@pytest.mark.parametrize("arch,seed", MODELS[:2])
+def test_batch_equals_one_by_one(tiny_model_dir, catalog, arch, seed):
+    """run_batch over requests of every prefix policy, a repeated user, a cached user and a bad
+    request == the same requests run alone from the same cache state (scores <= 1e-5, equal
+    meta), with the accounting balanced after."""
+    rng = random.Random(seed)
+    users = {f"u{k}": ids(rng.randint(4, 40), 10 + k) for k in range(4)}
+    all_ids = [it.id for it in catalog.items]
+    reqs = []
+    for k, prefix in enumerate(["user", "item", "none", "auto", "greedy", "user", "item"]):
+        key = f"u{k % 4}"
+        reqs.append(dict(user_key=key, user_ids=users[key], item_ids=rng.sample(all_ids, rng.randint(1, 8)),
+                         instruction_ids=INSTR, prefix=prefix, top_k=None if k % 3 else 3))
+    reqs.insert(3, dict(user_key="bad", user_ids=[1, 2], item_ids=["i1", "nope"], instruction_ids=INSTR))
+
+    def fresh_setup():
+        s = Setup(tiny_model_dir(arch, seed=seed), catalog, pool=4096, item_cache_tokens=60)
+        s.ex.precompute()
+        s.ex.run("u1", users["u1"], all_ids[:3], INSTR, prefix="user")  # u1's prefix cached before the batch
+        return s
+
+    s = fresh_setup()
+    batched = s.ex.run_batch(reqs)
+    s.check_accounting()
+    for kw, got in zip(reqs, batched):
+        alone_setup = fresh_setup()  # the cache as the batch saw it
+        try:
+            want = alone_setup.ex.run(**kw)
+        except ValueError as e:
+            assert isinstance(got, ValueError) and str(got) == str(e)
+            continue
+        assert got["meta_info"] == want["meta_info"]
+        assert [r["item"] for r in got["ranking"]] == [r["item"] for r in want["ranking"]]
+        assert max(abs(a["score"] - b["score"]) for a, b in zip(got["ranking"], want["ranking"])) <= TOL
+    assert batched[0]["meta_info"]["cached_tokens"] == 0 and batched[1]["meta_info"]["prefix"] == "item"
+    assert batched[2]["meta_info"]["prefix"] == "none"
+    assert batched[6]["meta_info"]["cached_tokens"] == len(users["u1"])  # request 5: u1 from the cache
+
+
+def test_batch_too_big_for_the_pool_runs_one_by_one(tiny_model_dir, catalog):
+    """Requests that do not fit in one forward together run one forward each; one that never fits
+    gets its RankCapacityError, the others their results, and nothing leaks."""
+    s = Setup(tiny_model_dir("llama", seed=0), catalog, pool=64, item_cache_tokens=0)
+    reqs = [dict(user_key=f"u{k}", user_ids=ids(n, k), item_ids=["i1", "i2"], instruction_ids=INSTR, prefix="user")
+            for k, n in enumerate([30, 80, 30])]
+    out = s.ex.run_batch(reqs)
+    assert isinstance(out[1], RankCapacityError)
+    for kw, got in zip(reqs[::2], out[::2]):
+        want = s.ex.run(**kw)
+        assert max(abs(a["score"] - b["score"]) for a, b in zip(got["ranking"], want["ranking"])) <= TOL
+    s.check_accounting()
+    s.tree.reset()
+    assert s.alloc.available_size() == s.alloc.size

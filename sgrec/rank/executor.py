@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +44,37 @@ USER_FREE_RESERVE = 0.25  # uncapped user cache: free share of the pool kept for
 
 class RankCapacityError(RuntimeError):
     """The KV pool cannot hold a rank request even after evicting every unused cache entry."""
+
+
+@dataclass
+class _Forward:
+    """What one rank request computes: its layout, the KV it already has, its candidates' id tokens,
+    and the segments whose fresh KV it keeps (filled in by the forward)."""
+
+    lay: L.RankLayout
+    cached: dict[int, torch.Tensor]
+    id_tokens: list[int]
+    keep: dict[str, torch.Tensor | None] | None = None
+
+    def plan(self) -> tuple[list[int], list[torch.Tensor], list[int], list[tuple[str, int, int]]]:
+        """(cached columns, their slots, fresh rows, (segment name, first fresh index, count) per
+        segment with fresh tokens)."""
+        cached_cols: list[int] = []
+        cached_slots: list[torch.Tensor] = []
+        fresh_rows: list[int] = []
+        owner: list[tuple[str, int, int]] = []
+        for seg in self.lay.segments:
+            s = self.cached.get(seg.start)
+            n_cached = 0 if s is None else len(s)
+            if n_cached:
+                cached_cols += range(seg.start, seg.start + n_cached)
+                cached_slots.append(s)
+            if n_cached < seg.length:
+                name = "user" if seg.kind == "user" else f"item{seg.item}" if seg.kind == "item" else seg.kind
+                owner.append((name, len(fresh_rows), seg.length - n_cached))
+                fresh_rows += range(seg.start + n_cached, seg.stop)
+        assert fresh_rows and fresh_rows[-1] == len(self.lay) - 1, "the last token (instruction) is always computed"
+        return cached_cols, cached_slots, fresh_rows, owner
 
 
 class RankExecutor:
@@ -144,18 +176,62 @@ class RankExecutor:
         return len(payload["user_ids"]) + items + len(payload["instruction_ids"])
 
     def run_batch(self, payloads: list[dict]) -> list[dict | Exception]:
-        """The requests of a batch in turn (each reads what the earlier ones cached); per request its
-        result or its ValueError / RankCapacityError."""
-        out: list[dict | Exception] = []
-        for p in payloads:
+        """Several requests, their uncached tokens in one forward (one sequence each, its own mask);
+        per request its result or its ValueError / RankCapacityError. Each request reads the
+        caches as they were before the batch (a user twice in one batch computes its prefix twice)."""
+        out: list[dict | Exception | None] = [None] * len(payloads)
+        gens, specs = [], []
+        try:
+            for i, p in enumerate(payloads):
+                gen = self._request(**p)
+                try:
+                    specs.append(next(gen))
+                    gens.append((i, gen))
+                except (TypeError, ValueError, RuntimeError) as e:
+                    out[i] = ValueError(str(e)) if isinstance(e, TypeError) else e
+            if not gens:
+                return out  # type: ignore[return-value]
             try:
-                out.append(self.run(**p))
-            except (TypeError, ValueError, RuntimeError) as e:
-                out.append(ValueError(str(e)) if isinstance(e, TypeError) else e)
-        return out
+                scores = self._forward_many(specs)
+            except RankCapacityError as e:
+                if len(specs) == 1:
+                    out[gens[0][0]] = e
+                    return out  # type: ignore[return-value]
+                for (i, gen), sp in zip(gens, specs):  # not all at once: one forward each, finished at once
+                    try:
+                        self._finish(i, gen, self._forward_many([sp])[0], out)
+                    except RankCapacityError as e1:
+                        out[i] = e1
+                return out  # type: ignore[return-value]
+            for (i, gen), sc in zip(gens, scores):
+                self._finish(i, gen, sc, out)
+        finally:
+            for _, gen in gens:
+                gen.close()  # a request that did not finish releases its locks and slots
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _finish(i: int, gen, scores: torch.Tensor, out: list) -> None:
+        """Hands a request its scores; out[i] becomes its response (or its RankCapacityError)."""
+        try:
+            gen.send(scores)
+        except StopIteration as stop:
+            out[i] = stop.value
+        except RankCapacityError as e:
+            out[i] = e
 
     def run(self, user_key: str, user_ids: list[int], item_ids: list[str], instruction_ids: list[int],
             prefix: str | None = None, top_k: int | None = None) -> dict:
+        out = self.run_batch([dict(user_key=user_key, user_ids=user_ids, item_ids=item_ids,
+                                   instruction_ids=instruction_ids, prefix=prefix, top_k=top_k)])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def _request(self, user_key: str, user_ids: list[int], item_ids: list[str], instruction_ids: list[int],
+                 prefix: str | None = None, top_k: int | None = None):
+        """A request as a generator: yields its forward (a _Forward) once, receives the candidates'
+        scores, returns the response. Closing it early releases everything it holds."""
         items = self.validate(user_ids, item_ids, instruction_ids, prefix, top_k)
         policy = prefix or self.args.rank_prefix_policy
         tau_u = len(user_ids)
@@ -184,11 +260,12 @@ class RankExecutor:
         id_tokens = [it.id_token for it in items]
         fetched = 0
         if choice == L.USER_PREFIX:
-            scores, cached = self._run_user_prefix(lay, id_tokens, user_key, user_ids, by_freq=policy == "auto")
+            scores, cached = yield from self._run_user_prefix(lay, id_tokens, user_key, user_ids,
+                                                              by_freq=policy == "auto")
         elif choice == L.ITEM_PREFIX:
-            scores, cached, fetched = self._run_item_prefix(lay, id_tokens, item_ids)
+            scores, cached, fetched = yield from self._run_item_prefix(lay, id_tokens, item_ids)
         else:
-            scores, cached = self._forward(lay, {}, id_tokens), 0
+            scores, cached = (yield _Forward(lay, {}, id_tokens)), 0
         vals = scores.tolist()
         order = sorted(range(len(items)), key=lambda j: (-vals[j], j))
         if top_k is not None:
@@ -202,7 +279,7 @@ class RankExecutor:
     def score_layout(self, lay: L.RankLayout, item_ids: Sequence[str]) -> torch.Tensor:
         """Scores (in candidate order) of a layout computed from scratch, no cache read or write:
         the reference path. `item_ids` are the candidates the layout was built from."""
-        return self._forward(lay, {}, [it.id_token for it in self.catalog.lookup(item_ids)])
+        return self._forward_many([_Forward(lay, {}, [it.id_token for it in self.catalog.lookup(item_ids)])])[0]
 
     # ---- the two cached paths -------------------------------------------------------------
     def _user_fits(self, tau_u: int, prompt_tokens: int) -> bool:
@@ -258,17 +335,19 @@ class RankExecutor:
         return freed
 
     def _run_user_prefix(self, lay: L.RankLayout, id_tokens: list[int], user_key: str, user_ids: list[int],
-                         by_freq: bool = False) -> tuple[torch.Tensor, int]:
+                         by_freq: bool = False):
+        """Generator (see _request): the user's cached prefix is read, the fresh part of it cached."""
         tree, seg = self.tree, lay.segment("user")
         if seg is None or tree.disable:
-            return self._forward(lay, {}, id_tokens), 0
+            return (yield _Forward(lay, {}, id_tokens)), 0
         res = tree.match_prefix(user_ids, self.user_extra_key)
         tree.inc_lock_ref(res.last_node)
         m = res.indices.numel()
+        fresh: dict[str, torch.Tensor | None] = {"user": None}
         try:
-            fresh: dict[str, torch.Tensor | None] = {"user": None}
-            scores = self._forward(lay, {seg.start: res.indices} if m else {}, id_tokens, keep=fresh)
+            scores = yield _Forward(lay, {seg.start: res.indices} if m else {}, id_tokens, fresh)
             value = res.indices if fresh["user"] is None else torch.cat([res.indices, fresh["user"]])
+            fresh["user"] = None  # owned by `value` now
             try:
                 done = tree.insert(user_ids, value, self.user_extra_key)
             except BaseException:
@@ -278,18 +357,21 @@ class RankExecutor:
             after = tree.match_prefix(user_ids, self.user_extra_key)
             self.meta.set_cached(user_key, after.last_node, after.indices.numel(), user_ids)
         finally:
+            if fresh["user"] is not None:  # closed after its forward: nobody takes the fresh KV
+                self.allocator.free(fresh["user"])
             tree.dec_lock_ref(res.last_node)
         self._trim_users(user_key, by_freq)
         return scores, m
 
-    def _run_item_prefix(self, lay: L.RankLayout, id_tokens: list[int], item_ids: Sequence[str]) -> tuple[torch.Tensor, int, int]:
-        """Returns (scores, cached tokens, of which fetched from another rank)."""
+    def _run_item_prefix(self, lay: L.RankLayout, id_tokens: list[int], item_ids: Sequence[str]):
+        """Generator (see _request) returning (scores, cached tokens, of which fetched from another rank)."""
         store = self.store
         if store.header_slots is None:
             self._make_room(len(self.header_ids))
         header = store.ensure_header()
         slots = store.acquire(item_ids)
         borrowed: list[torch.Tensor] = []  # fetched item KV: used by this request only, then freed
+        fresh: dict[str, torch.Tensor | None] = {}
         try:
             if self.fetcher is not None:
                 self._fetch_remote(lay, item_ids, slots, borrowed)
@@ -300,14 +382,16 @@ class RankExecutor:
             for seg, s in zip(lay.items(), slots):
                 if s is not None:
                     cached[seg.start] = s
-            fresh: dict[str, torch.Tensor | None] = {f"item{seg.item}": None
-                                                     for seg, s in zip(lay.items(), slots) if s is None}
-            scores = self._forward(lay, cached, id_tokens, keep=fresh)
+            fresh.update({f"item{seg.item}": None for seg, s in zip(lay.items(), slots) if s is None})
+            scores = yield _Forward(lay, cached, id_tokens, fresh)
             for seg, item_id in zip(lay.items(), item_ids):
-                kv = fresh.get(f"item{seg.item}")
+                kv = fresh.pop(f"item{seg.item}", None)
                 if kv is not None and not store.admit(item_id, kv):
                     self.allocator.free(kv)
         finally:
+            left = [kv for kv in fresh.values() if kv is not None]  # closed after its forward
+            if left:
+                self.allocator.free(torch.cat(left))
             store.release(item_ids)
             if borrowed:
                 self.allocator.free(torch.cat(borrowed))
@@ -328,51 +412,50 @@ class RankExecutor:
             borrowed.append(got)
             slots[j] = got
 
-    # ---- the one forward ------------------------------------------------------------------
-    def _forward(self, lay: L.RankLayout, cached: dict[int, torch.Tensor], id_tokens: list[int],
-                 keep: dict[str, torch.Tensor | None] | None = None) -> torch.Tensor:
-        """Computes every layout token not in `cached` (segment start -> slots of that segment's
-        first len(slots) tokens) against the KV of all tokens, and returns the softmax over the
-        candidates' `id_tokens` logits at the last token.
-        `keep` names segments ("user", "item<j>") whose fresh slots are handed to the caller (as
-        the values of those keys) instead of being freed; a name with nothing fresh keeps None."""
-        cached_cols: list[int] = []
-        cached_slots: list[torch.Tensor] = []
-        fresh_rows: list[int] = []
-        owner: list[tuple[str, int, int]] = []  # (name, first fresh index, count) per segment
-        for seg in lay.segments:
-            s = cached.get(seg.start)
-            n_cached = 0 if s is None else len(s)
-            if n_cached:
-                cached_cols += range(seg.start, seg.start + n_cached)
-                cached_slots.append(s)
-            if n_cached < seg.length:
-                name = "user" if seg.kind == "user" else f"item{seg.item}" if seg.kind == "item" else seg.kind
-                owner.append((name, len(fresh_rows), seg.length - n_cached))
-                fresh_rows += range(seg.start + n_cached, seg.stop)
-        n = len(fresh_rows)
-        assert n and fresh_rows[-1] == len(lay) - 1, "the last token (instruction) is always computed"
-        self._make_room(n)
-        slots = self.allocator.alloc(n)
-        kept: set[str] = set()
+    # ---- the forward ----------------------------------------------------------------------
+    def _forward_many(self, specs: list["_Forward"]) -> list[torch.Tensor]:
+        """One forward over several layouts (one sequence each): every token of a layout not in its
+        `cached` (segment start -> slots of that segment's first len(slots) tokens) is computed
+        against the KV of all its layout's tokens, under the layout's mask; returns per layout the
+        softmax over its candidates' `id_tokens` logits at its last token.
+        A spec's `keep` names segments ("user", "item<j>") whose fresh slots are handed to the
+        caller (as the values of those keys) instead of being freed; a name with nothing fresh keeps None."""
+        plans = [spec.plan() for spec in specs]
+        total = sum(len(fresh_rows) for _, _, fresh_rows, _ in plans)
+        self._make_room(total)
+        slots = self.allocator.alloc(total)
+        kept: list[set[str]] = [set() for _ in specs]
         try:
-            kv = torch.cat([*cached_slots, slots])
-            mask = lay.mask(fresh_rows, cached_cols + fresh_rows)
-            seq = SeqLayout(0, n, kv, mask)
-            ids = [lay.token_ids[r] for r in fresh_rows]
-            pos = [lay.positions[r] for r in fresh_rows]
-            logits = self.runner.forward(self.runner.make_batch(ids, pos, slots, [seq]), [n - 1])[0]
-            scores = torch.softmax(logits[torch.tensor(id_tokens, device=logits.device)], dim=0).cpu()
-            if keep is not None:
-                for name, start, count in owner:
-                    if name in keep:
-                        keep[name] = slots[start : start + count]
-                        kept.add(name)
+            ids, pos, seqs, rows, off = [], [], [], [], 0
+            for spec, (cached_cols, cached_slots, fresh_rows, _) in zip(specs, plans):
+                n, lay = len(fresh_rows), spec.lay
+                own = slots[off : off + n]
+                kv = torch.cat([*cached_slots, own])
+                seqs.append(SeqLayout(off, n, kv, lay.mask(fresh_rows, cached_cols + fresh_rows)))
+                ids += [lay.token_ids[r] for r in fresh_rows]
+                pos += [lay.positions[r] for r in fresh_rows]
+                off += n
+                rows.append(off - 1)
+            logits = self.runner.forward(self.runner.make_batch(ids, pos, slots, seqs), rows)
+            out, off = [], 0
+            for b, (spec, (_, _, fresh_rows, owner)) in enumerate(zip(specs, plans)):
+                ids_t = torch.tensor(spec.id_tokens, device=logits.device)
+                out.append(torch.softmax(logits[b][ids_t], dim=0).cpu())
+                if spec.keep is not None:
+                    for name, start, count in owner:
+                        if name in spec.keep:
+                            spec.keep[name] = slots[off + start : off + start + count]
+                            kept[b].add(name)
+                off += len(fresh_rows)
         finally:
-            free = [slots[start : start + count] for name, start, count in owner if name not in kept]
+            free, off = [], 0
+            for b, (_, _, fresh_rows, owner) in enumerate(plans):
+                free += [slots[off + start : off + start + count] for name, start, count in owner
+                         if name not in kept[b]]
+                off += len(fresh_rows)
             if free:
                 self.allocator.free(torch.cat(free))
-        return scores
+        return out
 
     def _make_room(self, n: int) -> None:
         short = n - self.allocator.available_size()
