@@ -11,18 +11,19 @@ k-th request is of kind (i + k) mod 3 over rank, score, retrieve, so every level
 1. Profile: each kind is timed --profile-reps times on a real in-process `sgrec.Engine` (a tiny
    random llama, a 27-item catalog with 3-level semantic IDs) after a warm-up; the median is the
    kind's cost.
-2. Measured inline: the clients are threads calling the same Engine (today's single-stream
-   in-process path: one request runs at a time).
+2. Measured: the clients are threads calling an Engine, twice: `one` (--max-batch-tokens 1: every
+   rank / retrieve request runs alone, as before batching) and `batched` (the scheduler's batch
+   formation: --max-batch-tokens 16384, --batch-wait-ms as given). Both run inline on one stream
+   (CPU). Score requests are batched by the prefill-only scheduler in both.
 3. Simulated: the same closed loop on `SimStreams` (virtual clock), each request one work unit with
    the profiled cost of its kind, under `single` (one stream, FIFO) and `sgrec` (--num-streams
    streams, DepValue order, RecOS stream selection). The occupancy of a unit cannot be measured on
    a CPU; --occupancy (default 0.25, RecOS Figure 3's "a quarter of the device") is an assumption,
-   and the multi-stream gain is bounded by min(num_streams, 1 / occupancy). On a GPU the executor
-   would run on CUDA streams (not wired into the scheduler yet, see README "Concurrent execution").
+   and the multi-stream gain is bounded by min(num_streams, 1 / occupancy). On a GPU the scheduler
+   runs batches on CUDA streams (--num-streams); not measured here (no GPU).
 
-Prints per level and kind: mean and P99 latency (ms) of the measured inline run, the simulated
-single-stream and multi-stream runs, and the ratios sim-single / measured (how well the cost model
-reproduces the real single-stream run) and single / multi (the simulated multi-stream gain).
+Prints per level and kind: mean and P99 latency (ms) of the measured one-at-a-time and batched runs
+and their ratio, the simulated single-stream and multi-stream runs and their ratio.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def main() -> None:
     ap.add_argument("--num-streams", type=int, default=4)
     ap.add_argument("--occupancy", type=float, default=0.25, help="assumed device share of one request")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--batch-wait-ms", type=float, default=2.0, help="wait quota of the batched engine")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -171,40 +173,45 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench_concurrency_")
     model = make_tiny_model(os.path.join(tmp, "model"), arch="llama")
     catalog = write_catalog(os.path.join(tmp, "catalog.jsonl"))
-    engine = Engine(model, device="cpu", dtype="float32", max_total_tokens=16384, item_catalog=catalog)
-    traffic = Traffic(engine, args.history, args.candidates, args.beam_width)
-    costs = profile(traffic, args.profile_reps)
+    common = dict(device="cpu", dtype="float32", max_total_tokens=16384, item_catalog=catalog)
+    engines = {"one": Engine(model, max_batch_tokens=1, **common),
+               "batched": Engine(model, batch_wait_ms=args.batch_wait_ms, **common)}
+    traffic = {name: Traffic(e, args.history, args.candidates, args.beam_width) for name, e in engines.items()}
+    costs = profile(traffic["one"], args.profile_reps)
     print(f"profiled cost per request (median of {args.profile_reps}): "
           + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.items()))
-    print(f"simulated: occupancy {args.occupancy} per request (assumed), multi-stream = sgrec policy on "
-          f"{args.num_streams} streams")
+    print(f"batched: --batch-wait-ms {args.batch_wait_ms}; simulated: occupancy {args.occupancy} per request "
+          f"(assumed), multi-stream = sgrec policy on {args.num_streams} streams")
+    profile(traffic["batched"], 2)  # warm-up
 
     levels = [int(x) for x in args.concurrency.split(",")]
     rows = []
-    header = ("| clients | kind | n | measured inline mean / P99 ms | sim single mean / P99 ms | "
-              "sim multi mean / P99 ms | sim single / measured (mean) | single / multi (mean) | single / multi (P99) |")
+    header = ("| clients | kind | n | one-at-a-time mean / P99 ms | batched mean / P99 ms | one / batched (mean) | "
+              "one / batched (P99) | sim single mean / P99 ms | sim multi mean / P99 ms | sim single / multi (mean) |")
     print(header)
-    print("|" + "---|" * 9)
+    print("|" + "---|" * 10)
     for c in levels:
-        meas = measured_closed_loop(traffic, c, args.requests_per_client)
+        one = measured_closed_loop(traffic["one"], c, args.requests_per_client)
+        bat = measured_closed_loop(traffic["batched"], c, args.requests_per_client)
         single = simulated_closed_loop(costs, c, args.requests_per_client, "single", 1, args.occupancy)
         multi = simulated_closed_loop(costs, c, args.requests_per_client, "sgrec", args.num_streams, args.occupancy)
         for kind in KINDS + ("all",):
             pick = (lambda d: [x for k in KINDS for x in d[k]]) if kind == "all" else (lambda d, kind=kind: d[kind])
-            m, s, u = pick(meas), pick(single), pick(multi)
+            m, b, s, u = pick(one), pick(bat), pick(single), pick(multi)
             if not m:  # too few requests per client for every kind at this level
                 continue
             row = {"clients": c, "kind": kind, "n": len(m),
-                   "measured_mean_ms": statistics.mean(m) * 1e3, "measured_p99_ms": p99(m) * 1e3,
+                   "one_mean_ms": statistics.mean(m) * 1e3, "one_p99_ms": p99(m) * 1e3,
+                   "batched_mean_ms": statistics.mean(b) * 1e3, "batched_p99_ms": p99(b) * 1e3,
                    "sim_single_mean_ms": statistics.mean(s) * 1e3, "sim_single_p99_ms": p99(s) * 1e3,
                    "sim_multi_mean_ms": statistics.mean(u) * 1e3, "sim_multi_p99_ms": p99(u) * 1e3}
             rows.append(row)
-            print(f"| {c} | {kind} | {len(m)} | {row['measured_mean_ms']:.1f} / {row['measured_p99_ms']:.1f} | "
+            print(f"| {c} | {kind} | {len(m)} | {row['one_mean_ms']:.1f} / {row['one_p99_ms']:.1f} | "
+                  f"{row['batched_mean_ms']:.1f} / {row['batched_p99_ms']:.1f} | "
+                  f"{row['one_mean_ms'] / row['batched_mean_ms']:.2f}x | {row['one_p99_ms'] / row['batched_p99_ms']:.2f}x | "
                   f"{row['sim_single_mean_ms']:.1f} / {row['sim_single_p99_ms']:.1f} | "
                   f"{row['sim_multi_mean_ms']:.1f} / {row['sim_multi_p99_ms']:.1f} | "
-                  f"{row['sim_single_mean_ms'] / row['measured_mean_ms']:.2f} | "
-                  f"{row['sim_single_mean_ms'] / row['sim_multi_mean_ms']:.2f}x | "
-                  f"{row['sim_single_p99_ms'] / row['sim_multi_p99_ms']:.2f}x |", flush=True)
+                  f"{row['sim_single_mean_ms'] / row['sim_multi_mean_ms']:.2f}x |", flush=True)
     print("rerun: python benchmarks/bench_concurrency.py " + " ".join(sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:

@@ -71,8 +71,8 @@ class ServerArgs:
     max_rank_candidates: int = _arg(1000, "Most candidate items in one rank request.")
     max_beam_width: int = _arg(512, "Largest beam_width of a retrieve request.")
     max_batch_tokens: int = _arg(
-        16384, "Concurrent execution (xGR): token capacity of one batch of same-kind requests (rank, score, "
-        "retrieve); a batch is dispatched once the next request would not fit.")
+        16384, "Concurrent execution (xGR): token capacity of one batch of rank or retrieve requests; a batch "
+        "is dispatched once the next request would not fit (1: every request runs alone).")
     batch_wait_ms: float | None = _arg(
         None, "Longest wait of a batch's oldest request before the batch is dispatched unfilled (default: "
         "derived per kind from --slo-ms as (SLO - 2 x measured batch time) / 2, else 2 ms).")
@@ -82,7 +82,8 @@ class ServerArgs:
         64.0, "Per-stream tensor pool of the multi-stream executor: once a stream's pool holds more than "
         "this many MB, tensors whose recorded event has completed are released.")
     num_streams: int = _arg(
-        4, "Streams of the multi-stream executor (CUDA streams; on CPU the inline executor uses one).")
+        4, "Streams of the multi-stream executor running rank / retrieve batches (CUDA streams when > 1 on a "
+        "GPU; on CPU the inline executor uses one).")
     max_request_bytes: int = _arg(16 << 20, "Largest HTTP request body in bytes; larger ones get a 413.")
     max_batch_size: int = _arg(
         1024, "Most prompts in one batch /generate request, and most items in one score request (more: 400).")
