@@ -62,21 +62,39 @@ def write_catalog(path: str, n: int = 27, seed: int = 1) -> str:
 
 
 class Traffic:
-    """Request k of client i: kind (i + k) % 3, a user history of --history tokens."""
+    """Request k of client i: kind (i + k) % 3, a user history of --history tokens; sent to an
+    in-process Engine, or (url given) to a server's /v1/rank, /v1/score and /v1/retrieve."""
 
-    def __init__(self, engine, history: int, candidates: int, beam_width: int, seed: int = 0):
+    def __init__(self, engine, history: int, candidates: int, beam_width: int, seed: int = 0, url: str | None = None):
         self.engine, self.history, self.candidates, self.beam_width = engine, history, candidates, beam_width
-        self.seed = seed
+        self.seed, self.url = seed, url
+        self.local = threading.local()
+
+    def _post(self, route: str, body: dict) -> dict:
+        import httpx
+
+        if not hasattr(self.local, "client"):
+            self.local.client = httpx.Client(base_url=self.url, timeout=600)
+        r = self.local.client.post(route, json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"{route}: {r.status_code} {r.text[:300]}")
+        return r.json()
 
     def call(self, kind: str, client: int, k: int):
         rng = random.Random(self.seed * 1_000_003 + client * 1009 + k)
         user = {"id": f"u{client}", "token_ids": [rng.randrange(3, 500) for _ in range(self.history)]}
         if kind == "rank":
             items = [f"i{j}" for j in rng.sample(range(27), self.candidates)]
+            if self.url:
+                return self._post("/v1/rank", {"user": user, "items": items})
             return self.engine.rank(user, items)
         if kind == "score":
             items = [[rng.randrange(3, 500) for _ in range(3)] for _ in range(self.candidates)]
+            if self.url:
+                return self._post("/v1/score", {"query": user["token_ids"], "items": items, "label_token_ids": [5, 6, 7]})
             return self.engine.score(query=user["token_ids"], items=items, label_token_ids=[5, 6, 7])
+        if self.url:
+            return self._post("/v1/retrieve", {"user": user, "beam_width": self.beam_width, "num_items": 5})
         return self.engine.retrieve(user, beam_width=self.beam_width, num_items=5)
 
 
@@ -161,6 +179,10 @@ def main() -> None:
     ap.add_argument("--occupancy", type=float, default=0.25, help="assumed device share of one request")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--batch-wait-ms", type=float, default=2.0, help="wait quota of the batched engine")
+    ap.add_argument("--target", choices=("server", "engine"), default="server",
+                    help="server: a real server process per configuration, clients over HTTP (loopback); "
+                         "engine: in-process Engines called from threads (their lock serialises arrivals, so "
+                         "batches rarely form)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -173,26 +195,47 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench_concurrency_")
     model = make_tiny_model(os.path.join(tmp, "model"), arch="llama")
     catalog = write_catalog(os.path.join(tmp, "catalog.jsonl"))
-    common = dict(device="cpu", dtype="float32", max_total_tokens=16384, item_catalog=catalog)
-    engines = {"one": Engine(model, max_batch_tokens=1, **common),
-               "batched": Engine(model, batch_wait_ms=args.batch_wait_ms, **common)}
-    traffic = {name: Traffic(e, args.history, args.candidates, args.beam_width) for name, e in engines.items()}
+    configs = {"one": {"max_batch_tokens": 1}, "batched": {"batch_wait_ms": args.batch_wait_ms}}
+    common = {"max_total_tokens": 16384, "item_catalog": catalog}
+    servers: dict = {}
+    traffic = {}
+    if args.target == "engine":
+        for name, kw in configs.items():
+            e = Engine(model, device="cpu", dtype="float32", **common, **kw)
+            traffic[name] = Traffic(e, args.history, args.candidates, args.beam_width)
+    else:
+        from sgrec.tools.local_server import LocalServer
+
+        def start(name: str) -> Traffic:  # one server at a time: the other does not share the cores
+            flags = ["--model-path", model, "--dtype", "float32", "--device", "cpu"]
+            for k, v in {**common, **configs[name]}.items():
+                flags += [f"--{k.replace('_', '-')}", str(v)]
+            servers[name] = LocalServer(flags, log_path=os.path.join(tmp, f"{name}.log"))
+            return Traffic(None, args.history, args.candidates, args.beam_width, url=servers[name].url)
+
+        traffic["one"] = start("one")
     costs = profile(traffic["one"], args.profile_reps)
-    print(f"profiled cost per request (median of {args.profile_reps}): "
+    print(f"profiled cost per request ({args.target}, median of {args.profile_reps}): "
           + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.items()))
     print(f"batched: --batch-wait-ms {args.batch_wait_ms}; simulated: occupancy {args.occupancy} per request "
           f"(assumed), multi-stream = sgrec policy on {args.num_streams} streams")
-    profile(traffic["batched"], 2)  # warm-up
-
     levels = [int(x) for x in args.concurrency.split(",")]
+    measured: dict[str, dict[int, dict]] = {}
+    for name in configs:
+        if args.target == "server" and name not in traffic:
+            traffic[name] = start(name)
+        profile(traffic[name], 2)  # warm-up
+        measured[name] = {c: measured_closed_loop(traffic[name], c, args.requests_per_client) for c in levels}
+        if name in servers:
+            servers.pop(name).stop()
+
     rows = []
     header = ("| clients | kind | n | one-at-a-time mean / P99 ms | batched mean / P99 ms | one / batched (mean) | "
               "one / batched (P99) | sim single mean / P99 ms | sim multi mean / P99 ms | sim single / multi (mean) |")
     print(header)
     print("|" + "---|" * 10)
     for c in levels:
-        one = measured_closed_loop(traffic["one"], c, args.requests_per_client)
-        bat = measured_closed_loop(traffic["batched"], c, args.requests_per_client)
+        one, bat = measured["one"][c], measured["batched"][c]
         single = simulated_closed_loop(costs, c, args.requests_per_client, "single", 1, args.occupancy)
         multi = simulated_closed_loop(costs, c, args.requests_per_client, "sgrec", args.num_streams, args.occupancy)
         for kind in KINDS + ("all",):
