@@ -73,6 +73,7 @@ class LocalCluster:
         self.server_flags = list(server_flags)
         self.dp_size = dp_size
         self.workdir = workdir or tempfile.mkdtemp(prefix="sgrec-cluster-")
+        os.makedirs(self.workdir, exist_ok=True)
         self.peers_path = os.path.join(self.workdir, "peers.json")
         self.servers: list[Server] = []
         self.front: Front | None = None

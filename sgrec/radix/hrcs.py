@@ -197,13 +197,18 @@ def catalog_freqs(items) -> list[float]:
     return [float(it.meta.get("popularity", 0)) + 1.0 for it in items]
 
 
-def fit_catalog_prefill(runner, items, max_candidates: int) -> PrefillTimeModel:
-    """Prefill-time model of this runner over the shapes a rank request of the catalog has."""
+def fit_catalog_prefill(runner, items, max_candidates: int) -> Callable[[float, float], float]:
+    """Prefill-time model of this runner over the shapes a rank request of the catalog has. Timing
+    noise can bend the quadratic fit below zero outside the measured shapes (t = 0 would replicate
+    every item), so predictions are floored at the longest measured prefill: the shapes asked for
+    (tau_u user tokens over c * tau_i) are at least as long."""
     tau_i = sum(len(it.token_ids) for it in items) / len(items)
     c = min(100, max_candidates, len(items))
     prefix = round(c * tau_i)
     shapes = [(s, p) for s in (32, 128, 512) for p in (0, prefix // 2, prefix)]
-    return PrefillTimeModel.fit(measure_prefill(runner, shapes, repeats=1))
+    samples = measure_prefill(runner, shapes, repeats=1)
+    model, floor = PrefillTimeModel.fit(samples), max(t for _, _, t in samples)
+    return lambda suffix, prefix_: max(model(suffix, prefix_), floor)
 
 
 def plan_catalog(items, n: int, prefill_time: Callable[[float, float], float], bytes_per_token: int,

@@ -77,7 +77,7 @@ class ItemPool:
 
     def __init__(self, executor, runner, ctx, local_addrs: Sequence[str], dp_rank: int,
                  peers_path: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 bandwidth_gbps: float | None = None):
+                 bandwidth_gbps: float | None = None, prefill_time: Callable[[float, float], float] | None = None):
         from sgrec.rank import executor as rank_executor
 
         self.ex = executor
@@ -98,7 +98,7 @@ class ItemPool:
                                    bytes_per_token=self.bytes_per_token, server=self.server)
         executor.fetcher = self.fetcher
         self.members: list[str] = []
-        self._prefill_model = None
+        self._prefill_model = prefill_time  # None: fitted on this runner at the first plan
         self._stamp: tuple | None = None
         self._next_check = 0.0
         self.replans = 0

@@ -1,0 +1,135 @@
+"""The item pool across servers (sgrec/radix/item_peers.py), in process: two ranks that know each
+other only through a peer file, re-planned when the file changes."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import zmq
+
+from sgrec.radix.item_peers import ItemPool, read_peer_file, write_peer_file
+from sgrec.radix.tree import RadixCache
+from sgrec.rank.executor import RankExecutor
+from sgrec.runner import ModelRunner
+from sgrec.server_args import ServerArgs
+from tests.test_item_fetch import HEADER, INSTR, accounting_ok, make_catalog, scores_of, scratch
+
+TOL = 1e-5
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_executor(path: str, catalog) -> RankExecutor:
+    args = ServerArgs(model_path=path, device="cpu", dtype="float32", max_total_tokens=1024)
+    runner = ModelRunner(args)
+    ex = RankExecutor(runner, RadixCache(runner.kv_pool.allocator), catalog, args, header_ids=HEADER)
+    ex.precompute()
+    return ex
+
+
+def entry(k: int) -> dict:
+    return {"name": f"s{k}", "url": f"http://127.0.0.1:{k}", "item_kv": [f"inproc://pool-test-{k}"]}
+
+
+@pytest.fixture
+def pools(tiny_model_dir, tmp_path):
+    cat = make_catalog(n=20)
+    path = tiny_model_dir("qwen2", seed=4)
+    peers = str(tmp_path / "peers.json")
+    write_peer_file(peers, [entry(0), entry(1)])
+    ctx = zmq.Context.instance()
+    clock = Clock()
+    made = []
+    for k in range(2):
+        ex = make_executor(path, cat)
+        # a fast network (Algorithm 1: R_max >= 1): only the hottest item is replicated
+        made.append(ItemPool(ex, ex.runner, ctx, [entry(k)["item_kv"][0]], 0, peers, clock=clock,
+                             bandwidth_gbps=1e6, prefill_time=lambda s, p: 0.01))
+    made[1].server.start()  # rank 1 answers from a thread while rank 0 runs in this one
+    for p in made:
+        p.refresh()  # the scheduler loop's first call: each rank computes its share
+    yield made, peers, clock, cat
+    for p in made:
+        p.close()
+
+
+def test_ranks_agree_on_the_placement_and_hold_their_shards(pools):
+    (p0, p1), _, _, cat = pools
+    assert (p0.ex.dp_rank, p1.ex.dp_rank) == (0, 1) and p0.ex.placement.owner == p1.ex.placement.owner
+    held0, held1 = set(p0.ex.store.entries), set(p1.ex.store.entries)
+    rep = p0.ex.placement.replicated
+    assert held0 | held1 == {it.id for it in cat.items}
+    assert held0 & held1 == rep and len(rep) < len(cat.items) // 2  # only the hot share is on both
+
+
+def test_fetch_from_the_peer_then_leave_and_rejoin(pools):
+    (p0, p1), peers, clock, cat = pools
+    ex0 = p0.ex
+    items = [it.id for it in cat.items]
+    user = [random.Random(2).randrange(3, 500) for _ in range(8)]
+    want = scratch(ex0, user, items)
+    out = ex0.run("u", user, items, INSTR, prefix="item")
+    remote = sum(len(cat.get(i).token_ids) for i in items if i not in ex0.store)
+    assert out["meta_info"]["fetched_tokens"] == remote > 0 and p1.server.served > 0
+    assert (scores_of(out, items) - want).abs().max().item() <= TOL
+    # rank 1 leaves the pool: rank 0 re-plans to hold everything itself, nothing is fetched
+    write_peer_file(peers, [entry(0)])
+    assert not p0.refresh()  # not due yet (checked once a second)
+    clock.t += 1.5
+    assert p0.refresh() and p0.ex.placement is None and len(ex0.store) == len(items)
+    out = ex0.run("u", user, items, INSTR, prefix="item")
+    assert out["meta_info"]["fetched_tokens"] == 0 and (scores_of(out, items) - want).abs().max().item() <= TOL
+    # a malformed file changes nothing; rank 1 coming back splits the items again
+    with open(peers, "w") as f:
+        f.write("{not json")
+    clock.t += 1.5
+    assert not p0.refresh() and p0.members == [entry(0)["item_kv"][0]]
+    write_peer_file(peers, [entry(0), entry(1)])
+    clock.t += 1.5
+    assert p0.refresh() and p0.replans == 2
+    assert set(ex0.store.entries) == {i for i in items if p0.ex.placement.owns(0, i)}
+    assert accounting_ok(ex0)
+
+
+def test_dead_peer_is_recomputed_not_an_error(pools):
+    (p0, p1), _, _, cat = pools
+    p1.server.close()  # rank 1 is gone but still listed
+    p0.fetcher.timeout_ms = 50
+    items = [it.id for it in cat.items]
+    user = [9, 8, 7, 6]
+    out = p0.ex.run("u", user, items, INSTR, prefix="item")
+    assert out["meta_info"]["fetched_tokens"] == 0 and p0.client.timeouts == 1
+    assert (scores_of(out, items) - scratch(p0.ex, user, items)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"servers": [{"item_kv": []}]}, "non-empty list"),
+    ({"servers": [{"item_kv": ["tcp://a:1"]}, {"item_kv": ["tcp://a:1"]}]}, "listed twice"),
+    ([], "expected"),
+])
+def test_malformed_peer_files_are_rejected(tmp_path, body, message):
+    p = tmp_path / "peers.json"
+    p.write_text(json.dumps(body))
+    with pytest.raises(ValueError, match=message):
+        read_peer_file(str(p))
+
+
+def test_client_keeps_sockets_and_dead_marks_by_address():
+    from sgrec.radix.item_fetch import ItemKVClient
+
+    clock = Clock()
+    c = ItemKVClient({1: "inproc://x-1", 2: "inproc://x-2"}, clock=clock)
+    c._mark_dead("inproc://x-2")
+    c.set_endpoints({1: "inproc://x-2", 2: "inproc://x-3"})  # renumbered: the dead address keeps its mark
+    assert not c.alive(1) and c.alive(2) and not c.alive(3)
+    clock.t += 10
+    assert c.alive(1)
+    c.close()
