@@ -116,24 +116,18 @@ class RankExecutor:
         return self.store.precompute(progress)
 
     def _default_placement(self):
+        """Algorithm 1 over this server's dp_size ranks (the same plan on every rank)."""
         from sgrec.radix import hrcs
 
-        items = self.catalog.items
-        freqs = [float(it.meta.get("popularity", 0)) + self.meta.item_count(it.id) + 1.0 for it in items]
-        tau_i = sum(len(it.token_ids) for it in items) / len(items)
-        c = min(100, self.args.max_rank_candidates, len(items))
-        prefix = round(c * tau_i)
-        shapes = [(s, p) for s in (32, 128, 512) for p in (0, prefix // 2, prefix)]
-        model = hrcs.PrefillTimeModel.fit(hrcs.measure_prefill(self.runner, shapes, repeats=1))
-        cfg = self.runner.config
+        cfg, items = self.runner.config, self.catalog.items
         per_token = self.runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                                         self.runner.dtype)
-        bandwidth = DEFAULT_BANDWIDTH_GBPS * 1e9 / 8 / per_token
-        rep = hrcs.compute_replication_ratio(bandwidth, freqs, DEFAULT_TAU_U, tau_i, DEFAULT_ALPHA, c,
-                                             self.args.dp_size, model)
+        prefill = hrcs.fit_catalog_prefill(self.runner, items, self.args.max_rank_candidates)
+        placement, rep = hrcs.plan_catalog(items, self.args.dp_size, prefill, per_token, self.args.max_rank_candidates,
+                                           DEFAULT_TAU_U, DEFAULT_BANDWIDTH_GBPS, DEFAULT_ALPHA)
         logger.info("HRCS: replication ratio %.3f (%d items), rank %d of %d", rep.ratio, rep.num_replicated,
                     self.dp_rank, self.args.dp_size)
-        return hrcs.plan_placement([it.id for it in items], freqs, rep.ratio, self.args.dp_size)
+        return placement
 
     # ---- accounting -----------------------------------------------------------------------
     def total_size(self) -> int:

@@ -26,6 +26,7 @@ logger = logging.getLogger("sgrec.scheduler")
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
 QUEUE_FULL = "The request queue is full."
+INTERNAL_ERROR = "Internal error while running the batch"
 
 
 class SchedulerLoop:
@@ -50,6 +51,7 @@ class SchedulerLoop:
             self.poller.register(self.item_server.sock, zmq.POLLIN)
         self.warm_up(show)
         self.last_stats = 0.0
+        self.live: dict = {}  # rid -> Req or Task accepted and not yet reported finished
         self.gen_tokens = 0
         self.gen_since = time.monotonic()
 
@@ -114,7 +116,10 @@ class SchedulerLoop:
             except ValueError as e:
                 logger.warning("dropped a malformed message on the scheduler socket: %s", e)
                 continue
-            self.handle(msg)
+            try:
+                self.handle(msg)
+            except Exception as e:  # a well-typed message with impossible values: drop it, keep serving
+                logger.warning("dropped a %s message that could not be handled: %r", type(msg).__name__, e)
 
     def _reject(self, msg, message: str, status_code: int) -> None:
         fr = io.abort_reason(message, status_code)
@@ -127,11 +132,12 @@ class SchedulerLoop:
             if limit is not None and sched.num_queued() >= limit:
                 return self._reject(msg, QUEUE_FULL, 503)
             try:
-                (sched.add_task if isinstance(msg, io.TaskReq) else sched.add_request)(msg)
+                self.live[msg.rid] = (sched.add_task if isinstance(msg, io.TaskReq) else sched.add_request)(msg)
             except (TypeError, ValueError) as e:
                 self._reject(msg, f"Invalid request: {e}", 400)
         elif isinstance(msg, io.AbortReq):
             req = sched.abort(msg.rid, msg.message)
+            self.live.pop(msg.rid, None)
             if req is not None:
                 self.send(io.BatchReqOutput([req.make_output()]))
         elif isinstance(msg, io.FlushCacheReq):
@@ -144,11 +150,30 @@ class SchedulerLoop:
             reqs = self.scheduler.step()
         except Exception:
             logger.error("batch failed; aborting its requests:\n%s", traceback.format_exc())
-            reqs = self.scheduler.abort_all("Internal error while running the batch", 500)
+            reqs = self._abort_after_failure()
+        for r in reqs:
+            if r.finished:
+                self.live.pop(r.rid, None)
         if reqs:
             outs = [r.make_output() for r in reqs]
             self.gen_tokens += sum(len(o.new_output_ids) for o in outs)
             self.send(io.BatchReqOutput(outs))
+
+    def _abort_after_failure(self) -> list:
+        """Ends every request after a failed batch: the queued and running ones (abort_all) and those
+        the batch had taken out of the queues (no request may hang); when that leaves the scheduler
+        idle, the cache is flushed and KV slots no one holds any more are returned to the pool."""
+        reqs = self.scheduler.abort_all(INTERNAL_ERROR, 500)
+        lost = [r for r in self.live.values() if not r.finished]
+        for r in lost:
+            r.finish_reason = io.abort_reason(INTERNAL_ERROR, 500)
+        if not self.scheduler.has_work() and self.scheduler.flush_cache():
+            alloc = self.runner.kv_pool.allocator
+            leaked = alloc.used_size() - self.scheduler.cached_size()
+            if leaked > 0 and self.scheduler.cached_size() == 0:
+                logger.error("reclaiming %d KV slots left allocated by the failed batch", leaked)
+                alloc.clear()
+        return reqs + lost
 
     def send_stats(self) -> None:
         now = time.monotonic()
