@@ -30,45 +30,65 @@ def _partial(scores: torch.Tensor, v: torch.Tensor, eq: str) -> tuple[torch.Tens
     return torch.einsum(eq, e, v), m, e.sum(-1, keepdim=True)
 
 
+Stage = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (o, m, l), each [n, Hkv, G, x]
+
+
+def _queries(q: torch.Tensor, hkv: int, scale: float) -> torch.Tensor:
+    n, hq, d = q.shape
+    return (q.float() * scale).view(n, hkv, hq // hkv, d)
+
+
+def shared_stage(qf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared_idx: torch.Tensor) -> Stage:
+    """Every beam's queries qf [n, Hkv, G, D] against the prompt's K/V: one matmul per KV head, so
+    the prompt's K/V are read once for all beams."""
+    n, hkv, g, d = qf.shape
+    ks = k_buf.index_select(0, shared_idx).float().permute(1, 2, 0)
+    vs = v_buf.index_select(0, shared_idx).float().transpose(0, 1)
+    qs = qf.permute(1, 0, 2, 3).reshape(hkv, n * g, d)
+    o, m, l = _partial(torch.bmm(qs, ks), vs, "hqp,hpd->hqd")  # scores [Hkv, n*G, P] -> [Hkv, n*G, D]
+
+    def back(t: torch.Tensor) -> torch.Tensor:  # [Hkv, n*G, x] -> [n, Hkv, G, x]
+        return t.view(hkv, n, g, -1).permute(1, 0, 2, 3)
+
+    return back(o), back(m), back(l)
+
+
+def unshared_stage(qf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, unshared_idx: torch.Tensor) -> Stage:
+    """Each beam against its own tokens unshared_idx [n, s]."""
+    n, hkv, g, d = qf.shape
+    s = unshared_idx.shape[1]
+    flat = unshared_idx.reshape(-1)
+    ku = k_buf.index_select(0, flat).float().view(n, s, hkv, d)
+    vu = v_buf.index_select(0, flat).float().view(n, s, hkv, d)
+    return _partial(torch.einsum("nhgd,nshd->nhgs", qf, ku), vu, "nhgs,nshd->nhgd")
+
+
+def merge_stages(stages: list[Stage], dtype: torch.dtype) -> torch.Tensor:
+    """Online-softmax merge of the stages' partial results -> [n, Hq * D] in dtype."""
+    if not stages:
+        raise ValueError("staged_attention needs at least one key")
+    acc_o, acc_m, acc_l = stages[0]
+    for o2, m2, l2 in stages[1:]:
+        m = torch.maximum(acc_m, m2)
+        a1, a2 = torch.exp(acc_m - m), torch.exp(m2 - m)
+        acc_o = acc_o * a1 + o2 * a2
+        acc_l = acc_l * a1 + l2 * a2
+    n = acc_o.shape[0]
+    return (acc_o / acc_l).to(dtype).reshape(n, -1)
+
+
 def staged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared_idx: torch.Tensor,
                      unshared_idx: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, Hq, D]; k_buf/v_buf [slots, Hkv, D]; shared_idx [P] (the prompt, same for every beam);
     unshared_idx [n, s] (each beam's own tokens, the current one included). -> [n, Hq * D].
     Query head h uses KV head h // (Hq / Hkv) (GQA)."""
-    n, hq, d = q.shape
-    hkv = k_buf.shape[1]
-    g = hq // hkv
-    qf = (q.float() * scale).view(n, hkv, g, d)
-    acc_o = acc_m = acc_l = None
+    qf = _queries(q, k_buf.shape[1], scale)
+    stages = []
     if shared_idx.numel():
-        # [Hkv, n*G, D] x [Hkv, D, P]: every beam's queries in one matmul per KV head, so the
-        # prompt's K/V are read once for all beams
-        ks = k_buf.index_select(0, shared_idx).float().permute(1, 2, 0)
-        vs = v_buf.index_select(0, shared_idx).float().transpose(0, 1)
-        qs = qf.permute(1, 0, 2, 3).reshape(hkv, n * g, d)
-        o1, m1, l1 = _partial(torch.bmm(qs, ks), vs, "hqp,hpd->hqd")  # scores [Hkv, n*G, P] -> [Hkv, n*G, D]
-
-        def back(t: torch.Tensor) -> torch.Tensor:  # [Hkv, n*G, x] -> [n, Hkv, G, x]
-            return t.view(hkv, n, g, -1).permute(1, 0, 2, 3)
-
-        acc_o, acc_m, acc_l = back(o1), back(m1), back(l1)
+        stages.append(shared_stage(qf, k_buf, v_buf, shared_idx))
     if unshared_idx.numel():
-        s = unshared_idx.shape[1]
-        flat = unshared_idx.reshape(-1)
-        ku = k_buf.index_select(0, flat).float().view(n, s, hkv, d)
-        vu = v_buf.index_select(0, flat).float().view(n, s, hkv, d)
-        s2 = torch.einsum("nhgd,nshd->nhgs", qf, ku)
-        o2, m2, l2 = _partial(s2, vu, "nhgs,nshd->nhgd")
-        if acc_o is None:
-            acc_o, acc_m, acc_l = o2, m2, l2
-        else:  # online-softmax merge of the two stages
-            m = torch.maximum(acc_m, m2)
-            a1, a2 = torch.exp(acc_m - m), torch.exp(m2 - m)
-            acc_o = acc_o * a1 + o2 * a2
-            acc_l = acc_l * a1 + l2 * a2
-    if acc_o is None:
-        raise ValueError("staged_attention needs at least one key")
-    return (acc_o / acc_l).to(q.dtype).reshape(n, hq * d)
+        stages.append(unshared_stage(qf, k_buf, v_buf, unshared_idx))
+    return merge_stages(stages, q.dtype)
 
 
 @dataclass
@@ -95,7 +115,15 @@ class BeamBatchMeta:
 class StagedBeamBackend(AttentionBackend):
     """AttentionBackend for a beam step; the caller sets batch.attn_meta to a BeamStepMeta (one
     request) or a BeamBatchMeta (several requests: the projections and MLP run on all their beams
-    at once, attention per request)."""
+    at once, attention per request).
+
+    With `units` (a `sgrec.scheduler.streams.UnitRunner`), a batched step's attention runs as work
+    units of the multi-stream executor (xGR §7): per request a shared and an unshared stage
+    (independent) and a merge that depends on both; the stages' partial results go to the tensor
+    pool of the stream that made them until the merge that reads them is done."""
+
+    def __init__(self, units=None):
+        self.units = units
 
     def prepare(self, batch: ForwardBatch) -> None:
         if not isinstance(batch.attn_meta, (BeamStepMeta, BeamBatchMeta)):
@@ -108,8 +136,41 @@ class StagedBeamBackend(AttentionBackend):
         meta = batch.attn_meta
         if isinstance(meta, BeamStepMeta):
             return staged_attention(q, k_buf, v_buf, meta.shared_idx, meta.unshared_idx, scale)
+        if self.units is not None:
+            return self._as_units(q, k_buf, v_buf, meta, scale)
         return torch.cat([staged_attention(q[a:b], k_buf, v_buf, g.shared_idx, g.unshared_idx, scale)
                           for g, (a, b) in zip(meta.groups, meta.rows())])
+
+    def _as_units(self, q, k_buf, v_buf, meta: "BeamBatchMeta", scale: float) -> torch.Tensor:
+        from sgrec.scheduler.streams import UnitCost, WorkUnit
+
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        qf = _queries(q, k_buf.shape[1], scale)
+        parts: dict[str, Stage] = {}
+        units = []
+        total = max(1, sum(g.unshared_idx.shape[0] * (g.shared_idx.numel() + g.unshared_idx.shape[1])
+                           for g in meta.groups))
+        for r, (g, (a, b)) in enumerate(zip(meta.groups, meta.rows())):
+            deps = []
+            for name, idx, stage in (("shared", g.shared_idx, shared_stage), ("unshared", g.unshared_idx, unshared_stage)):
+                if not idx.numel():
+                    continue
+                key = f"r{r}.{name}"
+                work = (b - a) * idx.numel()  # score entries: the cost estimate and device share
+
+                def run(key=key, idx=idx, stage=stage, a=a, b=b):
+                    parts[key] = stage(qf[a:b], k_buf, v_buf, idx)
+                    return parts[key]
+
+                units.append(WorkUnit(key, UnitCost(work * 1e-9, min(1.0, work / total)), group=f"r{r}", fn=run))
+                deps.append(key)
+
+            def merge(r=r, a=a, b=b, deps=tuple(deps)):
+                out[a:b] = merge_stages([parts.pop(d) for d in deps], q.dtype)
+
+            units.append(WorkUnit(f"r{r}.merge", UnitCost(0.0, 0.05), deps=tuple(deps), group=f"r{r}", fn=merge))
+        self.units.run(units)
+        return out
 
 
 class UnsharedKV:

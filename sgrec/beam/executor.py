@@ -95,7 +95,8 @@ class _Request:
 
 
 class RetrieveExecutor:
-    def __init__(self, runner, tree, catalog: Catalog, max_beam_width: int | None = None, reorder_chunk: int = 64):
+    def __init__(self, runner, tree, catalog: Catalog, max_beam_width: int | None = None, reorder_chunk: int = 64,
+                 units=None):
         self.runner = runner
         self.tree = tree
         self.catalog = catalog
@@ -109,7 +110,7 @@ class RetrieveExecutor:
         self._trie_rows: list[int] = []
         if catalog is not None and catalog.semantic_id_len:
             self.trie, self._trie_rows = SemanticIdTrie.from_catalog(catalog, self.vocab_size, self.device)
-        self.backend = StagedBeamBackend()
+        self.backend = StagedBeamBackend(units)  # units: a batched step's attention stages as work units
         self.mask = SparseMaskBuffer(self.vocab_size, self.device)
 
     # ---- public API ---------------------------------------------------------------------

@@ -25,7 +25,7 @@ from sgrec.scheduler.policy import (
     jct_uncached_tokens, pick_prefill_only, profile_linear_jct,
 )
 from sgrec.scheduler.req import LogprobSpec, Req
-from sgrec.scheduler.task import Task, TaskKind, TaskQueue, stream_backend
+from sgrec.scheduler.task import Task, TaskKind, TaskQueue, stage_units, stream_backend
 from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
 
@@ -61,6 +61,7 @@ class Scheduler:
             logger.info("JCT model fitted on profiled prefills: %s", self.jct)
         self.clock = time.monotonic
         kinds: dict[str, TaskKind] = {}  # rank / retrieve: batched by kind, each batch one work unit
+        backend = stream_backend(args, runner.device)
         self.catalog = self.rank_executor = None
         if args.item_catalog:
             from sgrec.rank.executor import RankExecutor
@@ -72,14 +73,15 @@ class Scheduler:
             if self.catalog.semantic_id_len is not None:
                 from sgrec.beam.executor import RetrieveExecutor
 
-                retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width)
+                retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width,
+                                             units=stage_units(args, backend))
 
                 def retrieve(payloads: list[dict]) -> list:
                     return [r if isinstance(r, Exception) else {"items": r.items, "meta_info": r.meta}
                             for r in retriever.run_batch(payloads)]
 
                 kinds["retrieve"] = TaskKind(retrieve, retriever.tokens)
-        self.tasks = TaskQueue(args, kinds, stream_backend(args, runner.device), clock=lambda: self.clock())
+        self.tasks = TaskQueue(args, kinds, backend, clock=lambda: self.clock())
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         self.last_was_prefill = False
 

@@ -393,7 +393,7 @@ class MultiStreamScheduler:
     """
 
     def __init__(self, backend: StreamBackend, policy: str = "sgrec", occupancy_threshold: float = 1.0,
-                 max_queued: int = 2):
+                 max_queued: int = 2, on_launch: Callable[[str, int, Event], None] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"Unknown policy {policy!r}; choose one of {POLICIES}")
         if max_queued < 1:
@@ -414,6 +414,7 @@ class MultiStreamScheduler:
         self.events: dict[str, Event] = {}  # name -> event, for launched units
         self.completed: dict[str, float] = {}  # name -> backend time when seen complete
         self.launch_order: list[tuple[str, int]] = []  # (name, stream)
+        self.on_launch = on_launch  # called with (name, stream, event) right after each launch
 
     def submit(self, units: Sequence[WorkUnit]) -> None:
         """Adds a DAG of units (dependencies inside `units` or already submitted)."""
@@ -488,6 +489,8 @@ class MultiStreamScheduler:
             self.monitor.launched(stream, unit, ev)
             self.events[name] = ev
             self.launch_order.append((name, stream))
+            if self.on_launch is not None:
+                self.on_launch(name, stream, ev)
             launched.append(name)
         return launched
 
@@ -573,3 +576,35 @@ class StreamTensorPool:
 
     def __len__(self) -> int:
         return sum(len(p) for p in self._pools)
+
+
+# ---- running a DAG of units to completion ---------------------------------------------------
+def _tensors(obj) -> list:
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in _tensors(x)]
+    return []
+
+
+class UnitRunner:
+    """Runs a DAG of units to completion (a fresh MultiStreamScheduler per call, so nothing grows
+    between calls). The tensors a unit returns go to the pool of the stream it ran on, with the
+    event recorded after it, as soon as it is launched: they stay referenced until that event is
+    done, whatever the caller drops meanwhile."""
+
+    def __init__(self, backend: StreamBackend, pool: StreamTensorPool | None = None, policy: str = "sgrec"):
+        self.backend = backend
+        self.pool = pool
+        self.policy = policy
+
+    def run(self, units: Sequence[WorkUnit]) -> dict[str, object]:
+        def keep(name: str, stream: int, ev: Event) -> None:
+            if self.pool is not None:
+                for t in _tensors(ev.result):
+                    self.pool.add(stream, t, ev)
+
+        ms = MultiStreamScheduler(self.backend, self.policy, on_launch=keep)
+        ms.submit(units)
+        ms.run_until_idle()
+        return {name: ev.result for name, ev in ms.events.items()}

@@ -6,6 +6,8 @@ plus one forward per semantic-ID level). `TaskQueue` batches them by kind under 
 each dispatched batch as one work unit of the multi-stream executor (`MultiStreamScheduler`: CUDA
 streams on a GPU with --num-streams > 1, else inline on one stream). A batch's unit ends by reading
 its results on the host, so the KV slots it frees are never read by a kernel still in flight.
+Inside a retrieve batch, with several streams, each beam step's attention stages are units too
+(`stage_units`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 
 from sgrec.managers.io_struct import ReqOutput, TaskReq, abort_reason
 from sgrec.scheduler.batching import Batch, BatchFormer, batch_former_from_args
-from sgrec.scheduler.streams import MultiStreamScheduler, StreamBackend, UnitCost, WorkUnit, make_backend
+from sgrec.scheduler.streams import (
+    MultiStreamScheduler, StreamBackend, UnitCost, UnitRunner, WorkUnit, make_backend, tensor_pool_from_args,
+)
 
 NEEDS = {"rank": "an item catalog (--item-catalog)",
          "retrieve": "an item catalog (--item-catalog) whose items carry semantic_id"}
@@ -72,6 +76,15 @@ def stream_backend(args, device) -> StreamBackend:
     if str(device).startswith("cuda") and args.num_streams > 1:
         return make_backend("cuda", args.num_streams)
     return make_backend("inline")
+
+
+def stage_units(args, backend: StreamBackend) -> UnitRunner | None:
+    """With several streams, a batched beam step's attention stages run as work units on them (their
+    partial results held in --stream-pool-mb pools until their events are done); on one stream the
+    stages run in place (the same operations, without the units' bookkeeping)."""
+    if backend.num_streams < 2:
+        return None
+    return UnitRunner(backend, tensor_pool_from_args(args, backend.num_streams))
 
 
 class TaskQueue:
