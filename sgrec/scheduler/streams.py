@@ -150,6 +150,7 @@ class CudaStreams(StreamBackend):
     def launch(self, unit: WorkUnit, stream: int, wait_for: Sequence[Event] = ()) -> Event:
         torch = self._torch
         s = self.streams[stream]
+        s.wait_stream(torch.cuda.current_stream(self.device))  # what the launching stream queued comes first
         for e in wait_for:
             if isinstance(e, CudaEvent):
                 s.wait_event(e.event)
