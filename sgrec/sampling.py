@@ -15,6 +15,11 @@ class SchemaError(ValueError):
     """A wrong JSON type or unknown field (SGLang answers these with a plain-string error)."""
 
 GREEDY_EPS = 1e-6
+# Bounds that keep any accepted sampling_params finite in float32: penalised logits are capped at
+# LOGIT_CAP and temperatures at TEMPERATURE_CAP (1e6 already makes a distribution uniform), so
+# LOGIT_CAP / GREEDY_EPS stays below float32's max (3.4e38) and no row turns NaN.
+LOGIT_CAP = 1e30
+TEMPERATURE_CAP = 1e6
 
 # Keys SGLang accepts but sgrec does not implement yet: accepted only at their "unset" value.
 _UNSUPPORTED = {
@@ -80,9 +85,12 @@ class SamplingParams:
             raise SchemaError(
                 f"unknown field `{unknown[0]}` in sampling_params, expected one of {sorted(known | set(_UNSUPPORTED))}"
             )
-        for key, unset in _UNSUPPORTED.items():
-            if unset is not None and key in d and d[key] not in unset:
+        for key, unset in _UNSUPPORTED.items():  # type-exact: 0 is not False, 1.0 is not 1
+            if unset is not None and key in d and not any(type(d[key]) is type(u) and d[key] == u for u in unset):
                 raise ValueError(f"sampling_params.{key} is not supported by sgrec yet")
+        interval = d.get("stream_interval")
+        if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool)):
+            raise SchemaError(f"sampling_params.stream_interval must be an integer, got {interval!r}")
         kw = {k: v for k, v in d.items() if k in known}
         p = cls(**kw)
         p._check_types(d)
@@ -179,7 +187,9 @@ class Sampler:
         for i, r in enumerate(reqs):
             if needs_penalties(r):
                 apply_penalties(logits[i], r)
-        temps = torch.tensor([max(r.sampling.temperature, GREEDY_EPS) for r in reqs], device=logits.device)
+                logits[i].clamp_(max=LOGIT_CAP)  # e.g. repetition_penalty 1e-300 or a 1e38 bias: no +inf
+        temps = torch.tensor([min(max(r.sampling.temperature, GREEDY_EPS), TEMPERATURE_CAP) for r in reqs],
+                             device=logits.device)
         greedy = [r.sampling.greedy for r in reqs]
         scaled = torch.where(torch.tensor(greedy, device=logits.device)[:, None], logits, logits / temps[:, None])
         logprobs = torch.log_softmax(scaled, dim=-1)
@@ -232,5 +242,8 @@ def sample_row(probs: torch.Tensor, sp: SamplingParams, generator: torch.Generat
         keep &= sorted_p >= sorted_p[0] * sp.min_p
     keep[0] = True
     kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    total = kept.sum()
+    if not torch.isfinite(total) or total <= 0:  # every token banned (min_new_tokens + stop ids = vocab)
+        return int(order[0])
     choice = torch.multinomial(kept, 1, generator=generator)
     return int(order[choice])

@@ -125,6 +125,13 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def redact(text: str | None, secret: str | None) -> str | None:
+    """`text` with every occurrence of the API key replaced (the launch command carries it)."""
+    if text is None or not secret:
+        return text
+    return text.replace(secret, "<redacted>")
+
+
 class APIKeyMiddleware:
     """Pure ASGI (BaseHTTPMiddleware would hide client disconnects from the handlers)."""
 
@@ -133,7 +140,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and not scope["path"].startswith(OPEN_PATHS):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
@@ -241,7 +248,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
         return {
             **args.to_dict(),
             "api_key": None,
-            "launch_command": launch.get("launch_command"),
+            "launch_command": redact(launch.get("launch_command"), args.api_key),
             "status": "dead" if tm.dead else "ready",
             "max_total_num_tokens": tm.max_total_num_tokens,
             "max_req_input_len": tm.context_len - 1,
@@ -301,4 +308,9 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
     from sgrec.entrypoints.rec_api import add_rec_routes
 
     add_rec_routes(app, tm)
+    from sgrec.entrypoints.openapi import SchemaLimits, install_openapi
+
+    lim = tm.builder.limits
+    install_openapi(app, SchemaLimits(lim.vocab_size, lim.max_n, lim.max_batch_size, args.max_rank_candidates,
+                                      args.max_beam_width), OPEN_PATHS if args.api_key else None)
     return app

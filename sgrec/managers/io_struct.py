@@ -121,14 +121,42 @@ def encode(msg: Any) -> bytes:
     return orjson.dumps({"type": type(msg).__name__, **dataclasses.asdict(msg)})
 
 
+_CHECKS = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "dict": lambda v: isinstance(v, dict),
+    "list": lambda v: isinstance(v, list),
+    "list[int]": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+    "None": lambda v: v is None,
+}
+
+
+def _build(cls: type, obj: Any) -> Any:
+    """cls(**obj) with every field of the JSON type its annotation names (a message from a buggy or
+    hostile peer is rejected here, not deep inside the scheduler)."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"malformed {cls.__name__} message: not an object")
+    for f in dataclasses.fields(cls):
+        if f.name in obj and f.type != "list[ReqOutput]":
+            if not any(_CHECKS[t.strip()](obj[f.name]) for t in f.type.split("|")):
+                raise ValueError(f"malformed {cls.__name__} message: field {f.name!r} is not {f.type}")
+    try:
+        return cls(**obj)
+    except TypeError as e:
+        raise ValueError(f"malformed {cls.__name__} message: {e}") from None
+
+
 def decode(data: bytes) -> Any:
+    """The message in `data`; ValueError for anything but a well-typed registered message."""
     obj = orjson.loads(data)
     if not isinstance(obj, dict) or obj.get("type") not in _TYPES:
         raise ValueError("malformed message: no known 'type'")
     cls = _TYPES[obj.pop("type")]
-    try:
-        if cls is BatchReqOutput:
-            return BatchReqOutput([ReqOutput(**o) for o in obj["outputs"]])
-        return cls(**obj)
-    except (TypeError, KeyError) as e:
-        raise ValueError(f"malformed {cls.__name__} message: {e}") from None
+    if cls is BatchReqOutput:
+        outs = obj.get("outputs")
+        if not isinstance(outs, list) or set(obj) != {"outputs"}:
+            raise ValueError("malformed BatchReqOutput message: needs a list of outputs")
+        return BatchReqOutput([_build(ReqOutput, o) for o in outs])
+    return _build(cls, obj)

@@ -51,10 +51,10 @@ def _check_body(obj, fields: set[str]) -> str:
     unknown = set(obj) - fields
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
-    rid = obj.get("rid") or uuid.uuid4().hex
-    if not isinstance(rid, str):
-        raise ValueError("rid must be a string")
-    return rid
+    for name in ("rid", "routing_key", "model"):
+        if obj.get(name) is not None and not isinstance(obj[name], str):
+            raise ValueError(f"{name} must be a string")
+    return obj.get("rid") or uuid.uuid4().hex
 
 
 def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_candidates: int) -> TaskReq:
@@ -83,15 +83,17 @@ def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_cand
     return TaskReq(rid=rid, kind="rank", input_ids=user_ids, payload=payload)
 
 
+DEFAULT_BEAM_WIDTH = 128  # capped at --max-beam-width
+DEFAULT_NUM_ITEMS = 10  # capped at the beam width
 RETRIEVE_FIELDS = {"user", "beam_width", "top_k", "num_items", "rid", "routing_key", "model"}
 
 
 def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int) -> TaskReq:
     rid = _check_body(obj, RETRIEVE_FIELDS)
     _, user_ids = parse_user(obj.get("user"), tokenizer, builder)
-    beam_width = obj.get("beam_width", 128)
+    beam_width = obj.get("beam_width", min(DEFAULT_BEAM_WIDTH, max_beam_width))
     top_k = obj.get("top_k", beam_width)
-    num_items = obj.get("num_items", 10)
+    num_items = obj.get("num_items", min(DEFAULT_NUM_ITEMS, beam_width) if is_int(beam_width) else DEFAULT_NUM_ITEMS)
     for name, v in (("beam_width", beam_width), ("top_k", top_k), ("num_items", num_items)):
         if not is_int(v) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")

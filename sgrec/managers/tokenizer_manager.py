@@ -241,16 +241,25 @@ class TokenizerManager:
             except ValueError as e:
                 logger.warning("dropped a malformed message from a scheduler: %s", e)
                 continue
-            if isinstance(msg, io.BatchReqOutput):
-                for out in msg.outputs:
-                    self._on_output(out)
-            elif isinstance(msg, io.SchedulerStats):
+            try:
+                self._handle(msg)
+            except Exception as e:  # one bad message must not stop the loop every request waits on
+                logger.warning("dropped a %s message that could not be applied: %r", type(msg).__name__, e)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, io.BatchReqOutput):
+            for out in msg.outputs:
+                self._on_output(out)
+        elif isinstance(msg, io.SchedulerStats):
+            if 0 <= msg.dp_rank < len(self.send_socks):
                 self.stats[msg.dp_rank] = msg
                 if self.metrics:
                     self.metrics.on_stats(self.stats)
-            elif isinstance(msg, io.FlushCacheResult):
-                if self.flush_waiters:
-                    self.flush_waiters.pop(0).set_result(msg.success)
+        elif isinstance(msg, io.FlushCacheResult):
+            if self.flush_waiters:
+                self.flush_waiters.pop(0).set_result(msg.success)
+        else:
+            logger.warning("dropped an unexpected %s message from a scheduler", type(msg).__name__)
 
     def _on_output(self, out: io.ReqOutput) -> None:
         sub = self.subs.get(out.rid)

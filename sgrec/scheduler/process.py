@@ -14,6 +14,7 @@ import traceback
 import zmq
 from tqdm import tqdm
 
+from sgrec.catalog import CatalogError
 from sgrec.managers import io_struct as io
 from sgrec.runner import ModelRunner
 from sgrec.sampling import SamplingParams
@@ -205,6 +206,9 @@ def run_scheduler_process(args_dict: dict, dp_rank: int, in_addr: str, out_addr:
         SchedulerLoop(args, dp_rank, in_addr, out_addr, item_addrs).run()
     except KeyboardInterrupt:
         pass
+    except CatalogError as e:  # a bad --item-catalog: the message names file:line, no traceback needed
+        logger.error("start-up failed: %s", e)
+        raise SystemExit(2)
     except Exception:
         logger.error("scheduler %d crashed:\n%s", dp_rank, traceback.format_exc())
         raise SystemExit(1)

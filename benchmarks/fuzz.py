@@ -1,0 +1,123 @@
+"""Fuzz every route of a real sgrec server with schemathesis against its own /openapi.json.
+
+Starts `python -m sgrec.launch_server` on loopback (the embedded demo model and catalog, so
+/v1/rank and /v1/retrieve run too; small limits so no generated request runs long), runs
+`st run` for --max-time seconds with these checks:
+
+  not_a_server_error         no 5xx, whatever the body
+  negative_data_rejection    a body the schema rejects gets a 4xx
+  status_code_conformance    only documented status codes
+  content_type_conformance   only documented content types
+  ignored_auth               (with --api-key) no route but health and metrics answers without the key
+
+then checks the server survived: /health is 200, the same scheduler processes are alive, no
+request runs or waits, every KV slot is free after a flush, and the thread count did not grow.
+
+    python benchmarks/fuzz.py                     # 10 minutes
+    python benchmarks/fuzz.py --max-time 120      # what CI runs (tests/test_fuzz.py)
+
+Prints a summary and writes it as JSON (--out); exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from sgrec.tools.local_server import LocalServer  # noqa: E402
+from sgrec.tools.probe import alive, kv_after_drain, proc_tree  # noqa: E402
+
+SERVER_FLAGS = ["--device", "cpu", "--context-length", "256", "--max-total-tokens", "8192", "--max-n", "4",
+                "--max-batch-size", "8", "--max-rank-candidates", "50", "--max-beam-width", "16",
+                "--max-queued-requests", "64", "--max-request-bytes", "262144"]
+CHECKS = ["not_a_server_error", "negative_data_rejection", "status_code_conformance", "content_type_conformance"]
+THREAD_SLACK = 4  # uvicorn/asyncio helper threads may come and go
+
+
+def run_schemathesis(url: str, max_time: int, seed: int, workers: int, report_dir: str,
+                     api_key: str | None) -> dict:
+    checks = CHECKS + (["ignored_auth"] if api_key else [])
+    cmd = [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()", "run",
+           f"{url}/openapi.json", "--checks", ",".join(checks), "--max-time", str(max_time), "--seed", str(seed),
+           "--workers", str(workers), "--request-timeout", "60", "--report", "json", "--report-dir", report_dir,
+           "--no-color"]
+    if api_key:
+        cmd += ["-H", f"Authorization: Bearer {api_key}"]
+    import subprocess
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_time + 600)
+    reports = sorted(glob.glob(os.path.join(report_dir, "*.json")))
+    if not reports:
+        raise RuntimeError(f"schemathesis wrote no report (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+                           f"\n{proc.stderr[-2000:]}")
+    with open(reports[-1]) as f:
+        report = json.load(f)
+    report["_stdout_tail"] = proc.stdout[-6000:]
+    return report
+
+
+def fuzz(max_time: int = 600, seed: int = 0, workers: int = 1, api_key: str | None = None,
+         extra_flags: list[str] | None = None, workdir: str | None = None) -> dict:
+    workdir = workdir or tempfile.mkdtemp(prefix="sgrec-fuzz-")
+    flags = SERVER_FLAGS + (["--api-key", api_key] if api_key else []) + (extra_flags or [])
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with LocalServer(flags, log_path=os.path.join(workdir, "server.log")) as srv:
+        before = proc_tree(srv.pid)
+        t0 = time.monotonic()
+        report = run_schemathesis(srv.url, max_time, seed, workers, os.path.join(workdir, "report"), api_key)
+        elapsed = time.monotonic() - t0
+        with httpx.Client(base_url=srv.url, headers=headers, timeout=60) as c:
+            health = c.get("/health").status_code
+            kv = kv_after_drain(c)
+        after = proc_tree(srv.pid)
+        schedulers_alive = alive(before.pids[1:]) == before.pids[1:]
+        log = srv.read_log()
+    failures = [{"code": f["code"], "title": f["title"], "operations": f["operations"]} for f in report["failures"]]
+    result = {
+        "max_time_s": max_time, "elapsed_s": round(elapsed, 1), "seed": seed,
+        "test_cases": report["test_cases"]["generated"], "operations": report["operations"]["tested"],
+        "failures": failures, "errors": report["errors"],
+        "health_after": health, "schedulers_alive": schedulers_alive,
+        "kv_after_drain": kv.__dict__, "threads_before": before.threads, "threads_after": after.threads,
+        "rss_mb_before": round(before.rss_mb), "rss_mb_after": round(after.rss_mb),
+        "tracebacks_in_log": log.count("Traceback"), "workdir": workdir,
+    }
+    result["ok"] = (not failures and not report["errors"] and health == 200 and result["schedulers_alive"]
+                    and kv.empty and after.threads <= before.threads + THREAD_SLACK and not result["tracebacks_in_log"])
+    if not result["ok"]:
+        result["schemathesis_output"] = report["_stdout_tail"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-time", type=int, default=600, help="seconds of fuzzing (default 600)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=1,
+                    help="schemathesis workers (threads); >1 can hit a CPython 3.11 ast race inside hypothesis")
+    ap.add_argument("--api-key", default="fuzz-key", help="run the server with this key ('' for none)")
+    ap.add_argument("--out", help="write the summary JSON here")
+    ap.add_argument("server_flags", nargs="*", help="extra launch_server flags (after --)")
+    args = ap.parse_args(argv)
+    res = fuzz(args.max_time, args.seed, args.workers, args.api_key or None, args.server_flags)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    for k, v in res.items():
+        if k != "schemathesis_output":
+            print(f"{k:>20}: {v}")
+    if not res["ok"]:
+        print(res.get("schemathesis_output", ""))
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

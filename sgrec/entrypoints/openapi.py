@@ -1,0 +1,285 @@
+"""The server's OpenAPI document (/openapi.json): request-body schemas and error responses.
+
+The handlers read raw JSON and validate it themselves (SGLang's error shapes and messages), so
+FastAPI cannot infer their bodies. This module states them: the OpenAI routes reuse the pydantic
+models that validate them; the native and recommendation routes get JSON Schemas written from the
+same rules the handlers enforce, including the server's limits (--max-n, --max-batch-size,
+--max-rank-candidates, --max-beam-width, the vocabulary). Schemathesis fuzzes against this
+document (benchmarks/fuzz.py), so a body the schema rejects must be a 4xx and a body it accepts
+must never be a 5xx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from sgrec.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+REF = "#/components/schemas/{model}"
+ERROR_STATUSES = {
+    "400": "Bad input (schema, range or limit)",
+    "413": "Request body larger than --max-request-bytes",
+    "503": "Queue full (--max-queued-requests) or the server is shutting down",
+}
+
+
+@dataclass
+class SchemaLimits:
+    vocab_size: int
+    max_n: int
+    max_batch_size: int
+    max_rank_candidates: int
+    max_beam_width: int
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _one_or_list(schema: dict, max_items: int | None = None) -> dict:
+    many: dict[str, Any] = {"type": "array", "items": schema, "minItems": 1}
+    if max_items is not None:
+        many["maxItems"] = max_items
+    return {"anyOf": [schema, many]}
+
+
+def _token_ids(lim: SchemaLimits, min_items: int = 1) -> dict:
+    return {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": lim.vocab_size - 1},
+            "minItems": min_items}
+
+
+def sampling_params_schema(lim: SchemaLimits) -> dict:
+    """SamplingParams.from_dict's types and ranges (unknown keys are a 400)."""
+    num = {"type": "number"}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "max_new_tokens": {"type": "integer", "minimum": 0},
+            "min_new_tokens": {"type": "integer", "minimum": 0},
+            "n": {"type": "integer", "minimum": 1, "maximum": lim.max_n},
+            "stop": _nullable({"anyOf": [{"type": "string", "minLength": 1},
+                                         {"type": "array", "items": {"type": "string", "minLength": 1},
+                                          "maxItems": 32}]}),
+            "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                    "maximum": lim.vocab_size - 1}}),
+            "temperature": {**num, "minimum": 0},
+            "top_p": {**num, "exclusiveMinimum": 0, "maximum": 1},
+            "top_k": {"anyOf": [{"type": "integer", "const": -1}, {"type": "integer", "minimum": 1}]},
+            "min_p": {**num, "minimum": 0, "maximum": 1},
+            "frequency_penalty": {**num, "minimum": -2, "maximum": 2},
+            "presence_penalty": {**num, "minimum": -2, "maximum": 2},
+            "repetition_penalty": {**num, "exclusiveMinimum": 0, "maximum": 2},
+            "ignore_eos": {"type": "boolean"},
+            "skip_special_tokens": {"type": "boolean"},
+            "spaces_between_special_tokens": {"type": "boolean"},
+            "no_stop_trim": {"type": "boolean"},
+            "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                                     "additionalProperties": num}),
+            "sampling_seed": _nullable({"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 64) - 1}),
+            "beam_width": _nullable({"type": "integer", "minimum": 0, "maximum": lim.max_beam_width}),
+            "stream_interval": _nullable({"type": "integer"}),
+            # SGLang's keys sgrec does not implement: accepted only unset
+            **{k: {"enum": [None, ""]} for k in ("regex", "json_schema", "ebnf", "structural_tag")},
+            "stop_regex": {"anyOf": [{"enum": [None, ""]}, {"type": "array", "maxItems": 0}]},
+            "custom_params": _nullable({"type": "object", "maxProperties": 0}),
+            "watermark": {"enum": [None, False]},
+            "choice": {"type": "null"},
+        },
+    }
+
+
+def generate_schema(lim: SchemaLimits) -> dict:
+    """SGLang's GenerateReqInput as sgrec accepts it (unknown top-level keys are ignored)."""
+    text = {"type": "string", "minLength": 1}
+    ids = _token_ids(lim)
+    return {
+        "type": "object",
+        "anyOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
+        "properties": {
+            "text": _one_or_list(text, lim.max_batch_size),
+            "input_ids": {"anyOf": [ids, {"type": "array", "items": ids, "minItems": 1,
+                                          "maxItems": lim.max_batch_size}]},
+            "sampling_params": _nullable(_one_or_list({"$ref": "#/components/schemas/SamplingParams"})),
+            "return_logprob": _one_or_list({"type": "boolean"}),
+            "logprob_start_len": _one_or_list({"type": "integer", "minimum": -1}),
+            "top_logprobs_num": _one_or_list({"type": "integer", "minimum": 0}),
+            "token_ids_logprob": _nullable(_one_or_list(ids)),
+            "return_text_in_logprobs": {"type": "boolean"},
+            "stream": {"type": "boolean"},
+            "rid": _nullable(_one_or_list({"type": "string", "minLength": 1})),
+            "extra_key": _nullable({"type": "string"}),
+            "routing_key": _nullable({"type": "string"}),
+            "constrain_to_catalog": {"type": "boolean"},
+        },
+    }
+
+
+def score_schema(lim: SchemaLimits) -> dict:
+    """SGLang's /v1/score body (CausalLM pointwise scoring)."""
+    ids = _token_ids(lim)
+    return {
+        "type": "object",
+        "required": ["items", "label_token_ids"],
+        "properties": {
+            "query": _nullable({"anyOf": [{"type": "string"}, _token_ids(lim, 0)]}),
+            "items": {"anyOf": [{"type": "string"},
+                                {"type": "array", "items": {"type": "string"}, "maxItems": lim.max_batch_size},
+                                {"type": "array", "items": ids, "maxItems": lim.max_batch_size}]},
+            "label_token_ids": {"anyOf": [{**ids, "uniqueItems": True},
+                                          {"type": "array", "items": {**ids, "uniqueItems": True}, "minItems": 1}]},
+            "apply_softmax": {"type": "boolean"},
+            "item_first": {"type": "boolean"},
+            "temperature": {"type": "number", "exclusiveMinimum": 0},
+            "return_token_logprobs": {"type": "boolean"},
+            "model": _nullable({"type": "string"}),
+            "routing_key": _nullable({"type": "string"}),
+        },
+    }
+
+
+def _user_schema(lim: SchemaLimits) -> dict:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "oneOf": [{"required": ["text"]}, {"required": ["token_ids"]}],
+        "properties": {
+            "id": _nullable({"type": "string", "minLength": 1}),  # null or absent: an anonymous user
+            "text": {"type": "string", "minLength": 1},
+            "token_ids": _token_ids(lim),
+        },
+    }
+
+
+def rank_schema(lim: SchemaLimits) -> dict:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["user", "items"],
+        "properties": {
+            "user": {"$ref": "#/components/schemas/RecUser"},
+            "items": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                      "maxItems": lim.max_rank_candidates, "uniqueItems": True},
+            "instruction": {"anyOf": [{"type": "string", "minLength": 1}, _token_ids(lim)]},
+            "prefix": _nullable({"type": "string", "enum": ["auto", "user", "item", "none", "greedy"]}),
+            "top_k": _nullable({"type": "integer", "minimum": 1}),
+            "rid": _nullable({"type": "string"}),
+            "routing_key": _nullable({"type": "string"}),
+            "model": _nullable({"type": "string"}),
+        },
+    }
+
+
+def retrieve_schema(lim: SchemaLimits) -> dict:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["user"],
+        "properties": {
+            "user": {"$ref": "#/components/schemas/RecUser"},
+            "beam_width": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
+            "top_k": {"type": "integer", "minimum": 1},
+            "num_items": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
+            "rid": _nullable({"type": "string"}),
+            "routing_key": _nullable({"type": "string"}),
+            "model": _nullable({"type": "string"}),
+        },
+    }
+
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "description": "OpenAI's error object on /v1 routes; {\"error\": ...} on native routes",
+}
+
+
+def _body(schema_name: str) -> dict:
+    return {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{schema_name}"}}}}
+
+
+def _errors(extra: dict[str, str] | None = None, auth: bool = False) -> dict:
+    out = {code: {"description": why, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+           for code, why in {**ERROR_STATUSES, **(extra or {})}.items()}
+    if auth:
+        out["401"] = {"description": "Missing or wrong API key (--api-key)",
+                      "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    return out
+
+
+STREAMING_OK = {"description": "The result; with \"stream\": true, server-sent events ending with data: [DONE]",
+                "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}}}
+JSON_OK = {"description": "The result", "content": {"application/json": {"schema": {}}}}
+BODIES = {  # path -> (component name, streams)
+    "/generate": ("GenerateReqInput", True),
+    "/v1/completions": ("CompletionRequest", True),
+    "/v1/chat/completions": ("ChatCompletionRequest", True),
+    "/v1/score": ("ScoringRequest", False),
+    "/v1/rank": ("RankRequest", False),
+    "/v1/retrieve": ("RetrieveRequest", False),
+}
+TEXT = {"content": {"text/plain": {"schema": {"type": "string"}}}}
+_UNHEALTHY = {"description": "Not serving (a scheduler died, or the health generation failed)"}
+_NOT_FLUSHED = {"description": "Requests are running or waiting: nothing flushed", **TEXT}
+OTHER_RESPONSES = {  # (path, method) -> the statuses and bodies of the routes without a request body
+    ("/health", "get"): {"200": {"description": "Serving (a one-token generation succeeded)"}, "503": _UNHEALTHY},
+    ("/health_generate", "get"): {"200": {"description": "Serving"}, "503": _UNHEALTHY},
+    ("/ready", "get"): {"200": {"description": "Serving"}, "503": {"description": "A scheduler died"}},
+    ("/flush_cache", "get"): {"200": {"description": "Flushed", **TEXT}, "400": _NOT_FLUSHED},
+    ("/flush_cache", "post"): {"200": {"description": "Flushed", **TEXT}, "400": _NOT_FLUSHED},
+    ("/metrics", "get"): {"200": {"description": "Prometheus text format", **TEXT},
+                          "404": {"description": "Metrics are off (--enable-metrics)", **TEXT}},
+    ("/v1/models/{model_id}", "get"): {"404": {"description": "No such model",
+                                                "content": {"application/json": {"schema": ERROR_SCHEMA}}}},
+}
+
+def build_openapi(app: FastAPI, lim: SchemaLimits, open_paths: tuple[str, ...] | None) -> dict:
+    """The document; `open_paths`: the routes that need no API key (None: no --api-key)."""
+    auth = open_paths is not None
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="sgrec: SGLang-compatible serving for generative recommendation")
+    comps = doc.setdefault("components", {}).setdefault("schemas", {})
+    for model in (CompletionRequest, ChatCompletionRequest):
+        schema = model.model_json_schema(ref_template=REF)
+        comps.update(schema.pop("$defs", {}))
+        comps[model.__name__] = schema
+    comps.update({
+        "SamplingParams": sampling_params_schema(lim), "GenerateReqInput": generate_schema(lim),
+        "ScoringRequest": score_schema(lim), "RecUser": _user_schema(lim), "RankRequest": rank_schema(lim),
+        "RetrieveRequest": retrieve_schema(lim),
+    })
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            op.get("responses", {}).pop("422", None)  # FastAPI's own validation never runs here
+            needs_auth = auth and path not in open_paths
+            if path in BODIES:
+                name, streams = BODIES[path]
+                op["requestBody"] = _body(name)
+                op["responses"] = {"200": STREAMING_OK if streams else JSON_OK, **_errors(auth=needs_auth)}
+                continue
+            op["responses"].update(OTHER_RESPONSES.get((path, method), {}))
+            if needs_auth:
+                op["responses"]["401"] = _errors(auth=True)["401"]
+    if auth:
+        comps_sec = doc["components"].setdefault("securitySchemes", {})
+        comps_sec["bearer"] = {"type": "http", "scheme": "bearer"}
+        for path, ops in doc["paths"].items():
+            if path not in open_paths:
+                for op in ops.values():
+                    op["security"] = [{"bearer": []}]
+    return doc
+
+
+def install_openapi(app: FastAPI, lim: SchemaLimits, open_paths: tuple[str, ...] | None) -> None:
+    """Replaces FastAPI's generated document with build_openapi's (built once, on first request)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app, lim, open_paths)
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -1,0 +1,75 @@
+"""`python -m sgrec.launch_server` as a child process on loopback, for the reliability scripts.
+
+    with LocalServer(["--max-queued-requests", "64"], log_path="server.log") as srv:
+        httpx.get(srv.url + "/health")
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+import sgrec
+
+HOST = "127.0.0.1"  # loopback only
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    def __init__(self, flags: list[str], log_path: str, ready_timeout: float = 300.0):
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        env = dict(os.environ)  # the sgrec this process imported, wherever it is installed
+        root = os.path.dirname(os.path.dirname(os.path.abspath(sgrec.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, "-m", "sgrec.launch_server", "--host", HOST, "--port", str(self.port), *flags]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.pid = self.proc.pid
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not ready after {ready_timeout} s:\n{self.read_log()[-3000:]}")
+            time.sleep(0.2)
+
+    def read_log(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "LocalServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,114 @@
+"""Reading a running server's health from outside: KV occupancy after drain, process tree RSS and
+threads. Used by the reliability scripts (benchmarks/soak.py, benchmarks/fuzz.py,
+benchmarks/overload.py) and the tests' leak checks.
+
+`python -m sgrec.tools.probe --url http://127.0.0.1:30000 [--pid LAUNCHER_PID]` prints both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+import psutil
+
+STATS_PERIOD_S = 0.5  # the schedulers report their KV usage this often (process.STATS_INTERVAL_S)
+
+
+@dataclass
+class KVState:
+    kv_used: int  # slots held by anything (requests and caches), summed over ranks
+    kv_total: int
+    running: int
+    queued: int
+
+    @property
+    def empty(self) -> bool:
+        return self.kv_used == 0 and self.running == 0 and self.queued == 0
+
+
+def kv_state(client: httpx.Client) -> KVState:
+    states = client.get("/server_info").json()["internal_states"]
+    return KVState(
+        kv_used=sum(s["memory_usage"]["kv_used_tokens"] for s in states),
+        kv_total=sum(s["memory_usage"]["kv_total_tokens"] for s in states),
+        running=sum(s["num_running_reqs"] for s in states),
+        queued=sum(s["num_queue_reqs"] for s in states),
+    )
+
+
+def kv_after_drain(client: httpx.Client, timeout: float = 30.0) -> KVState:
+    """Waits until no request runs or waits, flushes the prefix cache (/flush_cache succeeds only
+    then), waits for a fresh stats report and returns the KV state: after a clean drain every slot
+    is free. Returns the last state seen if the server never went idle within `timeout`."""
+    deadline = time.monotonic() + timeout
+    state = kv_state(client)
+    while time.monotonic() < deadline:
+        if client.post("/flush_cache").status_code == 200:
+            time.sleep(STATS_PERIOD_S * 2.2)  # two stats periods: the report postdates the flush
+            state = kv_state(client)
+            if state.empty:
+                return state
+        time.sleep(0.2)
+        state = kv_state(client)
+    return state
+
+
+@dataclass
+class ProcTree:
+    pids: list[int]
+    rss_mb: float  # summed over the launcher and its children
+    threads: int  # summed likewise
+
+    @property
+    def children(self) -> int:
+        return len(self.pids) - 1
+
+
+def proc_tree(pid: int) -> ProcTree:
+    root = psutil.Process(pid)
+    procs = [root, *root.children(recursive=True)]
+    rss = threads = 0
+    pids = []
+    for p in procs:
+        try:
+            with p.oneshot():
+                rss += p.memory_info().rss
+                threads += p.num_threads()
+            pids.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return ProcTree(pids, rss / 2**20, threads)
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids still running (zombies count as gone)."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="http://127.0.0.1:30000")
+    ap.add_argument("--pid", type=int, help="the launcher's pid: also report RSS and threads")
+    ap.add_argument("--api-key")
+    args = ap.parse_args(argv)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(base_url=args.url, headers=headers, timeout=30) as c:
+        out = {"kv_after_drain": asdict(kv_after_drain(c))}
+    if args.pid:
+        out["proc_tree"] = asdict(proc_tree(args.pid))
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Schemathesis against the server's own /openapi.json, every route, bounded (benchmarks/fuzz.py)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FUZZ_SECONDS = 120  # CI bound; `python benchmarks/fuzz.py` runs 10 minutes
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_openapi_document_has_a_body_schema_for_every_post_route(start_server, tiny_model_dir):
+    srv = start_server(tiny_model_dir("llama"), "--max-total-tokens", "1024", "--max-n", "3",
+                       "--max-beam-width", "7", "--max-batch-size", "5")
+    doc = srv.client.get("/openapi.json").json()
+    posts = {p for p, ops in doc["paths"].items() if "post" in ops and "requestBody" not in ops.get("get", {})}
+    bodies = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/rank", "/v1/retrieve"}
+    assert bodies <= posts
+    for path in bodies:
+        ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.split("/")[-1] in doc["components"]["schemas"]
+        assert {"400", "413", "503"} <= set(doc["paths"][path]["post"]["responses"])
+    comps = doc["components"]["schemas"]
+    assert comps["SamplingParams"]["properties"]["n"]["maximum"] == 3  # the server's own limits
+    assert comps["RetrieveRequest"]["properties"]["beam_width"]["maximum"] == 7
+    assert comps["GenerateReqInput"]["properties"]["text"]["anyOf"][1]["maxItems"] == 5
+    assert "422" not in json.dumps(doc["paths"])  # FastAPI's validation never answers here
+
+
+@pytest.mark.slow
+def test_fuzz_all_routes_bounded(tmp_path):
+    fuzz = load_script("fuzz")
+    res = fuzz.fuzz(max_time=FUZZ_SECONDS, seed=0, workers=1, api_key="ci-fuzz-key", workdir=str(tmp_path))
+    summary = {k: v for k, v in res.items() if k != "schemathesis_output"}
+    assert res["operations"] == 19 and res["test_cases"] > 500, summary
+    assert res["failures"] == [] and res["errors"] == [], res.get("schemathesis_output", summary)
+    assert res["health_after"] == 200 and res["schedulers_alive"], summary
+    assert res["kv_after_drain"] == {"kv_used": 0, "kv_total": 8192, "running": 0, "queued": 0}, summary
+    assert res["threads_after"] <= res["threads_before"] + fuzz.THREAD_SLACK, summary
+    assert res["tracebacks_in_log"] == 0, summary
+    assert res["ok"], summary

@@ -1,0 +1,493 @@
+"""Reliability and security (issue 10): authentication on every route, hostile sampling values,
+malformed internal messages, failed batches, client disconnects mid-prefill / mid-stream /
+mid-beam, a killed scheduler among several, overload, a bad catalog. Every fault test ends with
+the leak checks: all KV slots free after drain, the same processes alive, no growing thread count.
+"""
+
+import json
+import multiprocessing as mp
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import zmq
+
+from sgrec import demo
+from sgrec.managers import io_struct as io
+from sgrec.sampling import SamplingParams
+from sgrec.server_args import ServerArgs
+from sgrec.tools.probe import alive, kv_after_drain, kv_state, proc_tree
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+THREAD_SLACK = 4  # uvicorn / asyncio helper threads may come and go
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def warm(srv, n=4):
+    """A few requests so lazily started threads exist before a leak baseline is taken."""
+    for _ in range(n):
+        r = srv.client.post("/generate", json={"text": "warm", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200
+
+
+def assert_no_leaks(srv, before):
+    """All KV free after drain; the same processes, all alive; no more threads than before."""
+    kv = kv_after_drain(srv.client)
+    assert kv.empty, kv
+    after = proc_tree(srv.proc.pid)
+    assert sorted(after.pids) == sorted(before.pids), (before.pids, after.pids)
+    assert after.threads <= before.threads + THREAD_SLACK, (before.threads, after.threads)
+
+
+# ---- authentication ----------------------------------------------------------------------------
+def test_api_key_on_every_route_of_the_openapi_document(start_server, model):
+    key = "k-" + "7" * 30
+    srv = start_server(model, "--max-total-tokens", "1024", "--api-key", key, "--enable-metrics")
+    auth = {"Authorization": f"Bearer {key}"}
+    doc = srv.client.get("/openapi.json", headers=auth).json()
+    assert srv.client.get("/openapi.json").status_code == 401
+    open_paths = {"/health", "/health_generate", "/ready", "/metrics"}
+    checked = 0
+    for path, ops in doc["paths"].items():
+        url = path.replace("{model_id}", "whatever")
+        for method in ops:
+            for headers in ({}, {"Authorization": "Bearer " + "x" * len(key)}, {"Authorization": key},
+                            {"Authorization": f"bearer {key}"}):
+                r = srv.client.request(method.upper(), url, headers=headers, json={})
+                if path in open_paths:
+                    assert r.status_code != 401, (method, path)
+                else:
+                    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, (method, path, r.text)
+            checked += 1
+    assert checked >= 19
+    # prefixes of the open paths are not open
+    assert srv.client.get("/healthz").status_code == 401 and srv.client.get("/metrics/x").status_code == 401
+    info = srv.client.get("/server_info", headers=auth).json()
+    assert info["api_key"] is None and key not in json.dumps(info) and "<redacted>" in info["launch_command"]
+    r = srv.client.post("/generate", headers=auth, json={"text": "a", "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200
+    assert key not in srv.read_log()
+
+
+# ---- hostile values: no NaN reaches the sampler, no batch fails -----------------------------------
+HOSTILE = [
+    {"repetition_penalty": 1e-300},
+    {"temperature": 1e300, "min_new_tokens": 2},
+    {"temperature": 1e-5, "logit_bias": {"5": -3e38, "6": 3e38}},
+    {"temperature": 0.5, "logit_bias": {"5": 3e38}},
+    {"min_new_tokens": 3, "stop_token_ids": "ALL"},  # every token banned until min_new_tokens
+    {"top_p": 5e-324, "top_k": 1, "min_p": 1.0},
+    {"sampling_seed": 18446744073709551615},
+]
+
+
+def test_hostile_sampling_values_neither_fail_the_batch_nor_hang(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "4096")
+    warm(srv)
+    before = proc_tree(srv.proc.pid)
+    with open(f"{model}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    bystander_body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 30, **GREEDY}}
+    expected = srv.client.post("/generate", json=bystander_body).json()["output_ids"]
+    results = {}
+
+    def one(i, sp):
+        if sp.get("stop_token_ids") == "ALL":
+            sp = {**sp, "stop_token_ids": list(range(vocab))}
+        r = httpx.post(srv.url + "/generate", timeout=60,
+                       json={"input_ids": [9, 10, 11], "sampling_params": {"max_new_tokens": 3, **sp}})
+        results[i] = (r.status_code, r.json())
+
+    def bystander():
+        results["bystander"] = httpx.post(srv.url + "/generate", json=bystander_body, timeout=60).json()
+
+    threads = [threading.Thread(target=one, args=(i, sp)) for i, sp in enumerate(HOSTILE)]
+    threads.append(threading.Thread(target=bystander))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i in range(len(HOSTILE)):
+        code, body = results[i]
+        assert code == 200 and len(body["output_ids"]) == 3, (HOSTILE[i], body)
+    assert results["bystander"]["output_ids"] == expected  # batched with the hostile ones, unharmed
+    assert "Traceback" not in srv.read_log()
+    assert_no_leaks(srv, before)
+
+
+# ---- malformed messages on the internal sockets -------------------------------------------------
+def tokenizer_socket(launcher_pid: int) -> str:
+    """The ipc path the launcher's TokenizerManager pulls scheduler outputs from."""
+    paths = {c.laddr for c in psutil.Process(launcher_pid).net_connections(kind="unix") if c.laddr}
+    (path,) = [p for p in paths if p.endswith("/tokenizer")]
+    return "ipc://" + path
+
+
+GARBAGE = [
+    b"\xff\xfe not json",
+    b"[1, 2, 3]",
+    b'{"type": "Pickle", "data": "gASVAAAA"}',
+    b'{"type": "BatchReqOutput", "outputs": 5}',
+    b'{"type": "BatchReqOutput", "outputs": [{"rid": "nobody", "new_output_ids": "abc"}]}',
+    b'{"type": "BatchReqOutput", "outputs": [{"rid": "nobody", "new_output_ids": [1, 2]}]}',
+    b'{"type": "SchedulerStats", "dp_rank": 99, "num_running_reqs": 0, "num_queue_reqs": 0, "token_usage": 0,'
+    b' "kv_used": 0, "kv_total": 1, "kv_cached": 0, "last_gen_throughput": 0}',
+    b'{"type": "FlushCacheResult", "success": true}',
+    b'{"type": "SchedulerReady", "dp_rank": 0, "max_total_num_tokens": 1, "context_len": 1, "vocab_size": 1,'
+    b' "max_input_len": 1}',
+]
+
+
+def test_malformed_messages_to_the_tokenizer_manager_are_dropped(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "1024")
+    warm(srv)
+    before = proc_tree(srv.proc.pid)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(tokenizer_socket(srv.proc.pid))
+    try:
+        for data in GARBAGE:
+            sock.send(data)
+        time.sleep(1.0)
+        r = srv.client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
+        assert srv.client.get("/health").status_code == 200
+    finally:
+        sock.close(0)
+        ctx.term()
+    log = srv.read_log()
+    assert log.count("dropped a malformed message from a scheduler") == 5
+    assert "dropped an unexpected SchedulerReady message" in log
+    assert_no_leaks(srv, before)
+
+
+class SchedulerHarness:
+    """A real scheduler process (run_scheduler_process, spawned) on sockets this test binds, as the
+    TokenizerManager binds them."""
+
+    def __init__(self, model_path: str, tmp_path, **kw):
+        from sgrec.scheduler.process import run_scheduler_process
+
+        self.ctx = zmq.Context()
+        self.push, self.pull = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        in_addr, out_addr = f"ipc://{tmp_path}/sched-in", f"ipc://{tmp_path}/sched-out"
+        self.push.bind(in_addr)
+        self.pull.bind(out_addr)
+        args = ServerArgs(model_path=model_path, device="cpu", max_total_tokens=1024, **kw)
+        self.proc = mp.get_context("spawn").Process(target=run_scheduler_process,
+                                                    args=(args.to_dict(), 0, in_addr, out_addr, None), daemon=True)
+        self.proc.start()
+        self.ready = self.next_of(io.SchedulerReady, timeout=180)
+
+    def next_of(self, cls, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.pull.poll(200):
+                msg = io.decode(self.pull.recv())
+                if isinstance(msg, cls):
+                    return msg
+            assert self.proc.is_alive(), f"scheduler died with exit code {self.proc.exitcode}"
+        raise TimeoutError(cls.__name__)
+
+    def outputs_until_finished(self, rids: set[str], timeout=30.0) -> dict[str, io.ReqOutput]:
+        done: dict[str, io.ReqOutput] = {}
+        deadline = time.monotonic() + timeout
+        while set(done) != rids:
+            assert time.monotonic() < deadline, f"no end for {rids - set(done)}"
+            msg = self.next_of(io.BatchReqOutput, timeout=deadline - time.monotonic())
+            for out in msg.outputs:
+                if out.finish_reason is not None:
+                    done[out.rid] = out
+        return done
+
+    def send(self, msg):
+        self.push.send(io.encode(msg) if not isinstance(msg, bytes) else msg)
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.join(10)
+        self.push.close(0)
+        self.pull.close(0)
+        self.ctx.term()
+
+
+def gen(rid, ids, max_new=3):
+    return io.TokenizedGenerateReq(rid=rid, input_ids=ids,
+                                   sampling_params={**SamplingParams(max_new_tokens=max_new).to_wire(),
+                                                    "temperature": 0.0, "ignore_eos": True})
+
+
+def test_scheduler_process_drops_malformed_messages(model, tmp_path):
+    h = SchedulerHarness(model, tmp_path)
+    try:
+        vocab = h.ready.vocab_size
+        for data in [b"\x00\x01", b'{"type": "TokenizedGenerateReq", "rid": "t", "input_ids": 5, "sampling_params": {}}',
+                     b'{"type": "AbortReq", "rid": ["x"]}', b'{"type": "FlushCacheReq", "extra": 1}',
+                     b'{"type": "TaskReq", "rid": "t2", "kind": "rank", "input_ids": [1], "payload": []}',
+                     b'{"type": "ReqOutput", "rid": "x", "new_output_ids": []}',
+                     io.encode(io.AbortReq("nobody"))]:
+            h.send(data)
+        # well-typed but impossible: an unknown task kind (400), an out-of-vocabulary token (the batch
+        # fails inside the model: a 500 for it alone), sampling params the scheduler cannot build
+        h.send(io.TaskReq(rid="k", kind="nope", input_ids=[1], payload={}))
+        h.send(gen("oov", [5, vocab + 10]))
+        h.send(io.TokenizedGenerateReq(rid="sp", input_ids=[5], sampling_params={"bogus": 1}))
+        outs = h.outputs_until_finished({"k", "oov", "sp"})
+        assert outs["k"].finish_reason["status_code"] == 400
+        assert outs["oov"].finish_reason == io.abort_reason("Internal error while running the batch", 500)
+        assert outs["sp"].finish_reason["status_code"] == 400
+        h.send(gen("ok", [5, 6, 7], max_new=4))
+        ok = h.outputs_until_finished({"ok"})["ok"]
+        assert ok.finish_reason == {"type": "length", "length": 4}
+        h.send(io.FlushCacheReq())
+        assert h.next_of(io.FlushCacheResult).success is True
+        time.sleep(0.6)
+        stats = h.next_of(io.SchedulerStats)
+        assert stats.kv_used == 0 and stats.num_queue_reqs == 0 and stats.num_running_reqs == 0
+        assert h.proc.is_alive()
+    finally:
+        h.close()
+
+
+def test_failed_batch_ends_every_request_and_returns_its_kv(model, tmp_path, monkeypatch):
+    """A batch that raises (here: an injected fault in the model's forward) ends the requests it had
+    taken out of the queues with a 500 (none hangs), and its KV slots come back to the pool."""
+    from sgrec.scheduler.process import SchedulerLoop
+
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.bind(f"ipc://{tmp_path}/in")
+    pull.bind(f"ipc://{tmp_path}/out")
+    loop = SchedulerLoop(ServerArgs(model_path=model, device="cpu", max_total_tokens=1024), 0,
+                         f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    try:
+        alloc = loop.runner.kv_pool.allocator
+        for rid in ("a", "b"):
+            loop.handle(gen(rid, list(range(10, 60)), max_new=5))
+        real_forward = loop.runner.forward
+
+        def broken(*a, **k):
+            raise RuntimeError("injected fault")
+
+        monkeypatch.setattr(loop.runner, "forward", broken)
+        loop.step()
+        msg = None
+        while not isinstance(msg, io.BatchReqOutput):
+            msg = io.decode(pull.recv())
+        assert sorted(o.rid for o in msg.outputs) == ["a", "b"]
+        assert all(o.finish_reason == io.abort_reason("Internal error while running the batch", 500)
+                   for o in msg.outputs)
+        assert loop.live == {} and not loop.scheduler.has_work()
+        assert alloc.available_size() == alloc.size  # the prefill's slots were reclaimed
+        monkeypatch.setattr(loop.runner, "forward", real_forward)
+        loop.handle(gen("c", [5, 6, 7], max_new=3))
+        for _ in range(20):
+            loop.step()
+            if not loop.scheduler.has_work():
+                break
+        assert not loop.scheduler.has_work() and loop.live == {}
+        loop.scheduler.check_memory()
+    finally:
+        push.close(0)
+        pull.close(0)
+
+
+# ---- client disconnects ------------------------------------------------------------------------
+def test_disconnect_mid_prefill_frees_kv(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "8192", "--chunked-prefill-size", "16")
+    warm(srv)
+    before = proc_tree(srv.proc.pid)
+    prompt = [(7 * i) % 500 + 3 for i in range(1900)]  # 119 prefill chunks
+    clients = [httpx.Client(base_url=srv.url, timeout=60) for _ in range(4)]
+    got_chunk = []
+    seen_mid_prefill = threading.Event()
+
+    def stream(c, k):
+        try:
+            with c.stream("POST", "/generate", json={"input_ids": prompt[k:], "stream": True,
+                                                     "sampling_params": {"max_new_tokens": 50, **GREEDY}}) as r:
+                seen_mid_prefill.wait(30)
+                got_chunk.append(False)  # leave before reading a byte: the prompt is still prefilling
+        except httpx.HTTPError:
+            pass
+
+    threads = [threading.Thread(target=stream, args=(c, k)) for k, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not seen_mid_prefill.is_set():
+        st = kv_state(srv.client)
+        if st.running >= 1 and st.kv_used > 0:
+            seen_mid_prefill.set()
+        time.sleep(0.05)
+    assert seen_mid_prefill.is_set(), "never saw a prefill in progress"
+    for t in threads:
+        t.join(30)
+    for c in clients:
+        c.close()
+    assert_no_leaks(srv, before)
+    r = srv.client.post("/generate", json={"input_ids": prompt[:40], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200
+
+
+def test_disconnect_mid_stream_of_every_route_frees_kv(start_server, model):
+    """Streams of /generate, /v1/completions and /v1/chat/completions left after the first chunk, and
+    non-streamed requests left by a client timeout."""
+    srv = start_server(model, "--max-total-tokens", "8192")
+    warm(srv)
+    before = proc_tree(srv.proc.pid)
+    long = {"max_new_tokens": 1500, **GREEDY}
+    bodies = [
+        ("/generate", {"input_ids": [9, 10, 11], "sampling_params": long, "stream": True}),
+        ("/v1/completions", {"prompt": [9, 10, 12], "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                             "stream": True, "n": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500,
+                                  "temperature": 0, "ignore_eos": True, "stream": True}),
+    ]
+    firsts = []
+
+    def leave_after_first(path, body):
+        with httpx.stream("POST", srv.url + path, json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    firsts.append(path)
+                    break
+
+    def leave_on_timeout(path, body):
+        try:
+            httpx.post(srv.url + path, json={**body, "stream": False}, timeout=0.3)
+        except httpx.TimeoutException:
+            pass
+
+    threads = [threading.Thread(target=f, args=pb) for pb in bodies for f in (leave_after_first, leave_on_timeout)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(firsts) == sorted(p for p, _ in bodies)
+    assert_no_leaks(srv, before)
+
+
+@pytest.fixture(scope="module")
+def demo_server(start_server):
+    """The demo recommender with its 1,682-item catalog (semantic IDs): retrieve runs real beams."""
+    return start_server(demo.model_path(), "--item-catalog", demo.catalog_path(), "--max-total-tokens", "65536",
+                        "--max-beam-width", "512")
+
+
+def test_disconnect_mid_beam_frees_kv_and_answers_stay_exact(demo_server):
+    srv = demo_server
+    user = {"id": "u1", "text": "<i1><i50><i100><i172><i174>\nSemantic ID:"}
+    body = {"user": user, "beam_width": 256, "num_items": 10}
+    want = srv.client.post("/v1/retrieve", json=body)
+    assert want.status_code == 200, want.text
+    warm(srv)
+    before = proc_tree(srv.proc.pid)
+
+    def leave(i):
+        try:
+            httpx.post(srv.url + "/v1/retrieve", timeout=0.05 + 0.02 * i,
+                       json={"user": {"id": f"u{i}", "text": f"<i{i + 2}><i{i + 30}>\nSemantic ID:"},
+                             "beam_width": 512, "num_items": 10})
+        except httpx.TimeoutException:
+            pass
+
+    threads = [threading.Thread(target=leave, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert_no_leaks(srv, before)
+    again = srv.client.post("/v1/retrieve", json=body)
+    assert again.status_code == 200
+    assert [x["item"] for x in again.json()["items"]] == [x["item"] for x in want.json()["items"]]
+
+
+# ---- a killed scheduler among several -----------------------------------------------------------
+def test_killed_scheduler_among_two_fails_inflight_and_exits_without_orphans(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "4096", "--dp-size", "2")
+    tree = proc_tree(srv.proc.pid)
+    scheds = [psutil.Process(p) for p in tree.pids if "spawn_main" in " ".join(psutil.Process(p).cmdline())]
+    assert len(scheds) == 2
+    results = []
+
+    def long_request(i):
+        try:
+            r = httpx.post(srv.url + "/generate", timeout=60,
+                           json={"input_ids": [5 + i, 6, 7], "sampling_params": {"max_new_tokens": 3000, **GREEDY}})
+            results.append((r.status_code, r.json()))
+        except httpx.HTTPError as e:
+            results.append(("transport", repr(e)))
+
+    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(4)]  # spread over both ranks
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    scheds[1].kill()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 4
+    assert all(code == 500 and "died" in body["message"] for code, body in results), results
+    assert srv.proc.wait(30) != 0
+    deadline = time.monotonic() + 15
+    while alive(tree.pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive(tree.pids) == []  # the launcher, the other rank and the resource tracker are gone
+    assert "Scheduler process DP1 died" in srv.read_log()
+
+
+# ---- overload ----------------------------------------------------------------------------------
+def test_burst_of_ten_times_capacity(start_server, model):
+    running, queued = 2, 2
+    srv = start_server(model, "--max-total-tokens", "4096", "--max-running-requests", str(running),
+                       "--max-queued-requests", str(queued))
+    warm(srv)
+    before = proc_tree(srv.proc.pid)
+    burst = 10 * (running + queued)
+    results = []
+
+    def one(i):
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"prompt": [5 + i % 50, 6, 7], "max_tokens": 60, "temperature": 0, "ignore_eos": True})
+        results.append((r.status_code, r.json(), t0, time.monotonic()))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(burst)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == burst
+    ok = [r for r in results if r[0] == 200]
+    full = [r for r in results if r[0] == 503]
+    assert len(ok) + len(full) == burst and len(full) >= burst // 2, [r[0] for r in results]
+    assert all(b["message"] == "The request queue is full." and b["code"] == 503 for _, b, _, _ in full)
+    assert all(b["usage"]["completion_tokens"] == 60 for _, b, _, _ in ok)
+    # rejections come back while the admitted requests still run: each 503 ends before the last 200
+    assert max(end for *_, end in full) < max(end for *_, end in ok)
+    st = kv_state(srv.client)
+    assert st.queued == 0
+    assert_no_leaks(srv, before)
+
+
+# ---- start-up errors ---------------------------------------------------------------------------
+def test_catalog_with_a_bad_line_is_a_clear_startup_error(model, tmp_path):
+    import subprocess
+    import sys
+
+    cat = tmp_path / "catalog.jsonl"
+    cat.write_text('{"id": "a", "token_ids": [5], "id_token": 7}\n{"id": "b", "token_ids": [6], "id_token": 8}\n'
+                   '{"id": "c", "token_ids": "oops", "id_token": 9}\n')
+    proc = subprocess.run([sys.executable, "-m", "sgrec.launch_server", "--model-path", model, "--device", "cpu",
+                           "--max-total-tokens", "1024", "--item-catalog", str(cat), "--port", "0"],
+                          capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"start-up failed: {cat}:3: item 'c': 'token_ids' must be a non-empty list of token ids" in out
+    assert "Traceback" not in out
