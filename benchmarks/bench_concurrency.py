@@ -206,28 +206,30 @@ def main() -> None:
     else:
         from sgrec.tools.local_server import LocalServer
 
-        def start(name: str) -> Traffic:  # one server at a time: the other does not share the cores
+        def start(name: str) -> Traffic:
             flags = ["--model-path", model, "--dtype", "float32", "--device", "cpu"]
             for k, v in {**common, **configs[name]}.items():
                 flags += [f"--{k.replace('_', '-')}", str(v)]
             servers[name] = LocalServer(flags, log_path=os.path.join(tmp, f"{name}.log"))
             return Traffic(None, args.history, args.candidates, args.beam_width, url=servers[name].url)
 
-        traffic["one"] = start("one")
+        for name in configs:  # both up (an idle server sleeps in its poll), measured in turn per level
+            traffic[name] = start(name)
     costs = profile(traffic["one"], args.profile_reps)
     print(f"profiled cost per request ({args.target}, median of {args.profile_reps}): "
           + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.items()))
     print(f"batched: --batch-wait-ms {args.batch_wait_ms}; simulated: occupancy {args.occupancy} per request "
           f"(assumed), multi-stream = sgrec policy on {args.num_streams} streams")
     levels = [int(x) for x in args.concurrency.split(",")]
-    measured: dict[str, dict[int, dict]] = {}
-    for name in configs:
-        if args.target == "server" and name not in traffic:
-            traffic[name] = start(name)
-        profile(traffic[name], 2)  # warm-up
-        measured[name] = {c: measured_closed_loop(traffic[name], c, args.requests_per_client) for c in levels}
-        if name in servers:
-            servers.pop(name).stop()
+    profile(traffic["batched"], 2)  # warm-up
+    measured: dict[str, dict[int, dict]] = {name: {} for name in configs}
+    try:
+        for c in levels:  # alternating, so that load drifting over the run hits both alike
+            for name in configs:
+                measured[name][c] = measured_closed_loop(traffic[name], c, args.requests_per_client)
+    finally:
+        for srv in servers.values():
+            srv.stop()
 
     rows = []
     header = ("| clients | kind | n | one-at-a-time mean / P99 ms | batched mean / P99 ms | one / batched (mean) | "

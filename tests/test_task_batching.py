@@ -158,3 +158,21 @@ def test_server_batches_concurrent_retrieves(start_server, model, sem_catalog):
         assert [x["item"] for x in alone[key]] == [x["item"] for x in got[key]]
         assert max(abs(a["score"] - b["score"]) for a, b in zip(alone[key], got[key])) <= 1e-4
         assert srv.client.post("/flush_cache").status_code == 200
+
+
+def test_rank_retrieve_stream_cannot_starve_prompts(model, sem_catalog):
+    """Due rank / retrieve batches go first, but never twice in a row while a prefill-only (score)
+    request waits."""
+    from sgrec.managers.io_struct import TokenizedGenerateReq
+    from sgrec.sampling import SamplingParams
+
+    e, clock = engine(model, sem_catalog, batch_wait_ms=0)
+    sched = e.scheduler
+    wire = {**SamplingParams().to_wire(), "max_new_tokens": 0}
+    score = sched.add_request(TokenizedGenerateReq(rid="s", input_ids=list(range(3, 40)), sampling_params=wire))
+    sched.add_task(retrieve_msg(e, "r0", list(range(5, 25))))
+    assert [t.rid for t in sched.step()] == ["r0"]
+    sched.add_task(retrieve_msg(e, "r1", list(range(6, 26))))  # due at once, but the score waited a batch
+    assert [r.rid for r in sched.step()] == ["s"] and score.finished
+    assert [t.rid for t in sched.step()] == ["r1"]
+    e.check_memory()

@@ -84,6 +84,7 @@ class Scheduler:
         self.tasks = TaskQueue(args, kinds, backend, clock=lambda: self.clock())
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         self.last_was_prefill = False
+        self.last_ran_tasks = False  # the last step ran rank / retrieve batches
 
     # ---- public -------------------------------------------------------------------------
     def add_request(self, msg: TokenizedGenerateReq) -> Req:
@@ -139,13 +140,16 @@ class Scheduler:
         """Runs one batch; returns the requests that got a new token or finished.
 
         Prefill goes first, but never twice in a row while requests are decoding: a running
-        request waits at most one prefill batch (at most chunked_prefill_size tokens) per token."""
+        request waits at most one prefill batch (at most chunked_prefill_size tokens) per token.
+        Due rank / retrieve batches go before prompts, but not twice in a row while prompts or
+        prefill-only requests wait: a steady stream of rank / retrieve requests cannot starve them."""
         if not (self.last_was_prefill and self.running):
             due = self.tasks.next_deadline()
-            if due is not None and due <= self.clock():  # a rank / retrieve batch is full or at its quota
-                done = self.tasks.run_due()
+            after_tasks, self.last_ran_tasks = self.last_ran_tasks, False
+            if due is not None and due <= self.clock() and not (after_tasks and (self.waiting or self.prefill_only)):
+                done = self.tasks.run_due()  # a rank / retrieve batch is full or at its quota
                 if done:
-                    self.last_was_prefill = True
+                    self.last_was_prefill = self.last_ran_tasks = True
                     return done
             prefill = self._schedule_prefill()
             if not prefill and self.prefill_only:
