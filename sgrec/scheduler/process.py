@@ -7,6 +7,7 @@ ReqOutputs (and periodic SchedulerStats) to the tokenizer manager. It exits when
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import traceback
@@ -91,7 +92,8 @@ class SchedulerLoop:
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
                                     self.runner.config.vocab_size, self.runner.max_input_len))
         while True:
-            ready = dict(self.poller.poll(0 if self.scheduler.has_work() else IDLE_POLL_MS))
+            wait = self.scheduler.idle_wait()  # rank / retrieve batches waiting for their quota: sleep till due
+            ready = dict(self.poller.poll(IDLE_POLL_MS if wait is None else min(IDLE_POLL_MS, math.ceil(wait * 1000))))
             if self.item_server is not None and self.item_server.sock in ready:
                 self.item_server.poll(0)
             if self.item_pool is not None:
