@@ -69,9 +69,11 @@ class Server:
 
 
 class LocalCluster:
-    def __init__(self, server_flags: list[str], dp_size: int = 1, workdir: str | None = None):
+    def __init__(self, server_flags: list[str], dp_size: int = 1, workdir: str | None = None,
+                 item_fetch: str | None = None):
         self.server_flags = list(server_flags)
         self.dp_size = dp_size
+        self.item_fetch = item_fetch  # the peer file's fetch policy (cost, always, never); None: cost
         self.workdir = workdir or tempfile.mkdtemp(prefix="sgrec-cluster-")
         os.makedirs(self.workdir, exist_ok=True)
         self.peers_path = os.path.join(self.workdir, "peers.json")
@@ -108,7 +110,7 @@ class LocalCluster:
 
     def up(self, n: int, port: int | None = None, router_port: int | None = None, **front_kw) -> "LocalCluster":
         if not os.path.exists(self.peers_path):
-            write_peer_file(self.peers_path, [])
+            write_peer_file(self.peers_path, [], **({"item_fetch": self.item_fetch} if self.item_fetch else {}))
         for _ in range(n):
             self.join(self.launch_server())
         self.front = Front(self.peers_path, port or free_port(), router_port, workdir=self.workdir, **front_kw).start()
@@ -133,10 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dp-size", type=int, default=1, help="DP ranks of each server")
     ap.add_argument("--port", type=int, default=8000, help="Caddy (every route)")
     ap.add_argument("--router-port", type=int, default=8001, help="sglang-router (generation routes)")
+    ap.add_argument("--item-fetch", choices=["cost", "always", "never"], default=None,
+                    help="the item pool's fetch policy, written to the peer file (default: cost)")
     ap.add_argument("server_flags", nargs=argparse.REMAINDER, help="-- then flags for every sgrec server")
     a = ap.parse_args(argv)
     flags = a.server_flags[1:] if a.server_flags[:1] == ["--"] else a.server_flags
-    cluster = LocalCluster(flags, a.dp_size)
+    cluster = LocalCluster(flags, a.dp_size, item_fetch=a.item_fetch)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

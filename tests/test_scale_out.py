@@ -33,8 +33,11 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(model, catalog, tmp_path_factory):
+    # item_fetch "always": the fetch tests below need fetches, whatever the cost model would pick on
+    # a loaded machine (the cost model is tested in process: tests/test_item_fetch.py)
     c = LocalCluster(["--model-path", model, "--device", "cpu", "--max-total-tokens", "4096",
-                      "--item-catalog", catalog], workdir=str(tmp_path_factory.mktemp("cluster")))
+                      "--item-catalog", catalog], workdir=str(tmp_path_factory.mktemp("cluster")),
+                     item_fetch="always")
     try:
         yield c.up(2)
     finally:

@@ -3,6 +3,7 @@ other only through a peer file, re-planned when the file changes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -35,8 +36,13 @@ def make_executor(path: str, catalog) -> RankExecutor:
     return ex
 
 
+_runs = itertools.count()
+RUN = [0]  # endpoints are new for every test: a request queued for a closed inproc endpoint of an
+# earlier test would otherwise reach the server that binds the same name later in the shared context
+
+
 def entry(k: int) -> dict:
-    return {"name": f"s{k}", "url": f"http://127.0.0.1:{k}", "item_kv": [f"inproc://pool-test-{k}"]}
+    return {"name": f"s{k}", "url": f"http://127.0.0.1:{k}", "item_kv": [f"inproc://pool-test-{RUN[0]}-{k}"]}
 
 
 @pytest.fixture
@@ -44,16 +50,17 @@ def pools(tiny_model_dir, tmp_path):
     cat = make_catalog(n=20)
     path = tiny_model_dir("qwen2", seed=4)
     peers = str(tmp_path / "peers.json")
+    RUN[0] = next(_runs)
     write_peer_file(peers, [entry(0), entry(1)])
     ctx = zmq.Context.instance()
     clock = Clock()
     made = []
     for k in range(2):
         ex = make_executor(path, cat)
-        # a fast network (Algorithm 1: R_max >= 1): only the hottest item is replicated
+        # a fast network (Algorithm 1: R_max >= 1): only the hottest item is replicated; recomputing
+        # costs 1 s per token, so the cost model always fetches
         made.append(ItemPool(ex, ex.runner, ctx, [entry(k)["item_kv"][0]], 0, peers, clock=clock,
-                             bandwidth_gbps=1e6, prefill_time=lambda s, p: 0.01))
-    made[1].server.start()  # rank 1 answers from a thread while rank 0 runs in this one
+                             bandwidth_gbps=1e6, prefill_time=lambda s, p: 0.01, recompute_per_token_s=1.0))
     for p in made:
         p.refresh()  # the scheduler loop's first call: each rank computes its share
     yield made, peers, clock, cat
@@ -79,6 +86,7 @@ def test_fetch_from_the_peer_then_leave_and_rejoin(pools):
     out = ex0.run("u", user, items, INSTR, prefix="item")
     remote = sum(len(cat.get(i).token_ids) for i in items if i not in ex0.store)
     assert out["meta_info"]["fetched_tokens"] == remote > 0 and p1.server.served > 0
+    assert p1.server.requests == 1 and p0.fetcher.recompute_s(3) == 3.0  # one round trip for all
     assert (scores_of(out, items) - want).abs().max().item() <= TOL
     # rank 1 leaves the pool: rank 0 re-plans to hold everything itself, nothing is fetched
     write_peer_file(peers, [entry(0)])
@@ -110,10 +118,33 @@ def test_dead_peer_is_recomputed_not_an_error(pools):
     assert (scores_of(out, items) - scratch(p0.ex, user, items)).abs().max().item() <= TOL
 
 
+def test_fetch_policy_from_the_peer_file(pools):
+    """The peer file's item_fetch applies at the next re-read; rewriting the servers keeps it."""
+    (p0, p1), peers, clock, cat = pools
+    items = [it.id for it in cat.items]
+    user = [4, 5, 6]
+    write_peer_file(peers, [entry(0), entry(1)], item_fetch="never")
+    clock.t += 1.5
+    assert not p0.refresh() and p0.fetcher.policy == "never"  # same members: no re-plan, new policy
+    out = p0.ex.run("u", user, items, INSTR, prefix="item")
+    assert out["meta_info"]["fetched_tokens"] == 0 and p1.server.requests == 0
+    assert (scores_of(out, items) - scratch(p0.ex, user, items)).abs().max().item() <= TOL
+    write_peer_file(peers, [entry(1), entry(0)])  # the front rewrites the servers: the policy stays
+    with open(peers) as f:
+        assert json.load(f)["item_fetch"] == "never"
+    write_peer_file(peers, [entry(0), entry(1)], item_fetch="always")
+    clock.t += 1.5
+    p0.refresh()
+    out = p0.ex.run("u", user, items, INSTR, prefix="item")
+    assert out["meta_info"]["fetched_tokens"] > 0 and p1.server.requests == 1
+    assert accounting_ok(p0.ex) and accounting_ok(p1.ex)
+
+
 @pytest.mark.parametrize("body,message", [
     ({"servers": [{"item_kv": []}]}, "non-empty list"),
     ({"servers": [{"item_kv": ["tcp://a:1"]}, {"item_kv": ["tcp://a:1"]}]}, "listed twice"),
     ([], "expected"),
+    ({"servers": [{"item_kv": ["tcp://a:1"]}], "item_fetch": "sometimes"}, "item_fetch must be one of"),
 ])
 def test_malformed_peer_files_are_rejected(tmp_path, body, message):
     p = tmp_path / "peers.json"

@@ -1,30 +1,54 @@
 """Cross-rank item KV fetch for HRCS placement (BAT §5.2, Algorithm 1).
 
-With `--dp-size N` and HRCS, each rank's item store holds the replicated hot items and its shard of
-the cold ones. A cold item owned by another rank is either fetched from the owner as KV bytes over
-ZMQ or recomputed, whichever Algorithm 1's cost model says is cheaper: fetching n tokens costs
-`latency_s + n * bytes_per_token / bandwidth_Bps`, recomputing them `recompute_s(n)`.
+With `--dp-size N` and HRCS (or several servers sharing one item pool, `sgrec.radix.item_peers`),
+each rank's item store holds the replicated hot items and its shard of the cold ones. The cold
+items of a request owned by other ranks are fetched from their owners as KV bytes over ZMQ, or
+recomputed in the request's forward, whichever the cost model says is cheaper.
 
 Pieces (plain, no scheduler knowledge):
 
-- `ItemKVServer(store, kv_pool, endpoint)`: a ZMQ ROUTER bound at `endpoint` that answers
-  `{"item", "header"}` with the item's K and V for every layer if the store holds it and was built
-  with the same header (else a miss). `poll(timeout_ms)` serves what is pending in the caller's
-  thread; a scheduler calls it once per loop iteration (the store is not thread-safe). `start()`
-  runs a background thread instead (tests, or a store no other thread mutates).
-- `ItemKVClient(endpoints)`: one DEALER per peer rank. `fetch(rank, item_id, header_key, timeout_ms,
-  serve=...)` returns `(k, v)` as float tensors `[layers, n, kv_heads, head_dim]`, or None on a miss,
-  a timeout or a dead peer; while waiting it calls `serve()` (the caller's own server's poll), so two
-  ranks fetching from each other do not deadlock. A peer that timed out is skipped for
-  `dead_cooldown_s` (requests to it go straight to recomputation); stale replies are dropped by id.
+- `ItemKVServer(store, endpoint)`: a ZMQ ROUTER bound at `endpoint`. `start()` answers
+  from a background thread, so a peer's fetch never waits for this rank's scheduler step (the
+  scheduler may be in the middle of a forward). `poll(timeout_ms)` answers what is pending in the
+  calling thread instead (tests).
+- `ItemKVClient(endpoints)`: one DEALER per peer rank. `fetch_many({rank: [item ids]}, header,
+  timeout_ms)` sends one request to every owner first, then collects the replies, so the owners
+  work in parallel and each owner costs one round trip per request however many of its items the
+  request needs. A peer that does not answer within the timeout is skipped for `dead_cooldown_s`
+  (its items are recomputed); stale replies are dropped by id.
 - `ItemFetcher(rank, placement, client, ...)`: what RankExecutor calls (`fetcher=`):
-  `fetch(item_id, n_tokens)` -> `(k, v)` or None (None: recompute). It asks the owner only when the
-  item is not this rank's, the owner is alive and fetching is cheaper than recomputing.
+  `fetch_many([(item id, tokens), ...])` returns the fetched KV (`Fetched` chunks, one per owner
+  that answered) and counts the rest as recomputed.
 - `connect_loopback(executors)`: in-process endpoints (inproc://) wiring a list of RankExecutors
-  (benchmark and tests): every executor gets a server on its store and a fetcher to the others.
+  (benchmarks and tests): every executor gets a threaded server on its store and a fetcher.
 
-Wire format: request one JSON frame `{"id", "item", "header"}`; reply a JSON frame `{"id", "ok",
-"shape", "dtype"}` and, when ok, two raw frames with K and V (C-contiguous, the pool's dtype).
+Safety of answering from a thread while the scheduler mutates the store: the server reads item KV
+only through `ItemStore.read_kv`, which holds the store's lock while it looks the items up and
+copies their K and V out of the KV pool. The scheduler thread takes the same lock for every change
+of the store's entries and every free of a stored slot (admit, evict, drop_unowned, reset,
+precompute's publishing), so a slot being read is never freed, reused by a request and overwritten
+mid-copy; an item evicted first is simply a miss (the requester recomputes it). Entries are
+published only once their KV is written (see `sgrec.radix.items`). The lock is held for the copy
+only (microseconds for a request's items), never across a forward. Serialisation and sending happen
+outside it.
+
+Cost model (BAT §5.2: communication is worth it while it costs less than the computation it saves,
+Algorithm 1's comparison of transfer time and prefill time, made per request and owner): fetching
+n tokens from owner p is estimated as `latency_p + n * bytes_per_token / bandwidth_Bps`, where
+latency_p is an exponential moving average (weight `ema_weight`) of the measured round trips to p
+minus their transfer term (prior: `latency_s`; a timeout counts as a round trip of the timeout).
+Recomputing them costs `recompute_s(n)` (`sgrec.radix.item_peers` measures the runner's prefill
+time per token). With linear costs on both sides the best choice for one owner is all of its items
+or none, so the decision is per owner: fetch when the estimate is below the recompute time. An
+owner not measured for `probe_interval_s` is fetched from anyway (a probe), so an estimate from a
+busy moment does not keep the owner skipped forever. `policy`: "cost" (the model), "always" (every
+alive owner) or "never"; with `recompute_s=None` the model always fetches.
+
+Wire format: request one JSON frame `{"id", "items": [ids], "header"}`; reply a JSON frame `{"id",
+"ok", "items": [[id, tokens], ...], "shape", "dtype"}` listing the requested items the owner holds
+(in request order; the others are misses), and when that list is not empty two raw frames with
+their K and V concatenated along the token axis (C-contiguous, the pool's dtype). `ok` is false
+when the owner's store has another header (its KV is not this rank's).
 """
 
 from __future__ import annotations
@@ -35,6 +59,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -43,23 +68,15 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_MS = 200
 DEAD_COOLDOWN_S = 5.0
+EMA_WEIGHT = 0.2
+PROBE_INTERVAL_S = 1.0
+FETCH_POLICIES = ("cost", "always", "never")
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
 def header_key(header_ids: Sequence[int]) -> str:
     """Identity of the header item KV was computed under (KV with another header is not the same)."""
     return f"{len(header_ids)}:{hash(tuple(int(t) for t in header_ids)) & 0xFFFFFFFFFFFF:x}"
-
-
-def read_item_kv(kv_pool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of `slots` for every layer: two tensors [layers, n, kv_heads, head_dim] (CPU)."""
-    loc = slots.to(kv_pool.device)
-    ks, vs = [], []
-    for layer in range(kv_pool.num_layers):
-        k, v = kv_pool.get_kv(layer)
-        ks.append(k[loc])
-        vs.append(v[loc])
-    return torch.stack(ks).cpu(), torch.stack(vs).cpu()
 
 
 def write_item_kv(kv_pool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -77,24 +94,34 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.numpy().tobytes()
 
 
-def _tensor_from(buf: bytes, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+def _tensor_from(buf, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.bfloat16:
         return torch.frombuffer(bytearray(buf), dtype=torch.int16).view(torch.bfloat16).reshape(shape)
     return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
 
 
+@dataclass
+class Fetched:
+    """KV of items from one owner: `items[j]` has `lens[j]` tokens; k and v are
+    [layers, sum(lens), kv_heads, head_dim], the items' tokens one after the other."""
+
+    items: list[str]
+    lens: list[int]
+    k: torch.Tensor
+    v: torch.Tensor
+
+
 class ItemKVServer:
-    def __init__(self, store, kv_pool, endpoint: str, ctx: zmq.Context | None = None):
+    def __init__(self, store, endpoint: str, ctx: zmq.Context | None = None):
         self.store = store
-        self.kv_pool = kv_pool
         self.endpoint = endpoint
         self.header = header_key(store.header_ids)
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
-        self.served = self.missed = 0
-        self._lock = threading.Lock()
+        self.served = self.missed = self.requests = 0  # items served / missed, requests answered
+        self._lock = threading.Lock()  # one thread on the socket at a time
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -113,18 +140,23 @@ class ItemKVServer:
     def _answer(self, peer: bytes, raw: bytes) -> None:
         try:
             req = json.loads(raw)
-            rid, item = req["id"], str(req["item"])
+            rid, items = req["id"], [str(i) for i in req["items"]]
         except (ValueError, KeyError, TypeError):
             logger.warning("item fetch: dropped a malformed request")
             return
-        entry = self.store.entries.get(item) if req.get("header") == self.header else None
-        if entry is None:
-            self.missed += 1
+        self.requests += 1
+        if req.get("header") != self.header:
+            self.missed += len(items)
             self.sock.send_multipart([peer, json.dumps({"id": rid, "ok": False}).encode()])
             return
-        k, v = read_item_kv(self.kv_pool, entry.slots)
-        self.served += 1
-        meta = {"id": rid, "ok": True, "shape": list(k.shape), "dtype": str(k.dtype)}
+        found, k, v = self.store.read_kv(items)  # under the store's lock (see the module docstring)
+        self.served += len(found)
+        self.missed += len(items) - len(found)
+        meta = {"id": rid, "ok": True, "items": found}
+        if not found:
+            self.sock.send_multipart([peer, json.dumps(meta).encode()])
+            return
+        meta.update(shape=list(k.shape), dtype=str(k.dtype))
         self.sock.send_multipart([peer, json.dumps(meta).encode(), _tensor_bytes(k), _tensor_bytes(v)], copy=False)
 
     def start(self) -> None:
@@ -135,7 +167,10 @@ class ItemKVServer:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.poll(20)
+            try:
+                self.poll(20)
+            except Exception:  # never let one bad request end the thread: peers would time out
+                logger.exception("item fetch: answering a request failed")
 
     def close(self) -> None:
         self._stop.set()
@@ -144,6 +179,17 @@ class ItemKVServer:
             self._thread = None
         with self._lock:
             self.sock.close(0)
+
+
+@dataclass
+class PeerReply:
+    """One owner's answer: the items it held (id, tokens) with their K and V, and the round trip."""
+
+    items: list[tuple[str, int]]
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    seconds: float
+    nbytes: int
 
 
 class ItemKVClient:
@@ -158,8 +204,8 @@ class ItemKVClient:
         self.dead_until: dict[str, float] = {}
         self.dead_cooldown_s = dead_cooldown_s
         self.clock = clock
-        self._next_id = 0
-        self.fetched = self.timeouts = 0
+        self._ids = itertools.count(1)
+        self.fetched = self.timeouts = 0  # replies received, peers that timed out
 
     def set_endpoints(self, endpoints: dict[int, str]) -> None:
         """New rank -> address map (membership changed); sockets to addresses no longer listed close."""
@@ -182,43 +228,70 @@ class ItemKVClient:
         addr = self.endpoints.get(rank)
         return addr is not None and self.clock() >= self.dead_until.get(addr, 0.0)
 
-    def fetch(self, rank: int, item_id: str, header: str, timeout_ms: int = DEFAULT_TIMEOUT_MS,
-              serve: Callable[[], object] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self.alive(rank):
-            return None
-        addr = self.endpoints[rank]
-        sock = self._sock(addr)
-        self._next_id += 1
-        rid = self._next_id
-        try:
-            sock.send(json.dumps({"id": rid, "item": item_id, "header": header}).encode(), zmq.NOBLOCK)
-        except zmq.Again:
-            self._mark_dead(addr)
-            return None
-        deadline = self.clock() + timeout_ms / 1000.0
-        while True:
-            left = deadline - self.clock()
-            if left <= 0:
+    def fetch_many(self, wants: dict[int, Sequence[str]], header: str,
+                   timeout_ms: int = DEFAULT_TIMEOUT_MS) -> dict[int, PeerReply | None]:
+        """One request per owner rank for all its items in `wants`, sent to every owner before any
+        reply is awaited. Per rank: its reply, or None (dead, timed out, another header)."""
+        out: dict[int, PeerReply | None] = {}
+        pending: dict[zmq.Socket, tuple[int, int, float]] = {}  # socket -> (rank, request id, sent at)
+        for rank, items in wants.items():
+            out[rank] = None
+            if not items or not self.alive(rank):
+                continue
+            addr = self.endpoints[rank]
+            sock = self._sock(addr)
+            rid = next(self._ids)
+            try:
+                sock.send(json.dumps({"id": rid, "items": list(items), "header": header}).encode(), zmq.NOBLOCK)
+            except zmq.Again:
                 self._mark_dead(addr)
-                return None
-            wait_ms = left * 1000.0 if serve is None else min(left * 1000.0, 5)  # serve() every 5 ms
-            if sock.poll(wait_ms):
+                continue
+            pending[sock] = (rank, rid, time.perf_counter())
+        deadline = time.perf_counter() + timeout_ms / 1000.0
+        poller = zmq.Poller()
+        for sock in pending:
+            poller.register(sock, zmq.POLLIN)
+        while pending:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            for sock, _ in poller.poll(left * 1000.0):
                 frames = sock.recv_multipart()
+                rank, rid, sent = pending[sock]
                 try:
                     meta = json.loads(frames[0])
                 except ValueError:
                     continue
-                if meta.get("id") != rid:
+                if not isinstance(meta, dict) or meta.get("id") != rid:
                     continue  # a late reply to a request that already timed out
-                if not meta.get("ok") or len(frames) != 3:
-                    return None
-                dtype = _DTYPES.get(meta.get("dtype"))
-                if dtype is None:
-                    return None
+                del pending[sock]
+                poller.unregister(sock)
                 self.fetched += 1
-                return _tensor_from(frames[1], meta["shape"], dtype), _tensor_from(frames[2], meta["shape"], dtype)
-            if serve is not None:
-                serve()
+                out[rank] = self._reply(meta, frames, time.perf_counter() - sent)
+        for sock, (rank, _, _) in pending.items():  # no answer in time
+            self._mark_dead(self.endpoints[rank])
+        return out
+
+    @staticmethod
+    def _reply(meta: dict, frames: list, seconds: float) -> PeerReply | None:
+        if not meta.get("ok"):
+            return None
+        try:
+            items = [(str(i), int(n)) for i, n in meta.get("items", [])]
+        except (TypeError, ValueError):
+            return None
+        if not items:
+            return PeerReply([], None, None, seconds, 0)
+        dtype = _DTYPES.get(meta.get("dtype"))
+        shape = meta.get("shape")
+        if dtype is None or len(frames) != 3 or not isinstance(shape, list) or len(shape) != 4 \
+                or shape[1] != sum(n for _, n in items):
+            return None
+        try:
+            k, v = _tensor_from(frames[1], shape, dtype), _tensor_from(frames[2], shape, dtype)
+        except (RuntimeError, ValueError):
+            return None
+        return PeerReply(items, k, v, seconds, len(frames[1]) + len(frames[2]))
 
     def _mark_dead(self, addr: str) -> None:
         self.timeouts += 1
@@ -236,29 +309,35 @@ class ItemKVClient:
 
 
 class ItemFetcher:
-    """RankExecutor's hook: KV of a cold item owned by another rank, or None (recompute it).
-
-    Algorithm 1's cost model decides per item: fetch when latency_s + n * bytes_per_token /
-    bandwidth_Bps < recompute_s(n) (recompute_s: seconds to compute n item tokens on this rank; None
-    means always fetch)."""
+    """RankExecutor's hook: KV of the cold items other ranks own, for one request (the rest is
+    recomputed). The decision per owner is the module docstring's cost model."""
 
     def __init__(self, rank: int, placement, client: ItemKVClient, header_ids: Sequence[int] = (),
                  bytes_per_token: int = 0, bandwidth_Bps: float = float("inf"), latency_s: float = 0.0,
                  recompute_s: Callable[[int], float] | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS,
-                 server: ItemKVServer | None = None):
+                 policy: str = "cost", ema_weight: float = EMA_WEIGHT, probe_interval_s: float = PROBE_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic):
+        if policy not in FETCH_POLICIES:
+            raise ValueError(f"fetch policy must be one of {', '.join(FETCH_POLICIES)}, got {policy!r}")
         self.rank = rank
         self.placement = placement
         self.client = client
         self.header = header_key(header_ids)
         self.bytes_per_token = bytes_per_token
         self.bandwidth_Bps = bandwidth_Bps
-        self.latency_s = latency_s
+        self.latency_s = latency_s  # prior of every owner's latency
         self.recompute_s = recompute_s
         self.timeout_ms = timeout_ms
-        self.server = server  # polled while waiting, so mutual fetches do not deadlock
+        self.policy = policy
+        self.ema_weight = ema_weight
+        self.probe_interval_s = probe_interval_s
+        self.clock = clock
+        self.latency: dict[str, float] = {}  # owner address -> EMA of measured latency (s)
+        self.measured_at: dict[str, float] = {}  # owner address -> clock() of its last round trip
         # remote_items: misses on items another rank owns; of those, fetched_items came over the
-        # network (fetch_seconds in all, misses and timeouts included), the rest were recomputed
-        self.remote_items = self.fetched_items = 0
+        # network, the rest were recomputed (skipped_items of them because the cost model chose to);
+        # fetch_seconds: wall time in fetch_many's round trips (timeouts included)
+        self.remote_items = self.fetched_items = self.skipped_items = self.probes = 0
         self.fetched_tokens = self.recomputed_tokens = 0
         self.fetch_seconds = 0.0
 
@@ -270,46 +349,115 @@ class ItemFetcher:
         r = pl.owner.get(item_id)
         return None if r is None or r == self.rank else r
 
-    def worth_fetching(self, n_tokens: int) -> bool:
-        if self.recompute_s is None:
-            return True
-        transfer = self.latency_s + n_tokens * self.bytes_per_token / self.bandwidth_Bps
-        return transfer < self.recompute_s(n_tokens)
+    # ---- cost model ---------------------------------------------------------------------------
+    def _transfer_s(self, n_tokens: int) -> float:
+        return n_tokens * self.bytes_per_token / self.bandwidth_Bps
 
-    def fetch(self, item_id: str, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        owner = self.owner(item_id)
-        if owner is None:
-            return None
-        self.remote_items += 1
-        kv = None
-        if self.client.alive(owner) and self.worth_fetching(n_tokens):
-            serve = self.server.poll if self.server is not None else None
+    def estimate_fetch_s(self, rank: int, n_tokens: int) -> float:
+        """Expected seconds to fetch n_tokens of KV from `rank`: its latency EMA (or the prior) plus
+        the transfer at the bandwidth."""
+        lat = self.latency.get(self.client.endpoints.get(rank, ""), self.latency_s)
+        return lat + self._transfer_s(n_tokens)
+
+    def observe(self, rank: int, n_tokens: int, seconds: float) -> None:
+        """A measured round trip to `rank` that carried n_tokens: updates its latency EMA."""
+        addr = self.client.endpoints.get(rank)
+        if addr is None:
+            return
+        sample = max(0.0, seconds - self._transfer_s(n_tokens))
+        old = self.latency.get(addr)
+        self.latency[addr] = sample if old is None else old + self.ema_weight * (sample - old)
+        self.measured_at[addr] = self.clock()
+
+    def worth_fetching(self, rank: int, n_tokens: int) -> bool:
+        """Fetch n_tokens from `rank` rather than recompute them (the policy; for "cost": cheaper,
+        or the owner's estimate is older than probe_interval_s)."""
+        if self.policy != "cost":
+            return self.policy == "always"
+        if self.recompute_s is None or self.estimate_fetch_s(rank, n_tokens) < self.recompute_s(n_tokens):
+            return True
+        addr = self.client.endpoints.get(rank, "")
+        if self.clock() - self.measured_at.get(addr, float("-inf")) >= self.probe_interval_s:
+            self.probes += 1
+            return True
+        return False
+
+    # ---- fetching -----------------------------------------------------------------------------
+    def fetch_many(self, wanted: Sequence[tuple[str, int]]) -> list[Fetched]:
+        """KV of the items in `wanted` ((item id, tokens)) that other ranks own and are worth
+        fetching, one chunk per owner that answered; items left out are recomputed by the caller."""
+        by_rank: dict[int, list[tuple[str, int]]] = {}
+        for item_id, n in wanted:
+            owner = self.owner(item_id)
+            if owner is not None:
+                by_rank.setdefault(owner, []).append((item_id, n))
+        if not by_rank:
+            return []
+        total = {r: sum(n for _, n in its) for r, its in by_rank.items()}
+        self.remote_items += sum(len(its) for its in by_rank.values())
+        ask = {}
+        for r, its in by_rank.items():
+            if not self.client.alive(r):
+                continue
+            if self.worth_fetching(r, total[r]):
+                ask[r] = [i for i, _ in its]
+            else:
+                self.skipped_items += len(its)
+        out: list[Fetched] = []
+        got_tokens = 0
+        if ask:
             t0 = time.perf_counter()
-            kv = self.client.fetch(owner, item_id, self.header, self.timeout_ms, serve=serve)
+            replies = self.client.fetch_many(ask, self.header, self.timeout_ms)
             self.fetch_seconds += time.perf_counter() - t0
-        if kv is None or kv[0].shape[1] != n_tokens:
-            self.recomputed_tokens += n_tokens
+            for r, rep in replies.items():
+                if rep is None:
+                    if not self.client.alive(r):  # timed out: as slow as the timeout, for the estimate
+                        self.observe(r, 0, self.timeout_ms / 1000.0)
+                    continue
+                self.observe(r, sum(n for _, n in rep.items), rep.seconds)
+                chunk = self._checked(rep, dict(by_rank[r]))
+                if chunk is not None:
+                    out.append(chunk)
+                    self.fetched_items += len(chunk.items)
+                    got_tokens += sum(chunk.lens)
+        self.fetched_tokens += got_tokens
+        self.recomputed_tokens += sum(total.values()) - got_tokens
+        return out
+
+    @staticmethod
+    def _checked(rep: PeerReply, want: dict[str, int]) -> Fetched | None:
+        """The reply's items that were asked for with the expected length (another catalog version
+        at the owner could differ); None when none is left."""
+        keep, rows, off = [], [], 0
+        for item_id, n in rep.items:
+            if want.get(item_id) == n:
+                keep.append((item_id, n))
+                rows += range(off, off + n)
+            off += n
+        if not keep:
             return None
-        self.fetched_items += 1
-        self.fetched_tokens += n_tokens
-        return kv
+        k, v = rep.k, rep.v
+        if len(rows) != k.shape[1]:
+            idx = torch.tensor(rows, dtype=torch.int64)
+            k, v = k.index_select(1, idx), v.index_select(1, idx)
+        return Fetched([i for i, _ in keep], [n for _, n in keep], k, v)
 
 
 _loopback_ids = itertools.count()
 
 
-def connect_loopback(executors: Sequence, ctx: zmq.Context | None = None, threaded: bool = True, **fetcher_kw):
-    """Wires in-process RankExecutors (rank k = executors[k]): a server on each store, a fetcher to
-    the others. threaded=True: each server answers from a background thread (fine while the ranks
-    run one at a time, as in a single-threaded replay: no store is mutated while another rank reads
-    it); False: servers answer only when polled. Returns the servers (close() them when done)."""
+def connect_loopback(executors: Sequence, ctx: zmq.Context | None = None, threaded: bool = True,
+                     **fetcher_kw) -> list[ItemKVServer]:
+    """Wires in-process RankExecutors (rank k = executors[k]): a server on each store (answering
+    from its own thread unless threaded=False: then only when polled) and a fetcher to the others.
+    Returns the servers (close() them when done)."""
     ctx = ctx or zmq.Context.instance()
     tag = next(_loopback_ids)
     eps = {k: f"inproc://item-kv-{tag}-{k}" for k in range(len(executors))}
-    servers = [ItemKVServer(ex.store, ex.runner.kv_pool, eps[k], ctx) for k, ex in enumerate(executors)]
+    servers = [ItemKVServer(ex.store, eps[k], ctx) for k, ex in enumerate(executors)]
     for k, ex in enumerate(executors):
         client = ItemKVClient({r: e for r, e in eps.items() if r != k}, ctx)
-        ex.fetcher = ItemFetcher(k, ex.placement, client, ex.header_ids, server=servers[k], **fetcher_kw)
+        ex.fetcher = ItemFetcher(k, ex.placement, client, ex.header_ids, **fetcher_kw)
         if threaded:
             servers[k].start()
     return servers

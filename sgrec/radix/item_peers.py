@@ -3,9 +3,12 @@
 One scheduler process (one DP rank) of one server runs an `ItemPool`. The pool's members are the
 item-KV endpoints of every rank of every server, in order; a rank's place in that list is its rank in
 the placement (`sgrec.radix.hrcs`, Algorithm 1 with N = all ranks of all servers). Each rank keeps
-the replicated hot items and its shard of the cold ones, serves them to the others
-(`ItemKVServer`), and fetches a cold item it does not own from its owner or recomputes it
-(`ItemFetcher`; a dead owner: recomputed, never an error).
+the replicated hot items and its shard of the cold ones, serves them to the others from a thread of
+its own (`ItemKVServer`, safe against the scheduler's evictions: see `sgrec.radix.item_fetch`), and
+for a request fetches the cold items it does not own from their owners, one round trip per owner,
+or recomputes them (`ItemFetcher`; a dead owner: recomputed, never an error). Fetch or recompute is
+the fetcher's cost model: the measured latency of each owner against this runner's recompute time
+per token, measured once at the first plan (`measure_recompute_per_token`).
 
 Membership comes from a peer file (`--item-peers`), JSON:
 
@@ -13,7 +16,9 @@ Membership comes from a peer file (`--item-peers`), JSON:
                   "item_kv": ["tcp://10.0.0.1:40000", "tcp://10.0.0.1:40001"]},   # one per DP rank
                  {"name": "s1", "url": "http://10.0.0.2:30000", "item_kv": ["tcp://10.0.0.2:40000"]}]}
 
-Only `item_kv` matters here (`name` and `url` are for people and the launch recipes). The file is
+Only `item_kv` matters here (`name` and `url` are for people and the launch recipes), plus an optional
+top-level `"item_fetch"`: `"cost"` (default, the cost model), `"always"` (fetch from every live owner:
+tests, and deployments that want to save compute whatever the latency) or `"never"`. The file is
 re-read when it changes (checked every `CHECK_INTERVAL_S`), so servers are admitted and removed at
 run time without a restart: the placement is re-planned over the new list, items this rank no longer
 owns are freed and the ones it now owns are computed. A server whose own endpoint is not in the file
@@ -31,15 +36,16 @@ import time
 from collections.abc import Callable, Sequence
 
 from sgrec.radix import hrcs
-from sgrec.radix.item_fetch import ItemFetcher, ItemKVClient, ItemKVServer
+from sgrec.radix.item_fetch import FETCH_POLICIES, ItemFetcher, ItemKVClient, ItemKVServer
 
 logger = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 1.0
 
 
-def read_servers(path: str) -> list[dict]:
-    """The server entries of the peer file at `path`; ValueError on a malformed file."""
+def _load(path: str) -> dict:
+    """The peer file, checked: a dict whose `servers` each have a non-empty `item_kv` list and whose
+    `item_fetch` (if any) is a fetch policy. ValueError on a malformed file."""
     with open(path) as f:
         data = json.load(f)
     servers = data.get("servers") if isinstance(data, dict) else None
@@ -49,26 +55,62 @@ def read_servers(path: str) -> list[dict]:
         eps = srv.get("item_kv") if isinstance(srv, dict) else None
         if not isinstance(eps, list) or not eps or not all(isinstance(e, str) and e for e in eps):
             raise ValueError(f"{path}: server {k} needs a non-empty list 'item_kv' of endpoints")
-    return servers
+    policy = data.get("item_fetch", "cost")
+    if policy not in FETCH_POLICIES:
+        raise ValueError(f"{path}: item_fetch must be one of {', '.join(FETCH_POLICIES)}, got {policy!r}")
+    return data
+
+
+def read_servers(path: str) -> list[dict]:
+    """The server entries of the peer file at `path`; ValueError on a malformed file."""
+    return _load(path)["servers"]
 
 
 def read_peer_file(path: str) -> list[str]:
     """The item-KV endpoints of every rank of every server listed in `path`, in order.
     ValueError on a malformed file."""
-    out: list[str] = []
-    for srv in read_servers(path):
-        out += srv["item_kv"]
+    return read_peer_config(path)[0]
+
+
+def read_peer_config(path: str) -> tuple[list[str], str]:
+    """(item-KV endpoints of every rank of every server, in order; the fetch policy). ValueError on
+    a malformed file."""
+    data = _load(path)
+    out = [e for srv in data["servers"] for e in srv["item_kv"]]
     if len(set(out)) != len(out):
         raise ValueError(f"{path}: an item_kv endpoint is listed twice")
-    return out
+    return out, data.get("item_fetch", "cost")
 
 
-def write_peer_file(path: str, servers: Sequence[dict]) -> None:
-    """Writes the peer file atomically (readers never see half a file)."""
+def write_peer_file(path: str, servers: Sequence[dict], **settings) -> None:
+    """Writes the peer file atomically (readers never see half a file). Top-level settings of the
+    file there (`item_fetch`) are kept unless given in `settings`."""
+    data: dict = {}
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        if isinstance(old, dict):
+            data = {k: v for k, v in old.items() if k != "servers"}
+    except (OSError, ValueError):
+        pass
+    data.update(settings)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"servers": list(servers)}, f, indent=1)
+        json.dump({"servers": list(servers), **data}, f, indent=1)
     os.replace(tmp, path)
+
+
+def measure_recompute_per_token(runner, items, max_candidates: int, repeats: int = 2) -> float:
+    """Seconds this runner spends per item token it recomputes inside a rank request's forward: the
+    per-new-token slope b of t = a + b * new + c * cached (`LinearJct`, non-negative least squares)
+    fitted on prefills of the shapes such a forward has (new tokens over up to c * tau_i cached)."""
+    from sgrec.scheduler.policy import LinearJct
+
+    tau_i = sum(len(it.token_ids) for it in items) / len(items)
+    prefix = round(min(100, max_candidates, len(items)) * tau_i)
+    shapes = [(s, p) for s in (16, 64, 256) for p in (0, prefix)]
+    samples = hrcs.measure_prefill(runner, shapes, repeats=repeats)
+    return LinearJct.fit([(s + p, p, t) for s, p, t in samples]).b
 
 
 class ItemPool:
@@ -77,7 +119,8 @@ class ItemPool:
 
     def __init__(self, executor, runner, ctx, local_addrs: Sequence[str], dp_rank: int,
                  peers_path: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 bandwidth_gbps: float | None = None, prefill_time: Callable[[float, float], float] | None = None):
+                 bandwidth_gbps: float | None = None, prefill_time: Callable[[float, float], float] | None = None,
+                 recompute_per_token_s: float | None = None):
         from sgrec.rank import executor as rank_executor
 
         self.ex = executor
@@ -92,10 +135,13 @@ class ItemPool:
         cfg = runner.config
         pool = runner.kv_pool
         self.bytes_per_token = pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.dtype)
-        self.server = ItemKVServer(executor.store, pool, self.addr, ctx)
+        self.server = ItemKVServer(executor.store, self.addr, ctx)
+        self.server.start()  # answers peers from its own thread, not between scheduler steps
         self.client = ItemKVClient({}, ctx)
         self.fetcher = ItemFetcher(dp_rank, executor.placement, self.client, executor.header_ids,
-                                   bytes_per_token=self.bytes_per_token, server=self.server)
+                                   bytes_per_token=self.bytes_per_token,
+                                   bandwidth_Bps=self.bandwidth_gbps * 1e9 / 8, clock=clock)
+        self._per_token = recompute_per_token_s  # None: measured on this runner at the first plan
         executor.fetcher = self.fetcher
         self.members: list[str] = []
         self._prefill_model = prefill_time  # None: fitted on this runner at the first plan
@@ -119,7 +165,7 @@ class ItemPool:
         if stamp == self._stamp:
             return None
         try:
-            members = read_peer_file(self.peers_path)
+            members, self.fetcher.policy = read_peer_config(self.peers_path)
         except (OSError, ValueError) as e:
             logger.warning("item peers: %s; keeping the current members", e)
             return None
@@ -148,6 +194,13 @@ class ItemPool:
         ex = self.ex
         if not (members == self.local_addrs and ex.placement is not None and ex.placement.n == n):
             ex.placement = self._plan(n) if n > 1 else None
+        if n > 1 and self.fetcher.recompute_s is None:
+            if self._per_token is None:
+                self._per_token = measure_recompute_per_token(self.runner, ex.catalog.items,
+                                                              ex.args.max_rank_candidates)
+                logger.info("item fetch: recomputing an item token costs %.1f us here", self._per_token * 1e6)
+            per_token = self._per_token
+            self.fetcher.recompute_s = lambda n_tokens: n_tokens * per_token
         ex.dp_rank = rank  # the executor's rank in the placement
         self.fetcher.rank, self.fetcher.placement = rank, ex.placement
         self.client.set_endpoints({r: a for r, a in enumerate(members) if r != rank})
@@ -171,8 +224,9 @@ class ItemPool:
     def stats(self) -> dict:
         f = self.fetcher
         return {"rank": f.rank, "ranks": len(self.members), "remote_items": f.remote_items,
-                "fetched_items": f.fetched_items, "fetched_tokens": f.fetched_tokens,
-                "recomputed_tokens": f.recomputed_tokens, "fetch_seconds": f.fetch_seconds,
+                "fetched_items": f.fetched_items, "skipped_items": f.skipped_items, "probes": f.probes,
+                "fetched_tokens": f.fetched_tokens, "recomputed_tokens": f.recomputed_tokens,
+                "fetch_seconds": f.fetch_seconds, "peer_latency_s": dict(f.latency),
                 "served": self.server.served, "replans": self.replans}
 
     def close(self) -> None:

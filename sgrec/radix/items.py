@@ -12,12 +12,24 @@ hands their slots over), a cold entry giving way to a hotter one. Hotness is the
 count of the cache meta service, the last access breaking ties. Entries in use by a request are
 pinned and never evicted. With HRCS placement (`owns`), items this rank does not own are never
 kept: a miss on one is recomputed for the request and dropped.
+
+Reads from other threads (`read_kv`, what the item-KV server thread of `sgrec.radix.item_fetch`
+calls to answer peers without waiting for the scheduler): the scheduler thread is the only one that
+mutates the store, and every change to `entries` and every free of a stored slot (admit, evict,
+drop_unowned, reset, precompute) happens under `self.lock`. `read_kv` holds the same lock while it
+looks the items up and copies their KV out of the pool, so a slot it reads cannot be freed, handed
+to another request and overwritten until the copy is done; an item evicted before the read is a
+miss. An entry is published (put in `entries`) only after its KV is written and the write has
+finished on the device: admitted KV comes from a forward whose scores were already read back to the
+host, and precompute synchronises the device before publishing (CUDA). Stored KV is never written
+again, so a reader needs nothing else.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,6 +66,7 @@ class ItemStore:
         self.item_tokens = 0
         self.hits = self.misses = 0
         self._ticks = itertools.count(1)
+        self.lock = threading.RLock()  # held by every change of `entries` / free of a stored slot, and by read_kv
 
     # ---- accounting -----------------------------------------------------------------------
     def total_size(self) -> int:
@@ -77,11 +90,12 @@ class ItemStore:
         """Frees every slot (items and header). Pinned entries are a caller error."""
         if any(e.pins for e in self.entries.values()):
             raise RuntimeError("ItemStore.reset while items are in use")
-        for e in self.entries.values():
-            self.allocator.free(e.slots)
-        if self.header_slots is not None:
-            self.allocator.free(self.header_slots)
-        self.entries, self.header_slots, self.item_tokens = {}, None, 0
+        with self.lock:
+            for e in self.entries.values():
+                self.allocator.free(e.slots)
+            if self.header_slots is not None:
+                self.allocator.free(self.header_slots)
+            self.entries, self.header_slots, self.item_tokens = {}, None, 0
 
     # ---- requests -------------------------------------------------------------------------
     def ensure_header(self) -> torch.Tensor:
@@ -124,14 +138,15 @@ class ItemStore:
         n = len(slots)
         if item_id in self.entries or not self.owns(item_id):
             return False
-        short = self.total_size() + n - self.budget
-        if short > 0:  # over budget: only unpinned entries colder than this item may make room
-            mine = self._rank(item_id, next(self._ticks))
-            if self._colder_room(mine) < short:
-                return False
-            self._evict(short, colder_than=mine)
-        self.entries[item_id] = _Entry(slots.to(torch.int64).clone(), 0, next(self._ticks))
-        self.item_tokens += n
+        with self.lock:
+            short = self.total_size() + n - self.budget
+            if short > 0:  # over budget: only unpinned entries colder than this item may make room
+                mine = self._rank(item_id, next(self._ticks))
+                if self._colder_room(mine) < short:
+                    return False
+                self._evict(short, colder_than=mine)
+            self.entries[item_id] = _Entry(slots.to(torch.int64).clone(), 0, next(self._ticks))
+            self.item_tokens += n
         return True
 
     def evict(self, num_tokens: int) -> int:
@@ -142,12 +157,25 @@ class ItemStore:
         """Frees the unpinned entries this rank no longer owns (the HRCS placement changed: a server
         joined or left); returns the tokens freed."""
         freed = 0
-        for k in [k for k, e in self.entries.items() if not e.pins and not self.owns(k)]:
-            e = self.entries.pop(k)
-            self.allocator.free(e.slots)
-            self.item_tokens -= len(e.slots)
-            freed += len(e.slots)
+        with self.lock:
+            for k in [k for k, e in self.entries.items() if not e.pins and not self.owns(k)]:
+                e = self.entries.pop(k)
+                self.allocator.free(e.slots)
+                self.item_tokens -= len(e.slots)
+                freed += len(e.slots)
         return freed
+
+    def read_kv(self, item_ids: Sequence[str]) -> tuple[list[tuple[str, int]], torch.Tensor | None,
+                                                         torch.Tensor | None]:
+        """Safe from any thread (see the module docstring): the stored items among `item_ids`, as
+        (item id, tokens) in request order, and their K and V for every layer, concatenated in that
+        order: two CPU tensors [layers, tokens, kv_heads, head_dim] (None when no item is stored)."""
+        with self.lock:
+            found = [(i, self.entries[i].slots) for i in dict.fromkeys(item_ids) if i in self.entries]
+            if not found:
+                return [], None, None
+            k, v = gather_kv(self.runner.kv_pool, torch.cat([s for _, s in found]))
+        return [(i, len(s)) for i, s in found], k, v
 
     # ---- start-up -------------------------------------------------------------------------
     def precompute(self, progress: bool = False, items: Sequence[Item] | None = None) -> int:
@@ -198,12 +226,15 @@ class ItemStore:
             pos += lay.positions[seg.start : seg.stop]
             off += seg.length
         self.runner.forward(self.runner.make_batch(ids, pos, slots, seqs), [])
+        if self.runner.kv_pool.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.kv_pool.device)  # written before readers can see it
         off = 0
-        for it in items:
-            n = len(it.token_ids)
-            self.entries[it.id] = _Entry(slots[off : off + n].clone(), 0, next(self._ticks))
-            self.item_tokens += n
-            off += n
+        with self.lock:
+            for it in items:
+                n = len(it.token_ids)
+                self.entries[it.id] = _Entry(slots[off : off + n].clone(), 0, next(self._ticks))
+                self.item_tokens += n
+                off += n
         return len(items)
 
     # ---- internals ------------------------------------------------------------------------
@@ -215,6 +246,10 @@ class ItemStore:
         return sum(len(e.slots) for k, e in self.entries.items() if not e.pins and self._rank(k, e.tick) < mine)
 
     def _evict(self, num_tokens: int, colder_than: tuple | None) -> int:
+        with self.lock:
+            return self._evict_locked(num_tokens, colder_than)
+
+    def _evict_locked(self, num_tokens: int, colder_than: tuple | None) -> int:
         victims = sorted((self._rank(k, e.tick), k) for k, e in self.entries.items() if not e.pins)
         freed = 0
         for rank, k in victims:
@@ -231,3 +266,14 @@ class ItemStore:
         if slots is None:
             raise RuntimeError(f"item store: no room for {n} KV slots ({self.allocator.available_size()} free)")
         return slots
+
+
+def gather_kv(kv_pool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of `slots` for every layer: two CPU tensors [layers, n, kv_heads, head_dim] (copies)."""
+    loc = slots.to(kv_pool.device)
+    ks, vs = [], []
+    for layer in range(kv_pool.num_layers):
+        k, v = kv_pool.get_kv(layer)
+        ks.append(k[loc])
+        vs.append(v[loc])
+    return torch.stack(ks).cpu(), torch.stack(vs).cpu()

@@ -16,7 +16,8 @@ Budgets: the item store has `--item-cache-tokens`; the user cache is the rest of
 cap `user_cache_tokens` (the tree is trimmed to it after each insert: lowest-frequency users first
 under `auto`, as §5.3 replaces them, else the tree's eviction order). Cross-rank items (HRCS): with
 `self.fetcher` set (sgrec.radix.item_fetch.ItemFetcher), a miss on an item another rank owns is
-filled with the owner's KV for this request (borrowed slots, freed afterwards) or recomputed.
+filled with the owner's KV for this request (borrowed slots, freed afterwards; all of a request's
+items from one owner in one round trip) or recomputed.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class RankExecutor:
         self.dp_rank = dp_rank
         self.placement = placement
         self.user_extra_key = user_extra_key
-        # Cross-rank item KV (sgrec.radix.item_fetch.ItemFetcher): fetch(item_id, n) -> (k, v) or None
+        # Cross-rank item KV (sgrec.radix.item_fetch.ItemFetcher): fetch_many([(item_id, n)]) -> fetched chunks
         self.fetcher = None
         # Hard cap on the user-prefix cache (the radix tree's share of the pool). None: the rest of the
         # pool (the tree grows into whatever the item store and running requests leave free).
@@ -392,19 +393,23 @@ class RankExecutor:
         return scores, sum(len(s) for s in cached.values()), sum(len(b) for b in borrowed)
 
     def _fetch_remote(self, lay: L.RankLayout, item_ids: Sequence[str], slots: list, borrowed: list) -> None:
-        """Fills the misses of items owned by another rank with their KV fetched from the owner (when
-        the fetcher finds that cheaper than recomputing); `slots[j]` becomes the borrowed slots."""
-        for j, (seg, item_id) in enumerate(zip(lay.items(), item_ids)):
-            if slots[j] is not None or self._owns(item_id):
-                continue
-            kv = self.fetcher.fetch(item_id, seg.length)
-            if kv is None:
-                continue
-            self._make_room(seg.length)
-            got = self.allocator.alloc(seg.length)
-            write_item_kv(self.runner.kv_pool, got, *kv)
+        """Fills the misses of items owned by other ranks with their KV, fetched from the owners in
+        one round trip per owner (those the fetcher finds cheaper than recomputing); `slots[j]`
+        becomes borrowed slots (one allocation per owner's chunk, listed in `borrowed`)."""
+        want = {item_id: j for j, item_id in enumerate(item_ids) if slots[j] is None and not self._owns(item_id)}
+        if not want:
+            return
+        segs = lay.items()
+        for chunk in self.fetcher.fetch_many([(i, segs[j].length) for i, j in want.items()]):
+            n = sum(chunk.lens)
+            self._make_room(n)
+            got = self.allocator.alloc(n)
             borrowed.append(got)
-            slots[j] = got
+            write_item_kv(self.runner.kv_pool, got, chunk.k, chunk.v)
+            off = 0
+            for item_id, m in zip(chunk.items, chunk.lens):
+                slots[want[item_id]] = got[off : off + m]
+                off += m
 
     # ---- the forward ----------------------------------------------------------------------
     def _forward_many(self, specs: list["_Forward"]) -> list[torch.Tensor]:

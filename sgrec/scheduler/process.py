@@ -86,7 +86,7 @@ class SchedulerLoop:
 
         # --item-peers: the pool spans the servers listed there (re-read at run time, see item_peers.py)
         self.item_pool = ItemPool(ex, self.runner, ctx, item_addrs, self.dp_rank, self.args.item_peers)
-        return self.item_pool.server
+        return None  # its server answers peers from its own thread (item_fetch.py), not from this loop
 
     def run(self) -> None:
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
