@@ -98,6 +98,43 @@ class Traffic:
         return self.engine.retrieve(user, beam_width=self.beam_width, num_items=5)
 
 
+def batch_gain(model: str, catalog: str, traffic: Traffic, sizes: list[int], reps: int) -> list[dict]:
+    """Executor level, in this process: B requests of a kind as one batch vs one at a time, the
+    best of `reps` alternating runs each (minimum: robust to other load on the machine), from a
+    cold cache every time (--disable-radix-cache: no run reads what an earlier one cached)."""
+    from sgrec import Engine
+    from sgrec.managers.rec import build_rank_task, build_retrieve_task
+
+    e = Engine(model, device="cpu", dtype="float32", max_total_tokens=16384, item_catalog=catalog,
+               disable_radix_cache=True, item_cache_tokens=0)
+    rows = []
+    for kind in ("rank", "retrieve"):
+        run_batch = e.scheduler.tasks.kinds[kind].run_batch
+        for b in sizes:
+            payloads = []
+            for i in range(b):
+                rng = random.Random(7919 * b + i)
+                user = {"id": f"g{i}", "token_ids": [rng.randrange(3, 500) for _ in range(traffic.history)]}
+                if kind == "rank":
+                    obj = {"user": user, "items": [f"i{j}" for j in rng.sample(range(27), traffic.candidates)]}
+                    payloads.append(build_rank_task(obj, e.tokenizer, e.builder, 100).payload)
+                else:
+                    obj = {"user": user, "beam_width": traffic.beam_width, "num_items": 5}
+                    payloads.append(build_retrieve_task(obj, e.tokenizer, e.builder, 512).payload)
+            run_batch(payloads)  # warm-up
+            one = batched = float("inf")
+            for _ in range(reps):
+                t = time.perf_counter()
+                for p in payloads:
+                    run_batch([p])
+                one = min(one, time.perf_counter() - t)
+                t = time.perf_counter()
+                run_batch(payloads)
+                batched = min(batched, time.perf_counter() - t)
+            rows.append({"kind": kind, "batch": b, "one_ms": one * 1e3, "batched_ms": batched * 1e3})
+    return rows
+
+
 def profile(traffic: Traffic, reps: int) -> dict[str, float]:
     costs = {}
     for kind in KINDS:
@@ -183,6 +220,7 @@ def main() -> None:
                     help="server: a real server process per configuration, clients over HTTP (loopback); "
                          "engine: in-process Engines called from threads (their lock serialises arrivals, so "
                          "batches rarely form)")
+    ap.add_argument("--batch-sizes", default="1,4,8,16", help="executor-level batch gain: batch sizes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -195,6 +233,14 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench_concurrency_")
     model = make_tiny_model(os.path.join(tmp, "model"), arch="llama")
     catalog = write_catalog(os.path.join(tmp, "catalog.jsonl"))
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    gain = batch_gain(model, catalog, Traffic(None, args.history, args.candidates, args.beam_width), sizes, 5)
+    print("executor level: B requests one at a time vs one batch (best of 5, cold cache)")
+    print("| kind | B | one at a time ms | one batch ms | gain |")
+    print("|---|---|---|---|---|")
+    for r in gain:
+        print(f"| {r['kind']} | {r['batch']} | {r['one_ms']:.1f} | {r['batched_ms']:.1f} | "
+              f"{r['one_ms'] / r['batched_ms']:.2f}x |", flush=True)
     configs = {"one": {"max_batch_tokens": 1}, "batched": {"batch_wait_ms": args.batch_wait_ms}}
     common = {"max_total_tokens": 16384, "item_catalog": catalog}
     servers: dict = {}
@@ -260,7 +306,7 @@ def main() -> None:
     print("rerun: python benchmarks/bench_concurrency.py " + " ".join(sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "costs_s": costs, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "costs_s": costs, "batch_gain": gain, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
