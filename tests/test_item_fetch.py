@@ -123,7 +123,8 @@ def test_cost_model_with_hand_numbers():
     clock = Clock()
     client = ItemKVClient({1: "inproc://hand-1", 2: "inproc://hand-2"}, clock=clock)
     f = ItemFetcher(0, pl, client, bytes_per_token=1000, bandwidth_Bps=1e6, latency_s=0.001,
-                    recompute_s=lambda n: 0.002 * n, ema_weight=0.5, probe_interval_s=1.0, clock=clock)
+                    recompute_s=lambda n: 0.002 * n, ema_weight=0.5, probe_share=0.5, probe_min_s=0.1,
+                    probe_max_s=10.0, clock=clock)
     assert f.owner("hot") is None and f.owner("b") is None and (f.owner("a"), f.owner("c")) == (1, 2)
     assert f.estimate_fetch_s(1, 10) == pytest.approx(0.011) and f.worth_fetching(1, 10)  # 11 ms < 20 ms
     assert f.estimate_fetch_s(1, 0) == pytest.approx(0.001)
@@ -140,11 +141,15 @@ def test_cost_model_with_hand_numbers():
     assert f.latency["inproc://hand-1"] == pytest.approx(0.006) and f.worth_fetching(1, 10)  # 16 < 20
     f.observe(1, 0, 0.5)  # a slow answer (or a timeout): 253 ms
     assert f.latency["inproc://hand-1"] == pytest.approx(0.253) and not f.worth_fetching(1, 10)
-    assert f.probes == 0
-    clock.t = 0.999
+    # a skipped owner is probed when its estimate is latency / probe_share old: 253 / 0.5 = 506 ms
+    assert f.probes == 0 and f.probe_interval_s(1) == pytest.approx(0.506)
+    clock.t = 0.505
     assert not f.worth_fetching(1, 10)
-    clock.t = 1.0  # not measured for probe_interval_s: one probe, so the estimate can recover
+    clock.t = 0.507
     assert f.worth_fetching(1, 10) and f.probes == 1
+    assert f.probe_interval_s(2) == 0.1  # 1 ms / 0.5 = 2 ms: at least probe_min_s
+    f.observe(1, 0, 100.0)  # 50 s latency: probed every probe_max_s at most
+    assert f.probe_interval_s(1) == 10.0
     f.policy = "always"
     clock.t = 0.0
     f.observe(1, 0, 9.0)
@@ -183,13 +188,13 @@ def test_one_round_trip_per_owner_slow_owner_skipped_misses(tiny_model_dir):
 
         assert run()["fetched_tokens"] == toks[1] + toks[2]
         assert [s.requests for s in servers] == [0, 1, 1] and [s.served for s in servers] == [0, 3, 3]
-        # rank 2's scheduler holds its store's lock (an eviction, say) for 1 s while we fetch
-        held, go = threading.Event(), threading.Event()
+        # rank 2's scheduler holds its store's lock (an eviction, say) for over 1 s while we fetch
+        held = threading.Event()
 
         def busy_owner():
             with exs[2].store.lock:
                 held.set()
-                go.wait(1.0)
+                time.sleep(1.2)  # the fetch is sent well within 0.2 s of `held`: its round trip is >= 1 s
 
         addr2 = f.client.endpoints[2]
         fast2 = f.latency[addr2]  # measured on the first request
@@ -207,9 +212,10 @@ def test_one_round_trip_per_owner_slow_owner_skipped_misses(tiny_model_dir):
         mi = run()
         assert servers[2].requests == 2 and f.skipped_items == 3 + (0 if fast else 3)
         assert mi["fetched_tokens"] == (toks[1] if fast else 0) and servers[1].requests == 2 + fast
-        # a probe after probe_interval_s: rank 2 answers fast again and its estimate comes down
+        # a probe once rank 2's estimate is latency / probe_share old: it answers fast again and its
+        # estimate comes down
         before = f.latency[addr2]
-        clock.t = 4.0
+        clock.t += f.probe_interval_s(2)
         assert run()["fetched_tokens"] >= toks[2] and servers[2].requests == 3
         assert f.latency[addr2] < before and f.probes >= 1
         # the owner answers only what it holds, and only for its own header

@@ -40,8 +40,10 @@ minus their transfer term (prior: `latency_s`; a timeout counts as a round trip 
 Recomputing them costs `recompute_s(n)` (`sgrec.radix.item_peers` measures the runner's prefill
 time per token). With linear costs on both sides the best choice for one owner is all of its items
 or none, so the decision is per owner: fetch when the estimate is below the recompute time. An
-owner not measured for `probe_interval_s` is fetched from anyway (a probe), so an estimate from a
-busy moment does not keep the owner skipped forever. `policy`: "cost" (the model), "always" (every
+owner the model skips is fetched from anyway once its estimate is `latency / probe_share` seconds
+old (within [probe_min_s, probe_max_s]; a probe): a latency spike (one slow round trip lifts the
+EMA) is measured away within a fraction of a second, while probes of a really slow owner take at
+most `probe_share` of the time. `policy`: "cost" (the model), "always" (every
 alive owner) or "never"; with `recompute_s=None` the model always fetches.
 
 Wire format: request one JSON frame `{"id", "items": [ids], "header"}`; reply a JSON frame `{"id",
@@ -69,7 +71,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_MS = 200
 DEAD_COOLDOWN_S = 5.0
 EMA_WEIGHT = 0.2
-PROBE_INTERVAL_S = 1.0
+PROBE_SHARE = 0.02  # an owner the model skips is probed every latency / PROBE_SHARE seconds ...
+PROBE_MIN_S, PROBE_MAX_S = 0.1, 10.0  # ... within these bounds
 FETCH_POLICIES = ("cost", "always", "never")
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
@@ -315,7 +318,8 @@ class ItemFetcher:
     def __init__(self, rank: int, placement, client: ItemKVClient, header_ids: Sequence[int] = (),
                  bytes_per_token: int = 0, bandwidth_Bps: float = float("inf"), latency_s: float = 0.0,
                  recompute_s: Callable[[int], float] | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS,
-                 policy: str = "cost", ema_weight: float = EMA_WEIGHT, probe_interval_s: float = PROBE_INTERVAL_S,
+                 policy: str = "cost", ema_weight: float = EMA_WEIGHT, probe_share: float = PROBE_SHARE,
+                 probe_min_s: float = PROBE_MIN_S, probe_max_s: float = PROBE_MAX_S,
                  clock: Callable[[], float] = time.monotonic):
         if policy not in FETCH_POLICIES:
             raise ValueError(f"fetch policy must be one of {', '.join(FETCH_POLICIES)}, got {policy!r}")
@@ -330,7 +334,7 @@ class ItemFetcher:
         self.timeout_ms = timeout_ms
         self.policy = policy
         self.ema_weight = ema_weight
-        self.probe_interval_s = probe_interval_s
+        self.probe_share, self.probe_min_s, self.probe_max_s = probe_share, probe_min_s, probe_max_s
         self.clock = clock
         self.latency: dict[str, float] = {}  # owner address -> EMA of measured latency (s)
         self.measured_at: dict[str, float] = {}  # owner address -> clock() of its last round trip
@@ -369,15 +373,20 @@ class ItemFetcher:
         self.latency[addr] = sample if old is None else old + self.ema_weight * (sample - old)
         self.measured_at[addr] = self.clock()
 
+    def probe_interval_s(self, rank: int) -> float:
+        """How old the estimate of an owner the model skips may get before it is probed."""
+        lat = self.latency.get(self.client.endpoints.get(rank, ""), self.latency_s)
+        return min(self.probe_max_s, max(self.probe_min_s, lat / self.probe_share))
+
     def worth_fetching(self, rank: int, n_tokens: int) -> bool:
         """Fetch n_tokens from `rank` rather than recompute them (the policy; for "cost": cheaper,
-        or the owner's estimate is older than probe_interval_s)."""
+        or a probe is due)."""
         if self.policy != "cost":
             return self.policy == "always"
         if self.recompute_s is None or self.estimate_fetch_s(rank, n_tokens) < self.recompute_s(n_tokens):
             return True
         addr = self.client.endpoints.get(rank, "")
-        if self.clock() - self.measured_at.get(addr, float("-inf")) >= self.probe_interval_s:
+        if self.clock() - self.measured_at.get(addr, float("-inf")) >= self.probe_interval_s(rank):
             self.probes += 1
             return True
         return False

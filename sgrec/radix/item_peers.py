@@ -41,6 +41,7 @@ from sgrec.radix.item_fetch import FETCH_POLICIES, ItemFetcher, ItemKVClient, It
 logger = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 1.0
+STATS_LOG_INTERVAL_S = 10.0  # fetch counters logged at most this often, when there was fetch traffic
 
 
 def _load(path: str) -> dict:
@@ -149,6 +150,7 @@ class ItemPool:
         self._next_check = 0.0
         self.replans = 0
         self._filled = False
+        self._next_log, self._logged = 0.0, (0, 0)
         self.apply(self._read() or self.local_addrs)
 
     # ---- membership -----------------------------------------------------------------------
@@ -178,6 +180,8 @@ class ItemPool:
             self._filled = True
             self.ex.store.precompute()
         now = self.clock()
+        if now >= self._next_log:
+            self._log_stats(now)
         if now < self._next_check:
             return False
         self._next_check = now + CHECK_INTERVAL_S
@@ -220,6 +224,17 @@ class ItemPool:
                                            self.alpha)
         logger.info("HRCS over %d ranks: replication ratio %.3f (%d items)", n, rep.ratio, rep.num_replicated)
         return placement
+
+    def _log_stats(self, now: float) -> None:
+        f = self.fetcher
+        if (f.remote_items, self.server.served) != self._logged:
+            per_token = f.recompute_s(1) if f.recompute_s is not None else float("nan")
+            lat = ", ".join(f"{a} {s * 1e3:.2f} ms" for a, s in sorted(f.latency.items())) or "none measured"
+            logger.info("item fetch (%s): %d remote items, %d fetched, %d skipped by cost, %d probes; served %d; "
+                        "owner latency %s; recompute %.1f us/token", f.policy, f.remote_items, f.fetched_items,
+                        f.skipped_items, f.probes, self.server.served, lat, per_token * 1e6)
+            self._logged = (f.remote_items, self.server.served)
+        self._next_log = now + STATS_LOG_INTERVAL_S
 
     def stats(self) -> dict:
         f = self.fetcher
