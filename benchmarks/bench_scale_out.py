@@ -12,10 +12,13 @@ clients, `--requests` requests per configuration, users in a shuffled round-robi
 - affinity: the client sends X-User-Id, Caddy hashes it (a user's prefix KV stays on one server);
 - no affinity: no header, Caddy picks the least busy server (the user's prefix is cached wherever
   it went before, or not at all).
-HRCS phase: the same requests with prefix "item" (candidates read from the item stores), per N the
-fetched share of candidate item tokens, next to Algorithm 1's expected remote share for the
-replication ratio each server logged. Fetch cost: item KV fetched over tcp://127.0.0.1 from an
-`ItemKVServer` vs recomputing the item, and vs Algorithm 1's transfer model at 100 Gbit/s.
+HRCS phase: the same requests with prefix "item" (candidates read from the item stores), once per
+fetch policy of `--item-fetch` (the peer file's `item_fetch`: "always" fetches every remote item,
+"cost" lets the fetcher's cost model choose, "never" recomputes them), per N the fetched share of
+candidate item tokens, next to Algorithm 1's expected remote share for the replication ratio each
+server logged. Fetch cost: item KV fetched over tcp://127.0.0.1 from an `ItemKVServer`, one item per
+round trip and `--candidates` / 2 items in one, vs recomputing the item, vs the recompute time per
+token the cost model uses, and vs Algorithm 1's transfer model at 100 Gbit/s.
 The servers run with OMP_WAIT_POLICY=PASSIVE (unless set): they share the host's cores.
 """
 
@@ -36,6 +39,7 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from launch.local_cluster import LocalCluster  # noqa: E402
+from sgrec.radix.item_peers import read_servers, write_peer_file  # noqa: E402
 
 
 def write_catalog(path: str, n: int, seed: int = 0, vocab: int = 500) -> list[dict]:
@@ -111,14 +115,16 @@ def predicted_remote_share(items: list[dict], reqs, ratio: float, n: int) -> flo
     return cold / sum(lens[c] for c in asked) * (n - 1) / n
 
 
-def fetch_cost(model: str, catalog: str, repeats: int = 200) -> dict:
-    """Seconds to fetch one item's KV over tcp://127.0.0.1 vs to recompute it, in this process."""
+def fetch_cost(model: str, catalog: str, batch: int, repeats: int = 200) -> dict:
+    """Seconds to fetch item KV over tcp://127.0.0.1 (one item per round trip, and `batch` items in
+    one) vs to recompute one item, in this process; and the cost model's recompute time per token."""
     import torch
     import zmq
 
     from sgrec.catalog import Catalog
     from sgrec.model.attention import SeqLayout
     from sgrec.radix.item_fetch import ItemKVClient, ItemKVServer, header_key
+    from sgrec.radix.item_peers import measure_recompute_per_token
     from sgrec.radix.tree import RadixCache
     from sgrec.rank import layout as L
     from sgrec.rank.executor import DEFAULT_BANDWIDTH_GBPS, RankExecutor
@@ -133,19 +139,24 @@ def fetch_cost(model: str, catalog: str, repeats: int = 200) -> dict:
     ex.precompute()
     ctx = zmq.Context.instance()
     port = __import__("launch.front", fromlist=["free_port"]).free_port()
-    srv = ItemKVServer(ex.store, runner.kv_pool, f"tcp://127.0.0.1:{port}", ctx)
+    srv = ItemKVServer(ex.store, f"tcp://127.0.0.1:{port}", ctx)
     srv.start()
     cl = ItemKVClient({1: f"tcp://127.0.0.1:{port}"}, ctx)
     ids = [it.id for it in cat.items]
     head = header_key(ex.header_ids)
-    try:
-        cl.fetch(1, ids[0], head, 2000)
-        t0 = time.perf_counter()
+
+    def timed(size: int) -> tuple[float, float]:
         toks = 0
+        t0 = time.perf_counter()
         for j in range(repeats):
-            k, _ = cl.fetch(1, ids[j % len(ids)], head, 2000)
-            toks += k.shape[1]
-        fetch = (time.perf_counter() - t0) / repeats
+            rep = cl.fetch_many({1: [ids[(j * size + m) % len(ids)] for m in range(size)]}, head, 2000)[1]
+            toks += rep.k.shape[1]
+        return (time.perf_counter() - t0) / repeats, toks / repeats
+
+    try:
+        timed(1)
+        one, one_tokens = timed(1)
+        many, many_tokens = timed(batch)
     finally:
         cl.close()
         srv.close()
@@ -165,11 +176,12 @@ def fetch_cost(model: str, catalog: str, repeats: int = 200) -> dict:
                                          slots, [seq]), [])
         alloc.free(slots)
     recompute = (time.perf_counter() - t0) / repeats
+    per_token_model = measure_recompute_per_token(runner, cat.items, args.max_rank_candidates)
     cfg = runner.config
     per_token = runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.kv_pool.dtype)
-    mean_tokens = toks / repeats
-    model_s = mean_tokens * per_token / (DEFAULT_BANDWIDTH_GBPS * 1e9 / 8)
-    return {"fetch_s": fetch, "recompute_s": recompute, "tokens": mean_tokens, "bytes_per_token": per_token,
+    model_s = one_tokens * per_token / (DEFAULT_BANDWIDTH_GBPS * 1e9 / 8)
+    return {"fetch_s": one, "tokens": one_tokens, "batch": batch, "batch_fetch_s": many, "batch_tokens": many_tokens,
+            "recompute_s": recompute, "recompute_per_token_s": per_token_model, "bytes_per_token": per_token,
             "alg1_transfer_s": model_s}
 
 
@@ -184,6 +196,8 @@ def main(argv=None) -> None:
     ap.add_argument("--user-tokens", type=int, default=256)
     ap.add_argument("--candidates", type=int, default=20)
     ap.add_argument("--catalog-items", type=int, default=300)
+    ap.add_argument("--item-fetch", nargs="+", choices=["always", "cost", "never"], default=["always", "cost"],
+                    help="fetch policies of the HRCS phase (the peer file's item_fetch), each measured in turn")
     a = ap.parse_args(argv)
     # N servers share this host's cores: busy-waiting OpenMP threads of one server would starve the
     # others (measured: 2 servers slower than 1 without this). Passive waiting, as one host needs.
@@ -209,15 +223,18 @@ def main(argv=None) -> None:
             cluster.up(n)
             url = cluster.front.url
             # first, while every rank holds its share (a flush empties the stores)
-            r = run_load(url, reqs, a.concurrency, True, prefix="item")
             cand_tokens = sum(len(next(it for it in items if it["id"] == c)["token_ids"])
                               for _, body in reqs for c in body["items"])
             ratio = logged_ratio(cluster.servers[0].log)
             ranks = n * a.dp_size
             pred = predicted_remote_share(items, reqs, ratio, ranks) if ratio is not None else 0.0
-            hrcs_rows.append((n, ratio, r["fetched"] / cand_tokens, pred, r["rps"]))
-            print(f"N={n} prefix=item: fetched {r['fetched'] / cand_tokens:.3f} of candidate item tokens "
-                  f"(Algorithm 1: {pred:.3f} at r={ratio}), {r['rps']:.1f} req/s", flush=True)
+            for policy in a.item_fetch:
+                write_peer_file(cluster.peers_path, read_servers(cluster.peers_path), item_fetch=policy)
+                time.sleep(1.5)  # the servers re-read the peer file every second
+                r = run_load(url, reqs, a.concurrency, True, prefix="item")
+                hrcs_rows.append((n, policy, ratio, r["fetched"] / cand_tokens, pred, r["rps"]))
+                print(f"N={n} prefix=item, item_fetch={policy}: fetched {r['fetched'] / cand_tokens:.3f} of candidate "
+                      f"item tokens (Algorithm 1: {pred:.3f} at r={ratio}), {r['rps']:.1f} req/s", flush=True)
             for affinity in (True, False):
                 for s in cluster.servers:
                     httpx.post(s.url + "/flush_cache", timeout=60)
@@ -228,19 +245,22 @@ def main(argv=None) -> None:
                       f"cached {r['cached']:.1%} of prompt tokens, {r['servers']} servers used", flush=True)
         finally:
             cluster.close()
-    cost = fetch_cost(model, catalog)
+    cost = fetch_cost(model, catalog, max(1, a.candidates // 2))
 
     print("\n| servers | user affinity | req/s | req/s per core used | cached prompt tokens | servers hit |")
     print("|---:|---|---:|---:|---:|---:|")
     for n, aff, rps, per_core, cached, hit in rows:
         print(f"| {n} | {'yes' if aff else 'no'} | {rps:.1f} | {per_core:.1f} | {cached:.1%} | {hit} |")
-    print("\n| servers | replication ratio r | fetched share of candidate item tokens | Algorithm 1's expected share | req/s (prefix item) |")
-    print("|---:|---:|---:|---:|---:|")
-    for n, ratio, got, pred, rps in hrcs_rows:
-        print(f"| {n} | {ratio if ratio is not None else '-'} | {got:.3f} | {pred:.3f} | {rps:.1f} |")
-    print(f"\nitem KV fetch over tcp://127.0.0.1: {cost['fetch_s'] * 1e6:.0f} us per item ({cost['tokens']:.1f} tokens, "
-          f"{cost['bytes_per_token']} B/token); recompute {cost['recompute_s'] * 1e6:.0f} us; Algorithm 1's transfer "
-          f"model at 100 Gbit/s: {cost['alg1_transfer_s'] * 1e6:.2f} us")
+    print("\n| servers | item_fetch | replication ratio r | fetched share of candidate item tokens | Algorithm 1's expected share | req/s (prefix item) |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for n, policy, ratio, got, pred, rps in hrcs_rows:
+        print(f"| {n} | {policy} | {ratio if ratio is not None else '-'} | {got:.3f} | {pred:.3f} | {rps:.1f} |")
+    print(f"\nitem KV fetch over tcp://127.0.0.1: {cost['fetch_s'] * 1e6:.0f} us for one item ({cost['tokens']:.1f} tokens, "
+          f"{cost['bytes_per_token']} B/token), {cost['batch_fetch_s'] * 1e6:.0f} us for {cost['batch']} items in one round "
+          f"trip ({cost['batch_tokens']:.1f} tokens); recompute one item alone {cost['recompute_s'] * 1e6:.0f} us; the "
+          f"cost model's recompute time {cost['recompute_per_token_s'] * 1e6:.1f} us per token "
+          f"({cost['recompute_per_token_s'] * cost['batch_tokens'] * 1e6:.0f} us for the {cost['batch']} items); "
+          f"Algorithm 1's transfer model at 100 Gbit/s: {cost['alg1_transfer_s'] * 1e6:.2f} us per item")
 
 
 if __name__ == "__main__":

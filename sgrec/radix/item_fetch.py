@@ -192,7 +192,6 @@ class PeerReply:
     k: torch.Tensor | None
     v: torch.Tensor | None
     seconds: float
-    nbytes: int
 
 
 class ItemKVClient:
@@ -284,7 +283,7 @@ class ItemKVClient:
         except (TypeError, ValueError):
             return None
         if not items:
-            return PeerReply([], None, None, seconds, 0)
+            return PeerReply([], None, None, seconds)
         dtype = _DTYPES.get(meta.get("dtype"))
         shape = meta.get("shape")
         if dtype is None or len(frames) != 3 or not isinstance(shape, list) or len(shape) != 4 \
@@ -294,7 +293,7 @@ class ItemKVClient:
             k, v = _tensor_from(frames[1], shape, dtype), _tensor_from(frames[2], shape, dtype)
         except (RuntimeError, ValueError):
             return None
-        return PeerReply(items, k, v, seconds, len(frames[1]) + len(frames[2]))
+        return PeerReply(items, k, v, seconds)
 
     def _mark_dead(self, addr: str) -> None:
         self.timeouts += 1
