@@ -46,11 +46,9 @@ class SchedulerLoop:
         show = dp_rank == 0
         self.runner = ModelRunner(args, show_progress=show)
         self.scheduler = Scheduler(args, self.runner, tokenizer, show_progress=True, dp_rank=dp_rank)
-        self.item_server = self._start_item_fetch(ctx, item_addrs)
-        self.poller = zmq.Poller()  # idle: wake for a request or for a peer's item-KV fetch
+        self.item_pool = self._start_item_fetch(ctx, item_addrs)
+        self.poller = zmq.Poller()  # idle: wake for a request (peers' item-KV fetches have their own thread)
         self.poller.register(self.recv_sock, zmq.POLLIN)
-        if self.item_server is not None:
-            self.poller.register(self.item_server.sock, zmq.POLLIN)
         self.warm_up(show)
         self.last_stats = 0.0
         self.live: dict = {}  # rid -> Req or Task accepted and not yet reported finished
@@ -76,17 +74,16 @@ class SchedulerLoop:
         self.send_sock.send(io.encode(msg))
 
     def _start_item_fetch(self, ctx, item_addrs: list[str] | None):
-        """HRCS across ranks: serve this rank's item KV to the others, and fetch cold items this rank
-        does not own from their owner (a dead or slow owner: the item is recomputed)."""
+        """HRCS across ranks: serve this rank's item KV to the others (from the pool's server thread),
+        and fetch cold items this rank does not own from their owner or recompute them (a dead or slow
+        owner: recomputed). Returns the ItemPool, or None without one."""
         ex = self.scheduler.rank_executor
-        self.item_pool = None
         if ex is None or not item_addrs or (self.args.dp_size < 2 and not self.args.item_peers):
             return None
         from sgrec.radix.item_peers import ItemPool
 
         # --item-peers: the pool spans the servers listed there (re-read at run time, see item_peers.py)
-        self.item_pool = ItemPool(ex, self.runner, ctx, item_addrs, self.dp_rank, self.args.item_peers)
-        return None  # its server answers peers from its own thread (item_fetch.py), not from this loop
+        return ItemPool(ex, self.runner, ctx, item_addrs, self.dp_rank, self.args.item_peers)
 
     def run(self) -> None:
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
@@ -94,8 +91,6 @@ class SchedulerLoop:
         while True:
             wait = self.scheduler.idle_wait()  # rank / retrieve batches waiting for their quota: sleep till due
             ready = dict(self.poller.poll(IDLE_POLL_MS if wait is None else min(IDLE_POLL_MS, math.ceil(wait * 1000))))
-            if self.item_server is not None and self.item_server.sock in ready:
-                self.item_server.poll(0)
             if self.item_pool is not None:
                 self.item_pool.refresh()  # servers joined or left the item pool
             if self.recv_sock in ready:
