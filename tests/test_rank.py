@@ -529,3 +529,14 @@ def test_batch_too_big_for_the_pool_runs_one_by_one(tiny_model_dir, catalog):
     s.check_accounting()
     s.tree.reset()
     assert s.alloc.available_size() == s.alloc.size
+
+
+def test_forward_time_per_token_is_measured(tiny_model_dir, catalog):
+    """The executor times its own forwards (the cross-rank fetch cost model's recompute cost)."""
+    s = Setup(tiny_model_dir("llama", seed=0), catalog, pool=1024)
+    assert s.ex.token_time is None
+    s.ex.run("u", ids(20, 1), ["i1", "i2", "i3"], INSTR, prefix="none")
+    first = s.ex.token_time
+    assert first is not None and 0 < first < 1.0
+    s.ex._observe_forward(2.0, 1000)  # 2 ms per token: the average moves a tenth of the way
+    assert s.ex.token_time == pytest.approx(0.9 * first + 0.1 * 0.002)

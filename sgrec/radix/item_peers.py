@@ -8,7 +8,8 @@ its own (`ItemKVServer`, safe against the scheduler's evictions: see `sgrec.radi
 for a request fetches the cold items it does not own from their owners, one round trip per owner,
 or recomputes them (`ItemFetcher`; a dead owner: recomputed, never an error). Fetch or recompute is
 the fetcher's cost model: the measured latency of each owner against this runner's recompute time
-per token, measured once at the first plan (`measure_recompute_per_token`).
+per token: given, or measured once at the first plan (`measure_recompute_per_token`) and then
+taken from the executor's own forwards (`RankExecutor.token_time`, a moving average).
 
 Membership comes from a peer file (`--item-peers`), JSON:
 
@@ -143,6 +144,7 @@ class ItemPool:
                                    bytes_per_token=self.bytes_per_token,
                                    bandwidth_Bps=self.bandwidth_gbps * 1e9 / 8, clock=clock)
         self._per_token = recompute_per_token_s  # None: measured on this runner at the first plan
+        self._per_token_given = recompute_per_token_s is not None  # given: fixed, never re-measured
         executor.fetcher = self.fetcher
         self.members: list[str] = []
         self._prefill_model = prefill_time  # None: fitted on this runner at the first plan
@@ -204,7 +206,10 @@ class ItemPool:
                                                               ex.args.max_rank_candidates)
                 logger.info("item fetch: recomputing an item token costs %.1f us here", self._per_token * 1e6)
             per_token = self._per_token
-            self.fetcher.recompute_s = lambda n_tokens: n_tokens * per_token
+            if self._per_token_given:
+                self.fetcher.recompute_s = lambda n_tokens: n_tokens * per_token
+            else:  # the start-up measurement until the executor has timed its own forwards
+                self.fetcher.recompute_s = lambda n_tokens: n_tokens * (ex.token_time or per_token)
         ex.dp_rank = rank  # the executor's rank in the placement
         self.fetcher.rank, self.fetcher.placement = rank, ex.placement
         self.client.set_endpoints({r: a for r, a in enumerate(members) if r != rank})

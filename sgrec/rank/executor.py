@@ -23,6 +23,7 @@ items from one owner in one round trip) or recomputed.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TAU_U = 1000  # user tokens assumed by the start-up HRCS plan before any request was seen
 DEFAULT_BANDWIDTH_GBPS = 100.0
 DEFAULT_ALPHA = 0.1
+TOKEN_TIME_ALPHA = 0.1  # smoothing of the measured forward time per token
 USER_FREE_RESERVE = 0.25  # uncapped user cache: free share of the pool kept for other requests
 
 
@@ -95,6 +97,7 @@ class RankExecutor:
         self.user_extra_key = user_extra_key
         # Cross-rank item KV (sgrec.radix.item_fetch.ItemFetcher): fetch_many([(item_id, n)]) -> fetched chunks
         self.fetcher = None
+        self.token_time: float | None = None  # measured forward seconds per computed token (moving average)
         # Hard cap on the user-prefix cache (the radix tree's share of the pool). None: the rest of the
         # pool (the tree grows into whatever the item store and running requests leave free).
         self.user_cache_tokens = None if user_cache_tokens is None else max(0, int(user_cache_tokens))
@@ -435,6 +438,7 @@ class RankExecutor:
                 pos += [lay.positions[r] for r in fresh_rows]
                 off += n
                 rows.append(off - 1)
+            t0 = time.perf_counter()
             logits = self.runner.forward(self.runner.make_batch(ids, pos, slots, seqs), rows)
             out, off = [], 0
             for b, (spec, (_, _, fresh_rows, owner)) in enumerate(zip(specs, plans)):
@@ -446,6 +450,7 @@ class RankExecutor:
                             spec.keep[name] = slots[off + start : off + start + count]
                             kept[b].add(name)
                 off += len(fresh_rows)
+            self._observe_forward(time.perf_counter() - t0, total)
         finally:
             free, off = [], 0
             for b, (_, _, fresh_rows, owner) in enumerate(plans):
@@ -455,6 +460,12 @@ class RankExecutor:
             if free:
                 self.allocator.free(torch.cat(free))
         return out
+
+    def _observe_forward(self, seconds: float, tokens: int) -> None:
+        """token_time: moving average of forward seconds per computed token (what recomputing an item
+        token costs here, read by the cross-rank fetch cost model)."""
+        per = seconds / max(1, tokens)
+        self.token_time = per if self.token_time is None else (1 - TOKEN_TIME_ALPHA) * self.token_time + TOKEN_TIME_ALPHA * per
 
     def _make_room(self, n: int) -> None:
         short = n - self.allocator.available_size()
