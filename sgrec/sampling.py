@@ -123,10 +123,10 @@ class SamplingParams:
             self.logit_bias = {}
         if not isinstance(self.logit_bias, dict):
             raise ValueError("sampling_params.logit_bias must be an object mapping token ids to biases")
-        try:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        except (TypeError, ValueError):
-            raise ValueError("sampling_params.logit_bias must map integer token ids to numbers") from None
+        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) and str(k).isascii() and str(k).isdigit()
+                   and is_num(v) for k, v in self.logit_bias.items()):  # no "+5", " 5", "٥", "1.5" or false
+            raise ValueError("sampling_params.logit_bias must map integer token ids to numbers")
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def _check_ranges(self, vocab_size: int | None) -> None:
         def bad(msg):

@@ -491,3 +491,44 @@ def test_catalog_with_a_bad_line_is_a_clear_startup_error(model, tmp_path):
     assert proc.returncode != 0
     assert f"start-up failed: {cat}:3: item 'c': 'token_ids' must be a non-empty list of token ids" in out
     assert "Traceback" not in out
+
+
+# ---- look-alike values the schema rejects are rejected by the server too (found by fuzzing) -------
+@pytest.mark.parametrize("sp", [
+    {"logit_bias": {"0": False}}, {"logit_bias": {"5": "1"}}, {"logit_bias": {"+5": 1}}, {"logit_bias": {" 5": 1}},
+    {"watermark": 0}, {"beam_width": True}, {"stream_interval": "x"},
+])
+def test_sampling_params_reject_lookalike_values(sp):
+    with pytest.raises(ValueError):
+        SamplingParams.from_dict(sp, vocab_size=100)
+
+
+@pytest.mark.parametrize("sp", [{"logit_bias": {"5": 1, "6": -2.5}}, {"watermark": False}, {"beam_width": 1},
+                                {"stream_interval": 4}, {"sampling_seed": 18446744073709551615}])
+def test_sampling_params_accept_the_real_values(sp):
+    SamplingParams.from_dict(sp, vocab_size=100)
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"user": {"text": "a"}, "rid": 0}, "rid must be a string"),
+    ({"user": {"text": "a"}, "routing_key": 7}, "routing_key must be a string"),
+    ({"user": {"text": "a"}, "model": ["m"]}, "model must be a string"),
+])
+def test_rec_bodies_type_check_rid_routing_key_and_model(body, message):
+    from sgrec.managers.rec import build_retrieve_task
+
+    with pytest.raises(ValueError, match=message):
+        build_retrieve_task(body, None, None, 16)
+
+
+def test_retrieve_defaults_fit_the_limits(model):
+    from sgrec.managers.generate import Limits, RequestBuilder
+    from sgrec.managers.rec import build_retrieve_task
+    from sgrec.tokenizer import Tokenizer
+
+    tok = Tokenizer(model)
+    builder = RequestBuilder(tok, Limits(512, 2048, 4096, 2047, 8, 4))
+    task = build_retrieve_task({"user": {"token_ids": [5, 6]}}, tok, builder, max_beam_width=4)
+    assert task.payload["beam_width"] == 4 and task.payload["num_items"] == 4 and task.payload["top_k"] == 4
+    task = build_retrieve_task({"user": {"token_ids": [5, 6]}}, tok, builder, max_beam_width=512)
+    assert task.payload["beam_width"] == 128 and task.payload["num_items"] == 10

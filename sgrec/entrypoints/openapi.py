@@ -202,13 +202,11 @@ def _body(schema_name: str) -> dict:
         "schema": {"$ref": f"#/components/schemas/{schema_name}"}}}}
 
 
-def _errors(extra: dict[str, str] | None = None, auth: bool = False) -> dict:
-    out = {code: {"description": why, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
-           for code, why in {**ERROR_STATUSES, **(extra or {})}.items()}
-    if auth:
-        out["401"] = {"description": "Missing or wrong API key (--api-key)",
-                      "content": {"application/json": {"schema": ERROR_SCHEMA}}}
-    return out
+def _error(why: str) -> dict:
+    return {"description": why, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+
+
+UNAUTHORIZED = _error("Missing or wrong API key (--api-key)")
 
 
 STREAMING_OK = {"description": "The result; with \"stream\": true, server-sent events ending with data: [DONE]",
@@ -237,6 +235,7 @@ OTHER_RESPONSES = {  # (path, method) -> the statuses and bodies of the routes w
                                                 "content": {"application/json": {"schema": ERROR_SCHEMA}}}},
 }
 
+
 def build_openapi(app: FastAPI, lim: SchemaLimits, open_paths: tuple[str, ...] | None) -> dict:
     """The document; `open_paths`: the routes that need no API key (None: no --api-key)."""
     auth = open_paths is not None
@@ -255,22 +254,18 @@ def build_openapi(app: FastAPI, lim: SchemaLimits, open_paths: tuple[str, ...] |
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             op.get("responses", {}).pop("422", None)  # FastAPI's own validation never runs here
-            needs_auth = auth and path not in open_paths
             if path in BODIES:
                 name, streams = BODIES[path]
                 op["requestBody"] = _body(name)
-                op["responses"] = {"200": STREAMING_OK if streams else JSON_OK, **_errors(auth=needs_auth)}
-                continue
-            op["responses"].update(OTHER_RESPONSES.get((path, method), {}))
-            if needs_auth:
-                op["responses"]["401"] = _errors(auth=True)["401"]
+                op["responses"] = {"200": STREAMING_OK if streams else JSON_OK,
+                                   **{code: _error(why) for code, why in ERROR_STATUSES.items()}}
+            else:
+                op["responses"].update(OTHER_RESPONSES.get((path, method), {}))
+            if auth and path not in open_paths:
+                op["responses"]["401"] = UNAUTHORIZED
+                op["security"] = [{"bearer": []}]
     if auth:
-        comps_sec = doc["components"].setdefault("securitySchemes", {})
-        comps_sec["bearer"] = {"type": "http", "scheme": "bearer"}
-        for path, ops in doc["paths"].items():
-            if path not in open_paths:
-                for op in ops.values():
-                    op["security"] = [{"bearer": []}]
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc
 
 
