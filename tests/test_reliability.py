@@ -29,6 +29,12 @@ def model(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
+@pytest.fixture(scope="module")
+def shared(start_server, model):
+    """One plain server for the tests that need no special flags (each takes its own leak baseline)."""
+    return start_server(model, "--max-total-tokens", "8192")
+
+
 def warm(srv, n=4):
     """A few requests so lazily started threads exist before a leak baseline is taken."""
     for _ in range(n):
@@ -87,8 +93,8 @@ HOSTILE = [
 ]
 
 
-def test_hostile_sampling_values_neither_fail_the_batch_nor_hang(start_server, model):
-    srv = start_server(model, "--max-total-tokens", "4096")
+def test_hostile_sampling_values_neither_fail_the_batch_nor_hang(shared, model):
+    srv = shared
     warm(srv)
     before = proc_tree(srv.proc.pid)
     with open(f"{model}/config.json") as f:
@@ -144,8 +150,8 @@ GARBAGE = [
 ]
 
 
-def test_malformed_messages_to_the_tokenizer_manager_are_dropped(start_server, model):
-    srv = start_server(model, "--max-total-tokens", "1024")
+def test_malformed_messages_to_the_tokenizer_manager_are_dropped(shared):
+    srv = shared
     warm(srv)
     before = proc_tree(srv.proc.pid)
     ctx = zmq.Context()
@@ -336,10 +342,10 @@ def test_disconnect_mid_prefill_frees_kv(start_server, model):
     assert r.status_code == 200
 
 
-def test_disconnect_mid_stream_of_every_route_frees_kv(start_server, model):
+def test_disconnect_mid_stream_of_every_route_frees_kv(shared):
     """Streams of /generate, /v1/completions and /v1/chat/completions left after the first chunk, and
     non-streamed requests left by a client timeout."""
-    srv = start_server(model, "--max-total-tokens", "8192")
+    srv = shared
     warm(srv)
     before = proc_tree(srv.proc.pid)
     long = {"max_new_tokens": 1500, **GREEDY}
