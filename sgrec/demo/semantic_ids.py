@@ -4,7 +4,8 @@ disambiguation level so that every item has a unique path (TIGER-style codes).
 Features per movie: co-occurrence embedding (truncated SVD of the movie x user matrix of the
 training interactions, L2-normalised), genre multi-hot and release year. Level 1 clusters all
 movies, level 2 each level-1 cluster, level 3 each level-2 cluster; level 4 numbers the movies
-that share a level-3 leaf (0 for most). Deterministic given the seed.
+that share a level-3 leaf (0 for most). Deterministic given the seed. `node_codes` renumbers
+levels 2 and 3 by trie node (the packaged model's tokens: 16 + 256 + 1,536 + 16 of them).
 """
 
 from __future__ import annotations
@@ -88,3 +89,16 @@ def hierarchical_codes(x: np.ndarray, branching: tuple[int, ...] = (16, 16, 16),
         codes[g, -1] = np.arange(len(g))
     assert len({tuple(r) for r in codes}) == n
     return codes
+
+
+def node_codes(codes: np.ndarray) -> np.ndarray:
+    """The same paths with every k-means level after the first numbered by its trie node (the
+    distinct prefix up to that level, in lexicographic order) instead of by its index among its
+    siblings: each such token then names one cluster of movies, whatever its parent, so its
+    (tied) embedding can sit with its movies'. The first and the disambiguation level are kept."""
+    out = codes.copy()
+    for level in range(1, codes.shape[1] - 1):
+        _, inverse = np.unique(codes[:, : level + 1], axis=0, return_inverse=True)
+        out[:, level] = inverse.reshape(-1)
+    assert len({tuple(r) for r in out}) == len(out)
+    return out
