@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,18 +33,13 @@ import urllib.request
 
 from launch import caddy_config
 from sgrec.radix.item_peers import read_servers, write_peer_file
+from sgrec.tools.local_server import free_port  # noqa: F401 (launch.local_cluster imports it from here)
 
 START_TIMEOUT_S = 60.0
 # A worker that refused two requests in a row is skipped (circuit open) for 10 s, so the router's own
 # retries of a request that could not reach a dead worker go to another one: nothing is lost while
 # the health checks catch up. (The router's default, 10 failures, lets those requests fail.)
 ROUTER_ARGS = ("--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "10")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, bytes]:

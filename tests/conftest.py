@@ -44,62 +44,18 @@ def hf_model():
 
 
 # ---- a real server process on loopback ---------------------------------------------------
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
 import httpx  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sgrec.tools.local_server import LocalServer  # noqa: E402
 
 
-class ServerProcess:
-    """`python -m sgrec.launch_server` as a subprocess; .url, .client (httpx), .stop()."""
+class ServerProcess(LocalServer):
+    """`python -m sgrec.launch_server --device cpu` as a subprocess; .url, .client (httpx), .stop()."""
 
     def __init__(self, model_path: str, *extra: str, log_path: str, timeout: float = 120.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "sgrec.launch_server", "--model-path", model_path, "--port", str(self.port),
-               "--device", "cpu", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not ready after {timeout} s:\n{self.read_log()}")
-            time.sleep(0.2)
+        super().__init__(["--model-path", model_path, "--device", "cpu", *extra], log_path=log_path,
+                         ready_timeout=timeout)
         self.client = httpx.Client(base_url=self.url, timeout=60)
-
-    def read_log(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        self.log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="session")

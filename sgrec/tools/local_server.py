@@ -20,9 +20,9 @@ import sgrec
 HOST = "127.0.0.1"  # loopback only
 
 
-def free_port() -> int:
+def free_port(host: str = HOST) -> int:
     with socket.socket() as s:
-        s.bind((HOST, 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -53,13 +53,14 @@ class LocalServer:
             time.sleep(0.2)
 
     def read_log(self) -> str:
-        self.log.flush()
+        if not self.log.closed:  # also after stop()
+            self.log.flush()
         with open(self.log_path) as f:
             return f.read()
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
