@@ -31,7 +31,8 @@ class ServerArgs:
     max_prefill_tokens: int = _arg(16384, "Most tokens in one prefill batch.")
     max_running_requests: int = _arg(256, "Most requests decoding at once (per data-parallel rank).")
     max_queued_requests: int | None = _arg(
-        None, "Most requests waiting per rank; past it new requests get 503 'The request queue is full.'")
+        None, "Most requests waiting per rank (beyond the free running places); past it new requests get "
+        "503 'The request queue is full.', at once and untokenized once running + queued are outstanding")
     schedule_policy: str = _arg(
         "fcfs", "Order of admission: fcfs; lpm (longest cached prefix first); for prefill-only requests "
         "(score, rank, max_new_tokens 0) srjf (shortest remaining job first with the cached prefix re-read "

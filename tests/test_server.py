@@ -226,9 +226,38 @@ def test_burst_over_queue_limit_gets_503_and_nothing_hangs(start_server, model):
     assert wait_until(lambda: kv_idle_and_free(srv))
 
 
+def test_full_rank_answers_503_before_validating(start_server, model):
+    """With --max-running-requests + --max-queued-requests requests outstanding, the tokenizer manager
+    answers 503 at once, before parsing the prompt: a body that would be a 400 gets the 503 then, and
+    the 400 again once the rank has room."""
+    srv = start_server(model, "--max-total-tokens", "4096", "--max-running-requests", "1",
+                       "--max-queued-requests", "1")
+    bad = {"text": "", "sampling_params": {"max_new_tokens": 1}}  # empty prompt: 400 when admitted
+    assert srv.client.post("/generate", json=bad).status_code == 400
+    long = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 2000, **GREEDY}}
+    with httpx.Client(base_url=srv.url, timeout=60) as c, \
+            c.stream("POST", "/generate", json=long) as r1, c.stream("POST", "/generate", json=long) as r2:
+        assert r1.status_code == r2.status_code == 200
+        lines = (r1.iter_lines(), r2.iter_lines())
+        first = [next(x for x in it if x) for it in lines]
+        # one runs, the other waits (R = 1): the rank holds 2 = R + Q requests
+        assert sum('"error"' in f for f in first) == 0 and sum(f.startswith("data: {") for f in first) >= 1
+        g = srv.client.post("/generate", json=bad)
+        assert g.status_code == 503 and g.json()["message"] == "The request queue is full."  # the scheduler's shape
+        o = srv.client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 1})
+        assert o.status_code == 503 and o.json()["message"] == "The request queue is full."
+        s = srv.client.post("/v1/score", json={"query": "a", "items": ["b"], "label_token_ids": [5]})
+        assert s.status_code == 503 and s.json()["message"] == "The request queue is full."
+    # the clients left: both are aborted and the rank has room again
+    assert wait_until(lambda: srv.client.post("/generate", json=bad).status_code == 400)
+    ok = srv.client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, **GREEDY}})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
+    assert wait_until(lambda: kv_idle_and_free(srv))
+
+
 def test_disconnect_storm_frees_kv(start_server, model):
     srv = start_server(model, "--max-total-tokens", "4096")
-    body = {"input_ids": [9, 10, 11, 12], "sampling_params": {"max_new_tokens": 3000, **GREEDY}}
+    body = {"input_ids": [9, 10, 11, 12], "sampling_params": {"max_new_tokens": 2000, **GREEDY}}
 
     def stream_and_leave():
         with httpx.stream("POST", srv.url + "/generate", json={**body, "stream": True}, timeout=30) as r:

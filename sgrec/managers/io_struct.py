@@ -103,6 +103,9 @@ class SchedulerReady:
     max_input_len: int
 
 
+QUEUE_FULL = "The request queue is full."  # the 503 message of --max-queued-requests (SGLang's)
+
+
 def abort_reason(message: str, status_code: int) -> dict:
     """The finish_reason of a request that ended with an error (SGLang's shape)."""
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}

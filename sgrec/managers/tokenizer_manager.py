@@ -69,6 +69,13 @@ def check_generate_types(obj: dict) -> None:
             raise ValueError(f"`{name}` is not supported by sgrec")
 
 
+class QueueFull(RuntimeError):
+    """503: the rank already holds as many requests as it may (running + --max-queued-requests)."""
+
+    def __init__(self):
+        super().__init__(io.QUEUE_FULL)
+
+
 class TokenizerManager:
     def __init__(self, args: ServerArgs, in_addrs: list[str], out_addr: str):
         self.args = args
@@ -120,8 +127,25 @@ class TokenizerManager:
         return min(r.max_total_num_tokens for r in self.ready.values())
 
     # ---- requests -----------------------------------------------------------------------
+    def admit(self, obj) -> None:
+        """Fast 503 before any parsing or tokenization (raises QueueFull) when the rank the request would
+        go to already has --max-running-requests + --max-queued-requests requests outstanding (sent and
+        not yet answered): at most the running ones can be in progress, so the rest fill the queue and
+        the scheduler would reject it anyway, only later and after the work of tokenizing it. The
+        scheduler's own check stays for what this count cannot see (a queue that fills while running
+        requests wait for KV, several prompts in one request)."""
+        limit = self.args.max_queued_requests
+        if limit is None or self.dead:
+            return
+        key = obj.get("routing_key") if isinstance(obj, dict) else None
+        if self.rank_load[self._pick_rank(key if isinstance(key, str) else None)] >= \
+                self.args.max_running_requests + limit:
+            raise QueueFull()
+
     def submit(self, obj: dict) -> Submission:
-        """Validates, tokenizes and sends a native /generate request. Raises ValueError on bad input."""
+        """Validates, tokenizes and sends a native /generate request. Raises ValueError on bad input,
+        QueueFull (a RuntimeError) when the rank is full."""
+        self.admit(obj)
         check_generate_types(obj)
         msgs, params, is_list = self.builder.build(
             obj.get("text"), obj.get("input_ids"), obj.get("sampling_params"),
@@ -133,6 +157,7 @@ class TokenizerManager:
 
     def submit_score(self, obj: dict) -> tuple[Submission, ScorePlan]:
         """A /v1/score request: one prefill-only request per item. Raises ValueError on bad input."""
+        self.admit(obj)
         plan = build_score_request(obj, self.tokenizer, self.builder)
         msgs = plan.messages(uuid.uuid4().hex)
         return self._send(msgs, [SamplingParams(max_new_tokens=0)] * len(msgs), True, False,
@@ -140,12 +165,14 @@ class TokenizerManager:
 
     def submit_rank(self, obj: dict) -> Submission:
         """A /v1/rank request (one task). Raises ValueError on bad input."""
+        self.admit(obj)
         return self._send_task(build_rank_task(obj, self.tokenizer, self.builder, self.args.max_rank_candidates),
                                obj)
 
     def submit_retrieve(self, obj: dict, native_beam: bool = False) -> Submission:
         """A /v1/retrieve request, or a native /generate with beam_width (one task each). Raises
         ValueError on bad input."""
+        self.admit(obj)
         build = build_beam_generate_task if native_beam else build_retrieve_task
         return self._send_task(build(obj, self.tokenizer, self.builder, self.args.max_beam_width), obj)
 

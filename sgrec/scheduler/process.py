@@ -27,7 +27,6 @@ logger = logging.getLogger("sgrec.scheduler")
 
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
-QUEUE_FULL = "The request queue is full."
 INTERNAL_ERROR = "Internal error while running the batch"
 
 
@@ -123,12 +122,22 @@ class SchedulerLoop:
         fr = io.abort_reason(message, status_code)
         self.send(io.BatchReqOutput([io.ReqOutput(msg.rid, [], fr, len(msg.input_ids))]))
 
+    def queue_full(self) -> bool:
+        """--max-queued-requests: the requests not started yet, less those the free running places
+        take at the next step (so a burst that arrives between two steps is not judged as if
+        nothing could start, and the limit agrees with the tokenizer manager's running + queued)."""
+        limit = self.args.max_queued_requests
+        if limit is None:
+            return False
+        sched = self.scheduler
+        free = max(0, self.args.max_running_requests - len(sched.running) - (1 if sched.chunked else 0))
+        return sched.num_queued() >= limit + free
+
     def handle(self, msg) -> None:
         sched = self.scheduler
         if isinstance(msg, (io.TokenizedGenerateReq, io.TaskReq)):
-            limit = self.args.max_queued_requests
-            if limit is not None and sched.num_queued() >= limit:
-                return self._reject(msg, QUEUE_FULL, 503)
+            if self.queue_full():
+                return self._reject(msg, io.QUEUE_FULL, 503)
             try:
                 self.live[msg.rid] = (sched.add_task if isinstance(msg, io.TaskReq) else sched.add_request)(msg)
             except (TypeError, ValueError) as e:
