@@ -51,15 +51,17 @@ def test_bad_requests_are_refused():
 
 
 def test_wait_quota_from_slo():
-    q = SloWaitQuota(slo_s=0.100, alpha=0.2)
-    assert q.quota("rank") == pytest.approx(0.025)  # T_exec starts at slo / 4: (0.1 - 0.05) / 2
-    q.observe("rank", 0.030)
-    assert q.quota("rank") == pytest.approx(0.020)  # (0.1 - 0.06) / 2
-    q.observe("rank", 0.010)  # EMA: 0.8 * 0.030 + 0.2 * 0.010 = 0.026
-    assert q.exec_s["rank"] == pytest.approx(0.026) and q.quota("rank") == pytest.approx(0.024)
-    assert q.quota("score") == pytest.approx(0.025)  # per kind
-    q.observe("retrieve", 0.070)
-    assert q.quota("retrieve") == 0.0  # no slack left: dispatch at once
+    q = SloWaitQuota(slo_s=0.100)
+    bf = BatchFormer(100, q)
+    assert bf.quota("rank") == pytest.approx(0.025)  # T_exec starts at slo / 4: (0.1 - 0.05) / 2
+    bf.observe("rank", 0.030)
+    assert bf.quota("rank") == pytest.approx(0.020)  # (0.1 - 0.06) / 2
+    bf.observe("rank", 0.010)  # EMA: 0.8 * 0.030 + 0.2 * 0.010 = 0.026
+    assert bf.exec_s["rank"] == pytest.approx(0.026) and bf.quota("rank") == pytest.approx(0.024)
+    assert bf.quota("score") == pytest.approx(0.025)  # per kind
+    bf.observe("retrieve", 0.070)
+    assert bf.quota("retrieve") == 0.0  # no slack left: dispatch at once
+    assert BatchFormer(100, 0.003).quota("rank") == 0.003  # a fixed wait ignores the batch times
     assert make_wait_quota(3.0, 100.0) == FixedWaitQuota(0.003)  # an explicit wait wins
     assert isinstance(make_wait_quota(None, 100.0), SloWaitQuota)
     assert make_wait_quota(None, None) == FixedWaitQuota(DEFAULT_WAIT_S)
@@ -72,7 +74,7 @@ def test_slo_quota_drives_dispatch():
     bf = BatchFormer(100, q)
     bf.add("a", "score", 5, 0.0)
     assert bf.poll(0.0099) == [] and len(bf.poll(0.010)) == 1  # quota 10 ms
-    q.observe("score", 0.016)  # quota (0.04 - 0.032) / 2 = 4 ms
+    bf.observe("score", 0.016)  # quota (0.04 - 0.032) / 2 = 4 ms
     bf.add("b", "score", 5, 1.0)
     assert bf.poll(1.0039) == [] and len(bf.poll(1.004)) == 1
 
@@ -187,7 +189,7 @@ def test_from_server_args():
     from sgrec.server_args import ServerArgs
 
     bf = batch_former_from_args(ServerArgs(max_batch_tokens=32, slo_ms=40.0))
-    assert bf.max_batch_tokens == 32 and bf.wait_quota.quota("rank") == pytest.approx(0.010)
+    assert bf.max_batch_tokens == 32 and bf.quota("rank") == pytest.approx(0.010)
     assert batch_former_from_args(ServerArgs(batch_wait_ms=3.0)).wait_quota == FixedWaitQuota(0.003)
     with pytest.raises(ValueError, match="below slo_ms"):
         ServerArgs(batch_wait_ms=50.0, slo_ms=40.0)

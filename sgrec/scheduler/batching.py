@@ -57,43 +57,37 @@ class Batch:
         return sum(it.num_tokens for it in self.items)
 
 
+EMA_ALPHA = 0.2  # smoothing of a kind's measured batch time
+
+
 class WaitQuota(Protocol):
-    def quota(self, kind: str) -> float: ...
+    def quota(self, kind: str, exec_s: float | None) -> float:
+        """Seconds a request of `kind` may wait; exec_s: the kind's measured batch time (None before
+        the first batch)."""
 
 
 @dataclass
 class FixedWaitQuota:
     seconds: float
 
-    def quota(self, kind: str) -> float:
+    def quota(self, kind: str, exec_s: float | None = None) -> float:
         return self.seconds
-
-    def observe(self, kind: str, exec_s: float) -> None:
-        """Nothing to learn."""
 
 
 @dataclass
 class SloWaitQuota:
-    """q(kind) = max(0, slo - 2 * T_exec(kind)) / 2, T_exec an EMA of measured batch times
+    """q(kind) = max(0, slo - 2 * T_exec(kind)) / 2, T_exec the kind's measured batch time
     (initially slo / 4); see the module docstring for the derivation."""
 
     slo_s: float
-    alpha: float = 0.2
-    exec_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.slo_s <= 0:
             raise ValueError("slo must be positive")
-        if not 0 < self.alpha <= 1:
-            raise ValueError("alpha must be in (0, 1]")
 
-    def quota(self, kind: str) -> float:
-        t = self.exec_s.get(kind, self.slo_s / 4)
+    def quota(self, kind: str, exec_s: float | None = None) -> float:
+        t = self.slo_s / 4 if exec_s is None else exec_s
         return max(0.0, self.slo_s - 2 * t) / 2
-
-    def observe(self, kind: str, exec_s: float) -> None:
-        old = self.exec_s.get(kind)
-        self.exec_s[kind] = exec_s if old is None else (1 - self.alpha) * old + self.alpha * exec_s
 
 
 def make_wait_quota(batch_wait_ms: float | None, slo_ms: float | None) -> FixedWaitQuota | SloWaitQuota:
@@ -118,6 +112,15 @@ class BatchFormer:
         self.wait_quota = FixedWaitQuota(float(wait_quota)) if isinstance(wait_quota, (int, float)) else wait_quota
         self._queues: dict[str, deque[BatchItem]] = {}
         self._tokens: dict[str, int] = {}
+        self.exec_s: dict[str, float] = {}  # kind -> EMA of its measured batch time
+
+    def observe(self, kind: str, exec_s: float) -> None:
+        """A batch of `kind` took exec_s seconds (feeds the SLO quota and the units' cost)."""
+        old = self.exec_s.get(kind)
+        self.exec_s[kind] = exec_s if old is None else (1 - EMA_ALPHA) * old + EMA_ALPHA * exec_s
+
+    def quota(self, kind: str) -> float:
+        return self.wait_quota.quota(kind, self.exec_s.get(kind))
 
     def add(self, rid: str, kind: str, num_tokens: int, now: float) -> BatchItem:
         if num_tokens < 1:
@@ -152,7 +155,7 @@ class BatchFormer:
     def deadline(self, kind: str) -> float | None:
         """When the oldest queued request of `kind` has waited its quota (None when empty)."""
         q = self._queues.get(kind)
-        return q[0].arrival + self.wait_quota.quota(kind) if q else None
+        return q[0].arrival + self.quota(kind) if q else None
 
     def has_full(self) -> bool:
         """Some kind has a full batch queued (due now, whatever its quota)."""

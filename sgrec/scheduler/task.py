@@ -24,7 +24,6 @@ from sgrec.scheduler.streams import (
 
 NEEDS = {"rank": "an item catalog (--item-catalog)",
          "retrieve": "an item catalog (--item-catalog) whose items carry semantic_id"}
-EMA_ALPHA = 0.2  # smoothing of a kind's measured batch time (the units' profiled cost)
 
 
 @dataclass
@@ -95,7 +94,6 @@ class TaskQueue:
         self.clock = clock
         self.backend = backend
         self.queued: dict[str, Task] = {}  # rid -> task waiting in the batcher
-        self.exec_s: dict[str, float] = {}  # kind -> EMA of its measured batch time
         self.batches_run = 0
         self._finished: list[Task] = []  # refused on arrival, reported at the next run
         self.inflight: list[Task] = []  # in a batch being run (an internal error aborts them)
@@ -154,7 +152,7 @@ class TaskQueue:
         for b in batches:
             tasks = [self.queued.pop(it.rid) for it in b.items]
             self.inflight += tasks
-            cost = UnitCost(self.exec_s.get(b.kind, 0.0), min(1.0, b.num_tokens / self.batcher.max_batch_tokens))
+            cost = UnitCost(self.batcher.exec_s.get(b.kind, 0.0), min(1.0, b.num_tokens / self.batcher.max_batch_tokens))
             units.append(WorkUnit(f"batch{self.batches_run}", cost, group=b.kind, fn=self._unit(b, tasks)))
             self.batches_run += 1
         streams = MultiStreamScheduler(self.backend, policy="sgrec")  # drained here: no state to keep
@@ -172,11 +170,6 @@ class TaskQueue:
                 if isinstance(o, dict):
                     o.setdefault("meta_info", {})["batch_size"] = len(tasks)  # requests run together
                 t.finish(o)
-            dt = time.perf_counter() - t0
-            old = self.exec_s.get(batch.kind)
-            self.exec_s[batch.kind] = dt if old is None else (1 - EMA_ALPHA) * old + EMA_ALPHA * dt
-            observe = getattr(self.batcher.wait_quota, "observe", None)
-            if observe is not None:
-                observe(batch.kind, dt)
+            self.batcher.observe(batch.kind, time.perf_counter() - t0)
 
         return run
