@@ -383,8 +383,16 @@ def test_kv_accounting_and_prefix_cache(new_tree, runners):
     ex = RetrieveExecutor(runner, tree, cat)
     alloc = runner.kv_pool.allocator
     user = [rng.randrange(V) for _ in range(30)]
+    free_at_steps = []  # the pool while each beam step runs: prompt once + BW x (ND - 1) slots, no more
+    forward = ex._beam_forward
+    ex._beam_forward = lambda *a: (free_at_steps.append(alloc.available_size()), forward(*a))[1]
     first = ex.run(user, 64, 64, 10, extra_key="u1")
+    ex._beam_forward = forward
     assert first.meta["cached_tokens"] == 0
+    assert first.meta["shared_kv_tokens"] == len(user)
+    assert first.meta["unshared_kv_tokens"] == min(64, ex.trie.max_beams) * (3 - 1)
+    assert len(free_at_steps) == 3 - 1
+    assert alloc.size - min(free_at_steps) == len(user) + first.meta["unshared_kv_tokens"]
     assert tree.total_size() == len(user) and tree.protected_size() == 0
     assert alloc.available_size() == alloc.size - len(user)
     second = ex.run(user, 64, 64, 10, extra_key="u1")
