@@ -269,8 +269,9 @@ def test_noise_one_inverts_predictions():
 
 
 # ---- the leaf index -------------------------------------------------------------------------------------
-def test_recency_index_matches_brute_force():
-    rng = random.Random(0)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_recency_index_matches_brute_force(seed):
+    rng = random.Random(seed)
     idx = RecencyIndex(capacity=8)  # small, so compaction runs often
     order: list[int] = []  # recency order of tracked items
     active: dict[int, bool] = {}

@@ -4,13 +4,15 @@ model are refreshed after a retrain, and the lambda rules."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
 
 from sgrec.radix.eviction import LARUPolicy, make_policy
 from sgrec.radix.predictor import LightGBMPredictor, Predictor
-from sgrec.radix.sim import SgrecReplay, simulate
+from sgrec.radix.sim import SgrecReplay, TraceIndex, simulate
 from sgrec.radix.traces import multiturn
 from sgrec.radix.tree import RadixCache
 
@@ -98,3 +100,140 @@ def test_retrain_invalidates_cached_predictions():
 def test_lambda_rule_thresholds(rule, k, expect):
     pol = make_policy("laru", {"lambda_rule": rule, "predictor": Versioned()})
     assert pol.halve_after(k) == expect
+
+
+# ---- fast paths give the slow paths' values -----------------------------------------------------
+def test_fast_booster_paths_equal_booster_predict():
+    """Per-row SingleRowFast, batched PredictForMat and the public Booster.predict agree exactly,
+    NaN-padded rows included."""
+    import lightgbm as lgb
+
+    from sgrec.radix.predictor import N_FEATURES, _FastBooster
+
+    rng = np.random.default_rng(0)
+    x = rng.exponential(10.0, size=(3000, N_FEATURES))
+    x[rng.random(x.shape) < 0.3] = np.nan
+    y = np.log1p(np.nan_to_num(x[:, 0], nan=50.0) + rng.exponential(1.0, 3000))
+    booster = lgb.train({"objective": "regression", "verbose": -1, "num_threads": 1, "deterministic": True},
+                        lgb.Dataset(x, y), num_boost_round=16)
+    fast = _FastBooster(booster)
+    assert fast.single is not None and fast.raw is not None  # the C paths are in use, not the fallback
+    rows = [tuple(r) for r in rng.exponential(10.0, size=(200, N_FEATURES))]
+    rows[::3] = [tuple(np.where(rng.random(N_FEATURES) < 0.5, np.nan, r)) for r in rows[::3]]
+    want = booster.predict(np.array(rows), num_threads=1).tolist()
+    assert fast.predict_rows(rows, small=True) == want
+    assert fast.predict_rows(rows, small=False) == want
+    assert fast.predict_rows(rows[:5]) == want[:5]  # the default choice for a small batch
+    assert fast.predict_rows([]) == []
+
+
+def test_history_rows_match_a_plain_reference():
+    """The tuple-based feature rows equal a list-based recomputation: newest-first deltas padded
+    with NaN to 10, the 10 EDCs (1 + c * exp(-rate * delta)), then the depth; every access but the
+    first labels the previous row with log1p(delta)."""
+    import math
+
+    pred = LightGBMPredictor(retrain_interval=10**9, min_train=10**9, edc_base=3.0)
+    cache = RadixCache(None)
+    cache.insert([7, 8, 9], torch.empty(3, dtype=torch.int64))
+    node = cache.match_prefix([7, 8, 9]).last_node
+    rng = np.random.default_rng(1)
+    times = np.cumsum(rng.integers(1, 50, size=25)).astype(float)
+    deltas: list[float] = []
+    edcs = [0.0] * 10
+    prev_row = None
+    for i, t in enumerate(times):
+        pred.on_access(node, float(t))
+        if i:
+            d = float(t - times[i - 1])
+            assert pred.samples[-1] == (prev_row, math.log1p(d))
+            deltas = ([d] + deltas)[:10]
+            edcs = [1.0 + c * math.exp(-r * d) for c, r in zip(edcs, pred.edc_rates)]
+        else:
+            edcs = [1.0] * 10
+        want = tuple(deltas + [math.nan] * (10 - len(deltas)) + edcs + [3.0])
+        got = pred.hist[node].row
+        assert len(got) == len(want) and all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, want))
+        prev_row = got
+    assert len(pred.samples) == len(times) - 1
+
+
+# ---- lambda_reset: opt-in robustness beyond Algorithm 1 -----------------------------------------
+class Table(Predictor):
+    """Predicts a fixed value per first token of a node (0 when not listed)."""
+
+    def __init__(self, table: dict[int, float]) -> None:
+        self.table, self.calls, self.items = table, 0, 0
+
+    def snapshot(self, nodes, keys):
+        return [n.key[0] for n in nodes]
+
+    def predict(self, snap):
+        return [self.table.get(t, 0.0) for t in snap]
+
+
+def _laru_run(reset: str, trace: list[int], **kw) -> tuple[LARUPolicy, SgrecReplay]:
+    pol = LARUPolicy(Table({1: 1, 2: 50, 3: 40, 4: 100}), lambda_rule="every", lambda_reset=reset, **kw)
+    sim = SgrecReplay(pol, capacity=4)
+    for t, x in enumerate(trace):
+        sim.request(t, [x], None)
+    return pol, sim
+
+
+def test_bets_settle_by_which_start_key_is_requested_first():
+    """k = 4 one-token items. Request 5 starts phase 1 and evicts 4 (farthest) while LRU would have
+    evicted 1: a bet that 4 is needed after 1."""
+    pol, _ = _laru_run("bets", [1, 2, 3, 4, 5])
+    assert pol.bets_won == pol.bets_lost == 0 and len(pol.bet_phases[-1]) == 1
+    pol, _ = _laru_run("bets", [1, 2, 3, 4, 5, 4])  # 4 first: lost (and the usual detection)
+    assert (pol.bets_won, pol.bets_lost, pol.lru_fallbacks) == (0, 1, 1) and not pol.open_bets
+    pol, _ = _laru_run("bets", [1, 2, 3, 4, 5, 1, 4])  # 1 first: won; 4 later settles nothing
+    assert (pol.bets_won, pol.bets_lost) == (1, 0) and not pol.open_bets
+    for reset in ("phase", "carry"):  # no bookkeeping in the other modes
+        pol, _ = _laru_run(reset, [1, 2, 3, 4, 5])
+        assert not pol.open_bets and pol.bet_phases == deque([[]])
+
+
+def test_unsettled_bets_lapse_after_the_next_phase():
+    pol, sim = _laru_run("bets", [1, 2, 3, 4, 5])
+    bet = pol.bet_phases[-1][0]
+    one = next(n for n in sim.tree._nodes() if n.key == [1])
+    assert bet[1] == pol.keys[one] and set(pol.open_bets) == {bet[0], bet[1]}  # z = 4 (evicted), h = 1
+    pol._new_phase_bets()  # phase 2: still open
+    assert bet[2] and pol.open_bets
+    pol._new_phase_bets()  # phase 3: made two phases ago, so it lapses
+    assert not bet[2] and not pol.open_bets and len(pol.bet_phases) == 2
+
+
+@pytest.mark.parametrize("reset,won,lost,want", [("phase", 0, 3, 1.0), ("carry", 5, 0, 0.5), ("bets", 0, 0, 0.5),
+                                                 ("bets", 1, 1, 0.5), ("bets", 0, 2, 0.5), ("bets", 2, 1, 1.0)])
+def test_lambda_at_a_new_phase(reset, won, lost, want):
+    """Line 12 sets lambda = 1; "carry" starts the phase at min(1, b * lambda); "bets" at 1 only if the
+    bets settled in the last phase were won more often than lost."""
+    pol, sim = _laru_run(reset, [1, 2, 3, 4], b=2.0)
+    pol.lam, pol.bets_won, pol.bets_lost = 0.25, won, lost
+    sim.request(4, [5], None)  # the first eviction finds O empty: a new phase
+    assert pol.phases == 1 and pol.lam == want
+    if reset == "bets":
+        assert pol.bets_won == pol.bets_lost == 0
+
+
+def test_lambda_reset_keeps_consistency_and_limits_inverted_predictions():
+    """Exact predictions: the same hits as Algorithm 1 (= OPT here). Inverted ones (noise p = 1):
+    "carry" and "bets" lose less than the per-phase reset."""
+    trace = multiturn(num_conversations=300, seed=2)
+    index = TraceIndex(trace)
+    hits = {(reset, p): simulate(trace, "laru", 12000, noise=p, index=index,
+                                 config={"lambda_reset": reset}).hit_tokens
+            for reset in ("phase", "carry", "bets") for p in (0.0, 1.0)}
+    assert hits[("carry", 0.0)] == hits[("bets", 0.0)] == hits[("phase", 0.0)] == \
+        simulate(trace, "opt", 12000, index=index).hit_tokens
+    assert hits[("carry", 1.0)] > hits[("phase", 1.0)] and hits[("bets", 1.0)] > hits[("phase", 1.0)]
+    lru = simulate(trace, "lru", 12000).hit_tokens
+    assert hits[("bets", 1.0)] >= 0.95 * lru > hits[("phase", 1.0)]
+
+
+def test_lambda_reset_config():
+    assert make_policy("laru", {"lambda_reset": "bets", "predictor": Versioned()}).lambda_reset == "bets"
+    with pytest.raises(ValueError, match="lambda_reset"):
+        make_policy("laru", {"lambda_reset": "never", "predictor": Versioned()})

@@ -111,17 +111,31 @@ class RecencyIndex:
             self._update(p)
 
     def _update(self, p: int) -> None:
+        """Position p's active flag or prediction changed: fix the counts and maxima above it. The
+        maxima stop changing at the first ancestor whose maximum is neither new nor p itself (its
+        parent's inputs are then as before); the counts go on to the root only if they changed."""
         cnt, best, pred = self.cnt, self.best, self.pred
         i = p + self.size
         on = self.active[p]
+        d = (1 if on else 0) - cnt[i]
         cnt[i], best[i] = (1, p) if on else (0, -1)
         i >>= 1
         while i:
-            l, r = 2 * i, 2 * i + 1
-            cnt[i] = cnt[l] + cnt[r]
-            a, b = best[l], best[r]
-            best[i] = b if a < 0 or (b >= 0 and pred[b] > pred[a]) else a
+            if d:
+                cnt[i] += d
+            a, b = best[2 * i], best[2 * i + 1]
+            nb = b if a < 0 or (b >= 0 and pred[b] > pred[a]) else a
+            if nb == best[i] and nb != p:
+                break
+            best[i] = nb
             i >>= 1
+        else:
+            return
+        if d:
+            i >>= 1
+            while i:
+                cnt[i] += d
+                i >>= 1
 
     def _kth(self, k: int) -> int:
         """Position of the k-th (1-based) active item in position order."""

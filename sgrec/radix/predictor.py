@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import random
+import threading
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -86,57 +88,115 @@ class OraclePredictor(Predictor):
         return out
 
 
+_NAN_PAD = tuple((math.nan,) * (N_DELTAS - n) for n in range(N_DELTAS + 1))  # delta slots not yet seen
+_FIRST_EDCS = (1.0,) * N_EDCS
+
+
 class _History:
-    __slots__ = ("last", "deltas", "edcs", "row")
+    """A node's access history. `row` is its feature tuple as of the last access (the deltas, newest
+    first, NaN-padded to N_DELTAS, then the EDCs, then the depth); `nd` of its delta slots are real.
+    Tuples of floats, not lists: they are immutable (a split's copy shares them) and the garbage
+    collector stops tracking them, which matters with ~10^4 histories and a 20000-row window."""
+
+    __slots__ = ("last", "nd", "row")
 
     def __init__(self) -> None:
         self.last: float | None = None
-        self.deltas: list[float] = []
-        self.edcs = [0.0] * N_EDCS
-        self.row: list[float] | None = None
+        self.nd = 0
+        self.row: tuple[float, ...] | None = None
 
     def copy(self) -> _History:
         h = _History()
-        h.last, h.deltas, h.edcs, h.row = self.last, list(self.deltas), list(self.edcs), self.row
+        h.last, h.nd, h.row = self.last, self.nd, self.row
         return h
 
 
 class _FastBooster:
-    """Batched prediction straight through LightGBM's C API (LGBM_BoosterPredictForMat) with a
-    prepared parameter string: `Booster.predict` rebuilds an inner predictor and re-reads the
-    model's parameters on every call, which costs far more than evaluating 32 trees on the ~10
-    rows an eviction asks about. Falls back to `Booster.predict` if the private API moved."""
+    """Prediction straight through LightGBM's C API. `Booster.predict` rebuilds an inner predictor
+    and re-reads the model's parameters on every call (~20 us before the first tree), far more than
+    evaluating 32 trees on the ~10 rows an eviction asks about. So:
+
+    - up to `SMALL` rows: one LGBM_BoosterPredictForMatSingleRowFast call per row on a FastConfig
+      prepared once per model (~1 us a row);
+    - more rows (all leaves after a retrain): one LGBM_BoosterPredictForMat call with a prepared
+      parameter string.
+
+    Both give exactly `Booster.predict`'s values (checked on a probe at construction, and in the
+    tests); if the private API moved or disagrees, the public `Booster.predict` is used."""
+
+    SMALL = 32
 
     def __init__(self, booster: Any) -> None:
         self.booster = booster  # keeps the handle alive
-        self.raw = None
+        self.raw = self.single = None
+        self.fast_config: Any = None
+        self.lock = threading.Lock()  # one FastConfig: one single-row prediction at a time
+        nf = booster.num_feature()
+        probe = np.array([[math.nan] * nf, [0.0] * nf, list(range(nf))], dtype=np.float64)
+        want = booster.predict(probe, num_threads=1).tolist()
         try:
             import ctypes
 
             from lightgbm.basic import _LIB
 
-            self.ctypes, self.lib, self.handle = ctypes, _LIB, booster._handle
+            self.ctypes, self.lib, self.handle, self.nf = ctypes, _LIB, booster._handle, nf
             self.param = ctypes.c_char_p(b"num_threads=1")
             self.raw = _LIB.LGBM_BoosterPredictForMat
-            probe = np.zeros((2, booster.num_feature()), dtype=np.float64)
-            if not np.allclose(self(probe), booster.predict(probe, num_threads=1)):
+            if self.predict_rows(probe.tolist(), small=False) != want:
                 self.raw = None
+            fast = ctypes.c_void_p()
+            rc = _LIB.LGBM_BoosterPredictForMatSingleRowFastInit(
+                self.handle, ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(-1), ctypes.c_int(1),
+                ctypes.c_int32(nf), self.param, ctypes.byref(fast))
+            if rc == 0 and fast.value:
+                self.fast_config = fast
+                self.single = _LIB.LGBM_BoosterPredictForMatSingleRowFast
+                self.n_out = ctypes.c_int64(0)
+                self.out1 = (ctypes.c_double * 1)()
+                if self.predict_rows(probe.tolist(), small=True) != want:
+                    self.single = None
         except Exception:  # noqa: BLE001 - any trouble: the public path
-            self.raw = None
+            self.raw = self.single = None
+
+    def __del__(self) -> None:
+        fast = getattr(self, "fast_config", None)
+        if fast is not None:
+            try:
+                self.lib.LGBM_FastConfigFree(fast)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+    def predict_rows(self, rows: Sequence[Sequence[float]], small: bool | None = None) -> list[float]:
+        """Raw model outputs for feature rows (`small`: force the per-row / batched path; tests)."""
+        if not len(rows):
+            return []
+        if small is None:
+            small = len(rows) <= self.SMALL
+        ct = self.ctypes if (self.single or self.raw) else None
+        if small and self.single is not None:
+            single, fast, n_ref, out1 = self.single, self.fast_config, ct.byref(self.n_out), self.out1
+            res = []
+            with self.lock:
+                for row in rows:
+                    buf = array("d", row)
+                    if single(fast, ct.c_void_p(buf.buffer_info()[0]), n_ref, out1) != 0:
+                        return self.booster.predict(np.array(rows, dtype=np.float64), num_threads=1).tolist()
+                    res.append(out1[0])
+            return res
+        mat = np.ascontiguousarray(np.array(rows, dtype=np.float64).reshape(len(rows), -1))
+        if self.raw is None:
+            return self.booster.predict(mat, num_threads=1).tolist()
+        out = np.empty(len(mat), dtype=np.float64)
+        n = ct.c_int64(0)
+        rc = self.raw(self.handle, mat.ctypes.data_as(ct.c_void_p), ct.c_int(1), ct.c_int32(mat.shape[0]),
+                      ct.c_int32(mat.shape[1]), ct.c_int(1), ct.c_int(0), ct.c_int(0), ct.c_int(-1), self.param,
+                      ct.byref(n), out.ctypes.data_as(ct.POINTER(ct.c_double)))
+        if rc != 0 or n.value != len(mat):
+            return self.booster.predict(mat, num_threads=1).tolist()
+        return out.tolist()
 
     def __call__(self, rows: np.ndarray) -> np.ndarray:
-        if self.raw is None:
-            return self.booster.predict(rows, num_threads=1)
-        ct = self.ctypes
-        rows = np.ascontiguousarray(rows, dtype=np.float64)
-        out = np.empty(len(rows), dtype=np.float64)
-        n = ct.c_int64(0)
-        rc = self.raw(self.handle, rows.ctypes.data_as(ct.c_void_p), ct.c_int(1), ct.c_int32(rows.shape[0]),
-                      ct.c_int32(rows.shape[1]), ct.c_int(1), ct.c_int(0), ct.c_int(0), ct.c_int(-1), self.param,
-                      ct.byref(n), out.ctypes.data_as(ct.POINTER(ct.c_double)))
-        if rc != 0 or n.value != len(rows):
-            return self.booster.predict(rows, num_threads=1)
-        return out
+        return np.array(self.predict_rows(rows.tolist()), dtype=np.float64)
 
 
 class LightGBMPredictor(Predictor):
@@ -154,7 +214,7 @@ class LightGBMPredictor(Predictor):
         self.hist: dict[TreeNode, _History] = {}
         self.ghosts: OrderedDict[int, _History] = OrderedDict()  # histories of evicted content
         self.pending: OrderedDict[_History, None] = OrderedDict()  # rows waiting for a label, oldest first
-        self.samples: deque[tuple[list[float], float]] = deque(maxlen=window)
+        self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self.times: deque[float] = deque(maxlen=window)  # recent access times, for the censoring horizon
         self.model: Any = None
         self.new_samples = 0
@@ -166,20 +226,27 @@ class LightGBMPredictor(Predictor):
         h = self.hist.get(node)
         if h is None:
             h = self.hist[node] = _History()
-        if h.last is not None:
-            delta = now - h.last
+        last, row = h.last, h.row
+        if last is not None and row is not None:
+            delta = now - last
             if delta <= 0:  # the same request touching the node twice
                 return
-            self._add_sample(h.row, delta)
-            h.deltas.insert(0, delta)
-            del h.deltas[N_DELTAS:]
-            h.edcs = [1.0 + c * math.exp(-r * delta) for c, r in zip(h.edcs, self.edc_rates)]
+            self.samples.append((row, math.log1p(delta)))
+            self.new_samples += 1
+            nd = h.nd
+            exp = math.exp
+            edcs = tuple([1.0 + c * exp(-r * delta) for c, r in zip(row[N_DELTAS:N_DELTAS + N_EDCS], self.edc_rates)])
+            deltas = (delta,) + row[:nd if nd < N_DELTAS else N_DELTAS - 1]
+            h.nd = nd = len(deltas)
         else:
-            h.edcs = [1.0] * N_EDCS
+            deltas, edcs, nd = (), _FIRST_EDCS, h.nd
         h.last = now
-        h.row = h.deltas + [math.nan] * (N_DELTAS - len(h.deltas)) + h.edcs + [float(node.depth)]
-        self.pending.pop(h, None)
-        self.pending[h] = None
+        h.row = deltas + _NAN_PAD[nd] + edcs + (float(node.depth),)
+        pending = self.pending
+        if h in pending:
+            pending.move_to_end(h)
+        else:
+            pending[h] = None
         self.times.append(now)
         self._censor(now)
         if self.new_samples >= self.retrain_interval and len(self.samples) >= self.min_train:
@@ -219,7 +286,7 @@ class LightGBMPredictor(Predictor):
             while len(self.ghosts) > self.window:
                 self.ghosts.popitem(last=False)
 
-    def _add_sample(self, row: list[float] | None, delta: float) -> None:
+    def _add_sample(self, row: tuple[float, ...] | None, delta: float) -> None:
         if row is not None:
             self.samples.append((row, math.log1p(delta)))
             self.new_samples += 1
@@ -252,24 +319,27 @@ class LightGBMPredictor(Predictor):
         self.trainings += 1
 
     # ---- inference -----------------------------------------------------------------------------
-    def snapshot(self, nodes: Sequence[TreeNode], keys: Sequence[int]) -> tuple[Any, np.ndarray, np.ndarray]:
+    def snapshot(self, nodes: Sequence[TreeNode], keys: Sequence[int]) -> tuple[Any, list, list[float]]:
+        """(model, feature rows, last access times): the rows are immutable tuples, so references
+        are a copy the background thread may read while the tree moves on."""
         self.warm_up()
         rows, lasts = [], []
         for n in nodes:
             h = self.hist.get(n)
             ok = h is not None and h.row is not None
-            rows.append(h.row if ok else [math.nan] * (N_FEATURES - 1) + [float(n.depth)])
+            rows.append(h.row if ok else _NAN_PAD[0] + (math.nan,) * N_EDCS + (float(n.depth),))
             lasts.append(h.last if ok else n.last_access_time)
-        return self.model, np.array(rows, dtype=np.float64), np.array(lasts, dtype=np.float64)
+        return self.model, rows, lasts
 
-    def predict(self, snap: tuple[Any, np.ndarray, np.ndarray]) -> list[float]:
+    def predict(self, snap: tuple[Any, list, list[float]]) -> list[float]:
+        """last access + expm1(predicted log1p interval), the interval clipped at 0."""
         model, rows, lasts = snap
         self.calls += 1
         self.items += len(rows)
         if model is None or len(rows) == 0:
             return [UNKNOWN] * len(rows)
-        out = lasts + np.expm1(np.maximum(model(rows), 0.0))
-        return out.tolist()
+        expm1 = math.expm1
+        return [last + expm1(y if y > 0.0 else 0.0) for y, last in zip(model.predict_rows(rows), lasts)]
 
 
 def make_predictor(config: dict[str, Any]) -> Predictor:
