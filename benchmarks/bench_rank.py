@@ -20,16 +20,25 @@ Trace (BAT §6.2, scaled down for CPU with the ratios kept).
   --max-prompt; g is solved so that the mean profile over requests is --user-item-ratio times the
   mean candidate tokens (BAT Table 1: tau_u is about 1.1-1.5x the 100 candidates' tokens). Static
   per user (pre-encoded, BAT §5.1).
+- Past period (Algorithm 1's F, "e.g. past one day"): a second trace of the same users and samplers
+  over the preceding --horizon-s, drawn with its own random stream (the replayed trace is unchanged
+  by it). It gives the item counts of the HRCS plan, the order in which the item stores are filled at
+  start-up (hottest first, §5.2 step 3), the item counts the stores' replacement starts from, and
+  BAT's budget split. Nothing is read from the replayed trace itself.
 
 Budgets. Each system gets the same total cache M (KV tokens), split into two hard budgets: the
 user-prefix cache (the radix tree, capped by RankExecutor(user_cache_tokens=...), evicting down to
 the cap after each insert) and the item store (--item-cache-tokens). The KV pool is the two budgets
 plus one longest prompt of working room, which the caches never keep. M = f * (C + U) for each f in
 --budgets, C the catalog's item tokens (plus header), U the trace's distinct user tokens (C + U:
-everything the trace could reuse). As in BAT §5.1/§5.2 the item pool is filled first (the whole
-catalog when it fits) and the rest is user cache.
+everything the trace could reuse). As in BAT §5.2 the item pool is allocated first and the rest is
+user cache; its size comes from sgrec.rank.budget.split_budget on the past period (the item budget
+that reuses the most tokens in a static model of both caches: the hottest items, then the users
+with the most reusable tokens per token of space; the whole catalog when items are hot enough,
+only the hottest part when the catalog does not fit beside the hot users, as BAT does at the
+100M-item scale of §6.6), or from --item-share.
 UP: users M. IP: items min(M, C) (it has no use for more). cache-agnostic (greedy) and BAT (auto):
-items min(C, --item-share * M), users the rest.
+the same split (BAT Fig. 8 fixes the item cache for both).
 
 Throughput. req/s (wall) is measured with a tiny random model, requests back to back. On a shared,
 busy machine that is noisy, so each system also gets an estimate: a degree-2 polynomial t(computed,
@@ -65,6 +74,7 @@ from sgrec.mem.kv_pool import KVPool
 from sgrec.model.config import ModelConfig
 from sgrec.radix import hrcs
 from sgrec.radix.tree import RadixCache
+from sgrec.rank import budget
 from sgrec.rank.executor import RankExecutor
 from sgrec.rank.policy import CacheMeta
 from sgrec.runner import ModelRunner
@@ -97,23 +107,31 @@ def build_workload(tok: Tokenizer, vocab: int, n_requests: int, n_users: int, n_
 
     users = rng.sample(sorted(hist), min(n_users, len(hist)))
     log = [(u, k) for u in users for k in range(len(hist[u]))]
-    picks = [rng.choice(log) for _ in range(n_requests)]
-    times = sorted(rng.uniform(0.0, horizon_s) for _ in picks)
-    rng.shuffle(picks)
-    reqs = []
-    for (u, k), ts in zip(picks, times):
-        true = hist[u][k].item
-        last = hist[u][k - 1].item if k else None
-        cands = {true}
-        while len(cands) < n_cand:
-            if rng.random() < 0.5 or last is None:
-                cands.add(rng.choices(pop_ids, pop_w)[0])
-            else:
-                other = rng.choice(raters[last])
-                cands.add(rng.choice(hist[other]).item)
-        cl = [str(c) for c in cands]
-        rng.shuffle(cl)
-        reqs.append((u, cl, ts))
+
+    def draw(rng: random.Random) -> list[tuple[int, list[str], float]]:
+        picks = [rng.choice(log) for _ in range(n_requests)]
+        times = sorted(rng.uniform(0.0, horizon_s) for _ in picks)
+        rng.shuffle(picks)
+        reqs = []
+        for (u, k), ts in zip(picks, times):
+            true = hist[u][k].item
+            last = hist[u][k - 1].item if k else None
+            cands = {true}
+            while len(cands) < n_cand:
+                if rng.random() < 0.5 or last is None:
+                    cands.add(rng.choices(pop_ids, pop_w)[0])
+                else:
+                    other = rng.choice(raters[last])
+                    cands.add(rng.choice(hist[other]).item)
+            cl = [str(c) for c in cands]
+            rng.shuffle(cl)
+            reqs.append((u, cl, ts))
+        return reqs
+
+    reqs = draw(rng)
+    # the past period (Algorithm 1's F, the budget split, the item store's start-up order): the same
+    # users and samplers over the preceding horizon, drawn independently of the replayed trace
+    past_reqs = draw(random.Random(seed + 1_000_003))
 
     # profile lengths: L_max * (n_u / n_max)^g with the request-weighted mean = ratio * mean tau_i
     item_len = [sum(len(catalog.get(c).token_ids) for c in cl) for _, cl, _ in reqs]
@@ -136,7 +154,8 @@ def build_workload(tok: Tokenizer, vocab: int, n_requests: int, n_users: int, n_
         base = [t for x in hist[u] for t in catalog.get(str(x.item)).token_ids]
         profiles[u] = (base * (ls[u] // len(base) + 1))[: ls[u]]
     trace = [(f"u{u}", profiles[u], cl, ts) for u, cl, ts in reqs]
-    return catalog, trace, instr, header
+    past = [(f"u{u}", profiles[u], cl, ts - horizon_s) for u, cl, ts in past_reqs]
+    return catalog, trace, instr, header, past
 
 
 class Rank:
@@ -144,7 +163,7 @@ class Rank:
     user-cache budget and an item-store budget; the pool adds one request's working room."""
 
     def __init__(self, model, catalog, header, policy, user_budget, item_budget, transient, placement=None,
-                 rank=0, n=1):
+                 rank=0, n=1, item_order=None, item_counts=None):
         pool = user_budget + item_budget + transient
         if placement is None and n > 1:  # replicated: every rank may keep every item
             placement = hrcs.Placement(n, {it.id for it in catalog.items}, {})
@@ -157,8 +176,10 @@ class Rank:
         meta = CacheMeta(window_s=WINDOW_S, clock=lambda: self.clock[0])  # trace time
         self.ex = RankExecutor(self.runner, self.tree, catalog, self.args, header_ids=header, meta=meta,
                                dp_rank=rank, placement=placement, user_cache_tokens=user_budget)
+        if item_counts:  # the past period's item counts: the store's hotness starts from them
+            meta.seed_items(item_counts)
         if policy != "none" and item_budget:
-            self.ex.precompute(progress=False)
+            self.ex.precompute(progress=False, order=item_order)
         self.user_budget, self.item_budget = user_budget, item_budget
 
 
@@ -212,13 +233,13 @@ def fit_cost(model, max_tokens: int, repeats: int):
     return m, samples, err
 
 
-def hrcs_placement(model, catalog, trace, ranks, candidates, bandwidth_gbps, cost):
+def hrcs_placement(model, catalog, trace, past, ranks, candidates, bandwidth_gbps, cost):
     """Algorithm 1: B in this model's KV tokens/s, alpha = 0.1, t = the fitted cost model, F = the
-    candidate counts of the first half of the trace (the 'past period')."""
+    candidate counts of the past period."""
     cfg = ModelConfig.from_dir(model)  # the replays' KV: float32
     bpt = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     tau_i = sum(len(it.token_ids) for it in catalog.items) / len(catalog)
-    counts = Counter(c for _, _, cands, _ in trace[: len(trace) // 2] for c in cands)
+    counts = Counter(c for _, _, cands, _ in past for c in cands)
     ids = [it.id for it in catalog.items]
     freqs = [counts.get(i, 0) + 1e-3 for i in ids]
     tau_u = sum(len(p) for _, p, _, _ in trace) / len(trace)
@@ -244,8 +265,9 @@ def main(argv=None) -> None:
     ap.add_argument("--user-item-ratio", type=float, default=1.25)
     ap.add_argument("--horizon-s", type=float, default=7200.0)
     ap.add_argument("--budgets", default="0.15,0.3,0.5", help="M = f * (C + U) for each f")
-    ap.add_argument("--item-share", type=float, default=1.0,
-                    help="BAT/cache-agnostic item store: min(C, share * M) (1: the whole catalog when it fits)")
+    ap.add_argument("--item-share", type=float, default=None,
+                    help="BAT/cache-agnostic item store: min(C, share * M) (1: the whole catalog when it fits); "
+                         "default: sgrec.rank.budget.split_budget on the past period")
     ap.add_argument("--ranks", type=int, default=2, help="data-parallel ranks of the ablation (0: skip it)")
     ap.add_argument("--ablation-budget", type=float, default=0.3, help="per rank M = f * (C + U / N)")
     ap.add_argument("--bandwidth-gbps", type=float, default=10.0)
@@ -259,7 +281,7 @@ def main(argv=None) -> None:
     model = make_tiny_model(os.path.join(tmp, "m"), arch="qwen2", seed=0, hidden_size=128, intermediate_size=256,
                             num_hidden_layers=4, max_position_embeddings=8192)
     tok = Tokenizer(model)
-    catalog, trace, instr, header = build_workload(tok, tok.vocab_size, a.requests, a.users, a.candidates,
+    catalog, trace, instr, header, past = build_workload(tok, tok.vocab_size, a.requests, a.users, a.candidates,
                                                    a.max_prompt, a.item_tokens, a.user_item_ratio, a.horizon_s, a.seed)
     users = {u: p for u, p, _, _ in trace}
     U = sum(len(p) for p in users.values())
@@ -287,15 +309,27 @@ def main(argv=None) -> None:
 
     base = replay([Rank(model, catalog, header, "none", 0, 0, transient)], trace, instr, cost)
     rows = [("RE", "-", base)]
+    item_tokens = {it.id: len(it.token_ids) for it in catalog.items}
+    past_reqs = [(u, len(p), cands) for u, p, cands, _ in past]
+    past_counts = Counter(c for _, _, cs in past_reqs for c in cs)
+    order = [catalog.get(i) for i in budget.hottest_items(item_tokens, past_counts)]
+    splits = []
     for f in [float(x) for x in a.budgets.split(",") if x.strip()]:
         M = round(f * (C + U))
-        ib = min(C, round(a.item_share * M))
+        if a.item_share is None:
+            ib = budget.split_budget(M, len(header), item_tokens, past_reqs)
+        else:
+            ib = min(C, round(a.item_share * M))
+        splits.append(f"M={M}: items {ib} ({ib / C:.0%} of C), users {M - ib}")
         systems = [("UP", "user", M, 0), ("IP", "item", 0, min(M, C)),
                    ("cache-agnostic", "greedy", M - ib, ib), ("BAT", "auto", M - ib, ib)]
         for name, pol, ub, ib_ in systems:
-            res = replay([Rank(model, catalog, header, pol, ub, ib_, transient)], trace, instr, cost)
+            res = replay([Rank(model, catalog, header, pol, ub, ib_, transient, item_order=order,
+                                item_counts=past_counts)], trace, instr, cost)
             rows.append((name, f"{M} (f={f:g})", res))
             print(f"  done {name} M={M}: est {res['est_rps']:.2f} wall {res['rps']:.2f} req/s", flush=True)
+    how = "budget.split_budget on the past period" if a.item_share is None else f"item share {a.item_share:g}"
+    print(f"BAT / cache-agnostic split ({how}): " + "; ".join(splits))
     print("\n| system | total cache M (tokens) | hit rate | item-store hit | computed / RE | est. req/s | wall req/s | prefixes |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for name, M, r in rows:
@@ -320,7 +354,7 @@ def main(argv=None) -> None:
 
     if a.ranks > 1:
         M = round(a.ablation_budget * (C + U / a.ranks))
-        plan, bw = hrcs_placement(model, catalog, trace, a.ranks, a.candidates, a.bandwidth_gbps, cost)
+        plan, bw = hrcs_placement(model, catalog, trace, past, a.ranks, a.candidates, a.bandwidth_gbps, cost)
         rep = plan.replication
         fetch_cost = 1.0 / bw if a.fetch else 0.0
         print(f"\nablation: {a.ranks} ranks, M = {M} tokens per rank ({a.ablation_budget:g} (C + U / N)); HRCS at "
@@ -337,7 +371,8 @@ def main(argv=None) -> None:
         print("\n| config | user / item budget per rank | hit rate | item-store hit | computed / RE | est. req/s | wall req/s |")
         print("|---|---|---:|---:|---:|---:|---:|")
         for name, pol, ub, ib_, pl in configs:
-            ranks = [Rank(model, catalog, header, pol, ub, ib_, transient, pl, r, a.ranks) for r in range(a.ranks)]
+            ranks = [Rank(model, catalog, header, pol, ub, ib_, transient, pl, r, a.ranks, item_order=order,
+                          item_counts=past_counts) for r in range(a.ranks)]
             if a.fetch and pl is not None:
                 from sgrec.radix.item_fetch import connect_loopback
 

@@ -12,6 +12,7 @@ import torch
 from sgrec.catalog import Catalog, Item, UnknownItemError
 from sgrec.radix import hrcs
 from sgrec.radix.tree import RadixCache
+from sgrec.rank import budget
 from sgrec.rank import layout as L
 from sgrec.rank.executor import RankCapacityError, RankExecutor
 from sgrec.rank.policy import CacheMeta, select_prefix
@@ -277,6 +278,69 @@ def test_auto_policy_in_executor(tiny_model_dir):
     # greedy ignores hotness
     assert s.ex.run("c", long_c, cands, INSTR, prefix="greedy")["meta_info"]["prefix"] == "user"
     s.check_accounting()
+
+
+def test_auto_compares_user_tokens_with_cached_item_tokens(tiny_model_dir):
+    """tau_i of the rule is what item-as-prefix would reuse: with only part of the catalog cached, a
+    user shorter than all candidates' tokens but longer than their cached tokens gets user-as-prefix;
+    with the whole catalog cached the same request gets item-as-prefix."""
+    cat = make_catalog(6, seed=1)
+    cands = [it.id for it in cat.items]
+    tau_i = sum(len(it.token_ids) for it in cat.items)
+    first2 = sum(len(it.token_ids) for it in cat.items[:2])
+    assert first2 + 1 < tau_i
+    part = Setup(tiny_model_dir("llama", seed=0), cat, pool=256, item_cache_tokens=len(HEADER) + first2)
+    assert part.ex.precompute() == 2  # catalog order (nothing accessed yet): i0, i1
+    assert part.ex._reusable_item_tokens(cat.items) == first2
+    full = Setup(tiny_model_dir("llama", seed=0), cat, pool=256, item_cache_tokens=60)
+    full.ex.precompute()
+    user = ids(first2 + 1, 7)
+    assert full.ex.run("u", user, cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "item"
+    out = part.ex.run("u", user, cands, INSTR, prefix="auto")
+    assert out["meta_info"]["prefix"] == "user"
+    assert (scores_of(out, cands) - part.scratch("user", user, cands)).abs().max().item() <= TOL
+    assert part.ex.run("v", ids(first2 - 1, 8), cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "item"
+    part.check_accounting()
+    full.check_accounting()
+
+
+def test_precompute_fills_the_hottest_items_first(tiny_model_dir):
+    """A partial item budget keeps the hottest items: a given order (a past period's counts), else the
+    store's hotness (the meta service's counts, seeded from a past period or live)."""
+    cat = make_catalog(6, seed=1)
+    hot = [cat.items[5], cat.items[3]]
+    budget_tokens = len(HEADER) + sum(len(it.token_ids) for it in hot)
+    s = Setup(tiny_model_dir("llama", seed=0), cat, pool=256, item_cache_tokens=budget_tokens)
+    assert s.ex.precompute(order=hot + [it for it in cat.items if it not in hot]) == 2
+    assert set(s.ex.store.entries) == {"i5", "i3"}
+    s = Setup(tiny_model_dir("llama", seed=0), cat, pool=256, item_cache_tokens=budget_tokens)
+    s.ex.meta.seed_items({"i5": 9, "i3": 4, "i0": 1})
+    s.ex.meta.record_items(["i0", "i3"])
+    assert (s.ex.meta.item_count("i5"), s.ex.meta.item_count("i3"), s.ex.meta.item_count("i0")) == (9, 5, 2)
+    assert s.ex.precompute() == 2 and set(s.ex.store.entries) == {"i5", "i3"}
+    # an item accessed more often than a stored one replaces it when a request computes it
+    s.ex.meta.record_items(["i1"] * 6)
+    out = s.ex.run("u", ids(2, 1), ["i1", "i5"], INSTR, prefix="item")
+    assert out["meta_info"]["cached_tokens"] == len(HEADER) + len(cat.get("i5").token_ids)
+    if len(cat.get("i1").token_ids) <= len(cat.get("i3").token_ids):
+        assert set(s.ex.store.entries) == {"i5", "i1"}
+    s.check_accounting()
+
+
+def test_split_budget_hand_computed():
+    """Items a, b, c of 2 tokens, header 1; past: u (10 tokens) 4 times with [a, b], v (3) once with
+    [a, c]; 13 tokens. Reused tokens by item budget: 0 -> 30 (u cached, no header), 1-2 -> 32
+    (header + u), 3 -> 36 (header + a, u in the other 10), 4 -> 15 (u no longer fits), 5-6 -> 23
+    (header + a + b), 7 -> 25 (the catalog). Best: 3."""
+    items = {"a": 2, "b": 2, "c": 2}
+    past = [("u", 10, ["a", "b"])] * 4 + [("v", 3, ["a", "c"])]
+    assert budget.hottest_items(items, {"a": 5, "b": 4, "c": 1}) == ["a", "b", "c"]
+    got = {b: budget.reused_tokens(13, b, 1, items, past) for b in range(8)}
+    assert got == {0: 30, 1: 32, 2: 32, 3: 36, 4: 15, 5: 23, 6: 23, 7: 25}
+    assert budget.split_budget(13, 1, items, past) == 3
+    # hot items, no returning user: the whole catalog (never more), however large the budget
+    assert budget.split_budget(100, 1, items, [("u", 10, ["a"]), ("v", 10, ["b"])]) == 7
+    assert budget.split_budget(100, 1, items, []) == 7
 
 
 # ---- HRCS ----------------------------------------------------------------------------------

@@ -179,13 +179,15 @@ class ItemStore:
 
     # ---- start-up -------------------------------------------------------------------------
     def precompute(self, progress: bool = False, items: Sequence[Item] | None = None) -> int:
-        """Computes and stores the KV of `items` (default: every owned catalog item) until the budget
-        is full, in batches of several items per forward. Returns how many items were added."""
+        """Computes and stores the KV of `items` in their order (default: every owned catalog item,
+        the hottest first by the store's hotness, catalog order among equals) until the budget is
+        full, in batches of several items per forward. Returns how many items were added."""
         from tqdm import tqdm
 
         self.ensure_header()
-        todo = [it for it in (items if items is not None else self.catalog.items)
-                if it.id not in self.entries and self.owns(it.id)]
+        if items is None:  # stable: catalog order when nothing was accessed yet
+            items = sorted(self.catalog.items, key=lambda it: -self.hotness(it.id))
+        todo = [it for it in items if it.id not in self.entries and self.owns(it.id)]
         added = 0
         bar = tqdm(total=len(todo), desc="item KV", unit="item", disable=not progress)
         try:

@@ -112,12 +112,14 @@ class RankExecutor:
     def _owns(self, item_id: str) -> bool:
         return self.placement is None or self.placement.owns(self.dp_rank, item_id)
 
-    def precompute(self, progress: bool = False) -> int:
+    def precompute(self, progress: bool = False, order: Sequence[Item] | None = None) -> int:
         """Header and item KV for the whole catalog (this rank's share with dp_size > 1), as far as
-        the item budget allows; returns how many items were computed."""
+        the item budget allows, in `order` (hottest first, e.g. by a past period's access counts, as
+        HRCS fills its areas, §5.2) when given, else the store's own (current hotness, then catalog
+        order); returns how many items were computed."""
         if self.args.dp_size > 1 and self.placement is None:
             self.placement = self._default_placement()
-        return self.store.precompute(progress)
+        return self.store.precompute(progress, items=order)
 
     def _default_placement(self):
         """Algorithm 1 over this server's dp_size ranks (the same plan on every rank)."""
@@ -243,8 +245,10 @@ class RankExecutor:
         choice = policy
         if policy == "auto":  # only auto reads the cache state (a scan of the cached users)
             capped = self.user_cache_tokens is not None and not self.tree.disable
+            # tau_i(r) of the rule is what item-as-prefix would reuse: the candidates' cached item
+            # tokens (all of tau_i when the catalog fits, fewer when only the hot items do)
             choice = select_prefix(
-                policy, tau_u, tau_i, f_u,
+                policy, tau_u, self._reusable_item_tokens(items), f_u,
                 cached_freqs=self.meta.cached_freqs(exclude=user_key),
                 user_cached=self.meta.is_cached(user_key, tau_u, user_ids),
                 fits_without_eviction=self._user_fits(tau_u, tau_u + tau_i + len(instruction_ids)),
@@ -280,6 +284,13 @@ class RankExecutor:
         return self._forward_many([_Forward(lay, {}, [it.id_token for it in self.catalog.lookup(item_ids)])])[0]
 
     # ---- the two cached paths -------------------------------------------------------------
+    def _reusable_item_tokens(self, items: Sequence[Item]) -> int:
+        """Item tokens an item-as-prefix layout of `items` would read instead of computing: those in
+        the item store, and, with a fetcher, those another rank owns (fetched when that is cheaper;
+        counted as reusable here)."""
+        store, remote = self.store, self.fetcher is not None
+        return sum(len(it.token_ids) for it in items if it.id in store or (remote and not self._owns(it.id)))
+
     def _user_fits(self, tau_u: int, prompt_tokens: int) -> bool:
         """The whole user prefix can be cached without replacing anyone: within the cap's free room,
         or, with no cap, in free pool slots beyond this request's own and a reserve of

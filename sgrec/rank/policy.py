@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sgrec.rank.layout import ITEM_PREFIX, USER_PREFIX
@@ -141,6 +141,11 @@ class CacheMeta:
     # ---- items ----------------------------------------------------------------------------
     def record_items(self, item_ids: Iterable[str]) -> None:
         self.item_counts.update(item_ids)
+
+    def seed_items(self, counts: Mapping[str, float]) -> None:
+        """Adds a past period's access counts (Algorithm 1's F) to the item counts, so the item store's
+        replacement ranks items by past plus live accesses rather than live ones alone."""
+        self.item_counts.update(counts)
 
     def item_count(self, item_id: str) -> int:
         return self.item_counts.get(item_id, 0)
