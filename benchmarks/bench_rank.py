@@ -163,7 +163,7 @@ class Rank:
     user-cache budget and an item-store budget; the pool adds one request's working room."""
 
     def __init__(self, model, catalog, header, policy, user_budget, item_budget, transient, placement=None,
-                 rank=0, n=1, item_order=None, item_counts=None):
+                 rank=0, n=1, item_order=None, item_counts=None, user_history=()):
         pool = user_budget + item_budget + transient
         if placement is None and n > 1:  # replicated: every rank may keep every item
             placement = hrcs.Placement(n, {it.id for it in catalog.items}, {})
@@ -178,6 +178,8 @@ class Rank:
                                dp_rank=rank, placement=placement, user_cache_tokens=user_budget)
         if item_counts:  # the past period's item counts: the store's hotness starts from them
             meta.seed_items(item_counts)
+        for user, ts in user_history:  # the past period's requests: the users' window frequencies so far
+            meta.record_user(user, now=ts)
         if policy != "none" and item_budget:
             self.ex.precompute(progress=False, order=item_order)
         self.user_budget, self.item_budget = user_budget, item_budget
@@ -312,6 +314,7 @@ def main(argv=None) -> None:
     item_tokens = {it.id: len(it.token_ids) for it in catalog.items}
     past_reqs = [(u, len(p), cands) for u, p, cands, _ in past]
     past_counts = Counter(c for _, _, cs in past_reqs for c in cs)
+    history = [(u, ts) for u, _, _, ts in past]
     order = [catalog.get(i) for i in budget.hottest_items(item_tokens, past_counts)]
     splits = []
     for f in [float(x) for x in a.budgets.split(",") if x.strip()]:
@@ -325,7 +328,7 @@ def main(argv=None) -> None:
                    ("cache-agnostic", "greedy", M - ib, ib), ("BAT", "auto", M - ib, ib)]
         for name, pol, ub, ib_ in systems:
             res = replay([Rank(model, catalog, header, pol, ub, ib_, transient, item_order=order,
-                                item_counts=past_counts)], trace, instr, cost)
+                                item_counts=past_counts, user_history=history)], trace, instr, cost)
             rows.append((name, f"{M} (f={f:g})", res))
             print(f"  done {name} M={M}: est {res['est_rps']:.2f} wall {res['rps']:.2f} req/s", flush=True)
     how = "budget.split_budget on the past period" if a.item_share is None else f"item share {a.item_share:g}"
@@ -372,7 +375,8 @@ def main(argv=None) -> None:
         print("|---|---|---:|---:|---:|---:|---:|")
         for name, pol, ub, ib_, pl in configs:
             ranks = [Rank(model, catalog, header, pol, ub, ib_, transient, pl, r, a.ranks, item_order=order,
-                          item_counts=past_counts) for r in range(a.ranks)]
+                          item_counts=past_counts, user_history=[h for h in history if int(h[0][1:]) % a.ranks == r])
+                     for r in range(a.ranks)]
             if a.fetch and pl is not None:
                 from sgrec.radix.item_fetch import connect_loopback
 

@@ -280,6 +280,54 @@ def test_auto_policy_in_executor(tiny_model_dir):
     s.check_accounting()
 
 
+def test_user_value_weights_frequency_by_tokens_saved():
+    now = [0.0]
+    meta = CacheMeta(window_s=10.0, clock=lambda: now[0])
+    assert meta.user_value("nobody") == 0.0
+    meta.record_user("a")
+    meta.record_user("a")
+    assert meta.user_value("a") == 2.0  # nothing noted: the whole prefix counts
+    meta.note_reuse("a", 100, 40)
+    assert meta.user_value("a") == pytest.approx(2.0 * 0.6)
+    assert meta.user_value("a", item_reuse=100) == 0.0 and meta.user_value("a", tokens=50, item_reuse=40) == 0.4
+    now[0] = 10.0
+    assert meta.user_value("a") == pytest.approx(2.0 * math.exp(-1.0) * 0.6)
+    meta.note_reuse("a", 30, 40)  # item-as-prefix reuses more than the whole prefix
+    assert meta.user_value("a") == 0.0
+
+
+def test_auto_replaces_by_tokens_saved_not_frequency_alone(tiny_model_dir):
+    """Two cached returning users, a (prefix barely longer than its candidates' cached tokens: caching
+    it saves little over item-as-prefix) slightly hotter than b (long). A third user c, on its second
+    request, is less frequent than both, but its prefix saves more per token than a's: it replaces a
+    (under plain frequencies it would replace nobody and get item-as-prefix)."""
+    cat = make_catalog(6, seed=1)
+    cands = [it.id for it in cat.items]
+    tau_i = sum(len(it.token_ids) for it in cat.items)
+    h = tau_i + len(HEADER)
+    long_u, short_u, hot_u = ids(4 * h, 1), ids(h + 2, 2), ids(2 * h, 3)
+    now = [0.0]
+    args = ServerArgs(model_path=tiny_model_dir("llama", seed=0), device="cpu", dtype="float32",
+                      max_total_tokens=1024, item_cache_tokens=60)
+    runner = ModelRunner(args)
+    tree = RadixCache(runner.kv_pool.allocator)
+    ex = RankExecutor(runner, tree, cat, args, header_ids=HEADER, meta=CacheMeta(600.0, clock=lambda: now[0]),
+                      user_cache_tokens=len(long_u) + len(hot_u) + 1)
+    ex.precompute()
+    for t, (u, toks) in enumerate([("b", long_u), ("a", short_u), ("b", long_u), ("a", short_u)]):
+        now[0] = float(t)
+        assert ex.run(u, toks, cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "user"
+    assert ex.meta.is_cached("a", len(short_u)) and ex.meta.is_cached("b", len(long_u))
+    assert ex.meta.user_freq("a") > ex.meta.user_freq("b") > 1.0
+    now[0] = 4.0
+    assert ex.run("c", hot_u, cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "item"  # f_c = 0
+    now[0] = 5.0
+    assert ex.run("c", hot_u, cands, INSTR, prefix="auto")["meta_info"]["prefix"] == "user"
+    assert ex.meta.is_cached("c", len(hot_u)) and ex.meta.is_cached("b", len(long_u))
+    assert not ex.meta.is_cached("a", len(short_u))
+    tree.check_integrity()
+
+
 def test_auto_compares_user_tokens_with_cached_item_tokens(tiny_model_dir):
     """tau_i of the rule is what item-as-prefix would reuse: with only part of the catalog cached, a
     user shorter than all candidates' tokens but longer than their cached tokens gets user-as-prefix;

@@ -13,8 +13,15 @@ for the request and fresh item KV is offered to the store; every other slot is f
 returns, whatever happens. Lock refs and pins end where they started.
 
 Budgets: the item store has `--item-cache-tokens`; the user cache is the rest of the pool, or a hard
-cap `user_cache_tokens` (the tree is trimmed to it after each insert: lowest-frequency users first
-under `auto`, as §5.3 replaces them, else the tree's eviction order). Cross-rank items (HRCS): with
+cap `user_cache_tokens` (the tree is trimmed to it after each insert: lowest-value users first
+under `auto`, as §5.3 replaces the lowest-frequency ones, else the tree's eviction order).
+
+The §5.3 rule under `auto`, with two refinements for an item store that holds only part of the
+catalog (BAT §6.6 keeps only the hottest items when the catalog does not fit): tau_i(r) is the
+candidates' item tokens the store holds (what item-as-prefix would reuse), and a user's f is
+weighted by the share of its prefix that item-as-prefix would not reuse anyway (CacheMeta.user_value:
+tokens saved per window per token of cache, the rule's own objective). With the whole catalog
+cached and long users both reduce to the paper's rule. Cross-rank items (HRCS): with
 `self.fetcher` set (sgrec.radix.item_fetch.ItemFetcher), a miss on an item another rank owns is
 filled with the owner's KV for this request (borrowed slots, freed afterwards; all of a request's
 items from one owner in one round trip) or recomputed.
@@ -247,9 +254,16 @@ class RankExecutor:
             capped = self.user_cache_tokens is not None and not self.tree.disable
             # tau_i(r) of the rule is what item-as-prefix would reuse: the candidates' cached item
             # tokens (all of tau_i when the catalog fits, fewer when only the hot items do)
+            # The frequencies compared are CacheMeta.user_value: f times the share of the prefix that
+            # item-as-prefix would not reuse anyway (h: header + cached candidates), i.e. the tokens a
+            # cached prefix saves per window per token of cache, the §5.3 objective.
+            reusable = self._reusable_item_tokens(items)
+            h = reusable + len(self.header_ids)
+            self.meta.note_reuse(user_key, tau_u, h)
+            value_u = f_u * (max(0, tau_u - h) / tau_u if tau_u else 1.0)  # f_u: before this request
             choice = select_prefix(
-                policy, tau_u, self._reusable_item_tokens(items), f_u,
-                cached_freqs=self.meta.cached_freqs(exclude=user_key),
+                policy, tau_u, reusable, value_u,
+                cached_freqs=self.meta.cached_freqs(exclude=user_key, value=True),
                 user_cached=self.meta.is_cached(user_key, tau_u, user_ids),
                 fits_without_eviction=self._user_fits(tau_u, tau_u + tau_i + len(instruction_ids)),
                 replaced_freqs=self._replaced_freqs(user_key, tau_u) if capped else None,
@@ -311,12 +325,16 @@ class RankExecutor:
         if need <= 0:
             return out
         now = self.meta.clock()
-        for f, u in sorted((self.meta.user_freq(u, now), u) for u in self.meta.cached_users() if u != user_key):
+        for f, u in sorted((self._victim_key(u, now), u) for u in self.meta.cached_users() if u != user_key):
             out.append(f)
             need -= self.meta.users[u].cached_len
             if need <= 0:
                 break
         return out
+
+    def _victim_key(self, user: str, now: float) -> float:
+        """BAT replaces the cached users of lowest value first (CacheMeta.user_value)."""
+        return self.meta.user_value(user, now)
 
     def _trim_users(self, keep: str, by_freq: bool) -> None:
         """Evicts user prefixes until the tree is within `user_cache_tokens`. BAT (auto, §5.3: the new
@@ -327,7 +345,7 @@ class RankExecutor:
             return
         if by_freq:
             now = self.meta.clock()
-            victims = sorted((self.meta.user_freq(u, now), u) for u in self.meta.cached_users() if u != keep)
+            victims = sorted((self._victim_key(u, now), u) for u in self.meta.cached_users() if u != keep)
             for _, u in victims:
                 if tree.total_size() <= cap:
                     return

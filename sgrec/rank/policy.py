@@ -7,7 +7,11 @@
   is accessed). Reads decay to the time asked, so estimates of different users compare at one time.
 - which users' prefixes are cached (the deepest radix node of their tokens; a node detached by
   eviction or reset means "no longer cached"),
-- per-item access counts (hotness for the item store and for HRCS placement).
+- per-item access counts (hotness for the item store and for HRCS placement), optionally seeded
+  with a past period's counts,
+- per user, what its last request could reuse (prefix length, item tokens item-as-prefix would
+  have read), for `user_value`: f_u weighted by the share of the prefix that caching it saves over
+  item-as-prefix, the quantity RankExecutor's `auto` compares and replaces by.
 
 `select_prefix` is a pure function of the quantities in the §5.3 rule.
 """
@@ -76,6 +80,8 @@ class _UserStat:
     node: object | None = None  # deepest radix node of the cached prefix, if any
     cached_len: int = 0
     tokens_hash: int = 0  # hash of the tokens that prefix was cached for
+    tokens: int = 0  # the user's prefix length at its last request
+    item_reuse: int = 0  # tokens item-as-prefix would have reused at its last request
 
 
 class CacheMeta:
@@ -103,6 +109,26 @@ class CacheMeta:
     def user_freq(self, user: str, now: float | None = None) -> float:
         st = self.users.get(user)
         return 0.0 if st is None else self._decayed(st, self.clock() if now is None else now)
+
+    def note_reuse(self, user: str, tokens: int, item_reuse: int) -> None:
+        """What the user's last request could reuse: its prefix length and the tokens item-as-prefix
+        would have read from the item store (for `user_value`)."""
+        st = self.users.setdefault(user, _UserStat(at=self.clock()))
+        st.tokens, st.item_reuse = int(tokens), int(item_reuse)
+
+    def user_value(self, user: str, now: float | None = None, tokens: int | None = None,
+                   item_reuse: int | None = None) -> float:
+        """Tokens a cached prefix of this user saves per window per cached token: f_u times the share
+        of its prefix that item-as-prefix would not reuse anyway, (tau_u - reused item tokens) / tau_u
+        (the last request's, unless given). With the whole catalog cached and tau_u >> tau_i this is
+        about f_u; a user whose requests item-as-prefix serves nearly as well is worth less."""
+        st = self.users.get(user)
+        if st is None:
+            return 0.0
+        tau = st.tokens if tokens is None else tokens
+        reuse = st.item_reuse if item_reuse is None else item_reuse
+        share = max(0, tau - reuse) / tau if tau > 0 else 1.0
+        return self._decayed(st, self.clock() if now is None else now) * share
 
     def set_cached(self, user: str, node: object | None, length: int, tokens: Sequence[int] = ()) -> None:
         """The user's prefix (`length` tokens of `tokens`) now ends at radix node `node` (None: not cached)."""
@@ -134,8 +160,11 @@ class CacheMeta:
                 st.node, st.cached_len = None, 0
         return out
 
-    def cached_freqs(self, exclude: str | None = None, now: float | None = None) -> list[float]:
+    def cached_freqs(self, exclude: str | None = None, now: float | None = None, value: bool = False) -> list[float]:
+        """f_p of the cached users (`value`: their user_value instead)."""
         now = self.clock() if now is None else now
+        if value:
+            return [self.user_value(u, now) for u in self.cached_users() if u != exclude]
         return [self._decayed(self.users[u], now) for u in self.cached_users() if u != exclude]
 
     # ---- items ----------------------------------------------------------------------------
