@@ -12,7 +12,7 @@ import torch
 
 from sgrec.radix.eviction import LARUPolicy, make_policy
 from sgrec.radix.predictor import LightGBMPredictor, Predictor
-from sgrec.radix.sim import SgrecReplay, TraceIndex, simulate
+from sgrec.radix.sim import SgrecReplay, TraceIndex, replay, sim_policy, simulate
 from sgrec.radix.traces import multiturn
 from sgrec.radix.tree import RadixCache
 
@@ -237,3 +237,45 @@ def test_lambda_reset_config():
     assert make_policy("laru", {"lambda_reset": "bets", "predictor": Versioned()}).lambda_reset == "bets"
     with pytest.raises(ValueError, match="lambda_reset"):
         make_policy("laru", {"lambda_reset": "never", "predictor": Versioned()})
+
+
+# ---- train_async: background retrains installed at a fixed access count ----------------------------
+def test_train_async_installs_the_model_half_an_interval_later():
+    """Steady retrains go to a thread; the model trained on the window at the retrain replaces the
+    old one exactly retrain_interval // 2 accesses later (waiting for the thread if needed)."""
+    bg = LightGBMPredictor(retrain_interval=400, min_train=100, num_trees=4, train_async=True)
+    cache = RadixCache(None)
+    nodes = _feed(bg, cache, 1, 200)
+    bg.snapshot(nodes, [0] * len(nodes))  # the bootstrap stays synchronous
+    assert bg.trainings == 1 and bg._training is None and bg.model is not None
+    starts, installs = [], []
+    for t in range(200, 4000):
+        for i, n in enumerate(nodes):
+            if t % (2 + 5 * i) == 0:
+                job, version, model = bg._training, bg.trainings, bg.model
+                bg.on_access(n, float(t))
+                if bg._training is not None and bg._training is not job:
+                    starts.append((bg.accesses, bg._training[1]))
+                    assert bg.model is model  # the old model serves until the install
+                if bg.trainings != version:
+                    installs.append(bg.accesses)
+                    assert bg.model is not model
+    assert len(installs) >= 3
+    for (start, due), at in zip(starts, installs):
+        assert due == start + 200 and at == due
+    bg.close()
+    assert bg._train_pool is None and bg._training is None
+
+
+def test_train_async_results_are_deterministic():
+    trace = multiturn(num_conversations=300, seed=4)
+    cfg = {"train_async": True, "retrain_interval": 200, "min_train": 100, "num_trees": 4}
+    runs = []
+    for _ in range(2):
+        pol = sim_policy("laru", config=cfg)
+        r = replay(trace, SgrecReplay(pol, 12000), "laru")
+        runs.append((r.hit_tokens, r.predictor_calls, r.evicted_tokens, pol.predictor.trainings))
+        assert pol.predictor.background_trainings >= 2
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="train_async"):
+        make_policy("laru", {"train_async": "yes"})

@@ -137,7 +137,7 @@ class PredictivePolicy(LRUPolicy):
     i.e. LRU order among themselves)."""
 
     config_keys = frozenset({"mode", "predictor", "window", "retrain_interval", "num_trees", "min_train",
-                             "edc_base", "horizon", "seed"})
+                             "edc_base", "horizon", "seed", "train_async"})
 
     def __init__(self, predictor: Predictor, mode: str = "sync") -> None:
         super().__init__()
@@ -274,6 +274,9 @@ class PredictivePolicy(LRUPolicy):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        close = getattr(self.predictor, "close", None)
+        if close is not None:
+            close()
 
     def victim(self) -> TreeNode | None:
         z = self._choose()

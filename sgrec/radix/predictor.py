@@ -22,6 +22,7 @@ import threading
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -200,12 +201,21 @@ class _FastBooster:
 
 
 class LightGBMPredictor(Predictor):
-    """Online LightGBM regressor of log(1 + time to next access)."""
+    """Online LightGBM regressor of log(1 + time to next access).
+
+    `train_async` (opt-in): the steady retrains (every `retrain_interval` new samples) run on a
+    background thread (LightGBM's C code releases the GIL) and the new model replaces the old one
+    exactly `retrain_interval // 2` accesses after the retrain started, waiting for the thread if
+    it is not done by then. So results do not depend on thread timing; the price is a model up to
+    half an interval older. Bootstrap and warm-up trainings stay synchronous."""
 
     def __init__(self, window: int = 20000, retrain_interval: int = 10000, num_trees: int = 32,
-                 min_train: int = 256, edc_base: float = 1.0, horizon: float | None = None, seed: int = 0):
+                 min_train: int = 256, edc_base: float = 1.0, horizon: float | None = None, seed: int = 0,
+                 train_async: bool = False):
         if window < 1 or retrain_interval < 1 or num_trees < 1 or min_train < 1 or edc_base <= 0:
             raise ValueError("window, retrain_interval, num_trees, min_train and edc_base must be positive")
+        if not isinstance(train_async, bool):
+            raise ValueError(f"train_async must be true or false, got {train_async!r}")
         import lightgbm  # noqa: F401 - import now (about a second), not inside the first eviction
 
         self.window, self.retrain_interval, self.num_trees = window, retrain_interval, num_trees
@@ -220,6 +230,11 @@ class LightGBMPredictor(Predictor):
         self.new_samples = 0
         self.trained_on = 0  # samples in the window at the last training
         self.calls = self.items = self.trainings = 0
+        self.train_async = train_async
+        self.accesses = 0
+        self.background_trainings = 0  # models trained on the thread and installed
+        self._training: tuple[Future, int, int] | None = None  # (result, install at access #, rows)
+        self._train_pool: ThreadPoolExecutor | None = None
 
     # ---- learning ------------------------------------------------------------------------------
     def on_access(self, node: TreeNode, now: float) -> None:
@@ -249,8 +264,14 @@ class LightGBMPredictor(Predictor):
             pending[h] = None
         self.times.append(now)
         self._censor(now)
+        self.accesses += 1
+        if self._training is not None and self.accesses >= self._training[1]:
+            self._install()
         if self.new_samples >= self.retrain_interval and len(self.samples) >= self.min_train:
-            self.train()
+            if not self.train_async:
+                self.train()
+            elif self._training is None:
+                self._start_training()
 
     def warm_up(self) -> None:
         """Bootstrap and warm-up training, run when a prediction is asked for: the first model as
@@ -305,18 +326,45 @@ class LightGBMPredictor(Predictor):
             self.pending.popitem(last=False)
             self._add_sample(h.row, horizon)
 
-    def train(self) -> None:
+    def _fit(self, samples: list[tuple[tuple[float, ...], float]]) -> _FastBooster:
         import lightgbm as lgb
 
-        x = np.array([r for r, _ in self.samples], dtype=np.float64)
-        y = np.array([t for _, t in self.samples], dtype=np.float64)
+        x = np.array([r for r, _ in samples], dtype=np.float64)
+        y = np.array([t for _, t in samples], dtype=np.float64)
         params = {"objective": "regression", "learning_rate": 0.1, "num_leaves": 31, "min_data_in_leaf": 20,
                   "verbose": -1, "num_threads": 1, "seed": self.seed, "deterministic": True,
                   "force_row_wise": True}
-        self.model = _FastBooster(lgb.train(params, lgb.Dataset(x, y), num_boost_round=self.num_trees))
+        return _FastBooster(lgb.train(params, lgb.Dataset(x, y), num_boost_round=self.num_trees))
+
+    def train(self) -> None:
+        """Train on the window now (synchronously)."""
+        self.model = self._fit(list(self.samples))
         self.new_samples = 0
-        self.trained_on = len(y)
+        self.trained_on = len(self.samples)
         self.trainings += 1
+
+    def _start_training(self) -> None:
+        samples = list(self.samples)  # the rows are immutable tuples: a cheap, safe copy
+        if self._train_pool is None:
+            self._train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sgrec-train")
+        self._training = (self._train_pool.submit(self._fit, samples), self.accesses + self.retrain_interval // 2,
+                          len(samples))
+        self.new_samples = 0
+
+    def _install(self) -> None:
+        future, _, rows = self._training
+        self._training = None
+        self.model = future.result()
+        self.trained_on = rows
+        self.trainings += 1
+        self.background_trainings += 1
+
+    def close(self) -> None:
+        """Stop the training thread (a pending model is dropped)."""
+        if self._train_pool is not None:
+            self._train_pool.shutdown(wait=True)
+            self._train_pool = None
+        self._training = None
 
     # ---- inference -----------------------------------------------------------------------------
     def snapshot(self, nodes: Sequence[TreeNode], keys: Sequence[int]) -> tuple[Any, list, list[float]]:
@@ -350,5 +398,5 @@ def make_predictor(config: dict[str, Any]) -> Predictor:
         return injected
     if injected != "lightgbm":
         raise ValueError(f"unknown predictor {injected!r}: use 'lightgbm' or pass a Predictor instance")
-    keys = ("window", "retrain_interval", "num_trees", "min_train", "edc_base", "horizon")
+    keys = ("window", "retrain_interval", "num_trees", "min_train", "edc_base", "horizon", "train_async")
     return LightGBMPredictor(**{k: config[k] for k in keys if k in config}, seed=config.get("seed", 0))
