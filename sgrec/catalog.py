@@ -104,8 +104,9 @@ class Catalog:
 _KNOWN = {"id", "text", "token_ids", "id_token", "semantic_id"}
 
 
-def _token_list(value, name: str, vocab_size: int | None) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value:
+def check_token_ids(value, name: str, vocab_size: int | None) -> tuple[int, ...]:
+    """A non-empty list (or tuple) of ints in [0, vocab_size), else a ValueError naming `name`."""
+    if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{name} must be a non-empty list of token ids")
     for t in value:
         if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
@@ -134,7 +135,7 @@ def _parse_item(raw: bytes, tokenizer, vocab_size: int | None) -> Item:
         if not token_ids:
             raise ValueError(f"item {item_id!r}: 'text' encodes to no tokens")
     else:
-        token_ids = _token_list(obj["token_ids"], f"item {item_id!r}: 'token_ids'", vocab_size)
+        token_ids = check_token_ids(obj["token_ids"], f"item {item_id!r}: 'token_ids'", vocab_size)
     if "id_token" not in obj:
         raise ValueError(f"item {item_id!r}: 'id_token' is required")
     idt = obj["id_token"]
@@ -145,9 +146,9 @@ def _parse_item(raw: bytes, tokenizer, vocab_size: int | None) -> Item:
         if len(ids) != 1:
             raise ValueError(f"item {item_id!r}: id_token {idt!r} is {len(ids)} tokens, not one")
         idt = ids[0]
-    idt = _token_list([idt], f"item {item_id!r}: 'id_token'", vocab_size)[0]
+    idt = check_token_ids([idt], f"item {item_id!r}: 'id_token'", vocab_size)[0]
     sem = obj.get("semantic_id")
     if sem is not None:
-        sem = _token_list(sem, f"item {item_id!r}: 'semantic_id'", vocab_size)
+        sem = check_token_ids(sem, f"item {item_id!r}: 'semantic_id'", vocab_size)
     meta = {k: v for k, v in obj.items() if k not in _KNOWN}
     return Item(item_id, token_ids, idt, sem, meta)

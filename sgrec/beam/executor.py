@@ -27,7 +27,7 @@ import torch
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, UnsharedKV
 from sgrec.beam.search import BeamBuffers, inplace_schedule, per_beam_topk, select_beams
 from sgrec.beam.trie import SemanticIdTrie, SparseMaskBuffer
-from sgrec.catalog import Catalog
+from sgrec.catalog import Catalog, check_token_ids
 from sgrec.model.attention import ForwardBatch, SeqLayout
 
 
@@ -39,16 +39,6 @@ class KVCacheFullError(RuntimeError):
 class RetrieveResult:
     items: list[dict]  # {"item": id, "semantic_id": [...], "score": summed log-prob}, best first
     meta: dict = field(default_factory=dict)
-
-
-def _check_ids(input_ids, vocab: int) -> list[int]:
-    ids = list(input_ids)
-    if not ids:
-        raise ValueError("input_ids must not be empty")
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-            raise ValueError(f"input_ids holds {t!r}, not a token id in [0, {vocab})")
-    return ids
 
 
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
@@ -167,7 +157,7 @@ class RetrieveExecutor:
     def _parse(self, index: int, input_ids, beam_width, top_k, num_items, extra_key=None) -> _Request:
         t0 = time.perf_counter()
         trie = self._validate(beam_width, top_k, num_items)
-        ids = _check_ids(input_ids, self.vocab_size)
+        ids = list(check_token_ids(input_ids, "input_ids", self.vocab_size))
         if len(ids) + trie.depth - 1 > self.runner.context_len:
             raise ValueError(f"prompt of {len(ids)} tokens + {trie.depth} semantic-id steps exceeds the context "
                              f"length {self.runner.context_len}")
@@ -387,7 +377,7 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
     contract as search.py. Frees everything it allocates; ignores the radix tree."""
     t0 = time.perf_counter()
     V = runner.config.vocab_size
-    ids = _check_ids(input_ids, V)
+    ids = list(check_token_ids(input_ids, "input_ids", V))
     _check_int("beam_width", beam_width, 1)
     _check_int("top_k", top_k, 1)
     _check_int("num_items", num_items, 1, beam_width)
