@@ -153,10 +153,12 @@ class LaruMachine(RadixMachine):
     random predictions: accounting, integrity (incl. the policy's leaf index) and locked paths hold."""
 
     mode = "sync"
+    lambda_reset = "phase"
 
     def __init__(self) -> None:
         super().__init__()
-        pol = LARUPolicy(RandomPredictor(len(self.seen)), mode=self.mode, lambda_rule="every")
+        pol = LARUPolicy(RandomPredictor(len(self.seen)), mode=self.mode, lambda_rule="every",
+                         lambda_reset=self.lambda_reset)
         self.cache = RadixCache(self.alloc, policy=pol, clock=self.clock)
 
     def teardown(self) -> None:
@@ -168,20 +170,28 @@ class LaruAsyncMachine(LaruMachine):
     mode = "async"
 
 
+class LaruBetsMachine(LaruMachine):
+    lambda_reset = "bets"
+
+
 _machine_settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 LaruMachine.TestCase.settings = _machine_settings
 LaruAsyncMachine.TestCase.settings = _machine_settings
+LaruBetsMachine.TestCase.settings = _machine_settings
 TestLaruMachine = LaruMachine.TestCase
 TestLaruAsyncMachine = LaruAsyncMachine.TestCase
+TestLaruBetsMachine = LaruBetsMachine.TestCase
 
 
-@pytest.mark.parametrize("policy", ["laru", "fpb", "hf", "lru"])
+@pytest.mark.parametrize("policy", ["laru", "laru-bets", "fpb", "hf", "lru"])
 def test_concurrent_requests_keep_locked_paths(policy):
     """Many requests in flight hold locks while others force evictions; nothing they hold moves."""
     rng = random.Random(1)
     alloc = TokenAllocator(200)
-    pol = make_policy(policy) if policy == "lru" else make_policy(policy, {"predictor": RandomPredictor(2)})
+    extra = {"lambda_reset": "bets"} if policy == "laru-bets" else {}
+    policy = policy.removesuffix("-bets")
+    pol = make_policy(policy) if policy == "lru" else make_policy(policy, {"predictor": RandomPredictor(2), **extra})
     cache = RadixCache(alloc, policy=pol)
     running: list[tuple[object, list[int]]] = []
     for step in range(400):
