@@ -279,3 +279,21 @@ def test_train_async_results_are_deterministic():
     assert runs[0] == runs[1]
     with pytest.raises(ValueError, match="train_async"):
         make_policy("laru", {"train_async": "yes"})
+
+
+def test_fast_booster_falls_back_without_the_c_paths():
+    """With the private C paths disabled, predictions come from Booster.predict, same values."""
+    import lightgbm as lgb
+
+    from sgrec.radix.predictor import _FastBooster
+
+    rng = np.random.default_rng(2)
+    x = rng.random((500, 5))
+    booster = lgb.train({"objective": "regression", "verbose": -1, "num_threads": 1}, lgb.Dataset(x, x[:, 0]),
+                        num_boost_round=4)
+    fast = _FastBooster(booster)
+    want = booster.predict(x[:40], num_threads=1).tolist()
+    fast.single = None
+    assert fast.predict_rows([tuple(r) for r in x[:40]], small=True) == want  # small batch, batched C call
+    fast.raw = None
+    assert fast.predict_rows([tuple(r) for r in x[:40]]) == want  # the public path

@@ -145,19 +145,23 @@ class _FastBooster:
             self.raw = _LIB.LGBM_BoosterPredictForMat
             if self.predict_rows(probe.tolist(), small=False) != want:
                 self.raw = None
+        except Exception:  # noqa: BLE001 - any trouble: the public path
+            self.raw = None
+            return
+        try:
             fast = ctypes.c_void_p()
             rc = _LIB.LGBM_BoosterPredictForMatSingleRowFastInit(
                 self.handle, ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(-1), ctypes.c_int(1),
                 ctypes.c_int32(nf), self.param, ctypes.byref(fast))
             if rc == 0 and fast.value:
                 self.fast_config = fast
-                self.single = _LIB.LGBM_BoosterPredictForMatSingleRowFast
                 self.n_out = ctypes.c_int64(0)
                 self.out1 = (ctypes.c_double * 1)()
+                self.single = _LIB.LGBM_BoosterPredictForMatSingleRowFast
                 if self.predict_rows(probe.tolist(), small=True) != want:
                     self.single = None
-        except Exception:  # noqa: BLE001 - any trouble: the public path
-            self.raw = self.single = None
+        except Exception:  # noqa: BLE001 - no single-row path: batches only
+            self.single = None
 
     def __del__(self) -> None:
         fast = getattr(self, "fast_config", None)
