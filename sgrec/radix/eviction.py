@@ -355,7 +355,7 @@ class LARUPolicy(PredictivePolicy):
     `lambda_reset` (opt-in robustness beyond Algorithm 1; the default "phase" is line 12, lambda = 1
     at every new phase). Under inverted predictions every phase restarts at lambda = 1 and keeps
     evicting the soonest-needed leaves until the first of them is requested again (10-60 requests
-    on multiturn), so LARU stays ~15% below LRU at noise p = 1 (bench_laru). The options keep what
+    on multiturn), so LARU stays 7-16% below LRU at noise p = 1 (bench_laru). The options keep what
     earlier phases learned:
     - "carry": a new phase starts at min(1, b * lambda) instead of 1;
     - "bets": each prediction-driven eviction of z while LRU would have evicted h (the least recent
