@@ -369,6 +369,19 @@ def main(argv=None) -> None:
                      f"{'ok' if bat['est_rps'] >= 1.5 * up['est_rps'] else 'MISSED'}")
         print(line)
 
+    # Reference: the static two-cache model of sgrec.rank.budget run on the replayed trace itself
+    # (clairvoyant: the trace's own item counts and returning users, the best item budget of the
+    # grid): what a fixed split with a fixed set of cached users would compute. Not a strict bound.
+    trace_reqs = [(u, len(p), cands) for u, p, cands, _ in trace]
+    refs = []
+    for M in budgets:
+        m = int(M.split()[0])
+        best = budget.split_budget(m, len(header), item_tokens, trace_reqs)
+        reused = budget.reused_tokens(m, best, len(header), item_tokens, trace_reqs)
+        refs.append(f"M={m}: {1 - reused / base['computed']:.3f} (items {best})")
+    if refs:
+        print("clairvoyant static split, computed / RE: " + "; ".join(refs))
+
     if a.ranks > 1:
         M = round(a.ablation_budget * (C + U / a.ranks))
         plan, bw = hrcs_placement(model, catalog, trace, past, a.ranks, a.candidates, a.bandwidth_gbps, cost)
