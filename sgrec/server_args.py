@@ -58,7 +58,8 @@ class ServerArgs:
         ["lru", "laru", "fpb", "hf"])
     radix_eviction_policy_config: str | None = _arg(
         None, "JSON object configuring the eviction policy, e.g. "
-        '\'{"b": 2, "lambda_rule": "paper", "mode": "sync", "retrain_interval": 1000, "window": 10000}\'.')
+        '\'{"b": 2, "lambda_rule": "paper", "mode": "sync", "retrain_interval": 1000, "window": 10000}\'; '
+        "also lambda_reset (phase, or the opt-in carry/bets), train_async, k_div, num_trees ... (README).")
     item_catalog: str | None = _arg(
         None, "Item catalog (JSON Lines: id, text or token_ids, id_token, optional semantic_id) for "
         "/v1/rank and /v1/retrieve.")
