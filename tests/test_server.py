@@ -228,7 +228,7 @@ def test_burst_over_queue_limit_gets_503_and_nothing_hangs(start_server, model):
 
 def test_full_rank_answers_503_before_validating(start_server, model):
     """With --max-running-requests + --max-queued-requests requests outstanding, the tokenizer manager
-    answers 503 at once, before parsing the prompt: a body that would be a 400 gets the 503 then, and
+    answers 503 at once, before reading the body: a body that would be a 400 gets the 503 then, and
     the 400 again once the rank has room."""
     srv = start_server(model, "--max-total-tokens", "4096", "--max-running-requests", "1",
                        "--max-queued-requests", "1")
@@ -248,6 +248,13 @@ def test_full_rank_answers_503_before_validating(start_server, model):
         assert o.status_code == 503 and o.json()["message"] == "The request queue is full."
         s = srv.client.post("/v1/score", json={"query": "a", "items": ["b"], "label_token_ids": [5]})
         assert s.status_code == 503 and s.json()["message"] == "The request queue is full."
+        assert g.json()["type"] == o.json()["type"] == s.json()["type"] == "503"
+        # answered before the body is read: even malformed JSON gets the 503, on every route
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/rank",
+                     "/v1/retrieve"):
+            r = srv.client.post(path, content=b"{not json")
+            assert r.status_code == 503 and r.json()["message"] == "The request queue is full.", path
+        assert srv.client.get("/server_info").status_code == 200  # other routes are not gated
     # the clients left: both are aborted and the rank has room again
     assert wait_until(lambda: srv.client.post("/generate", json=bad).status_code == 400)
     ok = srv.client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, **GREEDY}})

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from sgrec import __version__
 from sgrec.managers.rec import is_beam_generate
-from sgrec.managers.tokenizer_manager import Submission, TokenizerManager
+from sgrec.managers.tokenizer_manager import QueueFull, Submission, TokenizerManager
 from sgrec.sampling import SchemaError
 from sgrec.server_args import ServerArgs
 
@@ -132,6 +132,30 @@ def redact(text: str | None, secret: str | None) -> str | None:
     return text.replace(secret, "<redacted>")
 
 
+SUBMIT_PATHS = frozenset(("/generate", "/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/rank",
+                          "/v1/retrieve"))
+
+
+class AdmissionMiddleware:
+    """Pure ASGI: a request to a route that submits work gets its 503 `The request queue is full.`
+    here, before the body is read or the route runs, when every rank already holds
+    --max-running-requests + --max-queued-requests requests (TokenizerManager.admit), so a burst
+    over capacity costs the server as little as possible. Requests that pass are checked again in
+    their route (with the routing key of the body) and by the scheduler."""
+
+    def __init__(self, app, tm: TokenizerManager):
+        self.app, self.tm = app, tm
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT") and scope["path"] in SUBMIT_PATHS:
+            try:
+                self.tm.admit(None)
+            except QueueFull as e:
+                await native_error(503, str(e))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class APIKeyMiddleware:
     """Pure ASGI (BaseHTTPMiddleware would hide client disconnects from the handlers)."""
 
@@ -159,6 +183,8 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
             return JSONResponse(openai_error_body(exc.status, exc.message), status_code=exc.status)
         return native_error(exc.status, exc.message, exc.plain)
 
+    if args.max_queued_requests is not None:
+        app.add_middleware(AdmissionMiddleware, tm=tm)  # inside the key check: 401 before 503
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     app.add_middleware(BodyLimitMiddleware, limit=args.max_request_bytes)

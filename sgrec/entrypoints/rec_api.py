@@ -15,7 +15,9 @@ from sgrec.managers.tokenizer_manager import TokenizerManager
 def error(request: Request, status: int, message: str) -> JSONResponse:
     """OpenAI-style errors on /v1 routes, SGLang's native ones on /generate."""
     if request.url.path.startswith("/v1/"):
-        return JSONResponse(openai_error_body(status, message), status_code=status)
+        # type as the OpenAI routes: BadRequestError for 400s, else the status
+        return JSONResponse(openai_error_body(status, message, None if status == 400 else str(status)),
+                            status_code=status)
     return native_error(status, message)
 
 

@@ -127,7 +127,7 @@ class TokenizerManager:
         return min(r.max_total_num_tokens for r in self.ready.values())
 
     # ---- requests -----------------------------------------------------------------------
-    def admit(self, obj) -> None:
+    def admit(self, obj: dict | None) -> None:
         """Fast 503 before any parsing or tokenization (raises QueueFull) when the rank the request would
         go to already has --max-running-requests + --max-queued-requests requests outstanding (sent and
         not yet answered): at most the running ones can be in progress, so the rest fill the queue and
@@ -138,8 +138,8 @@ class TokenizerManager:
         if limit is None or self.dead:
             return
         key = obj.get("routing_key") if isinstance(obj, dict) else None
-        if self.rank_load[self._pick_rank(key if isinstance(key, str) else None)] >= \
-                self.args.max_running_requests + limit:
+        rank = self._pick_rank(key if isinstance(key, str) else None)  # no key: the least loaded rank
+        if self.rank_load[rank] >= self.args.max_running_requests + limit:
             raise QueueFull()
 
     def submit(self, obj: dict) -> Submission:
