@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgrec.catalog import Catalog, Item
+from sgrec.catalog import Catalog, Item, check_token_ids
 from sgrec.model.attention import SeqLayout
 from sgrec.radix.item_fetch import write_item_kv
 from sgrec.radix.items import ItemStore
@@ -168,12 +168,11 @@ class RankExecutor:
         if dups:
             raise ValueError(f"duplicate candidate item id(s): {', '.join(repr(d) for d in dups[:5])}")
         items = self.catalog.lookup(item_ids)
-        for name, ids in (("user token_ids", user_ids), ("instruction token_ids", instruction_ids)):
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} hold {bad[0]!r}, not a token id in [0, {self.vocab_size})")
         if not instruction_ids:
             raise ValueError("the instruction must not be empty: its last token scores the candidates")
+        for name, ids in (("user token_ids", user_ids), ("instruction token_ids", instruction_ids)):
+            if ids:  # an empty user profile is allowed
+                check_token_ids(ids, name, self.vocab_size)
         return items
 
     def tokens(self, payload: dict) -> int:
