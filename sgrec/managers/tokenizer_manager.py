@@ -128,7 +128,7 @@ class TokenizerManager:
 
     # ---- requests -----------------------------------------------------------------------
     def admit(self, obj: dict | None) -> None:
-        """Fast 503 before any parsing or tokenization (raises QueueFull) when the rank the request would
+        """Fast 503 before validation or tokenization (raises QueueFull) when the rank the request would
         go to already has --max-running-requests + --max-queued-requests requests outstanding (sent and
         not yet answered): at most the running ones can be in progress, so the rest fill the queue and
         the scheduler would reject it anyway, only later and after the work of tokenizing it. The
