@@ -189,12 +189,24 @@ def test_metrics_parse_and_move(server):
 
 # ---- faults and overload (own servers) -------------------------------------------------------
 def test_api_key(start_server, model):
-    srv = start_server(model, "--max-total-tokens", "1024", "--api-key", "s3cret", "--enable-metrics")
+    srv = start_server(model, "--max-total-tokens", "4096", "--api-key", "s3cret", "--enable-metrics",
+                       "--max-running-requests", "1", "--max-queued-requests", "0")
     body = {"text": "a", "sampling_params": {"max_new_tokens": 1}}
+    key = {"Authorization": "Bearer s3cret"}
     assert srv.client.post("/generate", json=body).status_code == 401
     assert srv.client.post("/generate", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
     assert srv.client.get("/v1/models").status_code == 401
-    assert srv.client.post("/generate", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert srv.client.post("/generate", json=body, headers=key).status_code == 200
+    # a full rank (R + Q = 1 + 0 outstanding): the key is checked first, so a client without it learns nothing
+    long = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 2000, **GREEDY}}
+    with httpx.Client(base_url=srv.url, timeout=60, headers=key) as c, c.stream("POST", "/generate", json=long) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response and the server aborts it
+        first = next(x for x in lines if x)
+        assert r.status_code == 200 and first.startswith("data: {") and "error" not in first, first
+        assert srv.client.post("/generate", json=body).status_code == 401
+        full = srv.client.post("/generate", json=body, headers=key)
+        assert full.status_code == 503 and full.json()["message"] == "The request queue is full."
+    assert wait_until(lambda: srv.client.post("/generate", json=body, headers=key).status_code == 200)
     assert srv.client.get("/health").status_code == 200 and srv.client.get("/metrics").status_code == 200
     assert "s3cret" not in srv.read_log()
     assert srv.stop() == 0
