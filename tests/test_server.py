@@ -267,6 +267,7 @@ def test_full_rank_answers_503_before_validating(start_server, model):
             r = srv.client.post(path, content=b"{not json")
             assert r.status_code == 503 and r.json()["message"] == "The request queue is full.", path
         assert srv.client.get("/server_info").status_code == 200  # other routes are not gated
+        assert srv.client.get("/health").status_code == 200  # busy, not broken: outputs keep coming
     # the clients left: both are aborted and the rank has room again
     assert wait_until(lambda: srv.client.post("/generate", json=bad).status_code == 400)
     ok = srv.client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, **GREEDY}})

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from sgrec import __version__
+from sgrec.managers.io_struct import QUEUE_FULL
 from sgrec.managers.rec import is_beam_generate
 from sgrec.managers.tokenizer_manager import QueueFull, Submission, TokenizerManager
 from sgrec.sampling import SchemaError
@@ -228,10 +229,15 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
 
     # ---- health and info ---------------------------------------------------------------
     async def health():
+        """A one-token generation. With the queue full the server is busy, not broken: healthy when
+        the schedulers keep sending outputs (an orchestrator must not restart an overloaded server)."""
         if tm.dead:
             return Response(status_code=503)
+        t0 = time.monotonic()
         try:
             sub = tm.submit({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        except QueueFull:
+            return Response(status_code=200 if await tm.outputs_since(t0, HEALTH_TIMEOUT_S) else 503)
         except (ValueError, RuntimeError):
             return Response(status_code=503)
         try:
@@ -239,7 +245,8 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
         except asyncio.TimeoutError:
             tm.abort(sub)
             return Response(status_code=503)
-        return Response(status_code=503 if abort_of(outs) else 200)
+        err = abort_of(outs)  # the scheduler's own queue limit answered: it is alive
+        return Response(status_code=200 if err is None or err == (503, QUEUE_FULL) else 503)
 
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/health_generate", health, methods=["GET"])

@@ -97,6 +97,8 @@ class TokenizerManager:
         self.dead: str | None = None
         self.metrics = None  # set by the server when --enable-metrics
         self.listener: asyncio.Task | None = None
+        self.last_output_at = 0.0  # monotonic time of the last request output from any scheduler
+        self._output_event: asyncio.Event | None = None  # created in the running loop when first awaited
 
     # ---- start-up -----------------------------------------------------------------------
     async def wait_ready(self, timeout: float, alive) -> None:
@@ -241,6 +243,23 @@ class TokenizerManager:
                 del self.subs[s.msg.rid]
                 self.rank_load[sub.rank] -= 1
 
+    async def outputs_since(self, t0: float, timeout: float) -> bool:
+        """Whether some scheduler sends a request output after monotonic time t0 (waits up to
+        `timeout`): a busy server that keeps answering, as SGLang's health check counts it."""
+        deadline = time.monotonic() + timeout
+        if self._output_event is None:
+            self._output_event = asyncio.Event()
+        while self.last_output_at <= t0:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.dead:
+                return False
+            self._output_event.clear()
+            try:
+                await asyncio.wait_for(self._output_event.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
     async def flush_cache(self) -> bool:
         futs = []
         for sock in self.send_socks:
@@ -275,6 +294,9 @@ class TokenizerManager:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, io.BatchReqOutput):
+            self.last_output_at = time.monotonic()
+            if self._output_event is not None:
+                self._output_event.set()
             for out in msg.outputs:
                 self._on_output(out)
         elif isinstance(msg, io.SchedulerStats):
