@@ -31,15 +31,9 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from sgrec.tools.local_server import LocalServer  # noqa: E402
 from sgrec.tools.probe import STATS_PERIOD_S, kv_after_drain, kv_state, proc_tree  # noqa: E402
+from sgrec.tools.probe import percentile_ms as pct  # noqa: E402
 
 BODY = {"sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 1)
 
 
 async def one(client: httpx.AsyncClient, i: int) -> tuple[int | str, float, dict]:

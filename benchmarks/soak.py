@@ -40,20 +40,13 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from sgrec import demo  # noqa: E402
 from sgrec.tools.local_server import LocalServer  # noqa: E402
-from sgrec.tools.probe import alive, kv_after_drain, kv_state, proc_tree  # noqa: E402
+from sgrec.tools.probe import alive, kv_after_drain, kv_state, percentile_ms, proc_tree  # noqa: E402
 
 SERVER_FLAGS = ["--device", "cpu", "--max-total-tokens", "32768", "--max-beam-width", "64"]
 MIX = {"generate": 20, "generate_stream": 10, "completions": 15, "chat": 10, "score": 15, "rank": 15,
        "retrieve": 15}  # weights
 USERS = 300
 THREAD_SLACK = 4
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 class Traffic:
@@ -192,15 +185,11 @@ def summarize(records: list[Record]) -> dict:
     per_kind = {}
     for kind in MIX:
         xs = [r.end - r.start for r in ok if r.kind == kind]
-        per_kind[kind] = {"n": len(xs), "p50_ms": _ms(percentile(xs, 0.5)), "p99_ms": _ms(percentile(xs, 0.99))}
+        per_kind[kind] = {"n": len(xs), "p50_ms": percentile_ms(xs, 0.5), "p99_ms": percentile_ms(xs, 0.99)}
     return {"requests": len(records), "ok": len(ok), "status_counts": by_status,
             "errors": sum(n for s, n in by_status.items() if s not in ("200", "503")),
             "rejected_503": by_status.get("503", 0),
-            "p50_ms": _ms(percentile(lat, 0.5)), "p99_ms": _ms(percentile(lat, 0.99)), "per_route": per_kind}
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(1000 * x, 1)
+            "p50_ms": percentile_ms(lat, 0.5), "p99_ms": percentile_ms(lat, 0.99), "per_route": per_kind}
 
 
 async def soak(url: str, pid: int | None, duration: float, load: float, calibrate: float, concurrency: int,
@@ -227,7 +216,7 @@ async def soak(url: str, pid: int | None, duration: float, load: float, calibrat
                                 "rss_mb": round(tree.rss_mb, 1) if tree else None,
                                 "threads": tree.threads if tree else None, "kv_used": st.kv_used,
                                 "inflight": run.inflight, "done": len(run.records),
-                                "p99_ms": _ms(percentile([r.end - r.start for r in window], 0.99))})
+                                "p99_ms": percentile_ms([r.end - r.start for r in window], 0.99)})
 
             run = await open_loop(client, traffic, rate, duration, max_requests, max_inflight, on_tick, sample)
             kv = await asyncio.to_thread(kv_after_drain, sync)

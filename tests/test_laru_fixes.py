@@ -15,6 +15,7 @@ from sgrec.radix.predictor import LightGBMPredictor, Predictor
 from sgrec.radix.sim import SgrecReplay, TraceIndex, replay, sim_policy, simulate
 from sgrec.radix.traces import multiturn
 from sgrec.radix.tree import RadixCache
+from test_laru import Scripted
 
 
 def _feed(pred: LightGBMPredictor, cache: RadixCache, t0: int, t1: int) -> list:
@@ -159,21 +160,8 @@ def test_history_rows_match_a_plain_reference():
 
 
 # ---- lambda_reset: opt-in robustness beyond Algorithm 1 -----------------------------------------
-class Table(Predictor):
-    """Predicts a fixed value per first token of a node (0 when not listed)."""
-
-    def __init__(self, table: dict[int, float]) -> None:
-        self.table, self.calls, self.items = table, 0, 0
-
-    def snapshot(self, nodes, keys):
-        return [n.key[0] for n in nodes]
-
-    def predict(self, snap):
-        return [self.table.get(t, 0.0) for t in snap]
-
-
 def _laru_run(reset: str, trace: list[int], **kw) -> tuple[LARUPolicy, SgrecReplay]:
-    pol = LARUPolicy(Table({1: 1, 2: 50, 3: 40, 4: 100}), lambda_rule="every", lambda_reset=reset, **kw)
+    pol = LARUPolicy(Scripted({1: 1, 2: 50, 3: 40, 4: 100}), lambda_rule="every", lambda_reset=reset, **kw)
     sim = SgrecReplay(pol, capacity=4)
     for t, x in enumerate(trace):
         sim.request(t, [x], None)

@@ -39,13 +39,16 @@ def ids(n: int, seed: int, vocab: int = 512) -> list[int]:
 
 
 class Setup:
-    def __init__(self, path: str, catalog: Catalog, pool: int = 2048, header=HEADER, **kw):
+    """A RankExecutor on its own runner and tree: `kw` are ServerArgs, `executor_kw` RankExecutor's."""
+
+    def __init__(self, path: str, catalog: Catalog, pool: int = 2048, header=HEADER,
+                 executor_kw: dict | None = None, **kw):
         self.args = ServerArgs(model_path=path, device="cpu", dtype="float32", max_total_tokens=pool, **kw)
         self.runner = ModelRunner(self.args)
         self.alloc = self.runner.kv_pool.allocator
         self.tree = RadixCache(self.alloc)
         self.catalog = catalog
-        self.ex = RankExecutor(self.runner, self.tree, catalog, self.args, header_ids=header)
+        self.ex = RankExecutor(self.runner, self.tree, catalog, self.args, header_ids=header, **(executor_kw or {}))
 
     def scratch(self, kind: str, user, cands, instr=INSTR) -> torch.Tensor:
         lay = L.build(kind, self.ex.header_ids, user, [self.catalog.get(c).token_ids for c in cands], instr)
@@ -307,12 +310,10 @@ def test_auto_replaces_by_tokens_saved_not_frequency_alone(tiny_model_dir):
     h = tau_i + len(HEADER)
     long_u, short_u, hot_u = ids(4 * h, 1), ids(h + 2, 2), ids(2 * h, 3)
     now = [0.0]
-    args = ServerArgs(model_path=tiny_model_dir("llama", seed=0), device="cpu", dtype="float32",
-                      max_total_tokens=1024, item_cache_tokens=60)
-    runner = ModelRunner(args)
-    tree = RadixCache(runner.kv_pool.allocator)
-    ex = RankExecutor(runner, tree, cat, args, header_ids=HEADER, meta=CacheMeta(600.0, clock=lambda: now[0]),
-                      user_cache_tokens=len(long_u) + len(hot_u) + 1)
+    su = Setup(tiny_model_dir("llama", seed=0), cat, pool=1024, item_cache_tokens=60,
+               executor_kw=dict(meta=CacheMeta(600.0, clock=lambda: now[0]),
+                                user_cache_tokens=len(long_u) + len(hot_u) + 1))
+    ex, tree = su.ex, su.tree
     ex.precompute()
     for t, (u, toks) in enumerate([("b", long_u), ("a", short_u), ("b", long_u), ("a", short_u)]):
         now[0] = float(t)
@@ -523,12 +524,9 @@ def test_user_cache_cap_and_lowest_frequency_replacement(tiny_model_dir):
     user = {k: [100 + 50 * j + t % 40 for t in range(n)] for j, k in enumerate("abc")}
     for policy, survivor, victim in (("auto", "a", "b"), ("greedy", "b", "a")):
         now = [0.0]
-        args = ServerArgs(model_path=tiny_model_dir("llama", seed=0), device="cpu", dtype="float32",
-                          max_total_tokens=512, item_cache_tokens=64)
-        runner = ModelRunner(args)
-        tree = RadixCache(runner.kv_pool.allocator)
-        ex = RankExecutor(runner, tree, cat, args, header_ids=HEADER, meta=CacheMeta(60.0, clock=lambda: now[0]),
-                          user_cache_tokens=2 * n + 5)
+        su = Setup(tiny_model_dir("llama", seed=0), cat, pool=512, item_cache_tokens=64,
+                   executor_kw=dict(meta=CacheMeta(60.0, clock=lambda: now[0]), user_cache_tokens=2 * n + 5))
+        ex, tree, runner = su.ex, su.tree, su.runner
         ex.precompute()
         seq = [("a", "user"), ("a", "user"), ("a", "user"), ("b", "user"), ("c", "item"), ("c", "user")]
         for t, (u, expect) in enumerate(seq):

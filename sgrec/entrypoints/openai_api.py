@@ -486,7 +486,6 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) -> No
     async def handle(request: Request, model_cls, build, respond, stream):
         try:
             body = await read_json(request)
-            tm.admit(body)  # a full rank answers 503 before the body is validated and templated
             req = model_cls.model_validate(body)
             plan = build(req, tm)
             sub = tm.submit(plan.native)

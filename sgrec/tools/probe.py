@@ -30,6 +30,15 @@ class KVState:
         return self.kv_used == 0 and self.running == 0 and self.queued == 0
 
 
+def percentile_ms(xs: list[float], q: float) -> float | None:
+    """The q-quantile (nearest rank, q in [0, 1]; 1 = the largest) of latencies in seconds, in ms
+    rounded to 0.1; None for no samples."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 1)
+
+
 def kv_state(client: httpx.Client) -> KVState:
     states = client.get("/server_info").json()["internal_states"]
     return KVState(
