@@ -241,6 +241,40 @@ def test_linear_jct_model_is_profiled_at_start_up(tiny_model_dir):
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
 
 
+def test_linear_jct_fit_is_exact_nnls():
+    # the subset enumeration is the non-negative least-squares optimum (scipy's NNLS as reference)
+    import numpy as np
+    from scipy.optimize import nnls
+
+    rng = random.Random(3)
+    for _ in range(200):
+        samples = [(n, c, abs(rng.uniform(0, 0.01) + rng.uniform(-2e-5, 2e-5) * (n - c) + rng.uniform(-1e-5, 1e-5) * c))
+                   for n in (128, 256, 512) for c in (0, n // 2, n - 8)]
+        jct = LinearJct.fit(samples)
+        x = np.array([[1.0, n - c, c] for n, c, _ in samples])
+        y = np.array([t for _, _, t in samples])
+        ref, _ = nnls(x, y)
+        ours = float(np.sum((x @ np.array([jct.a, jct.b, jct.c]) - y) ** 2))
+        assert min(jct.a, jct.b, jct.c) >= 0
+        assert ours <= float(np.sum((x @ ref - y) ** 2)) * (1 + 1e-9) + 1e-18
+
+
+def test_jct_profile_retries_then_falls_back_to_token_count(monkeypatch):
+    # a profile whose times do not grow with uncached tokens (noise on a busy host) is retaken with
+    # 3 runs per point; if it still says b = 0 the scheduler ranks by uncached tokens instead
+    from sgrec.scheduler import policy
+
+    calls = []
+    fits = [LinearJct(0.01, 0.0, 1e-6), LinearJct(0.01, 0.0, 2e-6)]
+    monkeypatch.setattr(policy, "_profile", lambda runner, lengths, repeats: calls.append(repeats) or fits.pop(0))
+    assert policy.profile_linear_jct(None, [8]) == LinearJct(0.0, 1.0, 0.0)
+    assert calls == [1, 3]
+    calls.clear()
+    fits[:] = [LinearJct(0.01, 0.0, 1e-6), LinearJct(0.01, 2e-4, 1e-6)]
+    assert policy.profile_linear_jct(None, [8]) == LinearJct(0.01, 2e-4, 1e-6)
+    assert calls == [1, 3]
+
+
 def test_linear_jct_fit_never_goes_negative():
     # noisy timings that an unconstrained fit would give a negative per-cached-token cost
     samples = [(100, 0, 0.10), (100, 50, 0.04), (100, 90, 0.0), (200, 0, 0.21), (200, 100, 0.08), (200, 190, 0.0)]

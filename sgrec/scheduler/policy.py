@@ -9,11 +9,14 @@ long request gets through after a bounded wait.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 class PrefillOnlyJob(Protocol):
@@ -49,26 +52,42 @@ class LinearJct:
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, int, float]]) -> "LinearJct":
-        """samples: (n_input, n_cached, seconds). Least squares with non-negative coefficients (a
-        term whose fit comes out negative, e.g. from timing noise, is dropped and the rest refitted)."""
+        """samples: (n_input, n_cached, seconds). Non-negative least squares, solved exactly: the
+        least-squares fit on every subset of the three terms, the best one whose coefficients are
+        all non-negative (a term that timing noise would make negative is left out)."""
         X = np.array([[1.0, n - c, c] for n, c, _ in samples])
         y = np.array([t for _, _, t in samples])
-        keep = [0, 1, 2]
-        while True:
+        best, best_err = [0.0, 0.0, 0.0], float(np.sum(y * y))
+        for keep in ([0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1], [2]):
             coef, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
-            if (coef >= 0).all() or len(keep) == 1:
-                break
-            keep.pop(int(np.argmin(coef)))
-        full = [0.0, 0.0, 0.0]
-        for k, v in zip(keep, coef):
-            full[k] = max(float(v), 0.0)
-        return cls(*full)
+            if (coef < 0).any():
+                continue
+            err = float(np.sum((X[:, keep] @ coef - y) ** 2))
+            if err < best_err:
+                best, best_err = [0.0, 0.0, 0.0], err
+                for k, v in zip(keep, coef):
+                    best[k] = float(v)
+        return cls(*best)
 
 
 def profile_linear_jct(runner, lengths: Sequence[int], repeats: int = 1) -> LinearJct:
     """Times prefill-only forwards of each length with nothing, half and all but 8 tokens cached (the
     fastest of `repeats` runs per point; PrefillOnly §6.3 profiles at a 1,000-token granularity) and
-    fits LinearJct in seconds."""
+    fits LinearJct in seconds. If the fit says an uncached token costs nothing (b = 0: the timings
+    were noise, e.g. a busy host), the profile is taken once more with 3 runs per point; if that
+    still gives b = 0, the result is the token-count proxy LinearJct(0, 1, 0) with a warning, since
+    a model that ranks jobs without their uncached tokens would make SRJF meaningless."""
+    jct = _profile(runner, lengths, repeats)
+    if jct.b <= 0 and repeats < 3:
+        jct = _profile(runner, lengths, 3)
+    if jct.b <= 0:
+        logger.warning(
+            "profiled prefill times do not grow with uncached tokens (%s); using the uncached-token count", jct)
+        return LinearJct(0.0, 1.0, 0.0)
+    return jct
+
+
+def _profile(runner, lengths: Sequence[int], repeats: int) -> LinearJct:
     import time
 
     import torch
