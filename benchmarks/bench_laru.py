@@ -4,6 +4,7 @@ the §5.3 noise sweep (with a PNG plot), and the per-access cost at ~10^4 cached
     pip install -e ".[bench]"
     python benchmarks/bench_laru.py                      # all of it, moderate sizes (~15 min on 2 busy cores)
     python benchmarks/bench_laru.py --requests 3000 --skip-scale   # quick look
+    python benchmarks/bench_laru.py --config-search     # only: LARU configs against the hit-rate targets
 
 Cache sizes are fractions of each trace's footprint (distinct tokens of all its prompts). Rows:
 sgrec's lru / laru / fpb / hf with the online LightGBM predictor (laru = Algorithm 1 with the §5.1
@@ -128,6 +129,62 @@ def run_scale(log, repeats: int = 3) -> list[dict]:
     return [best[i] for i in range(len(SCALE_ROWS))]
 
 
+SEARCH = {  # --config-search: LARU configs (eviction.LARUPolicy keys) checked against the hit-rate targets
+    "paper (default)": {},
+    "every": {"lambda_rule": "every"},
+    "every b=4": {"lambda_rule": "every", "b": 4},
+    "k_div 16": {"k_div": 16},
+    "bets": {"lambda_reset": "bets"},
+    "carry": {"lambda_reset": "carry"},
+    "k_div 8 + bets": {"k_div": 8, "lambda_reset": "bets"},
+    "every + bets": {"lambda_rule": "every", "lambda_reset": "bets"},
+    "every b=4 + bets": {"lambda_rule": "every", "b": 4, "lambda_reset": "bets"},
+    "every b=4 + carry": {"lambda_rule": "every", "b": 4, "lambda_reset": "carry"},
+}
+SEARCH_PEERS = ("lcs-arc", "lcs-s3fifo", "lcs-sieve", "lcs-lhd")  # the libCacheSim heuristics of the table
+
+
+def run_config_search(traces: dict, fractions: list[float], log) -> None:
+    """Every SEARCH config with the online predictor on every trace and size and with inverted
+    predictions (p = 1) on multiturn; prints which of the issue's three hit-rate targets each meets:
+    p = 1 within 5% of LRU, online >= LRU everywhere, online >= the best libCacheSim heuristic on
+    gr-users (the oracle target holds for all of them: exact predictions never trigger line 14)."""
+    caps, lru, best_lcs, idx = {}, {}, {}, {}
+    for t, trace in traces.items():
+        idx[t] = TraceIndex(trace)
+        fp = footprint(idx[t])
+        for f in fractions:
+            caps[(t, f)] = int(fp * f)
+            lru[(t, f)] = simulate(trace, "lru", caps[(t, f)]).token_hit_rate
+            if t == "gr-users":
+                best_lcs[f] = max(simulate(trace, p, caps[(t, f)], index=idx[t]).token_hit_rate for p in SEARCH_PEERS)
+    cols = [(t, f) for t in traces for f in fractions]
+    print("\nLARU config search: online-predictor hit rate per trace and size (* = below LRU), inverted "
+          "predictions (p = 1) on multiturn against LRU, and the three targets "
+          "(p1: within 5% of LRU at p = 1; lru: >= LRU in every cell; lcs: >= the best of "
+          f"{', '.join(SEARCH_PEERS)} on gr-users).\n")
+    print("| config | " + " | ".join(f"{t} {f:.0%}" for t, f in cols) + " | "
+          + " | ".join(f"p=1 multiturn {f:.0%}" for f in fractions) + " | p1 | lru | lcs |")
+    print("|---|" + "---:|" * (len(cols) + len(fractions)) + ":-:|:-:|:-:|")
+    print("| lru | " + " | ".join(f"{lru[c]:.4f}" for c in cols) + " | " + " | ".join("" for _ in fractions)
+          + " | | | |")
+    print("| best lcs heuristic | " + " | ".join(f"{best_lcs[f]:.4f}" if t == "gr-users" else "" for t, f in cols)
+          + " | " + " | ".join("" for _ in fractions) + " | | | |")
+    for name, cfg in SEARCH.items():
+        online = {c: simulate(traces[c[0]], "laru", caps[c], index=idx[c[0]], config=cfg).token_hit_rate
+                  for c in cols}
+        inv = {f: simulate(traces["multiturn"], "laru", caps[("multiturn", f)], noise=1.0, index=idx["multiturn"],
+                           config=cfg).token_hit_rate / lru[("multiturn", f)] - 1 for f in fractions}
+        ok_p1 = all(v >= -0.05 for v in inv.values())
+        ok_lru = all(online[c] >= lru[c] for c in cols)
+        ok_lcs = all(online[("gr-users", f)] >= best_lcs[f] for f in fractions)
+        log(f"search {name}: p1 {ok_p1} lru {ok_lru} lcs {ok_lcs}")
+        print(f"| {name} {json.dumps(cfg)} | "
+              + " | ".join(f"{online[c]:.4f}{'*' if online[c] < lru[c] else ''}" for c in cols) + " | "
+              + " | ".join(f"{v:+.1%}" for v in inv.values()) + " | "
+              + " | ".join("yes" if ok else "no" for ok in (ok_p1, ok_lru, ok_lcs)) + " |")
+
+
 def plot_noise(noise: dict, path: str) -> None:
     import matplotlib
 
@@ -201,6 +258,7 @@ def main() -> None:
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--scale-repeats", type=int, default=3)
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--config-search", action="store_true", help="only the LARU config search (about 15 min)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     fractions = [float(x) for x in a.fractions.split(",")]
@@ -212,6 +270,12 @@ def main() -> None:
     traces = {"gr-users": gr_users(a.requests), "multiturn": multiturn(a.conversations), "scan": scan(a.requests)}
     for n, tr in traces.items():
         log(f"trace {n}: {len(tr)} requests, {sum(len(r.tokens) for r in tr)} prompt tokens")
+    if a.config_search:
+        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+              f"Python {platform.python_version()}")
+        print("command: python benchmarks/bench_laru.py " + " ".join(sys.argv[1:]))
+        run_config_search(traces, fractions, log)
+        return
     table = run_table(traces, fractions, log)
     noise = run_noise(traces["multiturn"], a.noise_fraction, log)
     inverted = run_inverted(traces["multiturn"], fractions, log)
