@@ -38,6 +38,7 @@ VARIANTS = {  # laru variants: name suffix -> config
 }
 NOISE = [0.0, 0.1, 0.3, 0.5, 1.0]
 NOISE_POLICIES = ("laru", "laru-every", "laru-bets", "laru-carry", "fpb", "hf")
+INVERTED_POLICIES = ("laru", "laru-every", "laru-bets", "laru-carry", "fpb")  # p = 1 at every size
 
 
 def split(policy: str) -> tuple[str, dict | None]:
@@ -97,7 +98,7 @@ def run_inverted(trace, fractions: list[float], log) -> dict:
     for frac in fractions:
         cap = int(fp * frac)
         out[("lru", frac)] = simulate(trace, "lru", cap).token_hit_rate
-        for policy in ("laru", "laru-every", "laru-bets", "laru-carry", "fpb"):
+        for policy in INVERTED_POLICIES:
             base, cfg = split(policy)
             out[(policy, frac)] = simulate(trace, base, cap, noise=1.0, index=index, config=cfg).token_hit_rate
             log(f"p=1 {frac:4.2f} {policy:10s} hit={out[(policy, frac)]:.4f} (lru {out[('lru', frac)]:.4f})")
@@ -235,7 +236,7 @@ def print_tables(table: dict, traces: list[str], fractions: list[float], noise: 
         print("| policy | " + " | ".join(f"multiturn {f:.0%}" for f in fractions) + " |")
         print("|---|" + "---:|" * len(fractions))
         print("| lru | " + " | ".join(f"{inverted[('lru', f)]:.4f}" for f in fractions) + " |")
-        for policy in ("laru", "laru-every", "laru-bets", "laru-carry", "fpb"):
+        for policy in INVERTED_POLICIES:
             print(f"| {policy} | " + " | ".join(
                 f"{inverted[(policy, f)]:.4f} ({inverted[(policy, f)] / inverted[('lru', f)] - 1:+.1%})"
                 for f in fractions) + " |")
@@ -270,10 +271,10 @@ def main() -> None:
     traces = {"gr-users": gr_users(a.requests), "multiturn": multiturn(a.conversations), "scan": scan(a.requests)}
     for n, tr in traces.items():
         log(f"trace {n}: {len(tr)} requests, {sum(len(r.tokens) for r in tr)} prompt tokens")
+    header = (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+              f"Python {platform.python_version()}\ncommand: python benchmarks/bench_laru.py " + " ".join(sys.argv[1:]))
     if a.config_search:
-        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-              f"Python {platform.python_version()}")
-        print("command: python benchmarks/bench_laru.py " + " ".join(sys.argv[1:]))
+        print(header)
         run_config_search(traces, fractions, log)
         return
     table = run_table(traces, fractions, log)
@@ -282,8 +283,7 @@ def main() -> None:
     plot_path = os.path.join(a.out, "bench_laru_noise.png")
     plot_noise(noise, plot_path)
     scale = [] if a.skip_scale else run_scale(log, a.scale_repeats)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
-    print("command: python benchmarks/bench_laru.py " + " ".join(sys.argv[1:]))
+    print(header)
     print_tables(table, list(traces), fractions, noise, scale, inverted)
     print(f"\nnoise plot: {plot_path}; total {time.time() - t0:.0f} s")
     with open(os.path.join(a.out, "bench_laru.json"), "w") as f:

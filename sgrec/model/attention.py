@@ -116,7 +116,7 @@ class TorchBackend(AttentionBackend):
         meta = batch.attn_meta
         gqa = q.shape[1] != k.shape[1]
         if isinstance(meta, _DecodeMeta):
-            d = k_buf.shape[-1]  # index_select is ~4x faster than 2-D advanced indexing here
+            d = k_buf.shape[-1]  # index_select: ~4x faster than 2-D advanced indexing here
             kk = k_buf.view(-1, d).index_select(0, meta.rows).view(*meta.shape, d)  # [B, Hkv, L, D]
             vv = v_buf.view(-1, d).index_select(0, meta.rows).view(*meta.shape, d)
             out = F.scaled_dot_product_attention(

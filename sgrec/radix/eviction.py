@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from sgrec.radix.leaf_index import RecencyIndex
-from sgrec.radix.predictor import Predictor, make_predictor
+from sgrec.radix.predictor import LIGHTGBM_KEYS, Predictor, make_predictor
 
 if TYPE_CHECKING:
     from sgrec.radix.tree import RadixCache, TreeNode
@@ -136,8 +136,7 @@ class PredictivePolicy(LRUPolicy):
     whatever predictions are in place (never-predicted leaves rank as least useful to keep last,
     i.e. LRU order among themselves)."""
 
-    config_keys = frozenset({"mode", "predictor", "window", "retrain_interval", "num_trees", "min_train",
-                             "edc_base", "horizon", "seed", "train_async"})
+    config_keys = frozenset({"mode", "predictor", "seed", *LIGHTGBM_KEYS})
 
     def __init__(self, predictor: Predictor, mode: str = "sync") -> None:
         super().__init__()
@@ -274,9 +273,7 @@ class PredictivePolicy(LRUPolicy):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        close = getattr(self.predictor, "close", None)
-        if close is not None:
-            close()
+        self.predictor.close()
 
     def victim(self) -> TreeNode | None:
         z = self._choose()

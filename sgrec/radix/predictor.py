@@ -64,6 +64,9 @@ class Predictor:
     def predict(self, snap: Any) -> list[float]:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release background resources (the policy's close calls it)."""
+
 
 class OraclePredictor(Predictor):
     """True next access from `next_access(key, after)` (absolute time, inf if never). With
@@ -394,13 +397,15 @@ class LightGBMPredictor(Predictor):
         return [last + expm1(y if y > 0.0 else 0.0) for y, last in zip(model.predict_rows(rows), lasts)]
 
 
+LIGHTGBM_KEYS = ("window", "retrain_interval", "num_trees", "min_train", "edc_base", "horizon", "train_async")
+
+
 def make_predictor(config: dict[str, Any]) -> Predictor:
     """A predictor from policy config: an injected Predictor under "predictor", else LightGBM with
-    the config's window / retrain_interval / num_trees / min_train / edc_base / horizon."""
+    the config's LIGHTGBM_KEYS and seed."""
     injected = config.get("predictor", "lightgbm")
     if isinstance(injected, Predictor):
         return injected
     if injected != "lightgbm":
         raise ValueError(f"unknown predictor {injected!r}: use 'lightgbm' or pass a Predictor instance")
-    keys = ("window", "retrain_interval", "num_trees", "min_train", "edc_base", "horizon", "train_async")
-    return LightGBMPredictor(**{k: config[k] for k in keys if k in config}, seed=config.get("seed", 0))
+    return LightGBMPredictor(**{k: config[k] for k in LIGHTGBM_KEYS if k in config}, seed=config.get("seed", 0))
