@@ -2,7 +2,8 @@
 
 Starts `python -m sgrec.launch_server` on loopback (the embedded demo model and catalog, so
 /v1/rank and /v1/retrieve run too; small limits so no generated request runs long), runs
-`st run` for --max-time seconds with these checks:
+`st run` with these checks, either for --max-time seconds (the long run) or for a fixed number of
+derandomized examples per operation (--max-examples: the same cases on every machine, what CI runs):
 
   not_a_server_error         no 5xx, whatever the body
   negative_data_rejection    a body the schema rejects gets a 4xx
@@ -14,7 +15,7 @@ then checks the server survived: /health is 200, the same scheduler processes ar
 request runs or waits, every KV slot is free after a flush, and the thread count did not grow.
 
     python benchmarks/fuzz.py                     # 10 minutes
-    python benchmarks/fuzz.py --max-time 120      # what CI runs (tests/test_fuzz.py)
+    python benchmarks/fuzz.py --max-examples 100  # what CI runs (tests/test_fuzz.py): examples, not time
 
 Prints a summary and writes it as JSON (--out); exits 1 on any failure.
 """
@@ -42,18 +43,26 @@ CHECKS = ["not_a_server_error", "negative_data_rejection", "status_code_conforma
 THREAD_SLACK = 4  # uvicorn/asyncio helper threads may come and go
 
 
-def run_schemathesis(url: str, max_time: int, seed: int, workers: int, report_dir: str,
-                     api_key: str | None) -> dict:
+def run_schemathesis(url: str, max_time: int | None, seed: int, workers: int, report_dir: str,
+                     api_key: str | None, max_examples: int | None = None) -> dict:
+    """`st run` against the document; bounded by `max_examples` per operation (derandomized, no
+    example database, no timing-based health check: the same cases on any machine) or else by
+    `max_time` seconds."""
     checks = CHECKS + (["ignored_auth"] if api_key else [])
     cmd = [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()", "run",
-           f"{url}/openapi.json", "--checks", ",".join(checks), "--max-time", str(max_time), "--seed", str(seed),
+           f"{url}/openapi.json", "--checks", ",".join(checks), "--seed", str(seed),
            "--workers", str(workers), "--request-timeout", "60", "--report", "json", "--report-dir", report_dir,
            "--no-color"]
+    if max_examples is not None:
+        cmd += ["--max-examples", str(max_examples), "--generation-deterministic",
+                "--suppress-health-check", "all"]
+    else:
+        cmd += ["--max-time", str(max_time)]
     if api_key:
         cmd += ["-H", f"Authorization: Bearer {api_key}"]
     import subprocess
 
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_time + 600)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     reports = sorted(glob.glob(os.path.join(report_dir, "*.json")))
     if not reports:
         raise RuntimeError(f"schemathesis wrote no report (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
@@ -64,15 +73,16 @@ def run_schemathesis(url: str, max_time: int, seed: int, workers: int, report_di
     return report
 
 
-def fuzz(max_time: int = 600, seed: int = 0, workers: int = 1, api_key: str | None = None,
-         extra_flags: list[str] | None = None, workdir: str | None = None) -> dict:
+def fuzz(max_time: int | None = 600, seed: int = 0, workers: int = 1, api_key: str | None = None,
+         extra_flags: list[str] | None = None, workdir: str | None = None, max_examples: int | None = None) -> dict:
     workdir = workdir or tempfile.mkdtemp(prefix="sgrec-fuzz-")
     flags = SERVER_FLAGS + (["--api-key", api_key] if api_key else []) + (extra_flags or [])
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with LocalServer(flags, log_path=os.path.join(workdir, "server.log")) as srv:
         before = proc_tree(srv.pid)
         t0 = time.monotonic()
-        report = run_schemathesis(srv.url, max_time, seed, workers, os.path.join(workdir, "report"), api_key)
+        report = run_schemathesis(srv.url, max_time, seed, workers, os.path.join(workdir, "report"), api_key,
+                                  max_examples)
         elapsed = time.monotonic() - t0
         with httpx.Client(base_url=srv.url, headers=headers, timeout=60) as c:
             health = c.get("/health").status_code
@@ -82,7 +92,8 @@ def fuzz(max_time: int = 600, seed: int = 0, workers: int = 1, api_key: str | No
         log = srv.read_log()
     failures = [{"code": f["code"], "title": f["title"], "operations": f["operations"]} for f in report["failures"]]
     result = {
-        "max_time_s": max_time, "elapsed_s": round(elapsed, 1), "seed": seed,
+        "max_time_s": None if max_examples else max_time, "max_examples": max_examples,
+        "elapsed_s": round(elapsed, 1), "seed": seed,
         "test_cases": report["test_cases"]["generated"], "operations": report["operations"]["tested"],
         "failures": failures, "errors": report["errors"],
         "health_after": health, "schedulers_alive": schedulers_alive,
@@ -100,6 +111,8 @@ def fuzz(max_time: int = 600, seed: int = 0, workers: int = 1, api_key: str | No
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-time", type=int, default=600, help="seconds of fuzzing (default 600)")
+    ap.add_argument("--max-examples", type=int,
+                    help="instead of --max-time: this many derandomized examples per operation (what CI runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=1,
                     help="schemathesis workers (threads); >1 can hit a CPython 3.11 ast race inside hypothesis")
@@ -107,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the summary JSON here")
     ap.add_argument("server_flags", nargs="*", help="extra launch_server flags (after --)")
     args = ap.parse_args(argv)
-    res = fuzz(args.max_time, args.seed, args.workers, args.api_key or None, args.server_flags)
+    res = fuzz(args.max_time, args.seed, args.workers, args.api_key or None, args.server_flags,
+               max_examples=args.max_examples)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

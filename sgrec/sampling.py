@@ -159,9 +159,10 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             bad("stop strings must not be empty")
         if vocab_size is not None:
-            for t in list(self.stop_token_ids) + list(self.logit_bias):
-                if not 0 <= t < vocab_size:
-                    bad(f"token id {t} is out of the vocabulary range [0, {vocab_size})")
+            for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+                for t in ids:
+                    if not 0 <= t < vocab_size:
+                        bad(f"{name}: token id {t} is out of the vocabulary range [0, {vocab_size})")
 
 
 @dataclass

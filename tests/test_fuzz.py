@@ -1,4 +1,8 @@
-"""Schemathesis against the server's own /openapi.json, every route, bounded (benchmarks/fuzz.py)."""
+"""Schemathesis against the server's own /openapi.json, every route (benchmarks/fuzz.py).
+
+CI's run is bounded by examples, not time: a fixed seed, derandomized generation and a fixed number
+of examples per operation, so every machine, fast or slow, sends the same cases and gets the same
+verdict. The time-bounded 10-minute run is `python benchmarks/fuzz.py` (RELIABILITY.md)."""
 
 import importlib.util
 import json
@@ -7,7 +11,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FUZZ_SECONDS = 120  # CI bound; `python benchmarks/fuzz.py` runs 10 minutes
+FUZZ_EXAMPLES = 120  # per operation, derandomized: the same cases on every machine (about 100 s here)
 
 
 def load_script(name: str):
@@ -31,16 +35,16 @@ def test_openapi_document_has_a_body_schema_for_every_post_route(start_server, t
     comps = doc["components"]["schemas"]
     assert comps["SamplingParams"]["properties"]["n"]["maximum"] == 3  # the server's own limits
     assert comps["RetrieveRequest"]["properties"]["beam_width"]["maximum"] == 7
-    assert comps["GenerateReqInput"]["properties"]["text"]["anyOf"][1]["maxItems"] == 5
+    assert comps["GenerateReqInput"]["properties"]["text"]["anyOf"][0]["anyOf"][1]["maxItems"] == 5
     assert "422" not in json.dumps(doc["paths"])  # FastAPI's validation never answers here
 
 
 @pytest.mark.slow
 def test_fuzz_all_routes_bounded(tmp_path):
     fuzz = load_script("fuzz")
-    res = fuzz.fuzz(max_time=FUZZ_SECONDS, seed=0, workers=1, api_key="ci-fuzz-key", workdir=str(tmp_path))
+    res = fuzz.fuzz(max_examples=FUZZ_EXAMPLES, seed=0, workers=1, api_key="ci-fuzz-key", workdir=str(tmp_path))
     summary = {k: v for k, v in res.items() if k != "schemathesis_output"}
-    assert res["operations"] == 19 and res["test_cases"] > 500, summary
+    assert res["operations"] == 19 and res["test_cases"] > 19 * 100, summary
     assert res["failures"] == [] and res["errors"] == [], res.get("schemathesis_output", summary)
     assert res["health_after"] == 200 and res["schedulers_alive"], summary
     assert res["kv_after_drain"] == {"kv_used": 0, "kv_total": 8192, "running": 0, "queued": 0}, summary

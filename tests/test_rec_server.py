@@ -219,7 +219,7 @@ def test_retrieve_route(retrieve_server):
     ({"user": {"id": "u", "token_ids": [5]}, "beam_width": 4, "num_items": 5}, "must not exceed"),
     ({"user": {"id": "u", "token_ids": [5]}, "beam_width": 0}, "positive integer"),
     ({"user": {"id": "u", "token_ids": [5]}, "top_k": "a"}, "positive integer"),
-    ({"user": {"id": "u", "token_ids": [99999]}}, "input_ids must be integers"),
+    ({"user": {"id": "u", "token_ids": [99999]}}, "user.token_ids must be token ids in [0, "),
 ])
 def test_retrieve_bad_input_is_400(retrieve_server, body, message):
     r = retrieve_server.client.post("/v1/retrieve", json=body)

@@ -101,14 +101,17 @@ def generate_schema(lim: SchemaLimits) -> dict:
         "type": "object",
         "anyOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
         "properties": {
-            "text": _one_or_list(text, lim.max_batch_size),
-            "input_ids": {"anyOf": [ids, {"type": "array", "items": ids, "minItems": 1,
-                                          "maxItems": lim.max_batch_size}]},
+            # null is "not given" (as SGLang's Optional fields): the other input is used
+            "text": _nullable(_one_or_list(text, lim.max_batch_size)),
+            "input_ids": _nullable({"anyOf": [ids, {"type": "array", "items": ids, "minItems": 1,
+                                                    "maxItems": lim.max_batch_size}]}),
             "sampling_params": _nullable(_one_or_list({"$ref": "#/components/schemas/SamplingParams"})),
             "return_logprob": _one_or_list({"type": "boolean"}),
             "logprob_start_len": _one_or_list({"type": "integer", "minimum": -1}),
             "top_logprobs_num": _one_or_list({"type": "integer", "minimum": 0}),
-            "token_ids_logprob": _nullable(_one_or_list(ids)),
+            # one list for every prompt, or one per prompt (null: none for that prompt)
+            "token_ids_logprob": _nullable({"anyOf": [_token_ids(lim, 0), {"type": "array",
+                                                                            "items": _nullable(_token_ids(lim, 0))}]}),
             "return_text_in_logprobs": {"type": "boolean"},
             "stream": {"type": "boolean"},
             "rid": _nullable(_one_or_list({"type": "string", "minLength": 1})),

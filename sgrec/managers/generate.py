@@ -13,12 +13,13 @@ from sgrec.sampling import SamplingParams
 from sgrec.tokenizer import Tokenizer
 
 
-def _per_item(value: Any, count: int, name: str, is_batch: bool, scalar_is_list: bool = False) -> list:
-    """Broadcasts a scalar argument, or checks a per-item list has one entry per prompt."""
+def _per_item(value: Any, count: int, name: str, scalar_is_list: bool = False) -> list:
+    """Broadcasts a scalar argument, or checks a per-item list has one entry per prompt (a single
+    prompt takes a list of one)."""
     per_item = isinstance(value, list) and (not scalar_is_list or (value and isinstance(value[0], (list, type(None)))))
-    if is_batch and per_item:
+    if per_item:
         if len(value) != count:
-            raise ValueError(f"{name} has {len(value)} entries but the batch has {count} prompts")
+            raise ValueError(f"{name} has {len(value)} entries but the request has {count} prompt(s)")
         return list(value)
     return [value] * count
 
@@ -67,14 +68,11 @@ class RequestBuilder:
         rid=None,
         extra_key=None,
     ) -> tuple[list[TokenizedGenerateReq], list[SamplingParams], bool]:
-        """Returns (messages, their sampling params, whether the response is a list). Raises ValueError."""
-        if input_ids is not None and not (
-            isinstance(input_ids, list) and all(isinstance(x, (int, list)) for x in input_ids)
-        ):
-            raise ValueError(
-                "input_ids must be a list of token ids or a list of such lists "
-                "(pass sampling_params by keyword: generate(text, sampling_params={...}))"
-            )
+        """Returns (messages, their sampling params, whether the response is a list). Raises ValueError.
+        Every given field is checked, also those that another one makes unused (text wins over
+        input_ids, as in SGLang, but bad input_ids beside it are still a 400)."""
+        if input_ids is not None:
+            id_batch, id_lists = self._input_ids(input_ids)
         if text is not None:
             is_batch = isinstance(text, list)
             prompts = text if is_batch else [text]
@@ -83,19 +81,19 @@ class RequestBuilder:
             if is_batch and not prompts:
                 raise ValueError("text must not be an empty list")
             if any(t == "" for t in prompts):
-                raise ValueError("Prompt cannot be empty")
+                raise ValueError("Prompt cannot be empty (an empty string in `text`)")
+            self._check_batch_size(len(prompts), "text")
             ids_list = [self.tokenizer.encode(t) for t in prompts]
         elif input_ids is not None:
-            is_batch = bool(input_ids) and isinstance(input_ids[0], list)
-            ids_list = input_ids if is_batch else [input_ids]
+            is_batch, ids_list = id_batch, id_lists
         else:
             raise ValueError("Either text or input_ids must be provided")
         if extra_key is not None and not isinstance(extra_key, str):
             raise ValueError("extra_key must be a string")
         count = len(ids_list)
-        if count > self.limits.max_batch_size:
-            raise ValueError(f"{count} prompts in one request exceed --max-batch-size {self.limits.max_batch_size}")
-        sps = _per_item(sampling_params, count, "sampling_params", is_batch)
+        sps = _per_item(sampling_params, count, "sampling_params")
+        if isinstance(sampling_params, list) and not all(isinstance(sp, dict) for sp in sps):
+            raise ValueError("sampling_params must be an object or a list of objects, one per prompt")
         params = [SamplingParams.from_dict(sp, self.limits.vocab_size) for sp in sps]
         n = params[0].n
         if n > self.limits.max_n:
@@ -103,10 +101,10 @@ class RequestBuilder:
         if any(p.n != n for p in params):
             raise ValueError("all prompts of a batch must use the same n")
         lp_args = zip(
-            _per_item(return_logprob, count, "return_logprob", is_batch),
-            _per_item(logprob_start_len, count, "logprob_start_len", is_batch),
-            _per_item(top_logprobs_num, count, "top_logprobs_num", is_batch),
-            _per_item(token_ids_logprob, count, "token_ids_logprob", is_batch, scalar_is_list=True),
+            _per_item(return_logprob, count, "return_logprob"),
+            _per_item(logprob_start_len, count, "logprob_start_len"),
+            _per_item(top_logprobs_num, count, "top_logprobs_num"),
+            _per_item(token_ids_logprob, count, "token_ids_logprob", scalar_is_list=True),
         )
         protos = []
         for ids, sp, (rl, ls, tn, ti) in zip(ids_list, params, lp_args):
@@ -124,6 +122,28 @@ class RequestBuilder:
                 ))
                 out_params.append(sp)
         return msgs, out_params, is_list
+
+    def _input_ids(self, input_ids) -> tuple[bool, list[list[int]]]:
+        """(is_batch, the prompts) of an input_ids field: a non-empty list of token ids, or a
+        non-empty list of such lists."""
+        shape = ("input_ids must be a non-empty list of token ids or a non-empty list of such lists "
+                 "(pass sampling_params by keyword: generate(text, sampling_params={...}))")
+        if not isinstance(input_ids, list) or not input_ids:
+            raise ValueError(shape)
+        is_batch = isinstance(input_ids[0], list)
+        prompts = input_ids if is_batch else [input_ids]
+        if not all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompts):
+            raise ValueError(shape)
+        vocab = self.limits.vocab_size
+        bad = next((t for p in prompts for t in p if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"input_ids: token id {bad} is out of the vocabulary range [0, {vocab})")
+        self._check_batch_size(len(prompts), "input_ids")
+        return is_batch, prompts
+
+    def _check_batch_size(self, count: int, name: str) -> None:
+        if count > self.limits.max_batch_size:
+            raise ValueError(f"{count} prompts in `{name}` exceed --max-batch-size {self.limits.max_batch_size}")
 
     def check_prompt(self, ids) -> None:
         """Token ids in the vocabulary; length within the context and --max-input-len."""
@@ -153,6 +173,8 @@ class RequestBuilder:
 
     def _validate_logprob_args(self, ids, return_logprob, start, top_num, token_ids) -> None:
         lim = self.limits
+        if not isinstance(return_logprob, bool):
+            raise ValueError(f"return_logprob must be a boolean, got {return_logprob!r}")
         for name, v in (("logprob_start_len", start), ("top_logprobs_num", top_num)):
             if not is_int(v):
                 raise ValueError(f"{name} must be an integer, got {v!r}")
@@ -171,12 +193,14 @@ class RequestBuilder:
     def _rids(rid, total: int, is_list: bool) -> list[str]:
         if rid is None:
             return [uuid.uuid4().hex for _ in range(total)]
+        if rid == "" or (isinstance(rid, list) and "" in rid):
+            raise ValueError("rid must not be an empty string")
         if isinstance(rid, str):
             return [rid] if total == 1 and not is_list else [f"{rid}_{i}" for i in range(total)]
-        if not isinstance(rid, list) or len(rid) != total or len(set(rid)) != total:
-            raise ValueError("rid must be a string or a list of distinct strings, one per request")
-        if not all(isinstance(r, str) for r in rid):
+        if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
             raise ValueError("rid must be a string or a list of strings")
+        if len(rid) != total or len(set(rid)) != total:
+            raise ValueError("rid must be a string or a list of distinct strings, one per request")
         return list(rid)
 
 

@@ -35,6 +35,9 @@ def parse_user(user, tokenizer: Tokenizer, builder: RequestBuilder) -> tuple[str
         ids = user["token_ids"]
         if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
             raise ValueError("user.token_ids must be a non-empty list of token ids")
+        vocab = builder.limits.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise ValueError(f"user.token_ids must be token ids in [0, {vocab})")
     builder.check_prompt(ids)
     key = user.get("id")
     if key is None:

@@ -110,15 +110,22 @@ def build_score(
         raise ValueError("label_token_ids is required for generation (CausalLM) models.")
     if items is None:
         raise ValueError("items must be provided")
-    plan = ScorePlan([], [], [], apply_softmax, float(temperature), return_token_logprobs)
-    if isinstance(items, list) and not items:
-        return plan
     item_list = [items] if isinstance(items, str) else items
-    if not isinstance(item_list, list):
+    text_items = isinstance(item_list, list) and all(isinstance(i, str) for i in item_list)
+    id_items = isinstance(item_list, list) and all(_is_token_list(i) for i in item_list)
+    if not (text_items or id_items):
         raise ValueError("items must be a string, a list of strings or a list of token-id lists")
+    for i, ids in enumerate(item_list if id_items else []):
+        _check_ids(ids, vocab_size, f"items[{i}]")
+    if query is not None and not isinstance(query, str):
+        if not _is_token_list(query):
+            raise ValueError("query must be a string, a list of token ids or null")
+        _check_ids(query, vocab_size, "query", allow_empty=True)
+    # every field is checked before an empty `items` returns: one field's check never depends on another
     labels = _labels(label_token_ids, len(item_list), vocab_size)
-    text_items = all(isinstance(i, str) for i in item_list)
-    id_items = all(_is_token_list(i) for i in item_list)
+    plan = ScorePlan([], [], [], apply_softmax, float(temperature), return_token_logprobs)
+    if not item_list:
+        return plan
     if query is None:
         query = [] if id_items else ""
     if isinstance(query, str) and text_items:
@@ -198,23 +205,30 @@ def score_response(result: ScoreResult, model: str) -> dict:
     }
 
 
+def _check_ids(ids: list[int], vocab_size: int, name: str, allow_empty: bool = False) -> None:
+    if not ids and not allow_empty:
+        raise ValueError(f"{name} must not be an empty token-id list")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name}: token id {bad} is out of the vocabulary range [0, {vocab_size})")
+
+
 def _labels(label_token_ids, num_items: int, vocab_size: int) -> list[list[int]]:
+    """One label list per item (a shared list repeated). All lists are checked, also with no items."""
     if not isinstance(label_token_ids, list) or not label_token_ids:
         raise ValueError("label_token_ids must be a nonempty list")
-    if isinstance(label_token_ids[0], list):
-        if len(label_token_ids) != num_items:
-            raise ValueError("label_token_ids must have one list per item")
-        per_item = label_token_ids
-    else:
-        per_item = [label_token_ids] * num_items
-    for labels in per_item:
+    nested = isinstance(label_token_ids[0], list)
+    lists = label_token_ids if nested else [label_token_ids]
+    for labels in lists:
         if not isinstance(labels, list) or not labels:
-            raise ValueError("each item must have a nonempty candidate list")
+            raise ValueError("label_token_ids: each item must have a nonempty candidate list")
         if any(type(t) is not int or t < 0 for t in labels):
             raise ValueError("label_token_ids must contain nonnegative integers")
         if len(set(labels)) != len(labels):
             raise ValueError("label_token_ids must not contain duplicate tokens")
         for t in labels:
             if t >= vocab_size:
-                raise ValueError(f"Token ID {t} is out of vocabulary (vocab size: {vocab_size})")
-    return [list(x) for x in per_item]
+                raise ValueError(f"label_token_ids: Token ID {t} is out of vocabulary (vocab size: {vocab_size})")
+    if nested and num_items and len(label_token_ids) != num_items:
+        raise ValueError("label_token_ids must have one list per item")
+    return [list(x) for x in lists] if nested else [list(label_token_ids)] * num_items

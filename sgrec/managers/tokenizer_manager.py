@@ -41,6 +41,7 @@ GENERATE_FIELDS = {
     "rid": (str, list, type(None)),
     "extra_key": (str, type(None)),
     "routing_key": (str, type(None)),
+    "constrain_to_catalog": (bool,),
 }
 UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path")
 

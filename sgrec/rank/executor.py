@@ -166,7 +166,7 @@ class RankExecutor:
                     dups.append(i)
                 seen.add(i)
         if dups:
-            raise ValueError(f"duplicate candidate item id(s): {', '.join(repr(d) for d in dups[:5])}")
+            raise ValueError(f"items: duplicate candidate item id(s): {', '.join(repr(d) for d in dups[:5])}")
         items = self.catalog.lookup(item_ids)
         if not instruction_ids:
             raise ValueError("the instruction must not be empty: its last token scores the candidates")
