@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import sys
@@ -46,6 +47,7 @@ SERVER_FLAGS = ["--device", "cpu", "--max-total-tokens", "32768", "--max-beam-wi
 MIX = {"generate": 20, "generate_stream": 10, "completions": 15, "chat": 10, "score": 15, "rank": 15,
        "retrieve": 15}  # weights
 USERS = 300
+MIN_REQUESTS = 2 * len(MIX)  # the arrival rate's floor: this many requests over the soak on average
 THREAD_SLACK = 4
 
 
@@ -59,6 +61,7 @@ class Traffic:
         self.item_ids = [it["id"] for it in items]
         self.id_tokens = [it["id_token"] for it in items]
         self.histories = [self._history() for _ in range(USERS)]
+        self.deck: list[str] = []
 
     def _history(self) -> list[str]:
         return self.rng.sample(self.item_ids, self.rng.randint(5, 30))
@@ -92,7 +95,16 @@ class Traffic:
                                 "num_items": 5}, False
 
     def kind(self) -> str:
-        return self.rng.choices(list(MIX), weights=list(MIX.values()))[0]
+        """The next request's kind: decks of DECK cards in MIX's proportions, each deck starting with
+        one of every kind (shuffled), so any DECK-aligned run of len(MIX) requests drives every route."""
+        if not self.deck:
+            unit = math.gcd(*MIX.values())
+            rest = [k for k, w in MIX.items() for _ in range(w // unit - 1)]
+            first = list(MIX)
+            self.rng.shuffle(first)
+            self.rng.shuffle(rest)
+            self.deck = first + rest
+        return self.deck.pop(0)
 
 
 @dataclass
@@ -108,6 +120,9 @@ class Run:
     records: list[Record] = field(default_factory=list)
     inflight: int = 0
     refused_by_client: int = 0  # arrivals skipped because --max-inflight requests were outstanding
+    sent: int = 0
+    ticks_due: int = 0  # sample ticks whose time came during the soak
+    ticks_skipped: list[dict] = field(default_factory=list)  # ticks with no sample, and why
 
 
 async def send(client: httpx.AsyncClient, traffic: Traffic, run: Run) -> None:
@@ -144,24 +159,47 @@ async def closed_loop(client, traffic, seconds: float, concurrency: int) -> Run:
     return run
 
 
+async def sampler(on_tick, tick: float, start: float, stop: asyncio.Event, run: Run) -> None:
+    """Calls on_tick at start + k * tick (k = 1, 2, ...) until `stop`. A tick whose time passed while
+    the previous sample ran (or the event loop was busy) gets no sample and an entry in
+    run.ticks_skipped saying why; at the stop, run.ticks_due = the ticks whose time came, so
+    samples + skipped == due whatever the machine's speed."""
+    k = 1
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), max(0.0, start + k * tick - time.monotonic()))
+            break
+        except asyncio.TimeoutError:
+            pass
+        late = time.monotonic() - (start + k * tick)
+        t0 = time.monotonic()
+        await on_tick()
+        took = time.monotonic() - t0
+        now_k = int((time.monotonic() - start) // tick)
+        for missed in range(k + 1, now_k + 1):
+            run.ticks_skipped.append({"tick": missed, "why": f"sample {k} started {late:.2f} s late and took "
+                                                             f"{took:.2f} s, past this tick (period {tick} s)"})
+        k = max(k, now_k) + 1
+    run.ticks_due = int((time.monotonic() - start) // tick)
+    for missed in range(k, run.ticks_due + 1):
+        run.ticks_skipped.append({"tick": missed, "why": "the soak ended before this tick's sample could run"})
+
+
 async def open_loop(client, traffic, rate: float, seconds: float, max_requests: int, max_inflight: int,
                     on_tick, tick: float) -> Run:
+    """Poisson arrivals at `rate` for `seconds`: every arrival scheduled before the end is sent (late
+    if the machine is slow), so how many are sent depends on the rate and the seed, not on speed."""
     run = Run()
     rng = random.Random(1)
     start = time.monotonic()
-    end = start + seconds
-    next_tick = start + tick
+    stop = asyncio.Event()
+    sampling = asyncio.create_task(sampler(lambda: on_tick(run), tick, start, stop, run))
     tasks: set[asyncio.Task] = set()
-    sent = 0
     next_arrival = start
-    while time.monotonic() < end and sent < max_requests:
-        now = time.monotonic()
-        if now >= next_tick:
-            await on_tick(run)
-            next_tick += tick
-        if now < next_arrival:
-            await asyncio.sleep(min(next_arrival - now, max(0.0, next_tick - now)))
-            continue
+    while next_arrival < start + seconds and run.sent < max_requests:
+        wait = next_arrival - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
         next_arrival += rng.expovariate(rate)
         if run.inflight >= max_inflight:
             run.refused_by_client += 1
@@ -169,10 +207,13 @@ async def open_loop(client, traffic, rate: float, seconds: float, max_requests: 
         task = asyncio.create_task(send(client, traffic, run))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-        sent += 1
+        run.sent += 1
+    await asyncio.sleep(max(0.0, start + seconds - time.monotonic()))
+    stop.set()
+    await sampling
     if tasks:
         await asyncio.wait(tasks, timeout=120)
-    await on_tick(run)
+    await on_tick(run)  # the final sample, after the last request
     return run
 
 
@@ -200,7 +241,7 @@ async def soak(url: str, pid: int | None, duration: float, load: float, calibrat
         cal = await closed_loop(client, traffic, calibrate, concurrency)
         cal_sum = summarize(cal.records)
         capacity = cal_sum["ok"] / calibrate
-        rate = max(0.1, load * capacity)
+        rate = max(MIN_REQUESTS / duration, load * capacity)  # a slow machine still drives every route twice
         with httpx.Client(base_url=url, timeout=30) as sync:
             samples = []
             start_tree = proc_tree(pid) if pid else None
@@ -227,7 +268,8 @@ async def soak(url: str, pid: int | None, duration: float, load: float, calibrat
     res.update({
         "duration_s": duration, "capacity_rps": round(capacity, 2), "target_rps": round(rate, 2),
         "achieved_rps": round(len(run.records) / duration, 2), "calibration": cal_sum,
-        "refused_by_client": run.refused_by_client,
+        "refused_by_client": run.refused_by_client, "sent": run.sent, "sample_period_s": sample,
+        "ticks_due": run.ticks_due, "ticks_skipped": run.ticks_skipped,
         "p99_first_window_ms": p99s[0] if p99s else None, "p99_last_window_ms": p99s[-1] if p99s else None,
         "p99_drift": round(p99s[-1] / p99s[0], 2) if len(p99s) > 1 and p99s[0] else None,
         "rss_mb_start": round(start_tree.rss_mb, 1) if start_tree else None, "rss_mb_max": max(rss) if rss else None,

@@ -18,6 +18,7 @@ from sgrec.rank import layout as L
 from sgrec.rank.executor import RankExecutor
 from sgrec.runner import ModelRunner
 from sgrec.server_args import ServerArgs
+from sgrec.tools.probe import wait_for
 
 TOL = 1e-5
 KV_TOL = 1e-4  # DESIGN.md's float32 tolerance of reused KV
@@ -188,13 +189,16 @@ def test_one_round_trip_per_owner_slow_owner_skipped_misses(tiny_model_dir):
 
         assert run()["fetched_tokens"] == toks[1] + toks[2]
         assert [s.requests for s in servers] == [0, 1, 1] and [s.served for s in servers] == [0, 3, 3]
-        # rank 2's scheduler holds its store's lock (an eviction, say) for over 1 s while we fetch
-        held = threading.Event()
+        # rank 2's scheduler holds its store's lock (an eviction, say) while we fetch: until the fetch
+        # has reached rank 2's server thread (counted there before it waits for the lock), then 1 s
+        # more, so its round trip is >= 1 s however slowly it was sent
+        held, asked = threading.Event(), servers[2].requests
 
         def busy_owner():
             with exs[2].store.lock:
                 held.set()
-                time.sleep(1.2)  # the fetch is sent well within 0.2 s of `held`: its round trip is >= 1 s
+                wait_for(lambda: servers[2].requests > asked, "the fetch at rank 2", every=0.01)
+                time.sleep(1.0)
 
         addr2 = f.client.endpoints[2]
         fast2 = f.latency[addr2]  # measured on the first request
@@ -286,8 +290,10 @@ def test_owner_evicts_while_fetches_run(tiny_model_dir):
         t.start()
         try:
             hits = misses = 0
-            deadline = time.monotonic() + 3.0
-            while time.monotonic() < deadline or hits == 0:
+            wait_for(lambda: rounds[0] > 0, "the churn thread running")
+            # a fixed number of fetches during the churn (not a time window), and at least one hit
+            while hits + misses < 5 * 200 or hits == 0:
+                assert hits + misses < 5 * 20000, "no fetch ever found an item"
                 ask = random.Random(hits + misses).sample(mine, 5)
                 rep = client.fetch_many({1: ask}, head, 5000)[1]
                 off = 0

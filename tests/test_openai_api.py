@@ -8,6 +8,8 @@ import time
 import httpx
 import openai
 import pytest
+
+from sgrec.tools.probe import HANG_S
 from transformers import AutoTokenizer
 
 PROMPTS = ["The user likes red shoes", "What is the cheap phone?"]
@@ -367,7 +369,7 @@ def test_server_still_serves_after_errors(client):
 
 
 # ---- client disconnects ----------------------------------------------------------------------------
-def wait_idle(server, timeout=5.0) -> float:
+def wait_idle(server, timeout=HANG_S) -> float:
     """Seconds until the scheduler has no running or queued request (flush_cache succeeds only then)."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:

@@ -148,7 +148,8 @@ def test_cold_item_fetched_from_a_peer_scores_like_local(cluster, reference):
         assert_matches(fetched_rank(srv.url, u, header=False), reference(user_body(u)["user"]))
 
 
-def wait_for(pred, timeout: float = 30.0, step: float = 0.5):
+def wait_for(pred, timeout: float = 120.0, step: float = 0.5):
+    """pred()'s first truthy value, or its last one after `timeout` (a bound on hangs, not on speed)."""
     deadline = time.monotonic() + timeout
     while True:
         v = pred()

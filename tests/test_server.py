@@ -7,6 +7,8 @@ import time
 import httpx
 import psutil
 import pytest
+
+from sgrec.tools.probe import HANG_S, running_per_rank, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -22,7 +24,8 @@ def server(start_server, model):
     return start_server(model, "--max-total-tokens", "4096", "--enable-metrics", "--served-model-name", "tiny")
 
 
-def wait_until(pred, timeout=10.0, every=0.1):
+def wait_until(pred, timeout=HANG_S, every=0.1):
+    """Whether `pred()` became true within `timeout` (a bound on hangs, not on speed)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
@@ -300,38 +303,38 @@ def test_disconnect_storm_frees_kv(start_server, model):
     assert srv.client.post("/generate", json={"text": "after", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
 
 
-def test_killed_scheduler_fails_health_and_inflight_and_exits(start_server, model):
-    srv = start_server(model, "--max-total-tokens", "8192")
+def test_killed_scheduler_fails_health_and_inflight_and_exits(start_server, tiny_model_dir):
+    """A request that cannot finish (60,000 tokens), observed running, when the scheduler is killed:
+    it gets a 500 naming the dead process (how fast: RELIABILITY.md; no test bounds a time)."""
+    srv = start_server(tiny_model_dir("llama", max_position_embeddings=65536), "--max-total-tokens", "61000")
     result = {}
 
     def long_request():
         try:
-            r = httpx.post(srv.url + "/generate", timeout=60,
-                           json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6000, **GREEDY}})
+            r = httpx.post(srv.url + "/generate", timeout=600,
+                           json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 60000, **GREEDY}})
         except httpx.HTTPError as e:
             result["error"] = repr(e)
             return
-        result["status"], result["text"], result["at"] = r.status_code, r.text, time.monotonic()
+        result["status"], result["text"] = r.status_code, r.text
 
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(1.0)
+    wait_for(lambda: running_per_rank(srv.client) == [(1, 0)], "the request running")
+    assert result == {}, f"the request ended before the kill: {result}"
     children = psutil.Process(srv.proc.pid).children()
     sched = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
     assert len(sched) == 1
-    killed_at = time.monotonic()
     sched[0].kill()
-    t.join(30)
+    t.join(HANG_S)
     assert "status" in result, result
     assert result["status"] == 500 and "died" in json.loads(result["text"])["message"], result
-    # The issue asks for the 5xx within a second; allow slack for a loaded 2-core CI machine.
-    assert result["at"] - killed_at < 2.5
     try:  # the launcher keeps answering for about a second before it exits: health must fail
         health = httpx.get(srv.url + "/health", timeout=5).status_code
     except httpx.TransportError:
         health = "refused (already exited)"
     assert health in (503, "refused (already exited)")
-    assert srv.proc.wait(30) != 0
+    assert srv.proc.wait(HANG_S) != 0
     assert wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children))
 
 
@@ -343,8 +346,9 @@ def test_sigterm_shuts_down_cleanly(start_server, model):
     assert wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children))
 
 
-def test_dp_ranks_share_load_and_routing_key_pins(start_server, model):
-    srv = start_server(model, "--max-total-tokens", "2048", "--dp-size", "2")
+def test_dp_ranks_share_load_and_routing_key_pins(start_server, tiny_model_dir):
+    srv = start_server(tiny_model_dir("llama", max_position_embeddings=65536), "--max-total-tokens", "62000",
+                       "--dp-size", "2")
     ids = [11, 12, 13, 14, 15, 16, 17, 18]
     body = {"input_ids": ids, "routing_key": "user-42", "sampling_params": {"max_new_tokens": 2, **GREEDY}}
     first = srv.client.post("/generate", json=body).json()
@@ -353,18 +357,12 @@ def test_dp_ranks_share_load_and_routing_key_pins(start_server, model):
     assert first["meta_info"]["cached_tokens"] == 0
     assert all(a["meta_info"]["cached_tokens"] == len(ids) - 1 for a in again)
     assert all(a["output_ids"] == first["output_ids"] for a in again)
-    outs = []
-
-    def one(i):
-        outs.append(httpx.post(srv.url + "/generate", timeout=60,
-                               json={"input_ids": [20 + i] * 5, "sampling_params": {"max_new_tokens": 30, **GREEDY}}).status_code)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert outs == [200] * 8
-    time.sleep(0.6)
-    states = srv.client.get("/server_info").json()["internal_states"]
-    assert len(states) == 2 and all(s["memory_usage"]["kv_used_tokens"] > 0 for s in states)  # both ranks served
+    # least loaded: with a request running on one rank (60,000 tokens: it runs until this test leaves),
+    # the next one goes to the other rank
+    long = {"stream": True, "sampling_params": {"max_new_tokens": 60000, **GREEDY}}
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c1, httpx.Client(base_url=srv.url, timeout=HANG_S) as c2:
+        with c1.stream("POST", "/generate", json={"input_ids": [20] * 5, **long}):
+            wait_for(lambda: sorted(running_per_rank(srv.client)) == [(0, 0), (1, 0)], "one request running")
+            with c2.stream("POST", "/generate", json={"input_ids": [21] * 5, **long}):
+                wait_for(lambda: running_per_rank(srv.client) == [(1, 0), (1, 0)], "one request on each rank")
+    assert wait_until(lambda: kv_idle_and_free(srv))  # leaving aborted both

@@ -16,6 +16,25 @@ import httpx
 import psutil
 
 STATS_PERIOD_S = 0.5  # the schedulers report their KV usage this often (process.STATS_INTERVAL_S)
+HANG_S = 120.0  # how long a waiter waits for a state before calling it a hang: a bound on hangs, never on speed
+
+
+def wait_for(check, what: str = "the awaited state", timeout: float = HANG_S, every: float = 0.1):
+    """Polls `check()` until it returns a truthy value, and returns that value. After `timeout`
+    seconds raises AssertionError naming `what` and the last value seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"never saw {what} within {timeout:.0f} s (last: {got!r})")
+        time.sleep(every)
+
+
+def running_per_rank(client: httpx.Client) -> list[tuple[int, int]]:
+    """(running, queued) requests of each rank, from the schedulers' latest stats reports."""
+    return [(s["num_running_reqs"], s["num_queue_reqs"]) for s in client.get("/server_info").json()["internal_states"]]
 
 
 @dataclass
