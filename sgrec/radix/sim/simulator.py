@@ -34,7 +34,7 @@ import torch
 from sgrec.radix.eviction import EvictionPolicy, PredictivePolicy, make_policy, parse_config
 from sgrec.radix.node import TreeNode, child_key, start_key
 from sgrec.radix.predictor import OraclePredictor
-from sgrec.radix.traces import TRACES, Trace, load_trace, make_trace
+from sgrec.radix.sim.traces import TRACES, Trace, load_trace, make_trace
 from sgrec.radix.tree import RadixCache
 
 SGREC_POLICIES = ("lru", "laru", "fpb", "hf", "opt")
