@@ -11,7 +11,7 @@ replicated on every rank and the rest is partitioned uniformly. r comes from Alg
 B is the network bandwidth in tokens/s. Everything here is pure (no I/O) except `measure_prefill`
 (times forwards on a runner) and the CLI, which prints the plan:
 
-    python -m sgrec.radix.hrcs --bandwidth-gbps 100 --bytes-per-token 28672 --tau-u 1500 --tau-i 10 \
+    python -m sgrec.items.hrcs --bandwidth-gbps 100 --bytes-per-token 28672 --tau-u 1500 --tau-i 10 \
         -c 100 -N 4 --alpha 0.1 --num-items 10000 --zipf 1.0 --prefill-time 0.05
 """
 
@@ -27,6 +27,11 @@ import numpy as np
 import torch
 
 CDF_EPS = 1e-12  # the CDF of normalised floats may end a hair below 1
+# what a start-up plan assumes before anything was measured (RankExecutor's plan over its DP ranks,
+# ItemPool's over every rank of every server)
+DEFAULT_TAU_U = 1000  # user tokens assumed by the start-up HRCS plan before any request was seen
+DEFAULT_BANDWIDTH_GBPS = 100.0
+DEFAULT_ALPHA = 0.1
 
 
 # ---- prefill-time model ---------------------------------------------------------------------
@@ -237,7 +242,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m sgrec.radix.hrcs", description="Print an HRCS item placement plan.")
+    ap = argparse.ArgumentParser(prog="python -m sgrec.items.hrcs", description="Print an HRCS item placement plan.")
     bw = ap.add_mutually_exclusive_group(required=True)
     bw.add_argument("--bandwidth-tokens", type=float, help="network bandwidth B in tokens/s")
     bw.add_argument("--bandwidth-gbps", type=float, help="network bandwidth in Gbit/s (needs --bytes-per-token)")
