@@ -35,8 +35,8 @@ PACKAGE = ROOT / "sgrec"
 #   item KV at its item-as-prefix positions, and the rank executor above uses the item store;
 # - managers/io_struct.py (the inter-process messages) sits below scheduler/, which receives and sends
 #   them; the rest of managers/ (the asyncio side) is above it and never imports the scheduler;
-# - radix/sim/ (the trace simulator: evaluation tooling) sits above radix/, so serving code never
-#   imports it.
+# - radix/sim/ (the trace simulator: evaluation tooling) sits above radix/, which it replays; no other
+#   module imports it (test_no_module_imports_the_simulator).
 # At the top: the package's own __init__ (its lazy `Engine` imports engine.py), the demo (its
 # evaluation runs the Engine; the launcher serves it), then the HTTP routes, the tools (local_server
 # starts `python -m sgrec.launch_server` from wherever `sgrec` lives) and the launcher, which imports
@@ -225,6 +225,13 @@ def test_radix_imports_neither_items_nor_rank():
     """The issue's own words: the prefix cache does not know about item KV or ranking."""
     _, imports = import_graph()
     bad = [str(i) for i in imports if i.src.startswith("sgrec.radix") and i.dst.startswith(("sgrec.items", "sgrec.rank"))]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_the_simulator():
+    """The simulator is evaluation tooling: benchmarks and tests use it, sgrec's serving code does not."""
+    _, imports = import_graph()
+    bad = [str(i) for i in imports if i.dst.startswith("sgrec.radix.sim") and not i.src.startswith("sgrec.radix.sim")]
     assert not bad, "\n".join(bad)
 
 
