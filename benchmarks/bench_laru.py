@@ -26,7 +26,7 @@ import sys
 import time
 
 from sgrec.radix.sim import LCS_POLICIES, SGLANG_POLICIES, TraceIndex, simulate
-from sgrec.radix.traces import gr_users, multiturn, scan, zipf
+from sgrec.radix.sim.traces import gr_users, multiturn, scan, zipf
 
 ROWS = [("lru", "lightgbm"), ("laru", "lightgbm"), ("laru-every", "lightgbm"), ("laru-bets", "lightgbm"),
         ("fpb", "lightgbm"), ("hf", "lightgbm"), ("laru", "oracle"), ("opt", "oracle")] + \

@@ -54,7 +54,7 @@ Ablation (Table 4), --ranks N data-parallel ranks (users routed by id), per rank
 (--ablation-budget f). None: UP only. A: bipartite (items replicated on every rank, greedy). AB:
 +HRCS placement (Algorithm 1 with B = --bandwidth-gbps in this model's KV tokens); a cold item
 owned by another rank is recomputed unless --fetch (then fetched from the owner's store through
-sgrec.radix.item_fetch loopback endpoints; the estimate adds the transfer time at B). AC: +hotness-
+sgrec.items.fetch loopback endpoints; the estimate adds the transfer time at B). AC: +hotness-
 aware prefix selection (auto) with items replicated. ABC: both.
 """
 
@@ -74,9 +74,9 @@ import torch
 
 from sgrec.catalog import Catalog, Item
 from sgrec.data.movielens import load_ml100k
+from sgrec.items import hrcs
 from sgrec.mem.kv_pool import KVPool
 from sgrec.model.config import ModelConfig
-from sgrec.radix import hrcs
 from sgrec.radix.tree import RadixCache
 from sgrec.rank import budget
 from sgrec.rank.executor import RankExecutor
@@ -283,7 +283,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ranks", type=int, default=2, help="data-parallel ranks of the ablation (0: skip it)")
     ap.add_argument("--ablation-budget", type=float, default=0.3, help="per rank M = f * (C + U / N)")
     ap.add_argument("--bandwidth-gbps", type=float, default=10.0)
-    ap.add_argument("--fetch", action="store_true", help="ablation: fetch remote cold items (sgrec.radix.item_fetch)")
+    ap.add_argument("--fetch", action="store_true", help="ablation: fetch remote cold items (sgrec.items.fetch)")
     ap.add_argument("--fit-repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -405,7 +405,7 @@ def main(argv=None) -> None:
                           item_counts=past_counts, user_history=[h for h in history if int(h[0][1:]) % a.ranks == r])
                      for r in range(a.ranks)]
             if a.fetch and pl is not None:
-                from sgrec.radix.item_fetch import connect_loopback
+                from sgrec.items.fetch import connect_loopback
 
                 connect_loopback([rk.ex for rk in ranks], timeout_ms=2000)
             r = replay(ranks, trace, instr, cost, fetch_cost)

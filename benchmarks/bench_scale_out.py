@@ -39,7 +39,7 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from launch.local_cluster import LocalCluster  # noqa: E402
-from sgrec.radix.item_peers import read_servers, write_peer_file  # noqa: E402
+from sgrec.items.peers import read_servers, write_peer_file  # noqa: E402
 
 
 def write_catalog(path: str, n: int, seed: int = 0, vocab: int = 500) -> list[dict]:
@@ -105,7 +105,7 @@ def predicted_remote_share(items: list[dict], reqs, ratio: float, n: int) -> flo
     in the replicated top share of the catalog's popularity order, which the servers plan with) and
     one of the other n - 1 ranks owns it; weighted by how often the requests ask for each item and
     by its tokens (what the servers report as fetched_tokens)."""
-    from sgrec.radix import hrcs
+    from sgrec.items import hrcs
 
     ids = [it["id"] for it in items]
     pl = hrcs.plan_placement(ids, [it["popularity"] + 1.0 for it in items], ratio, n)
@@ -122,12 +122,13 @@ def fetch_cost(model: str, catalog: str, batch: int, repeats: int = 200) -> dict
     import zmq
 
     from sgrec.catalog import Catalog
+    from sgrec.items.fetch import ItemKVClient, ItemKVServer, header_key
+    from sgrec.items.hrcs import DEFAULT_BANDWIDTH_GBPS
+    from sgrec.items.peers import measure_recompute_per_token
     from sgrec.model.attention import SeqLayout
-    from sgrec.radix.item_fetch import ItemKVClient, ItemKVServer, header_key
-    from sgrec.radix.item_peers import measure_recompute_per_token
     from sgrec.radix.tree import RadixCache
     from sgrec.rank import layout as L
-    from sgrec.rank.executor import DEFAULT_BANDWIDTH_GBPS, RankExecutor
+    from sgrec.rank.executor import RankExecutor
     from sgrec.runner import ModelRunner
     from sgrec.server_args import ServerArgs
     from sgrec.tokenizer import Tokenizer

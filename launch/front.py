@@ -1,6 +1,6 @@
 """The front of a scale-out deployment: sglang-router and Caddy, kept in line with the peer file.
 
-The peer file (`--item-peers` of every sgrec server; see sgrec/radix/item_peers.py) is the one list
+The peer file (`--item-peers` of every sgrec server; see sgrec/items/peers.py) is the one list
 of servers. `Front` starts sglang-router (generation routes) and Caddy (recommendation routes,
 rendezvous hashing of `X-User-Id`; everything else to the router) for the servers listed there, and
 `reconcile()` (once a second under `run()`) keeps them in line with it:
@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 
 from launch import caddy_config
-from sgrec.radix.item_peers import read_servers, write_peer_file
+from sgrec.items.peers import read_servers, write_peer_file
 from sgrec.tools.local_server import free_port  # noqa: F401 (launch.local_cluster imports it from here)
 
 START_TIMEOUT_S = 60.0

@@ -22,7 +22,7 @@ import threading
 import time
 
 from launch.front import Front, free_port, healthy
-from sgrec.radix.item_peers import read_servers, write_peer_file
+from sgrec.items.peers import read_servers, write_peer_file
 
 SERVER_READY_TIMEOUT_S = 180.0
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sgrec.catalog import Catalog, Item
-from sgrec.radix import hrcs
-from sgrec.radix.item_fetch import ItemFetcher, ItemKVClient, connect_loopback, header_key
+from sgrec.items import hrcs
+from sgrec.items.fetch import ItemFetcher, ItemKVClient, connect_loopback, header_key
 from sgrec.radix.tree import RadixCache
 from sgrec.rank import layout as L
 from sgrec.rank.executor import RankExecutor

@@ -14,7 +14,7 @@ from sgrec.radix.eviction import FPBPolicy, HFPolicy, LARUPolicy, LRUPolicy, mak
 from sgrec.radix.leaf_index import RecencyIndex
 from sgrec.radix.predictor import LightGBMPredictor, OraclePredictor, Predictor
 from sgrec.radix.sim import SGLangReplay, SgrecReplay, TraceIndex, replay, sglang_counter_clock, sim_policy, simulate
-from sgrec.radix.traces import TraceRequest, multiturn, profile_tokens, zipf
+from sgrec.radix.sim.traces import TraceRequest, multiturn, profile_tokens, zipf
 from sgrec.radix.tree import RadixCache
 from test_radix_tree import RadixMachine, path_values
 

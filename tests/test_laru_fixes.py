@@ -13,7 +13,7 @@ import torch
 from sgrec.radix.eviction import LARUPolicy, make_policy
 from sgrec.radix.predictor import LightGBMPredictor, Predictor
 from sgrec.radix.sim import SgrecReplay, TraceIndex, replay, sim_policy, simulate
-from sgrec.radix.traces import multiturn
+from sgrec.radix.sim.traces import multiturn
 from sgrec.radix.tree import RadixCache
 from test_laru import Scripted
 

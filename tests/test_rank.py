@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sgrec.catalog import Catalog, Item, UnknownItemError
-from sgrec.radix import hrcs
+from sgrec.items import hrcs
 from sgrec.radix.tree import RadixCache
 from sgrec.rank import budget
 from sgrec.rank import layout as L

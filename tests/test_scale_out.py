@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from launch.local_cluster import LocalCluster
-from sgrec.radix.item_peers import read_peer_file, read_servers
+from sgrec.items.peers import read_peer_file, read_servers
 from tests.test_rec_server import write_catalog
 
 USERS = [f"user{k}" for k in range(24)]

@@ -1,4 +1,4 @@
-"""The item pool across servers (sgrec/radix/item_peers.py), in process: two ranks that know each
+"""The item pool across servers (sgrec/items/peers.py), in process: two ranks that know each
 other only through a peer file, re-planned when the file changes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import random
 import pytest
 import zmq
 
-from sgrec.radix.item_peers import ItemPool, read_peer_file, write_peer_file
+from sgrec.items.peers import ItemPool, read_peer_file, write_peer_file
 from sgrec.radix.tree import RadixCache
 from sgrec.rank.executor import RankExecutor
 from sgrec.runner import ModelRunner
@@ -154,7 +154,7 @@ def test_malformed_peer_files_are_rejected(tmp_path, body, message):
 
 
 def test_client_keeps_sockets_and_dead_marks_by_address():
-    from sgrec.radix.item_fetch import ItemKVClient
+    from sgrec.items.fetch import ItemKVClient
 
     clock = Clock()
     c = ItemKVClient({1: "inproc://x-1", 2: "inproc://x-2"}, clock=clock)

@@ -1,91 +1,25 @@
-"""HTTP routes with SGLang 0.5.23's shapes: native /generate and friends; OpenAI routes in openai_api."""
+"""The HTTP app with SGLang 0.5.23's routes and shapes: create_app adds the middleware (body limit, API
+key, admission) and then each route group, every group a function of its own module: native
+(native_api.py), OpenAI (openai_api.py), recommendation (rec_api.py); then /openapi.json (openapi.py).
+What the route modules share is in helpers.py."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import time
-from typing import Any, AsyncIterator
 
-import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from sgrec import __version__
-from sgrec.managers.io_struct import QUEUE_FULL
-from sgrec.managers.rec import is_beam_generate
-from sgrec.managers.tokenizer_manager import QueueFull, Submission, TokenizerManager
-from sgrec.sampling import SchemaError
+from sgrec.entrypoints.helpers import HTTPError, native_error, openai_error_body
+from sgrec.entrypoints.native_api import add_admin_routes, add_generate_routes, add_health_routes, add_info_routes
+from sgrec.entrypoints.openai_api import add_openai_routes
+from sgrec.entrypoints.openapi import SchemaLimits, install_openapi
+from sgrec.entrypoints.rec_api import add_rec_routes
+from sgrec.managers.tokenizer_manager import QueueFull, TokenizerManager
 from sgrec.server_args import ServerArgs
 
 OPEN_PATHS = ("/health", "/health_generate", "/ready", "/metrics")
-HEALTH_TIMEOUT_S = 20.0
-DISCONNECT_POLL_S = 0.1
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, plain: bool = False):
-        self.status, self.message, self.plain = status, message, plain
-
-
-def native_error(status: int, message: str, plain: bool = False) -> JSONResponse:
-    """SGLang's native error bodies: a plain string for schema errors, else {"message": ...};
-    non-400 aborts use the OpenAI-style object."""
-    if status != 400 and status >= 400 and not plain:
-        return JSONResponse(openai_error_body(status, message, str(status)), status_code=status)
-    return JSONResponse({"error": message if plain else {"message": message}}, status_code=status)
-
-
-def openai_error_body(status: int, message: str, err_type: str | None = None) -> dict:
-    return {"object": "error", "message": message, "type": err_type or "BadRequestError", "param": None,
-            "code": status}
-
-
-async def read_json(request: Request) -> Any:
-    body = await request.body()
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise HTTPError(400, f"Malformed JSON body: {e}") from None
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def abort_of(outputs: list[dict]) -> tuple[int, str] | None:
-    """(status, message) of the first request that ended in an abort, if any."""
-    for out in outputs:
-        fr = out["meta_info"]["finish_reason"]
-        if fr and fr.get("type") == "abort":
-            return fr.get("status_code") or 500, fr.get("message") or "aborted"
-    return None
-
-
-async def await_or_disconnect(aw, tm: TokenizerManager, sub: Submission, request: Request):
-    """Awaits `aw`; if the client disconnects first, aborts the submission (freeing its KV) and
-    returns None."""
-    task = asyncio.ensure_future(aw)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                tm.abort(sub)
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})  # let whatever it was awaiting unwind first
-
-
-async def wait_or_disconnect(tm: TokenizerManager, sub: Submission, request: Request) -> list[dict] | None:
-    """A submission's results, or None if the client left first."""
-    return await await_or_disconnect(tm.wait(sub), tm, sub, request)
 
 
 class BodyLimitMiddleware:
@@ -124,13 +58,6 @@ class BodyLimitMiddleware:
 
 class _BodyTooLarge(Exception):
     pass
-
-
-def redact(text: str | None, secret: str | None) -> str | None:
-    """`text` with every occurrence of the API key replaced (the launch command carries it)."""
-    if text is None or not secret:
-        return text
-    return text.replace(secret, "<redacted>")
 
 
 SUBMIT_PATHS = frozenset(("/generate", "/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/rank",
@@ -173,175 +100,35 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
-    app = FastAPI(title="sgrec", version=__version__)
-    model_name = args.served_model_name or args.model_path
-    app.state.tm, app.state.args, app.state.model_name = tm, args, model_name
+async def http_error(request: Request, exc: HTTPError) -> JSONResponse:
+    """An HTTPError raised by a route: OpenAI's error body on /v1 routes, SGLang's native one elsewhere."""
+    if request.url.path.startswith("/v1/"):
+        return JSONResponse(openai_error_body(exc.status, exc.message), status_code=exc.status)
+    return native_error(exc.status, exc.message, exc.plain)
 
-    @app.exception_handler(HTTPError)
-    async def _http_error(request: Request, exc: HTTPError):
-        if request.url.path.startswith("/v1/"):
-            return JSONResponse(openai_error_body(exc.status, exc.message), status_code=exc.status)
-        return native_error(exc.status, exc.message, exc.plain)
 
+def add_middleware(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
+    """Outermost first: the body limit (413), the API key (401), admission (503)."""
     if args.max_queued_requests is not None:
         app.add_middleware(AdmissionMiddleware, tm=tm)  # inside the key check: 401 before 503
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     app.add_middleware(BodyLimitMiddleware, limit=args.max_request_bytes)
 
-    # ---- /generate ---------------------------------------------------------------------
-    async def generate(request: Request):
-        obj = await read_json(request)
-        if is_beam_generate(obj):
-            return await app.state.beam_generate(request, obj)
-        try:
-            sub = tm.submit(obj)
-        except SchemaError as e:
-            raise HTTPError(400, str(e), plain=True) from None
-        except ValueError as e:
-            raise HTTPError(400, str(e)) from None
-        except RuntimeError as e:
-            raise HTTPError(503, str(e)) from None
-        if obj.get("stream"):
-            return StreamingResponse(_stream_native(sub), media_type="text/event-stream")
-        outs = await wait_or_disconnect(tm, sub, request)
-        if outs is None:
-            return Response(status_code=499)
-        if (err := abort_of(outs)) is not None:
-            return native_error(*err)
-        return JSONResponse(outs if sub.is_list else outs[0])
 
-    async def _stream_native(sub: Submission) -> AsyncIterator[bytes]:
-        async for index, out in tm.stream(sub):
-            fr = out["meta_info"]["finish_reason"]
-            if fr and fr.get("type") == "abort":
-                err = {"message": fr.get("message"), "type": "invalid_request_error",
-                       "code": fr.get("status_code") or 500, "retryable": False}
-                yield sse({"error": err})
-                break
-            if sub.is_list:
-                out["index"] = index
-            yield sse(out)
-        yield SSE_DONE
+def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
+    app = FastAPI(title="sgrec", version=__version__)
+    model_name = args.served_model_name or args.model_path
+    app.state.tm, app.state.args, app.state.model_name = tm, args, model_name
+    app.add_exception_handler(HTTPError, http_error)
+    add_middleware(app, tm, args)
 
-    app.add_api_route("/generate", generate, methods=["POST", "PUT"])
-
-    # ---- health and info ---------------------------------------------------------------
-    async def health():
-        """A one-token generation. With the queue full the server is busy, not broken: healthy when
-        the schedulers keep sending outputs (an orchestrator must not restart an overloaded server)."""
-        if tm.dead:
-            return Response(status_code=503)
-        t0 = time.monotonic()
-        try:
-            sub = tm.submit({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-        except QueueFull:
-            return Response(status_code=200 if await tm.outputs_since(t0, HEALTH_TIMEOUT_S) else 503)
-        except (ValueError, RuntimeError):
-            return Response(status_code=503)
-        try:
-            outs = await asyncio.wait_for(tm.wait(sub), HEALTH_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            tm.abort(sub)
-            return Response(status_code=503)
-        err = abort_of(outs)  # the scheduler's own queue limit answered: it is alive
-        return Response(status_code=200 if err is None or err == (503, QUEUE_FULL) else 503)
-
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/health_generate", health, methods=["GET"])
-
-    @app.get("/ready")
-    async def ready():
-        return Response(status_code=503 if tm.dead else 200)
-
-    def model_info():
-        return {
-            "model_path": args.model_path,
-            "served_model_name": model_name,
-            "tokenizer_path": args.tokenizer_path or args.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": "default",
-            "load_format": "auto",
-            "reasoning_parser": None,
-            "tool_call_parser": None,
-            "disaggregation_mode": "null",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": launch.get("model_type"),
-            "architectures": launch.get("architectures"),
-        }
-
-    app.add_api_route("/get_model_info", model_info, methods=["GET"])
-    app.add_api_route("/model_info", model_info, methods=["GET"])
-
-    def server_info():
-        stats = [tm.stats.get(r) for r in range(args.dp_size)]
-        return {
-            **args.to_dict(),
-            "api_key": None,
-            "launch_command": redact(launch.get("launch_command"), args.api_key),
-            "status": "dead" if tm.dead else "ready",
-            "max_total_num_tokens": tm.max_total_num_tokens,
-            "max_req_input_len": tm.context_len - 1,
-            "max_context_length": tm.context_len,
-            "kv_events": None,
-            "startup_time": launch.get("startup_time"),
-            "version": "0.5.23",
-            "sgrec_version": __version__,
-            "frontend": "python",
-            "internal_states": [
-                {"dp_rank": r, "last_gen_throughput": s.last_gen_throughput if s else 0.0,
-                 "memory_usage": {"kv_used_tokens": s.kv_used if s else 0, "kv_total_tokens": s.kv_total if s else 0},
-                 "num_running_reqs": s.num_running_reqs if s else 0, "num_queue_reqs": s.num_queue_reqs if s else 0}
-                for r, s in enumerate(stats)
-            ],
-        }
-
-    app.add_api_route("/get_server_info", server_info, methods=["GET"])
-    app.add_api_route("/server_info", server_info, methods=["GET"])
-
-    async def flush_cache():
-        ok = await tm.flush_cache()
-        if ok:
-            return PlainTextResponse(
-                "Cache flushed.\nPlease check backend logs for more details. "
-                "(When there are running or waiting requests, the operation will not be performed.)\n"
-            )
-        return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
-
-    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
-
-    def model_card():
-        return {"id": model_name, "object": "model", "created": int(launch.get("startup_time", time.time())),
-                "owned_by": "sglang", "root": model_name, "parent": None, "max_model_len": tm.context_len}
-
-    @app.get("/v1/models")
-    async def list_models():
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str):
-        if model_id != model_name:
-            return JSONResponse({"error": {"message": f"The model '{model_id}' does not exist",
-                                           "type": "invalid_request_error", "param": "model",
-                                           "code": "model_not_found"}}, status_code=404)
-        return model_card()
-
-    @app.get("/metrics")
-    async def metrics():
-        if tm.metrics is None:
-            return PlainTextResponse("Metrics are off; start the server with --enable-metrics.\n", status_code=404)
-        return Response(tm.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    from sgrec.entrypoints.openai_api import add_openai_routes
-
+    add_generate_routes(app, tm)
+    add_health_routes(app, tm)
+    add_info_routes(app, tm, args, launch, model_name)
+    add_admin_routes(app, tm)
     add_openai_routes(app, tm, model_name)
-    from sgrec.entrypoints.rec_api import add_rec_routes
-
     add_rec_routes(app, tm)
-    from sgrec.entrypoints.openapi import SchemaLimits, install_openapi
 
     lim = tm.builder.limits
     install_openapi(app, SchemaLimits(lim.vocab_size, lim.max_n, lim.max_batch_size, args.max_rank_candidates,

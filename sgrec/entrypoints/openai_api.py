@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sgrec.entrypoints.http_server import (
+from sgrec.entrypoints.helpers import (
     SSE_DONE, HTTPError, abort_of, await_or_disconnect, openai_error_body, read_json, sse, wait_or_disconnect,
 )
 from sgrec.entrypoints.protocol import (

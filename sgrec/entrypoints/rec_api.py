@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from sgrec.entrypoints.http_server import HTTPError, await_or_disconnect, native_error, openai_error_body, read_json
+from sgrec.entrypoints.helpers import HTTPError, await_or_disconnect, native_error, openai_error_body, read_json
 from sgrec.managers.rec import beam_generate_response, task_response
 from sgrec.managers.score import score_response
 from sgrec.managers.tokenizer_manager import TokenizerManager

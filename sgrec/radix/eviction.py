@@ -26,10 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from sgrec.radix.leaf_index import RecencyIndex
+from sgrec.radix.node import TreeNode, start_key
 from sgrec.radix.predictor import LIGHTGBM_KEYS, Predictor, make_predictor
 
 if TYPE_CHECKING:
-    from sgrec.radix.tree import RadixCache, TreeNode
+    from sgrec.radix.tree import RadixCache
 
 
 class EvictionPolicy(ABC):
@@ -161,8 +162,6 @@ class PredictivePolicy(LRUPolicy):
     def key(self, node: TreeNode) -> int:
         k = self.keys.get(node)
         if k is None:
-            from sgrec.radix.tree import start_key
-
             k = self.keys[node] = start_key(node)
         return k
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from sgrec.radix.tree import TreeNode
+    from sgrec.radix.node import TreeNode
 
 N_DELTAS = 10
 N_EDCS = 10

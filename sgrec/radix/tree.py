@@ -11,38 +11,19 @@ distinct and owned by the tree until evicted or reset.
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from sgrec.mem.kv_pool import TokenAllocator
 from sgrec.radix.eviction import EvictionPolicy, is_evictable, make_policy
-
-_node_ids = itertools.count()
-
-
-def _child_key(extra_key: str | None, token: int) -> Any:
-    return token if extra_key is None else (extra_key, token)
+from sgrec.radix.node import TreeNode, child_key
 
 
 def _as_list(key: Sequence[int] | torch.Tensor) -> list[int]:
     return key.tolist() if isinstance(key, torch.Tensor) else [int(t) for t in key]
-
-
-def start_key(node: TreeNode) -> int:
-    """Identity of what a node caches, independent of how the tree is split: a hash of its
-    extra_key and the token path from the root through the node's first token. The same content
-    re-inserted after an eviction gets the same key (O(depth))."""
-    parts = [node.key[:1]]
-    p = node.parent
-    while p is not None and p.parent is not None:
-        parts.append(p.key)
-        p = p.parent
-    return hash((node.extra_key, tuple(itertools.chain.from_iterable(reversed(parts)))))
 
 
 def _match_len(edge: list[int], key: list[int], start: int) -> int:
@@ -51,33 +32,6 @@ def _match_len(edge: list[int], key: list[int], start: int) -> int:
     while i < n and edge[i] == key[start + i]:
         i += 1
     return i
-
-
-class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "extra_key", "lock_ref", "last_access_time",
-                 "access_count", "access_tick", "creation_time", "depth", "id")
-
-    def __init__(self, parent: TreeNode | None = None, key: list[int] | None = None,
-                 value: torch.Tensor | None = None, extra_key: str | None = None, now: float = 0.0):
-        self.children: dict[Any, TreeNode] = {}
-        self.parent = parent
-        self.key: list[int] = key if key is not None else []
-        self.value = value
-        self.extra_key = extra_key
-        self.lock_ref = 0
-        self.last_access_time = now
-        self.creation_time = now
-        self.access_count = 0
-        self.access_tick = 0  # the cache's tick at the last touch; totally orders accesses
-        self.depth = (parent.depth if parent is not None else 0) + len(self.key)
-        self.id = next(_node_ids)
-
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, key={self.key}, extra_key={self.extra_key!r}, depth={self.depth}, "
-                f"lock_ref={self.lock_ref}, children={len(self.children)})")
 
 
 @dataclass
@@ -116,7 +70,7 @@ class RadixCache:
             return 0
         node, i, key = self.root, 0, _as_list(key)
         while i < len(key):
-            child = node.children.get(_child_key(extra_key, key[i]))
+            child = node.children.get(child_key(extra_key, key[i]))
             if child is None:
                 break
             m = _match_len(child.key, key, i)
@@ -131,7 +85,7 @@ class RadixCache:
         touching every node on the way; returns (deepest node, tokens matched, their slot runs)."""
         node, i, parts = self.root, 0, []
         while i < len(key):
-            child = node.children.get(_child_key(extra_key, key[i]))
+            child = node.children.get(child_key(extra_key, key[i]))
             if child is None:
                 break
             m = _match_len(child.key, key, i)
@@ -155,7 +109,7 @@ class RadixCache:
         node, i, _ = self._walk(key, extra_key, now)
         if i < len(key):
             new = TreeNode(node, key[i:], value[i:].to(torch.int64).clone(), extra_key, now)
-            node.children[_child_key(extra_key, key[i])] = new
+            node.children[child_key(extra_key, key[i])] = new
             self._tick += 1
             new.access_tick, new.access_count = self._tick, 1
             self.evictable_size_ += len(new.key)
@@ -205,7 +159,7 @@ class RadixCache:
     def _delete_leaf(self, node: TreeNode) -> int:
         parent = node.parent
         assert parent is not None
-        del parent.children[_child_key(node.extra_key, node.key[0])]
+        del parent.children[child_key(node.extra_key, node.key[0])]
         self._free(node.value)
         self.evictable_size_ -= len(node.key)
         node.parent = None
@@ -278,7 +232,7 @@ class RadixCache:
         evictable = protected = 0
         for node in self._nodes():
             for ck, child in node.children.items():
-                if child.parent is not node or not child.key or ck != _child_key(child.extra_key, child.key[0]):
+                if child.parent is not node or not child.key or ck != child_key(child.extra_key, child.key[0]):
                     raise RuntimeError(f"bad child link {ck!r} -> {child!r}")
                 if node is not self.root and child.extra_key != node.extra_key:
                     raise RuntimeError(f"extra_key changes below {node!r}")
@@ -327,9 +281,9 @@ class RadixCache:
         new = TreeNode(parent, child.key[:m], child.value[:m], child.extra_key)
         new.lock_ref, new.access_count, new.access_tick = child.lock_ref, child.access_count, child.access_tick
         new.last_access_time, new.creation_time = child.last_access_time, child.creation_time
-        parent.children[_child_key(child.extra_key, child.key[0])] = new
+        parent.children[child_key(child.extra_key, child.key[0])] = new
         child.key, child.value, child.parent = child.key[m:], child.value[m:], new
-        new.children[_child_key(child.extra_key, child.key[0])] = child
+        new.children[child_key(child.extra_key, child.key[0])] = child
         self._tick += 1
         child.access_tick = self._tick
         self.policy.on_split(new, child)

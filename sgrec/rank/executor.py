@@ -22,7 +22,7 @@ candidates' item tokens the store holds (what item-as-prefix would reuse), and a
 weighted by the share of its prefix that item-as-prefix would not reuse anyway (CacheMeta.user_value:
 tokens saved per window per token of cache, the rule's own objective). With the whole catalog
 cached and long users both reduce to the paper's rule. Cross-rank items (HRCS): with
-`self.fetcher` set (sgrec.radix.item_fetch.ItemFetcher), a miss on an item another rank owns is
+`self.fetcher` set (sgrec.items.fetch.ItemFetcher), a miss on an item another rank owns is
 filled with the owner's KV for this request (borrowed slots, freed afterwards; all of a request's
 items from one owner in one round trip) or recomputed.
 """
@@ -37,17 +37,15 @@ from dataclasses import dataclass
 import torch
 
 from sgrec.catalog import Catalog, Item, check_token_ids
+from sgrec.items import hrcs
+from sgrec.items.fetch import write_item_kv
+from sgrec.items.store import ItemStore
 from sgrec.model.attention import SeqLayout
-from sgrec.radix.item_fetch import write_item_kv
-from sgrec.radix.items import ItemStore
 from sgrec.rank import layout as L
 from sgrec.rank.policy import NONE, PREFIX_POLICIES, CacheMeta, select_prefix
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TAU_U = 1000  # user tokens assumed by the start-up HRCS plan before any request was seen
-DEFAULT_BANDWIDTH_GBPS = 100.0
-DEFAULT_ALPHA = 0.1
 TOKEN_TIME_ALPHA = 0.1  # smoothing of the measured forward time per token
 USER_FREE_RESERVE = 0.25  # uncapped user cache: free share of the pool kept for other requests
 
@@ -102,7 +100,7 @@ class RankExecutor:
         self.dp_rank = dp_rank
         self.placement = placement
         self.user_extra_key = user_extra_key
-        # Cross-rank item KV (sgrec.radix.item_fetch.ItemFetcher): fetch_many([(item_id, n)]) -> fetched chunks
+        # Cross-rank item KV (sgrec.items.fetch.ItemFetcher): fetch_many([(item_id, n)]) -> fetched chunks
         self.fetcher = None
         self.token_time: float | None = None  # measured forward seconds per computed token (moving average)
         # Hard cap on the user-prefix cache (the radix tree's share of the pool). None: the rest of the
@@ -130,14 +128,12 @@ class RankExecutor:
 
     def _default_placement(self):
         """Algorithm 1 over this server's dp_size ranks (the same plan on every rank)."""
-        from sgrec.radix import hrcs
-
         cfg, items = self.runner.config, self.catalog.items
         per_token = self.runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                                         self.runner.dtype)
         prefill = hrcs.fit_catalog_prefill(self.runner, items, self.args.max_rank_candidates)
         placement, rep = hrcs.plan_catalog(items, self.args.dp_size, prefill, per_token, self.args.max_rank_candidates,
-                                           DEFAULT_TAU_U, DEFAULT_BANDWIDTH_GBPS, DEFAULT_ALPHA)
+                                           hrcs.DEFAULT_TAU_U, hrcs.DEFAULT_BANDWIDTH_GBPS, hrcs.DEFAULT_ALPHA)
         logger.info("HRCS: replication ratio %.3f (%d items), rank %d of %d", rep.ratio, rep.num_replicated,
                     self.dp_rank, self.args.dp_size)
         return placement

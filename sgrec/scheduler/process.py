@@ -79,9 +79,9 @@ class SchedulerLoop:
         ex = self.scheduler.rank_executor
         if ex is None or not item_addrs or (self.args.dp_size < 2 and not self.args.item_peers):
             return None
-        from sgrec.radix.item_peers import ItemPool
+        from sgrec.items.peers import ItemPool
 
-        # --item-peers: the pool spans the servers listed there (re-read at run time, see item_peers.py)
+        # --item-peers: the pool spans the servers listed there (re-read at run time, see sgrec/items/peers.py)
         return ItemPool(ex, self.runner, ctx, item_addrs, self.dp_rank, self.args.item_peers)
 
     def run(self) -> None:

@@ -13,7 +13,7 @@ count of the cache meta service, the last access breaking ties. Entries in use b
 pinned and never evicted. With HRCS placement (`owns`), items this rank does not own are never
 kept: a miss on one is recomputed for the request and dropped.
 
-Reads from other threads (`read_kv`, what the item-KV server thread of `sgrec.radix.item_fetch`
+Reads from other threads (`read_kv`, what the item-KV server thread of `sgrec.items.fetch`
 calls to answer peers without waiting for the scheduler): the scheduler thread is the only one that
 mutates the store, and every change to `entries` and every free of a stored slot (admit, evict,
 drop_unowned, reset, precompute) happens under `self.lock`. `read_kv` holds the same lock while it

@@ -2,9 +2,9 @@
 
 One scheduler process (one DP rank) of one server runs an `ItemPool`. The pool's members are the
 item-KV endpoints of every rank of every server, in order; a rank's place in that list is its rank in
-the placement (`sgrec.radix.hrcs`, Algorithm 1 with N = all ranks of all servers). Each rank keeps
+the placement (`sgrec.items.hrcs`, Algorithm 1 with N = all ranks of all servers). Each rank keeps
 the replicated hot items and its shard of the cold ones, serves them to the others from a thread of
-its own (`ItemKVServer`, safe against the scheduler's evictions: see `sgrec.radix.item_fetch`), and
+its own (`ItemKVServer`, safe against the scheduler's evictions: see `sgrec.items.fetch`), and
 for a request fetches the cold items it does not own from their owners, one round trip per owner,
 or recomputes them (`ItemFetcher`; a dead owner: recomputed, never an error). Fetch or recompute is
 the fetcher's cost model: the measured latency of each owner against this runner's recompute time
@@ -36,8 +36,8 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from sgrec.radix import hrcs
-from sgrec.radix.item_fetch import FETCH_POLICIES, ItemFetcher, ItemKVClient, ItemKVServer
+from sgrec.items import hrcs
+from sgrec.items.fetch import FETCH_POLICIES, ItemFetcher, ItemKVClient, ItemKVServer
 
 logger = logging.getLogger(__name__)
 
@@ -123,17 +123,15 @@ class ItemPool:
                  peers_path: str | None = None, clock: Callable[[], float] = time.monotonic,
                  bandwidth_gbps: float | None = None, prefill_time: Callable[[float, float], float] | None = None,
                  recompute_per_token_s: float | None = None):
-        from sgrec.rank import executor as rank_executor
-
         self.ex = executor
         self.runner = runner
         self.local_addrs = list(local_addrs)
         self.addr = self.local_addrs[dp_rank]
         self.peers_path = peers_path
         self.clock = clock
-        self.bandwidth_gbps = bandwidth_gbps or rank_executor.DEFAULT_BANDWIDTH_GBPS
-        self.tau_u = rank_executor.DEFAULT_TAU_U
-        self.alpha = rank_executor.DEFAULT_ALPHA
+        self.bandwidth_gbps = bandwidth_gbps or hrcs.DEFAULT_BANDWIDTH_GBPS
+        self.tau_u = hrcs.DEFAULT_TAU_U
+        self.alpha = hrcs.DEFAULT_ALPHA
         cfg = runner.config
         pool = runner.kv_pool
         self.bytes_per_token = pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.dtype)

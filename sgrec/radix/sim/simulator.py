@@ -32,9 +32,10 @@ from typing import Any
 import torch
 
 from sgrec.radix.eviction import EvictionPolicy, PredictivePolicy, make_policy, parse_config
+from sgrec.radix.node import TreeNode, child_key, start_key
 from sgrec.radix.predictor import OraclePredictor
-from sgrec.radix.traces import TRACES, Trace, load_trace, make_trace
-from sgrec.radix.tree import RadixCache, TreeNode, _child_key, start_key
+from sgrec.radix.sim.traces import TRACES, Trace, load_trace, make_trace
+from sgrec.radix.tree import RadixCache
 
 SGREC_POLICIES = ("lru", "laru", "fpb", "hf", "opt")
 SGLANG_POLICIES = ("sglang-lru", "sglang-lfu", "sglang-slru")
@@ -135,7 +136,7 @@ class SgrecReplay:
         tree.inc_lock_ref(last)
         tree.insert(tokens, torch.arange(self.slots, self.slots + len(tokens)), extra_key)  # unique fake slots
         self.slots += len(tokens)
-        leaf = last.children[_child_key(extra_key, tokens[hit])]
+        leaf = last.children[child_key(extra_key, tokens[hit])]
         tree.inc_lock_ref(leaf)
         tree.dec_lock_ref(last)
         over = tree.total_size() - self.capacity

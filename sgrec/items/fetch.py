@@ -1,6 +1,6 @@
 """Cross-rank item KV fetch for HRCS placement (BAT §5.2, Algorithm 1).
 
-With `--dp-size N` and HRCS (or several servers sharing one item pool, `sgrec.radix.item_peers`),
+With `--dp-size N` and HRCS (or several servers sharing one item pool, `sgrec.items.peers`),
 each rank's item store holds the replicated hot items and its shard of the cold ones. The cold
 items of a request owned by other ranks are fetched from their owners as KV bytes over ZMQ, or
 recomputed in the request's forward, whichever the cost model says is cheaper.
@@ -28,7 +28,7 @@ copies their K and V out of the KV pool. The scheduler thread takes the same loc
 of the store's entries and every free of a stored slot (admit, evict, drop_unowned, reset,
 precompute's publishing), so a slot being read is never freed, reused by a request and overwritten
 mid-copy; an item evicted first is simply a miss (the requester recomputes it). Entries are
-published only once their KV is written (see `sgrec.radix.items`). The lock is held for the copy
+published only once their KV is written (see `sgrec.items.store`). The lock is held for the copy
 only (microseconds for a request's items), never across a forward. Serialisation and sending happen
 outside it.
 
@@ -37,7 +37,7 @@ Algorithm 1's comparison of transfer time and prefill time, made per request and
 n tokens from owner p is estimated as `latency_p + n * bytes_per_token / bandwidth_Bps`, where
 latency_p is an exponential moving average (weight `ema_weight`) of the measured round trips to p
 minus their transfer term (prior: `latency_s`; a timeout counts as a round trip of the timeout).
-Recomputing them costs `recompute_s(n)` (`sgrec.radix.item_peers` measures the runner's prefill
+Recomputing them costs `recompute_s(n)` (`sgrec.items.peers` measures the runner's prefill
 time per token). With linear costs on both sides the best choice for one owner is all of its items
 or none, so the decision is per owner: fetch when the estimate is below the recompute time. An
 owner the model skips is fetched from anyway once its estimate is `latency / probe_share` seconds

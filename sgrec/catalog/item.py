@@ -1,0 +1,37 @@
+"""An item of the catalog, the catalog's errors, and the token-id check every source of items shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class CatalogError(ValueError):
+    """A malformed catalog file (start-up error)."""
+
+
+class UnknownItemError(ValueError):
+    """A request named item ids that are not in the catalog (a 400)."""
+
+    def __init__(self, ids: list[str]):
+        shown = ", ".join(repr(i) for i in ids[:5]) + (" ..." if len(ids) > 5 else "")
+        super().__init__(f"Unknown item id(s) not in the catalog: {shown}")
+        self.ids = ids
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str
+    token_ids: tuple[int, ...]
+    id_token: int
+    semantic_id: tuple[int, ...] | None = None
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+def check_token_ids(value, name: str, vocab_size: int | None) -> tuple[int, ...]:
+    """A non-empty list (or tuple) of ints in [0, vocab_size), else a ValueError naming `name`."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{name} must be a non-empty list of token ids")
+    for t in value:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"{name} holds {t!r}, not a token id in [0, {vocab_size})")
+    return tuple(value)

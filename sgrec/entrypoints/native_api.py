@@ -1,0 +1,188 @@
+"""SGLang 0.5.23's native routes: /generate (with streaming), health and readiness, model and server
+info, /v1/models, /flush_cache and /metrics. One function per route group; create_app calls them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from sgrec import __version__
+from sgrec.entrypoints.helpers import SSE_DONE, HTTPError, abort_of, native_error, read_json, sse, wait_or_disconnect
+from sgrec.managers.io_struct import QUEUE_FULL
+from sgrec.managers.rec import is_beam_generate
+from sgrec.managers.tokenizer_manager import QueueFull, Submission, TokenizerManager
+from sgrec.sampling import SchemaError
+from sgrec.server_args import ServerArgs
+
+HEALTH_TIMEOUT_S = 20.0
+
+
+def redact(text: str | None, secret: str | None) -> str | None:
+    """`text` with every occurrence of the API key replaced (the launch command carries it)."""
+    if text is None or not secret:
+        return text
+    return text.replace(secret, "<redacted>")
+
+
+def add_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    """/generate (POST, PUT): one request or a batch, streamed or not; the beam form goes to the
+    recommendation routes (`app.state.beam_generate`, set by add_rec_routes)."""
+
+    async def generate(request: Request):
+        obj = await read_json(request)
+        if is_beam_generate(obj):
+            return await app.state.beam_generate(request, obj)
+        try:
+            sub = tm.submit(obj)
+        except SchemaError as e:
+            raise HTTPError(400, str(e), plain=True) from None
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        except RuntimeError as e:
+            raise HTTPError(503, str(e)) from None
+        if obj.get("stream"):
+            return StreamingResponse(_stream_native(sub), media_type="text/event-stream")
+        outs = await wait_or_disconnect(tm, sub, request)
+        if outs is None:
+            return Response(status_code=499)
+        if (err := abort_of(outs)) is not None:
+            return native_error(*err)
+        return JSONResponse(outs if sub.is_list else outs[0])
+
+    async def _stream_native(sub: Submission) -> AsyncIterator[bytes]:
+        async for index, out in tm.stream(sub):
+            fr = out["meta_info"]["finish_reason"]
+            if fr and fr.get("type") == "abort":
+                err = {"message": fr.get("message"), "type": "invalid_request_error",
+                       "code": fr.get("status_code") or 500, "retryable": False}
+                yield sse({"error": err})
+                break
+            if sub.is_list:
+                out["index"] = index
+            yield sse(out)
+        yield SSE_DONE
+
+    app.add_api_route("/generate", generate, methods=["POST", "PUT"])
+
+
+def add_health_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    """/health and /health_generate (a one-token generation), /ready (the schedulers are alive)."""
+
+    async def health():
+        """A one-token generation. With the queue full the server is busy, not broken: healthy when
+        the schedulers keep sending outputs (an orchestrator must not restart an overloaded server)."""
+        if tm.dead:
+            return Response(status_code=503)
+        t0 = time.monotonic()
+        try:
+            sub = tm.submit({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        except QueueFull:
+            return Response(status_code=200 if await tm.outputs_since(t0, HEALTH_TIMEOUT_S) else 503)
+        except (ValueError, RuntimeError):
+            return Response(status_code=503)
+        try:
+            outs = await asyncio.wait_for(tm.wait(sub), HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            tm.abort(sub)
+            return Response(status_code=503)
+        err = abort_of(outs)  # the scheduler's own queue limit answered: it is alive
+        return Response(status_code=200 if err is None or err == (503, QUEUE_FULL) else 503)
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/health_generate", health, methods=["GET"])
+
+    @app.get("/ready")
+    async def ready():
+        return Response(status_code=503 if tm.dead else 200)
+
+
+def add_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, launch: dict, model_name: str) -> None:
+    """/get_model_info, /get_server_info (and their short names), /v1/models."""
+
+    def model_info():
+        return {
+            "model_path": args.model_path,
+            "served_model_name": model_name,
+            "tokenizer_path": args.tokenizer_path or args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": launch.get("model_type"),
+            "architectures": launch.get("architectures"),
+        }
+
+    app.add_api_route("/get_model_info", model_info, methods=["GET"])
+    app.add_api_route("/model_info", model_info, methods=["GET"])
+
+    def server_info():
+        stats = [tm.stats.get(r) for r in range(args.dp_size)]
+        return {
+            **args.to_dict(),
+            "api_key": None,
+            "launch_command": redact(launch.get("launch_command"), args.api_key),
+            "status": "dead" if tm.dead else "ready",
+            "max_total_num_tokens": tm.max_total_num_tokens,
+            "max_req_input_len": tm.context_len - 1,
+            "max_context_length": tm.context_len,
+            "kv_events": None,
+            "startup_time": launch.get("startup_time"),
+            "version": "0.5.23",
+            "sgrec_version": __version__,
+            "frontend": "python",
+            "internal_states": [
+                {"dp_rank": r, "last_gen_throughput": s.last_gen_throughput if s else 0.0,
+                 "memory_usage": {"kv_used_tokens": s.kv_used if s else 0, "kv_total_tokens": s.kv_total if s else 0},
+                 "num_running_reqs": s.num_running_reqs if s else 0, "num_queue_reqs": s.num_queue_reqs if s else 0}
+                for r, s in enumerate(stats)
+            ],
+        }
+
+    app.add_api_route("/get_server_info", server_info, methods=["GET"])
+    app.add_api_route("/server_info", server_info, methods=["GET"])
+
+    def model_card():
+        return {"id": model_name, "object": "model", "created": int(launch.get("startup_time", time.time())),
+                "owned_by": "sglang", "root": model_name, "parent": None, "max_model_len": tm.context_len}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id != model_name:
+            return JSONResponse({"error": {"message": f"The model '{model_id}' does not exist",
+                                           "type": "invalid_request_error", "param": "model",
+                                           "code": "model_not_found"}}, status_code=404)
+        return model_card()
+
+
+def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    """/flush_cache and /metrics (Prometheus, with --enable-metrics)."""
+
+    async def flush_cache():
+        ok = await tm.flush_cache()
+        if ok:
+            return PlainTextResponse(
+                "Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n"
+            )
+        return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+
+    @app.get("/metrics")
+    async def metrics():
+        if tm.metrics is None:
+            return PlainTextResponse("Metrics are off; start the server with --enable-metrics.\n", status_code=404)
+        return Response(tm.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,315 @@
+"""sgrec's rooms keep their order: no import cycle between modules, and no import from a lower layer
+to a higher one (DESIGN.md's module map). Read from the source with ast, nothing is imported.
+
+What counts as an import: every `import sgrec...` / `from sgrec... import ...` / relative import in
+a module, function-local ones included (they are real dependencies that only run later); imports
+under `if TYPE_CHECKING:` do not count (annotations only). `from pkg import name` is an import of
+the module pkg.name when that is a module, else of pkg. A package's `__init__` is the module named
+by the package; importing a submodule does not count as importing its parents.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "sgrec"
+
+# The layer order, bottom first: a module may import modules of its own layer and of the layers below.
+# A module's layer is its longest entry (the module itself or a package above it); "sgrec" is the
+# package's own __init__ only. DESIGN.md's module map, read bottom-up, with four finer cuts that the
+# imports need (each a module that a lower room uses and that itself imports only lower rooms):
+# - the scheduler's algorithms (policy.py, batching.py, streams.py: plain functions and classes with
+#   no sgrec imports but model's SeqLayout) sit below the rooms that compute with them: the beam
+#   executor runs a retrieve round with batching.run_fixed_round and describes its attention stages
+#   as streams.WorkUnits; the item pool fits scheduler.policy's LinearJct to time recomputation. The
+#   rest of scheduler/ (the loop, tasks, the process) is above rank/ and beam/, whose executors it runs;
+# - rank/layout.py (the two bipartite layouts, defined once) sits below items/: the item store computes
+#   item KV at its item-as-prefix positions, and the rank executor above uses the item store;
+# - managers/io_struct.py (the inter-process messages) sits below scheduler/, which receives and sends
+#   them; the rest of managers/ (the asyncio side) is above it and never imports the scheduler;
+# - radix/sim/ (the trace simulator: evaluation tooling) sits above radix/, which it replays; no other
+#   module imports it (test_no_module_imports_the_simulator).
+# At the top: the package's own __init__ (its lazy `Engine` imports engine.py), the demo (its
+# evaluation runs the Engine; the launcher serves it), then the HTTP routes, the tools (local_server
+# starts `python -m sgrec.launch_server` from wherever `sgrec` lives) and the launcher, which imports
+# them all. `python -m sgrec.radix.hrcs` (radix/hrcs.py) runs sgrec.items.hrcs through runpy: a command
+# alias, not an import (importing that module is an ImportError).
+LAYERS: list[tuple[str, ...]] = [
+    ("sgrec.server_args", "sgrec.sampling", "sgrec.tokenizer", "sgrec.data"),
+    ("sgrec.mem",),
+    ("sgrec.model",),
+    ("sgrec.runner",),
+    ("sgrec.catalog",),
+    ("sgrec.radix",),
+    ("sgrec.radix.sim",),
+    ("sgrec.scheduler.policy", "sgrec.scheduler.batching", "sgrec.scheduler.streams"),
+    ("sgrec.rank.layout",),
+    ("sgrec.items",),
+    ("sgrec.beam",),
+    ("sgrec.rank",),
+    ("sgrec.managers.io_struct",),
+    ("sgrec.scheduler",),
+    ("sgrec.managers",),
+    ("sgrec.engine",),
+    ("sgrec",),
+    ("sgrec.demo",),
+    ("sgrec.entrypoints",),
+    ("sgrec.tools", "sgrec.bench_serving"),
+    ("sgrec.launch_server",),
+]
+OUTSIDE = ("tests", "benchmarks", "launch")  # import sgrec; sgrec never imports them
+
+
+@dataclass(frozen=True)
+class Import:
+    src: str  # importing module
+    dst: str  # imported module
+    where: str  # file:line
+    text: str  # the statement
+
+    def __str__(self) -> str:
+        return f"{self.where}: `{self.text}` ({self.src} -> {self.dst})"
+
+
+# ---- reading the imports ---------------------------------------------------------------------------
+def module_names(package: Path) -> dict[str, Path]:
+    """Module name -> file, for every .py under `package` (a package's __init__ is the package)."""
+    base = package.parent
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(base).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _statements(tree: ast.AST):
+    """Every import statement of a module, at any depth, except under `if TYPE_CHECKING:`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def read_imports(module: str, path: Path, modules: dict[str, Path], outside: tuple[str, ...] = OUTSIDE) -> list[Import]:
+    """The imports of `module` (file `path`) of modules in `modules`, and of the `outside` roots."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    out = []
+    for node in _statements(tree):
+        where, text = f"{rel}:{node.lineno}", ast.unparse(node)
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in modules else origin for a in node.names]
+        for target in dict.fromkeys(targets):
+            name = target
+            while name and name not in modules:  # `import a.b.c` names a.b.c, the deepest module there is
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.append(Import(module, name, where, text))
+            elif target.split(".")[0] in outside:
+                out.append(Import(module, target, where, text))
+    return out
+
+
+def import_graph(package: Path = PACKAGE) -> tuple[dict[str, Path], list[Import]]:
+    modules = module_names(package)
+    return modules, [imp for name, path in modules.items() for imp in read_imports(name, path, modules)]
+
+
+# ---- checking them -----------------------------------------------------------------------------------
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle [a, b, ..., a] of `graph` (node -> nodes it imports), or None."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def layer_of(module: str, layers: list[tuple[str, ...]]) -> int | None:
+    """Index of the layer of `module`'s longest entry ("sgrec" itself matches only the package)."""
+    best, best_len = None, -1
+    for i, entries in enumerate(layers):
+        for entry in entries:
+            if module == entry or ("." in entry and module.startswith(entry + ".")):
+                if len(entry) > best_len:
+                    best, best_len = i, len(entry)
+    return best
+
+
+def layer_problems(modules: list[str], imports: list[Import], layers: list[tuple[str, ...]]) -> list[str]:
+    """Modules without a layer, entries without a module, and imports from a lower layer to a higher one."""
+    problems = [f"{m} is in no layer: add it to LAYERS (tests/test_layers.py) and to DESIGN.md's map"
+                for m in modules if layer_of(m, layers) is None]
+    for entries in layers:
+        for entry in entries:
+            if not any(m == entry or m.startswith(entry + ".") for m in modules):
+                problems.append(f"LAYERS names {entry}, which is no module: remove it")
+    for imp in imports:
+        if imp.dst.split(".")[0] in OUTSIDE:
+            problems.append(f"{imp}: sgrec imports none of {', '.join(OUTSIDE)}")
+            continue
+        a, b = layer_of(imp.src, layers), layer_of(imp.dst, layers)
+        if a is not None and b is not None and b > a:
+            problems.append(f"{imp}: layer {a} ({', '.join(layers[a])}) imports layer {b} ({', '.join(layers[b])}), "
+                            "a higher one")
+    return problems
+
+
+def cycle_message(cycle: list[str], imports: list[Import]) -> str:
+    by_edge = {}
+    for imp in imports:
+        by_edge.setdefault((imp.src, imp.dst), imp)
+    return "import cycle " + " -> ".join(cycle) + ":\n" + "\n".join(
+        f"  {by_edge[(a, b)]}" for a, b in zip(cycle, cycle[1:]))
+
+
+# ---- sgrec -------------------------------------------------------------------------------------------
+def test_no_import_cycle():
+    modules, imports = import_graph()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for imp in imports:
+        graph[imp.src].add(imp.dst)
+    cycle = find_cycle(graph)
+    assert cycle is None, cycle_message(cycle, imports)
+
+
+def test_imports_follow_the_layer_order():
+    modules, imports = import_graph()
+    problems = layer_problems(list(modules), imports, LAYERS)
+    assert not problems, "\n".join(problems)
+
+
+def test_radix_imports_neither_items_nor_rank():
+    """The issue's own words: the prefix cache does not know about item KV or ranking."""
+    _, imports = import_graph()
+    bad = [str(i) for i in imports if i.src.startswith("sgrec.radix") and i.dst.startswith(("sgrec.items", "sgrec.rank"))]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_the_simulator():
+    """The simulator is evaluation tooling: benchmarks and tests use it, sgrec's serving code does not."""
+    _, imports = import_graph()
+    bad = [str(i) for i in imports if i.dst.startswith("sgrec.radix.sim") and not i.src.startswith("sgrec.radix.sim")]
+    assert not bad, "\n".join(bad)
+
+
+def test_route_modules_share_helpers_and_the_helpers_import_no_route():
+    _, imports = import_graph()
+    routes = {"sgrec.entrypoints.native_api", "sgrec.entrypoints.openai_api", "sgrec.entrypoints.rec_api"}
+    helpers = "sgrec.entrypoints.helpers"
+    assert {i.src for i in imports if i.dst == helpers} >= routes
+    assert not [str(i) for i in imports if i.src == helpers and i.dst.startswith("sgrec.entrypoints")]
+
+
+# ---- the checker itself, on made-up modules -------------------------------------------------------
+def test_checker_finds_a_cycle_and_only_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"x": {"y"}, "y": {"y"}}) == ["y", "y"]
+    imports = [Import("a", "b", "a.py:3", "import b"), Import("b", "a", "b.py:9", "from a import f")]
+    msg = cycle_message(find_cycle({"a": {"b"}, "b": {"a"}}), imports)
+    assert "a -> b -> a" in msg and "b.py:9: `from a import f`" in msg
+
+
+def test_checker_reads_imports(tmp_path):
+    pkg = tmp_path / "sgrec"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "low" / "base.py").write_text("X = 1\n")
+    (pkg / "low" / "user.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import base\n"  # relative, of a submodule
+        "if TYPE_CHECKING:\n"
+        "    from sgrec.high import Thing\n"  # annotations only: not counted
+        "else:\n"
+        "    import sgrec.other\n"  # counted
+        "def f():\n"
+        "    from sgrec.high import Thing\n"  # function-local: counted
+        "    from tests.helpers import h\n"  # outside the package: counted
+        "    return Thing\n")
+    (pkg / "high.py").write_text("from sgrec.low import user\nThing = 1\n")
+    (pkg / "other.py").write_text("from .low.base import X\n")
+    modules = module_names(pkg)
+    assert set(modules) == {"sgrec", "sgrec.low", "sgrec.low.base", "sgrec.low.user", "sgrec.high", "sgrec.other"}
+    got = {(i.dst, i.where.rsplit(":", 1)[1]) for i in read_imports("sgrec.low.user", modules["sgrec.low.user"], modules)}
+    assert got == {("sgrec.low.base", "2"), ("sgrec.other", "6"), ("sgrec.high", "8"), ("tests.helpers", "9")}
+    assert [i.dst for i in read_imports("sgrec.other", modules["sgrec.other"], modules)] == ["sgrec.low.base"]
+
+    imports = [i for m, p in modules.items() for i in read_imports(m, p, modules)]
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        graph.setdefault(imp.src, set()).add(imp.dst)
+    assert find_cycle(graph) == ["sgrec.high", "sgrec.low.user", "sgrec.high"]
+    layers = [("sgrec.low",), ("sgrec.other", "sgrec.high"), ("sgrec",), ("sgrec.gone",)]
+    problems = layer_problems(list(modules), imports, layers)
+    assert any("user.py:8: `from sgrec.high import Thing`" in p and "a higher one" in p for p in problems)
+    assert any("user.py:6: `import sgrec.other`" in p for p in problems)
+    assert any("`from tests.helpers import h`" in p and "imports none of" in p for p in problems)
+    assert any("LAYERS names sgrec.gone" in p for p in problems)
+    assert len(problems) == 4
+    assert layer_problems(list(modules), imports, layers[1:2]) == [
+        "sgrec is in no layer: add it to LAYERS (tests/test_layers.py) and to DESIGN.md's map",
+        "sgrec.low is in no layer: add it to LAYERS (tests/test_layers.py) and to DESIGN.md's map",
+        "sgrec.low.base is in no layer: add it to LAYERS (tests/test_layers.py) and to DESIGN.md's map",
+        "sgrec.low.user is in no layer: add it to LAYERS (tests/test_layers.py) and to DESIGN.md's map",
+        f"{[i for i in imports if i.dst.startswith('tests')][0]}: sgrec imports none of tests, benchmarks, launch",
+    ]
+
+
+# ---- commands the README shows -------------------------------------------------------------------
+@pytest.mark.parametrize("module", ["sgrec.radix.sim", "sgrec.items.hrcs", "sgrec.radix.hrcs"])
+def test_command_runs(module):
+    """`python -m MODULE --help` works (sgrec.radix.hrcs: the old name of sgrec.items.hrcs)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m " + module.replace("radix.hrcs", "items.hrcs"))
+
+
+def test_old_hrcs_module_names_the_new_one():
+    with pytest.raises(ImportError, match="sgrec.items.hrcs"):
+        __import__("sgrec.radix.hrcs")
