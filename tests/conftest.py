@@ -52,15 +52,18 @@ from sgrec.tools.local_server import LocalServer  # noqa: E402
 class ServerProcess(LocalServer):
     """`python -m sgrec.launch_server --device cpu` as a subprocess; .url, .client (httpx), .stop()."""
 
-    def __init__(self, model_path: str, *extra: str, log_path: str, timeout: float = 120.0):
+    def __init__(self, model_path: str, *extra: str, log_path: str, timeout: float = 600.0):
+        # timeout: until /ready, a bound on a hung start-up only (a slow machine takes minutes)
         super().__init__(["--model-path", model_path, "--device", "cpu", *extra], log_path=log_path,
                          ready_timeout=timeout)
         self.client = httpx.Client(base_url=self.url, timeout=60)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def start_server(tmp_path_factory):
-    """start_server(model_path, *flags) -> ServerProcess; every server is stopped at session end."""
+    """start_server(model_path, *flags) -> ServerProcess; a test file's servers are stopped when the
+    file's tests are done (so at most one file's servers, about 1 GB each, live at once: the whole
+    suite fits a small machine, and idle servers do not slow the files after them)."""
     servers = []
 
     def start(model_path: str, *flags: str) -> ServerProcess:
