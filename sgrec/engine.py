@@ -61,11 +61,17 @@ class Engine:
         rid: str | list[str] | None = None,
         extra_key: str | None = None,
         constrain_to_catalog: bool = False,
+        exclude_items: list[str] | None = None,
+        include_items: list[str] | None = None,
+        filter: dict | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
+        filters = {"exclude_items": exclude_items, "include_items": include_items, "filter": filter}
         if is_beam_generate({"sampling_params": sampling_params}):
             obj = {"text": text, "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
-                   "constrain_to_catalog": constrain_to_catalog, "stream": stream, "return_logprob": return_logprob}
-            task = build_beam_generate_task(obj, self.tokenizer, self.builder, self.server_args.max_beam_width)
+                   "constrain_to_catalog": constrain_to_catalog, "stream": stream, "return_logprob": return_logprob,
+                   **filters}
+            task = build_beam_generate_task(obj, self.tokenizer, self.builder, self.server_args.max_beam_width,
+                                            self.server_args.max_filter_items)
             return beam_generate_response(self._run_task(task), self.tokenizer)
         msgs, params, is_list = self.builder.build(
             text, input_ids, sampling_params, return_logprob, logprob_start_len,
@@ -103,23 +109,37 @@ class Engine:
         instruction: str | list[int] | None = None,
         prefix: str | None = None,
         top_k: int | None = None,
+        score_by: str | None = None,
+        exclude_items: list[str] | None = None,
+        include_items: list[str] | None = None,
+        filter: dict | None = None,
     ) -> dict:
         """Ranks candidate catalog items for a user with bipartite attention (needs item_catalog):
-        {"ranking": [{"item", "score"}, ...], "meta_info": {"prefix", "prompt_tokens", ...}}."""
-        obj = {"user": user, "items": items, "prefix": prefix, "top_k": top_k}
+        {"ranking": [{"item", "score"}, ...], "meta_info": {"prefix", "prompt_tokens", ...}}.
+        score_by: "id_token", "semantic_id" (path log-likelihood) or "auto" (the default).
+        exclude_items / include_items / filter drop candidates (see retrieve)."""
+        obj = {"user": user, "items": items, "prefix": prefix, "top_k": top_k, "score_by": score_by,
+               "exclude_items": exclude_items, "include_items": include_items, "filter": filter}
         if instruction is not None:
             obj["instruction"] = instruction
-        msg = build_rank_task(obj, self.tokenizer, self.builder, self.server_args.max_rank_candidates)
+        msg = build_rank_task(obj, self.tokenizer, self.builder, self.server_args.max_rank_candidates,
+                              self.server_args.max_filter_items)
         return task_response(self._run_task(msg))
 
-    def retrieve(self, user: dict, beam_width: int = 128, top_k: int | None = None, num_items: int = 10) -> dict:
+    def retrieve(self, user: dict, beam_width: int = 128, top_k: int | None = None, num_items: int = 10,
+                 exclude_items: list[str] | None = None, include_items: list[str] | None = None,
+                 filter: dict | None = None) -> dict:
         """Generative retrieval with xBeam over the catalog's semantic IDs (needs item_catalog):
-        {"items": [{"item", "semantic_id", "score"}, ...], "meta_info": {...}}."""
-        obj = {"user": user, "beam_width": beam_width, "num_items": num_items}
+        {"items": [{"item", "semantic_id", "score"}, ...], "meta_info": {...}}. exclude_items (ids
+        never returned; unknown ones are counted in meta_info.ignored_exclusions), include_items (only
+        these) and filter ({attribute: {op: value}}) act inside the beam search;
+        meta_info.exhausted: fewer than num_items allowed items exist."""
+        obj = {"user": user, "beam_width": beam_width, "num_items": num_items, "exclude_items": exclude_items,
+               "include_items": include_items, "filter": filter}
         if top_k is not None:
             obj["top_k"] = top_k
-        return task_response(
-            self._run_task(build_retrieve_task(obj, self.tokenizer, self.builder, self.server_args.max_beam_width)))
+        return task_response(self._run_task(build_retrieve_task(
+            obj, self.tokenizer, self.builder, self.server_args.max_beam_width, self.server_args.max_filter_items)))
 
     def _run_task(self, msg: TaskReq) -> ReqState:
         return self._run([ReqState(msg, SamplingParams(max_new_tokens=0))])[0]

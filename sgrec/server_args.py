@@ -61,8 +61,8 @@ class ServerArgs:
         '\'{"b": 2, "lambda_rule": "paper", "mode": "sync", "retrain_interval": 1000, "window": 10000}\'; '
         "also lambda_reset (phase, or the opt-in carry/bets), train_async, k_div, num_trees ... (README).")
     item_catalog: str | None = _arg(
-        None, "Item catalog (JSON Lines: id, text or token_ids, id_token, optional semantic_id) for "
-        "/v1/rank and /v1/retrieve.")
+        None, "Item catalog for /v1/rank and /v1/retrieve: JSON Lines (id, text or token_ids, optional "
+        "id_token, semantic_id, attrs) or the binary .npz bundle of `python -m sgrec.catalog convert`.")
     item_cache_tokens: int | None = _arg(
         None, "KV tokens reserved for the item store (default: enough for the whole catalog, capped at "
         "half the pool); items beyond it are recomputed on a miss.")
@@ -72,6 +72,8 @@ class ServerArgs:
         ["auto", "user", "item", "none", "greedy"])
     max_rank_candidates: int = _arg(1000, "Most candidate items in one rank request.")
     max_beam_width: int = _arg(512, "Largest beam_width of a retrieve request.")
+    max_filter_items: int = _arg(
+        100000, "Most item ids in one request's exclude_items or include_items (rank, retrieve, beam /generate).")
     max_batch_tokens: int = _arg(
         16384, "Concurrent execution (xGR): token capacity of one batch of rank or retrieve requests; a batch "
         "is dispatched once the next request would not fit (1: every request runs alone).")
@@ -129,8 +131,8 @@ class ServerArgs:
             raise ValueError("max_input_len must be at least 1")
         if self.jct_fairness < 0:
             raise ValueError("jct_fairness must be non-negative")
-        if self.max_rank_candidates < 1 or self.max_beam_width < 1:
-            raise ValueError("max_rank_candidates and max_beam_width must be at least 1")
+        if self.max_rank_candidates < 1 or self.max_beam_width < 1 or self.max_filter_items < 1:
+            raise ValueError("max_rank_candidates, max_beam_width and max_filter_items must be at least 1")
         if self.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be at least 1")
         if self.slo_ms is not None and self.slo_ms <= 0:

@@ -113,7 +113,7 @@ def test_trie_children_and_masks():
     nodes, prefixes = torch.zeros(1, dtype=torch.int64), [()]
     for d in range(trie.depth):
         want = [sorted({p[d] for p in paths if p[:d] == pre}) for pre in prefixes]
-        r, t = trie.children(d, nodes)
+        r, t, _ = trie.children(d, nodes)
         got = [t[r == i].tolist() for i in range(len(prefixes))]
         assert got == want
         masked = buf.masked(torch.zeros(len(prefixes), V), trie, d, nodes)

@@ -203,7 +203,8 @@ def test_top_k_orders_by_score(tiny_model_dir, catalog):
     vals = [r["score"] for r in full["ranking"]]
     assert vals == sorted(vals, reverse=True)
     assert out["meta_info"] == {"prefix": "none", "prompt_tokens": full["meta_info"]["prompt_tokens"],
-                                "cached_tokens": 0, "computed_tokens": full["meta_info"]["prompt_tokens"]}
+                                "cached_tokens": 0, "computed_tokens": full["meta_info"]["prompt_tokens"],
+                                "score_by": "id_token", "filtered_items": 0, "ignored_exclusions": 0}
 
 
 # ---- the §5.3 rule and the meta service ------------------------------------------------------

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, UnsharedKV
+from sgrec.beam.filters import FilterCache, TrieFilter, build_filter
 from sgrec.beam.search import BeamBuffers, inplace_schedule, per_beam_topk, select_beams
 from sgrec.beam.trie import SemanticIdTrie, SparseMaskBuffer
 from sgrec.catalog import Catalog, check_token_ids
@@ -73,6 +74,7 @@ class _Request:
     num_items: int
     extra_key: str | None
     t0: float
+    filt: TrieFilter | None = None  # exclude / include / attribute filter on the trie
     lock: object = None  # the radix node locked for the prompt
     cached: int = 0  # prompt tokens the tree held on arrival
     prompt_kv: torch.Tensor | None = None
@@ -97,9 +99,10 @@ class RetrieveExecutor:
         self.max_beam_width = max_beam_width or runner.args.max_beam_width
         self.reorder_chunk = reorder_chunk
         self.trie: SemanticIdTrie | None = None
-        self._trie_rows: list[int] = []
+        self._trie_rows = None  # catalog row of each trie row
         if catalog is not None and catalog.semantic_id_len:
             self.trie, self._trie_rows = SemanticIdTrie.from_catalog(catalog, self.vocab_size, self.device)
+        self.filter_cache = FilterCache()
         self.backend = StagedBeamBackend(units)  # units: a batched step's attention stages as work units
         self.mask = SparseMaskBuffer(self.vocab_size, self.device)
 
@@ -110,9 +113,11 @@ class RetrieveExecutor:
         return len(payload["input_ids"]) + int(payload["beam_width"]) * levels
 
     def run(self, input_ids: list[int], beam_width: int, top_k: int, num_items: int,
-            extra_key: str | None = None) -> RetrieveResult:
+            extra_key: str | None = None, exclude_items: list[str] | None = None,
+            include_items: list[str] | None = None, filter: dict | None = None) -> RetrieveResult:
         out = self.run_batch([dict(input_ids=input_ids, beam_width=beam_width, top_k=top_k, num_items=num_items,
-                                   extra_key=extra_key)])[0]
+                                   extra_key=extra_key, exclude_items=exclude_items, include_items=include_items,
+                                   filter=filter)])[0]
         if isinstance(out, Exception):
             raise out
         return out
@@ -127,9 +132,15 @@ class RetrieveExecutor:
         pending: list[_Request] = []
         for i, kw in enumerate(requests):
             try:
-                pending.append(self._parse(i, **kw))
+                r = self._parse(i, **kw)
             except (TypeError, ValueError) as e:
                 out[i] = e if isinstance(e, ValueError) else ValueError(str(e))
+                continue
+            if r.filt is not None and r.filt.leaves == 0:  # the filters leave nothing: no forward
+                out[i] = RetrieveResult([], {"prompt_tokens": len(r.ids), "cached_tokens": 0, "exhausted": True,
+                                             "ignored_exclusions": r.filt.ignored_exclusions})
+            else:
+                pending.append(r)
         while pending:
             round_, rest = [], []
             for r in pending:
@@ -154,14 +165,17 @@ class RetrieveExecutor:
         return out  # type: ignore[return-value]
 
     # ---- a round ------------------------------------------------------------------------
-    def _parse(self, index: int, input_ids, beam_width, top_k, num_items, extra_key=None) -> _Request:
+    def _parse(self, index: int, input_ids, beam_width, top_k, num_items, extra_key=None, exclude_items=None,
+               include_items=None, filter=None) -> _Request:
         t0 = time.perf_counter()
         trie = self._validate(beam_width, top_k, num_items)
         ids = list(check_token_ids(input_ids, "input_ids", self.vocab_size))
         if len(ids) + trie.depth - 1 > self.runner.context_len:
             raise ValueError(f"prompt of {len(ids)} tokens + {trie.depth} semantic-id steps exceeds the context "
                              f"length {self.runner.context_len}")
-        return _Request(index, ids, beam_width, top_k, num_items, extra_key, t0)
+        filt = build_filter(trie, self._trie_rows, self.catalog, self.filter_cache, exclude_items, include_items,
+                            filter)
+        return _Request(index, ids, beam_width, top_k, num_items, extra_key, t0, filt)
 
     def _rows_cols(self, r: _Request) -> tuple[int, int]:
         return min(r.beam_width, max(self.trie.max_beams, 1)), self.trie.depth - 1
@@ -257,10 +271,16 @@ class RetrieveExecutor:
         rows, cols = self._rows_cols(r)
         n = r.bufs.n
         order = torch.sort(r.bufs.scores[:n], descending=True, stable=True).indices  # ties: path order
-        leaf_rows = self.trie.leaf_items(r.bufs.nodes[:n][order]).tolist()
+        leaves = r.bufs.nodes[:n][order]
+        leaf_rows = self.trie.leaf_items(leaves).tolist()
+        if r.filt is not None and self.trie.num_duplicate_paths:  # the leaf's first allowed item
+            leaf_rows = [next(x for x in self.trie.rows_of_leaf(int(lf)) if r.filt.row_allowed(x))
+                         for lf in leaves.tolist()]
         paths, scores = r.bufs.tokens[:n][order].tolist(), r.bufs.scores[:n][order].tolist()
-        items = [{"item": self.catalog.items[self._trie_rows[lr]].id, "semantic_id": path, "score": float(s)}
+        ids, catalog_row = self.catalog.ids, self._trie_rows
+        items = [{"item": ids[int(catalog_row[lr])], "semantic_id": path, "score": float(s)}
                  for lr, path, s in zip(leaf_rows, paths, scores)]
+        available = self.trie.num_nodes[-1] if r.filt is None else r.filt.leaves
         t2 = time.perf_counter()
         meta = {
             "prompt_tokens": len(r.ids),
@@ -273,6 +293,8 @@ class RetrieveExecutor:
             "prefill_s": r.t1 - r.t0,
             "beam_search_s": t2 - r.t1,
             "e2e_latency": t2 - r.t0,
+            "exhausted": available < r.num_items,  # fewer allowed items exist than asked for
+            "ignored_exclusions": 0 if r.filt is None else r.filt.ignored_exclusions,
         }
         return RetrieveResult(items, meta)
 
@@ -304,22 +326,37 @@ class RetrieveExecutor:
         trie, V = self.trie, self.vocab_size
         last = step == trie.depth - 1
         m = min(r.beam_width, r.num_items) if last else r.beam_width
+        filt = r.filt
         if step == 0:
             parent_scores = torch.zeros(1, device=self.device)
             parent_nodes = torch.zeros(1, dtype=torch.int64, device=self.device)
-            masked = r.logits0 + trie.first_mask  # dense mask, precomputed at load
+            # dense mask, precomputed at load (a filter's: once per request)
+            masked = r.logits0 + (trie.first_mask if filt is None else filt.first_mask(trie))
         else:
             n = r.bufs.n
             parent_scores, parent_nodes = r.bufs.scores[:n], r.bufs.nodes[:n]
-            masked = self.mask.masked(logits, trie, step, parent_nodes)
+            masked = self.mask.masked(logits, trie, step, parent_nodes, None if filt is None else filt.keep)
         logp = torch.log_softmax(masked, dim=-1)
-        vals, toks = per_beam_topk(logp, min(r.top_k, trie.max_children[step]))
-        parents, tokens, scores, _ = select_beams(parent_scores[:, None] + vals, toks, m, V)
+        parents, tokens, scores = select_step(logp, parent_scores, r.top_k, trie.max_children[step], m, V)
         nodes = trie.child_nodes(step, parent_nodes[parents], tokens)
         schedule = inplace_schedule(parents)[:2] if step > 0 else None  # shared by KV and tokens
         if schedule is not None and not last:
             r.kv.reorder_(parents, step, schedule)
         r.bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk, schedule)
+
+
+def select_step(logp: torch.Tensor, parent_scores: torch.Tensor, top_k: int, fanout: int, m: int, vocab: int):
+    """A level's kept (parent, token, score): per-beam top-k, then the global top m. When the top-k
+    pool holds fewer than m valid candidates, every valid child competes (k = the fan-out), so a
+    level keeps min(m, valid children) beams: with filters, num_items come back whenever that many
+    allowed items exist."""
+    k = min(top_k, fanout)
+    while True:
+        vals, toks = per_beam_topk(logp, k)
+        parents, tokens, scores, _ = select_beams(parent_scores[:, None] + vals, toks, m, vocab)
+        if parents.numel() >= m or k >= fanout:
+            return parents, tokens, scores
+        k = fanout
 
 
 class _RoundHooks:
@@ -382,9 +419,8 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
     _check_int("top_k", top_k, 1)
     _check_int("num_items", num_items, 1, beam_width)
     paths: dict[tuple[int, ...], str] = {}
-    for it in catalog.items:
-        if it.semantic_id is not None:
-            paths.setdefault(tuple(it.semantic_id), it.id)
+    for r in catalog.semantic_rows().tolist():
+        paths.setdefault(tuple(catalog.semantic_ids[r].tolist()), catalog.ids[r])
     if not paths:
         raise ValueError("retrieve needs an item catalog whose items carry semantic_id")
     nd = catalog.semantic_id_len
@@ -417,12 +453,14 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
                 mask[b, sorted(children[bm])] = 0.0
             logp = torch.log_softmax(logits + mask, dim=-1)
             srt = torch.sort(logp, dim=-1, descending=True, stable=True)
-            k = min(top_k, V)
-            cand = (scores[:, None] + srt.values[:, :k]).reshape(-1)
-            cand_tok = srt.indices[:, :k].reshape(-1)
-            cand_par = torch.arange(len(beams), device=dev).repeat_interleave(k)
-            ok = torch.isfinite(cand)
-            cand, cand_tok, cand_par = cand[ok], cand_tok[ok], cand_par[ok]
+            for k in (min(top_k, V), V):  # short of m valid candidates: every valid child competes
+                cand = (scores[:, None] + srt.values[:, :k]).reshape(-1)
+                cand_tok = srt.indices[:, :k].reshape(-1)
+                cand_par = torch.arange(len(beams), device=dev).repeat_interleave(k)
+                ok = torch.isfinite(cand)
+                cand, cand_tok, cand_par = cand[ok], cand_tok[ok], cand_par[ok]
+                if cand.numel() >= m:
+                    break
             keep = torch.sort(cand, descending=True, stable=True).indices[:m]
             keep = keep[torch.argsort(cand_par[keep] * V + cand_tok[keep])]  # beams in path order
             par, tok = cand_par[keep].tolist(), cand_tok[keep].tolist()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from sgrec.catalog import Catalog
@@ -53,41 +54,59 @@ class SemanticIdTrie:
             self.max_children.append(int(counts.max()))
             self.num_nodes.append(uniq.numel())
             parent_of_row = inverse
+        self.row_leaf = parent_of_row  # [rows]: the leaf (node at depth ND) of each row, on the CPU
+        # count[d][node]: rows (items) under each node at depth d (filters subtract from these)
+        self.count: list[torch.Tensor] = [torch.empty(0)] * (self.depth + 1)
+        self.count[self.depth] = torch.bincount(parent_of_row, minlength=self.num_nodes[-1])
+        for d in range(self.depth - 1, -1, -1):
+            self.count[d] = torch.zeros(self.num_nodes[d], dtype=torch.int64).index_add_(
+                0, self.parents(d + 1, self.child_key[d].cpu()), self.count[d + 1])
         # the leaf's item: the first row with that path
         rows = torch.arange(p.shape[0], dtype=torch.int64)
         leaf_item = torch.full((self.num_nodes[-1],), p.shape[0], dtype=torch.int64)
         leaf_item.scatter_reduce_(0, parent_of_row, rows, reduce="amin")
         self.leaf_item = leaf_item.to(self.device)
         self.num_duplicate_paths = p.shape[0] - self.num_nodes[-1]
+        self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         mask = torch.full((V,), float("-inf"), dtype=torch.float32)
         mask[self.child_tok[0].cpu()] = 0.0
         self.first_mask = mask.to(self.device)  # dense, precomputed at load
 
     @classmethod
     def from_catalog(cls, catalog: Catalog, vocab_size: int, device: str | torch.device = "cpu"
-                     ) -> tuple["SemanticIdTrie", list[int]]:
-        """The trie over the catalog items that carry a semantic_id, and the catalog index of each
-        trie row (so `catalog.items[rows[trie.leaf_item[leaf]]]` is a leaf's item)."""
-        rows = [i for i, it in enumerate(catalog.items) if it.semantic_id is not None]
-        if not rows:
+                     ) -> tuple["SemanticIdTrie", np.ndarray]:
+        """The trie over the catalog items that carry a semantic_id, and the catalog row of each
+        trie row, ascending (so `catalog.ids[rows[trie.leaf_item[leaf]]]` is a leaf's item)."""
+        rows = catalog.semantic_rows()
+        if not rows.size:
             raise ValueError("the item catalog has no semantic_id; retrieval needs one per item")
-        return cls([catalog.items[i].semantic_id for i in rows], vocab_size, device), rows
+        return cls(torch.from_numpy(catalog.semantic_ids[rows]), vocab_size, device), rows
+
+    def parents(self, depth: int, keys: torch.Tensor) -> torch.Tensor:
+        """Parent node ids (at depth - 1) of nodes at `depth` given by their child keys
+        (child_key[depth - 1][node])."""
+        return keys // self.vocab_size
+
+    def parent_nodes(self, depth: int, nodes: torch.Tensor) -> torch.Tensor:
+        """Parent node ids (at depth - 1) of node ids at `depth` (>= 1)."""
+        return self.child_key[depth - 1].cpu()[nodes] // self.vocab_size
 
     @property
     def max_beams(self) -> int:
         """The most beams that can be alive after any step but the last (a bound on useful BW)."""
         return max(self.num_nodes[1:-1], default=0)
 
-    def children(self, depth: int, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sparse valid-children lists of beams at trie `depth` (their node ids): flat (row, token)
-        pairs, row = the beam's position in `nodes`, grouped by row, tokens ascending."""
+    def children(self, depth: int, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sparse valid-children lists of beams at trie `depth` (their node ids): flat (row, token,
+        child node id at depth + 1) triples, row = the beam's position in `nodes`, grouped by row,
+        tokens ascending."""
         ptr = self.child_ptr[depth]
         start = ptr[nodes]
         counts = ptr[nodes + 1] - start
         rows = torch.repeat_interleave(torch.arange(nodes.numel(), device=nodes.device), counts)
         offsets = torch.cumsum(counts, 0) - counts
         pos = torch.repeat_interleave(start - offsets, counts) + torch.arange(rows.numel(), device=nodes.device)
-        return rows, self.child_tok[depth][pos]
+        return rows, self.child_tok[depth][pos], pos
 
     def child_nodes(self, depth: int, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Node ids at depth + 1 of (parent node, token) pairs; raises if a pair is not a trie edge."""
@@ -100,6 +119,16 @@ class SemanticIdTrie:
 
     def leaf_items(self, leaves: torch.Tensor) -> torch.Tensor:
         return self.leaf_item[leaves]
+
+    def rows_of_leaf(self, leaf: int) -> list[int]:
+        """Every row with the leaf's path, ascending (the first is leaf_item's)."""
+        if self._leaf_rows is None:
+            order = torch.argsort(self.row_leaf, stable=True)
+            ptr = torch.zeros(self.num_nodes[-1] + 1, dtype=torch.int64)
+            ptr[1:] = torch.cumsum(self.count[self.depth], 0)
+            self._leaf_rows = (order, ptr)
+        order, ptr = self._leaf_rows
+        return order[int(ptr[leaf]) : int(ptr[leaf + 1])].tolist()
 
 
 class SparseMaskBuffer:
@@ -116,10 +145,15 @@ class SparseMaskBuffer:
             self.buf = torch.full((rows, self.vocab_size), float("-inf"), dtype=torch.float32,
                                   device=self.buf.device)
 
-    def masked(self, logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes: torch.Tensor) -> torch.Tensor:
+    def masked(self, logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes: torch.Tensor,
+               keep=None) -> torch.Tensor:
+        """`keep(depth + 1, child nodes)` (a request filter's): bool, which valid children stay."""
         n = nodes.numel()
         self._ensure(n)
-        rows, toks = trie.children(depth, nodes)
+        rows, toks, pos = trie.children(depth, nodes)
+        if keep is not None:
+            k = keep(depth + 1, pos)
+            rows, toks = rows[k], toks[k]
         view = self.buf[:n]
         view[rows, toks] = 0.0
         try:

@@ -1,5 +1,6 @@
-"""The item catalog shared by ranking (BAT) and retrieval (xGR): items (`item.py`), loaded from JSON
-Lines (`jsonl.py`), held in memory and looked up by id (`store.py`). Import from here:
+"""The item catalog shared by ranking (BAT) and retrieval (xGR): items (`item.py`), held as columns
+(`store.py`) with attribute columns and request filters (`attrs.py`), loaded from JSON Lines
+(`jsonl.py`) or the binary bundle (`binary.py`; `python -m sgrec.catalog convert`). Import from here:
 `from sgrec.catalog import Catalog, Item`."""
 
 from sgrec.catalog.item import CatalogError, Item, UnknownItemError, check_token_ids

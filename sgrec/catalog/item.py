@@ -20,11 +20,17 @@ class UnknownItemError(ValueError):
 
 @dataclass(frozen=True)
 class Item:
+    """One catalog item. `id_token` (the vocabulary token whose logit scores it, BAT §2.2) is needed
+    only to rank it by id token; `semantic_id` (its ND-token path) only to retrieve it or rank it by
+    semantic ID. `attrs`: flat attributes that request filters test (str, number, bool, or a list of
+    strings); `meta`: any other keys of its catalog line, kept as given."""
+
     id: str
     token_ids: tuple[int, ...]
-    id_token: int
+    id_token: int | None = None
     semantic_id: tuple[int, ...] | None = None
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    attrs: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 def check_token_ids(value, name: str, vocab_size: int | None) -> tuple[int, ...]:

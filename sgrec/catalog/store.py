@@ -1,53 +1,185 @@
-"""The item catalog in memory: items in catalog order, looked up by id."""
+"""The item catalog in memory, held as columns: item token ids flat with offsets, id tokens one
+array (-1: none), semantic IDs one [N, ND] array (rows without one: -1, `has_semantic` False),
+attributes as columns (`attrs.py`), ids in one list with one index. `items` is a sequence of
+`Item` views made on demand, so code that reads items one by one keeps working at 10^7 items.
+"""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
+import numpy as np
+import orjson
+
+from sgrec.catalog.attrs import AttrBuilder, AttrTable
 from sgrec.catalog.item import CatalogError, Item, UnknownItemError
-from sgrec.catalog.jsonl import read_items
+
+
+FILTER_MASKS = 8  # attribute filters whose row masks are kept
 
 
 class Catalog:
     def __init__(self, items: Iterable[Item]):
-        self.items: list[Item] = list(items)
-        self.index: dict[str, int] = {}
-        for n, it in enumerate(self.items):
-            if it.id in self.index:
-                raise CatalogError(f"duplicate item id {it.id!r}")
-            self.index[it.id] = n
-        nds = {len(it.semantic_id) for it in self.items if it.semantic_id is not None}
-        if len(nds) > 1:
-            raise CatalogError(f"items have semantic_id of different lengths {sorted(nds)}")
-        self.semantic_id_len: int | None = nds.pop() if nds else None
+        """A catalog from Item objects (tests, small tools); loaders use `from_columns`."""
+        items = list(items)
+        nd = {len(it.semantic_id) for it in items if it.semantic_id is not None}
+        if len(nd) > 1:
+            raise CatalogError(f"items have semantic_id of different lengths {sorted(nd)}")
+        width = nd.pop() if nd else 0
+        attrs = AttrBuilder()
+        meta = {}
+        for n, it in enumerate(items):
+            attrs.add(n, it.attrs)
+            if it.meta:
+                meta[n] = dict(it.meta)
+        lens = np.array([len(it.token_ids) for it in items], dtype=np.int64)
+        sem = np.full((len(items), width), -1, dtype=np.int32)
+        for n, it in enumerate(items):
+            if it.semantic_id is not None:
+                sem[n] = it.semantic_id
+        self._init(
+            ids=[it.id for it in items],
+            token_flat=np.fromiter((t for it in items for t in it.token_ids), dtype=np.int32, count=int(lens.sum())),
+            token_ptr=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+            id_tokens=np.array([-1 if it.id_token is None else it.id_token for it in items], dtype=np.int64),
+            semantic_ids=sem if width else None,
+            has_semantic=np.array([it.semantic_id is not None for it in items], dtype=bool),
+            attrs=attrs.build(len(items)),
+            meta=meta,
+        )
 
+    @classmethod
+    def from_columns(cls, ids: list[str], token_flat: np.ndarray, token_ptr: np.ndarray, id_tokens: np.ndarray,
+                     semantic_ids: np.ndarray | None, has_semantic: np.ndarray, attrs: AttrTable,
+                     meta: dict[int, dict] | None = None, index: dict[str, int] | None = None) -> "Catalog":
+        """`index` (id -> row), when the loader already built it."""
+        self = cls.__new__(cls)
+        self._init(ids, token_flat, token_ptr, id_tokens, semantic_ids, has_semantic, attrs, meta or {}, index)
+        return self
+
+    def _init(self, ids, token_flat, token_ptr, id_tokens, semantic_ids, has_semantic, attrs, meta,
+              index=None) -> None:
+        self.ids: list[str] = ids
+        self.token_flat = np.asarray(token_flat, dtype=np.int32)
+        self.token_ptr = np.asarray(token_ptr, dtype=np.int64)
+        self.id_tokens = np.asarray(id_tokens, dtype=np.int64)
+        self.has_semantic = np.asarray(has_semantic, dtype=bool)
+        if semantic_ids is not None and not self.has_semantic.any():
+            semantic_ids = None
+        self.semantic_ids = None if semantic_ids is None else np.asarray(semantic_ids, dtype=np.int32)
+        self.attrs = attrs
+        self.meta = meta
+        self.index: dict[str, int] = index if index is not None else dict(zip(ids, range(len(ids))))
+        if len(self.index) != len(ids):
+            seen: set[str] = set()
+            dup = next(i for i in ids if i in seen or seen.add(i))
+            raise CatalogError(f"duplicate item id {dup!r}")
+        if len(ids) == 0:
+            raise CatalogError("the item catalog has no items")
+        self.semantic_id_len: int | None = None if self.semantic_ids is None else int(self.semantic_ids.shape[1])
+
+    # ---- lookups ------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.ids)
 
     def __contains__(self, item_id: str) -> bool:
         return item_id in self.index
 
+    @property
+    def items(self) -> "ItemsView":
+        return ItemsView(self)
+
+    def item(self, row: int) -> Item:
+        """The Item view of catalog row `row`."""
+        a, b = int(self.token_ptr[row]), int(self.token_ptr[row + 1])
+        idt = int(self.id_tokens[row])
+        sem = tuple(int(t) for t in self.semantic_ids[row]) if self.has_semantic[row] else None
+        return Item(self.ids[row], tuple(self.token_flat[a:b].tolist()), None if idt < 0 else idt, sem,
+                    self.meta.get(row, {}), self.attrs.row(row))
+
     def get(self, item_id: str) -> Item:
-        return self.items[self.index[item_id]]
+        return self.item(self.index[item_id])
+
+    def rows(self, item_ids: Iterable[str]) -> list[int]:
+        """Catalog rows of these ids, in order; UnknownItemError names every unknown one."""
+        ids = list(item_ids)
+        index = self.index
+        out = [index.get(i, -1) if isinstance(i, str) else -1 for i in ids]
+        if -1 in out:
+            raise UnknownItemError([i for i, r in zip(ids, out) if r < 0])
+        return out
 
     def lookup(self, item_ids: Iterable[str]) -> list[Item]:
         """The items for these ids, in order; UnknownItemError names every unknown one."""
-        ids = list(item_ids)
-        unknown = [i for i in ids if not isinstance(i, str) or i not in self.index]
-        if unknown:
-            raise UnknownItemError(unknown)
-        return [self.items[self.index[i]] for i in ids]
+        return [self.item(r) for r in self.rows(item_ids)]
+
+    def token_len(self, row: int) -> int:
+        return int(self.token_ptr[row + 1] - self.token_ptr[row])
 
     @property
     def max_item_len(self) -> int:
-        return max((len(it.token_ids) for it in self.items), default=0)
+        return int(np.diff(self.token_ptr).max(initial=0))
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.token_ptr[-1])
+
+    def filter_mask(self, spec: dict) -> np.ndarray:
+        """bool [N]: the rows passing an attribute filter (ValueError naming a bad predicate); the
+        last FILTER_MASKS filters' masks are kept."""
+        key = orjson.dumps(spec, option=orjson.OPT_SORT_KEYS) if isinstance(spec, dict) else b""
+        masks = self.__dict__.setdefault("_masks", OrderedDict())
+        if key in masks:
+            masks.move_to_end(key)
+            return masks[key]
+        ok = self.attrs.evaluate(spec)
+        masks[key] = ok
+        while len(masks) > FILTER_MASKS:
+            masks.popitem(last=False)
+        return ok
+
+    def semantic_rows(self) -> np.ndarray:
+        """Rows that carry a semantic ID, ascending."""
+        return np.flatnonzero(self.has_semantic)
+
+    def nbytes(self) -> int:
+        """Bytes of the array columns (ids and their index not counted)."""
+        arrays = [self.token_flat, self.token_ptr, self.id_tokens, self.has_semantic]
+        if self.semantic_ids is not None:
+            arrays.append(self.semantic_ids)
+        return sum(a.nbytes for a in arrays)
 
     @classmethod
-    def load(cls, path: str, tokenizer=None, vocab_size: int | None = None) -> "Catalog":
-        """Reads a JSONL catalog. `tokenizer` (sgrec.tokenizer.Tokenizer) is needed for `text` items
-        and string `id_token`s; `vocab_size` bounds every token id."""
-        items = read_items(path, tokenizer, vocab_size)
-        try:
-            return cls(items)
-        except CatalogError as e:
-            raise CatalogError(f"{path}: {e}") from None
+    def load(cls, path: str, tokenizer=None, vocab_size: int | None = None, progress: bool = False) -> "Catalog":
+        """Reads a catalog: JSON Lines, or the binary form (`.npz`, `sgrec.catalog.binary`).
+        `tokenizer` (sgrec.tokenizer.Tokenizer) is needed for `text` items and string `id_token`s;
+        `vocab_size` bounds every token id."""
+        from sgrec.catalog import binary, jsonl
+
+        if binary.is_binary(path):
+            return binary.load(path, vocab_size, progress)
+        return jsonl.load(path, tokenizer, vocab_size, progress)
+
+
+class ItemsView(Sequence):
+    """The catalog's items in catalog order, each made on access."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+
+    def __len__(self) -> int:
+        return len(self.catalog.ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.catalog.item(r) for r in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.catalog.item(i)
+
+    def __iter__(self):
+        item = self.catalog.item
+        return (item(r) for r in range(len(self)))

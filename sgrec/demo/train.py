@@ -60,8 +60,8 @@ def build_catalog(split: Split, tok, codes: np.ndarray) -> list[dict]:
         idt = tok.convert_tokens_to_ids(item_token(m))
         sid = [tok.convert_tokens_to_ids(semantic_token(lv, int(c))) for lv, c in enumerate(codes[i])]
         rows.append({"id": item_id(m), "token_ids": [idt], "id_token": idt, "semantic_id": sid,
-                     "movie_id": m, "title": mv.title, "year": mv.year, "genres": list(mv.genres),
-                     "popularity": split.train_pop.get(m, 0)})
+                     "attrs": {"genres": list(mv.genres), **({"year": mv.year} if mv.year is not None else {})},
+                     "movie_id": m, "title": mv.title, "popularity": split.train_pop.get(m, 0)})
     return rows
 
 

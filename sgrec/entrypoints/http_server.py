@@ -132,5 +132,5 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
 
     lim = tm.builder.limits
     install_openapi(app, SchemaLimits(lim.vocab_size, lim.max_n, lim.max_batch_size, args.max_rank_candidates,
-                                      args.max_beam_width), OPEN_PATHS if args.api_key else None)
+                                      args.max_beam_width, args.max_filter_items), OPEN_PATHS if args.api_key else None)
     return app

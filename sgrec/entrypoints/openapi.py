@@ -34,6 +34,7 @@ class SchemaLimits:
     max_batch_size: int
     max_rank_candidates: int
     max_beam_width: int
+    max_filter_items: int = 100000
 
 
 def _nullable(schema: dict) -> dict:
@@ -118,8 +119,37 @@ def generate_schema(lim: SchemaLimits) -> dict:
             "extra_key": _nullable({"type": "string"}),
             "routing_key": _nullable({"type": "string"}),
             "constrain_to_catalog": {"type": "boolean"},
+            **filter_properties(lim),
         },
     }
+
+
+SCALAR = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]}
+FILTER_SCHEMAS = {
+    "ItemFilter": {
+        "type": "object",
+        "description": "Attribute predicates, all ANDed: {attribute: {op: value}}; an attribute no item has is a 400",
+        "additionalProperties": {"$ref": "#/components/schemas/ItemPredicate"},
+    },
+    "ItemPredicate": {
+        "type": "object",
+        "additionalProperties": False,
+        "description": "eq (a string list: contains), in / not_in (any / none in common), numeric ranges",
+        "properties": {
+            "eq": SCALAR,
+            "in": {"type": "array", "items": SCALAR},
+            "not_in": {"type": "array", "items": SCALAR},
+            **{op: {"type": "number"} for op in ("gt", "gte", "lt", "lte")},
+        },
+    },
+}
+
+
+def filter_properties(lim: SchemaLimits) -> dict:
+    """exclude_items / include_items / filter: the exposure filters of rank, retrieve and beam /generate."""
+    ids = {"type": "array", "items": {"type": "string"}, "maxItems": lim.max_filter_items}
+    return {"exclude_items": _nullable(ids), "include_items": _nullable(ids),
+            "filter": _nullable({"$ref": "#/components/schemas/ItemFilter"})}
 
 
 def score_schema(lim: SchemaLimits) -> dict:
@@ -170,6 +200,8 @@ def rank_schema(lim: SchemaLimits) -> dict:
             "instruction": {"anyOf": [{"type": "string", "minLength": 1}, _token_ids(lim)]},
             "prefix": _nullable({"type": "string", "enum": ["auto", "user", "item", "none", "greedy"]}),
             "top_k": _nullable({"type": "integer", "minimum": 1}),
+            "score_by": _nullable({"type": "string", "enum": ["auto", "id_token", "semantic_id"]}),
+            **filter_properties(lim),
             "rid": _nullable({"type": "string"}),
             "routing_key": _nullable({"type": "string"}),
             "model": _nullable({"type": "string"}),
@@ -187,6 +219,7 @@ def retrieve_schema(lim: SchemaLimits) -> dict:
             "beam_width": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
             "top_k": {"type": "integer", "minimum": 1},
             "num_items": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
+            **filter_properties(lim),
             "rid": _nullable({"type": "string"}),
             "routing_key": _nullable({"type": "string"}),
             "model": _nullable({"type": "string"}),
@@ -251,6 +284,7 @@ def build_openapi(app: FastAPI, lim: SchemaLimits, open_paths: tuple[str, ...] |
         comps[model.__name__] = schema
     comps.update({
         "SamplingParams": sampling_params_schema(lim), "GenerateReqInput": generate_schema(lim),
+        **FILTER_SCHEMAS,
         "ScoringRequest": score_schema(lim), "RecUser": _user_schema(lim), "RankRequest": rank_schema(lim),
         "RetrieveRequest": retrieve_schema(lim),
     })

@@ -15,7 +15,8 @@ from sgrec.managers.io_struct import TaskReq
 from sgrec.tokenizer import Tokenizer
 
 DEFAULT_INSTRUCTION = "\nNext item:"
-RANK_FIELDS = {"user", "items", "instruction", "prefix", "top_k", "rid", "routing_key", "model"}
+RANK_FIELDS = {"user", "items", "instruction", "prefix", "top_k", "score_by", "rid", "routing_key", "model"}
+SCORE_BY = ("auto", "id_token", "semantic_id")  # how rank scores candidates (sgrec.rank.semantic)
 
 
 def parse_user(user, tokenizer: Tokenizer, builder: RequestBuilder) -> tuple[str, list[int]]:
@@ -60,8 +61,34 @@ def _check_body(obj, fields: set[str]) -> str:
     return obj.get("rid") or uuid.uuid4().hex
 
 
-def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_candidates: int) -> TaskReq:
-    rid = _check_body(obj, RANK_FIELDS)
+FILTER_FIELDS = {"exclude_items", "include_items", "filter"}
+DEFAULT_MAX_FILTER_ITEMS = 100000
+
+
+def parse_filters(obj: dict, max_filter_items: int) -> dict:
+    """The request's exclude_items / include_items (lists of item ids) and filter (an object of
+    attribute predicates, checked against the catalog by the executor), as payload keys."""
+    out = {}
+    for name in ("exclude_items", "include_items"):
+        v = obj.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, list) or not all(isinstance(i, str) for i in v):
+            raise ValueError(f"{name} must be a list of item id strings")
+        if len(v) > max_filter_items:
+            raise ValueError(f"{name}: {len(v)} ids exceed --max-filter-items {max_filter_items}")
+        out[name] = v
+    spec = obj.get("filter")
+    if spec is not None:
+        if not isinstance(spec, dict):
+            raise ValueError("filter must be an object: {attribute: {op: value}}")
+        out["filter"] = spec
+    return out
+
+
+def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_candidates: int,
+                    max_filter_items: int = DEFAULT_MAX_FILTER_ITEMS) -> TaskReq:
+    rid = _check_body(obj, RANK_FIELDS | FILTER_FIELDS)
     user_key, user_ids = parse_user(obj.get("user"), tokenizer, builder)
     items = obj.get("items")
     if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
@@ -81,8 +108,11 @@ def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_cand
     top_k = obj.get("top_k")
     if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+    score_by = obj.get("score_by")
+    if score_by is not None and (not isinstance(score_by, str) or score_by not in SCORE_BY):
+        raise ValueError(f"score_by must be one of {', '.join(SCORE_BY)}; got {score_by!r}")
     payload = {"user_key": user_key, "user_ids": user_ids, "item_ids": items, "instruction_ids": list(instr_ids),
-               "prefix": prefix, "top_k": top_k}
+               "prefix": prefix, "top_k": top_k, "score_by": score_by, **parse_filters(obj, max_filter_items)}
     return TaskReq(rid=rid, kind="rank", input_ids=user_ids, payload=payload)
 
 
@@ -91,8 +121,9 @@ DEFAULT_NUM_ITEMS = 10  # capped at the beam width
 RETRIEVE_FIELDS = {"user", "beam_width", "top_k", "num_items", "rid", "routing_key", "model"}
 
 
-def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int) -> TaskReq:
-    rid = _check_body(obj, RETRIEVE_FIELDS)
+def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int,
+                        max_filter_items: int = DEFAULT_MAX_FILTER_ITEMS) -> TaskReq:
+    rid = _check_body(obj, RETRIEVE_FIELDS | FILTER_FIELDS)
     _, user_ids = parse_user(obj.get("user"), tokenizer, builder)
     beam_width = obj.get("beam_width", min(DEFAULT_BEAM_WIDTH, max_beam_width))
     top_k = obj.get("top_k", beam_width)
@@ -104,7 +135,8 @@ def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_
         raise ValueError(f"beam_width {beam_width} exceeds --max-beam-width {max_beam_width}")
     if num_items > beam_width:
         raise ValueError(f"num_items ({num_items}) must not exceed beam_width ({beam_width})")
-    payload = {"input_ids": user_ids, "beam_width": beam_width, "top_k": top_k, "num_items": num_items}
+    payload = {"input_ids": user_ids, "beam_width": beam_width, "top_k": top_k, "num_items": num_items,
+               **parse_filters(obj, max_filter_items)}
     return TaskReq(rid=rid, kind="retrieve", input_ids=user_ids, payload=payload)
 
 
@@ -117,9 +149,11 @@ def is_beam_generate(obj) -> bool:
     return isinstance(sp, dict) and sp.get("beam_width") not in (None, 0, 1)
 
 
-def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int) -> TaskReq:
+def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int,
+                             max_filter_items: int = DEFAULT_MAX_FILTER_ITEMS) -> TaskReq:
     """SGLang's native beam form, constrained to the catalog's semantic-ID paths: one prompt,
-    `n` (default 1) best paths out of `beam_width` beams."""
+    `n` (default 1) best paths out of `beam_width` beams; exclude_items / include_items / filter
+    as on /v1/retrieve."""
     if obj.get("constrain_to_catalog") is not True:
         raise ValueError("beam search (sampling_params.beam_width) is supported only with "
                          "\"constrain_to_catalog\": true: beams over the catalog's semantic-ID paths")
@@ -136,8 +170,9 @@ def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder,
     beam_width, n = sp["beam_width"], sp.get("n", 1)
     if not is_int(n) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")
+    filters = {k: obj[k] for k in FILTER_FIELDS if obj.get(k) is not None}
     task = build_retrieve_task({"user": user, "beam_width": beam_width, "top_k": beam_width, "num_items": n,
-                                "rid": obj.get("rid")}, tokenizer, builder, max_beam_width)
+                                "rid": obj.get("rid"), **filters}, tokenizer, builder, max_beam_width, max_filter_items)
     return task
 
 

@@ -42,6 +42,9 @@ GENERATE_FIELDS = {
     "extra_key": (str, type(None)),
     "routing_key": (str, type(None)),
     "constrain_to_catalog": (bool,),
+    "exclude_items": (list, type(None)),
+    "include_items": (list, type(None)),
+    "filter": (dict, type(None)),
 }
 UNSUPPORTED_INPUTS = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path")
 
@@ -169,7 +172,8 @@ class TokenizerManager:
     def submit_rank(self, obj: dict) -> Submission:
         """A /v1/rank request (one task). Raises ValueError on bad input."""
         self.admit(obj)
-        return self._send_task(build_rank_task(obj, self.tokenizer, self.builder, self.args.max_rank_candidates),
+        return self._send_task(build_rank_task(obj, self.tokenizer, self.builder, self.args.max_rank_candidates,
+                                               self.args.max_filter_items),
                                obj)
 
     def submit_retrieve(self, obj: dict, native_beam: bool = False) -> Submission:
@@ -177,7 +181,8 @@ class TokenizerManager:
         ValueError on bad input."""
         self.admit(obj)
         build = build_beam_generate_task if native_beam else build_retrieve_task
-        return self._send_task(build(obj, self.tokenizer, self.builder, self.args.max_beam_width), obj)
+        return self._send_task(build(obj, self.tokenizer, self.builder, self.args.max_beam_width,
+                                     self.args.max_filter_items), obj)
 
     def _send_task(self, msg: io.TaskReq, obj: dict) -> Submission:
         return self._send([msg], [SamplingParams(max_new_tokens=0)], False, False, obj.get("routing_key"))

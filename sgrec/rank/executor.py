@@ -5,7 +5,9 @@ For a request (user tokens, candidate item ids, instruction tokens) it picks the
 prefix from the radix tree for user-as-prefix; header and item KV from the item store for
 item-as-prefix), computes every other token of the layout in one forward (their rows of the
 layout's mask against the KV of all its tokens), and scores the candidates by a softmax over
-their id_token logits at the last position (BAT §2.2).
+their id_token logits at the last position (BAT §2.2), or (score_by semantic_id) over their
+semantic-ID path log-likelihoods after the prompt (`sgrec.rank.semantic`, walked while the layout's
+KV is still held).
 
 KV ownership (the scheduler's discipline): a matched user prefix is locked for the request and
 the user's fresh KV goes into the tree afterwards (duplicates freed); item-store hits are pinned
@@ -42,6 +44,7 @@ from sgrec.items.fetch import write_item_kv
 from sgrec.items.store import ItemStore
 from sgrec.model.attention import SeqLayout
 from sgrec.rank import layout as L
+from sgrec.rank import semantic
 from sgrec.rank.policy import NONE, PREFIX_POLICIES, CacheMeta, select_prefix
 
 logger = logging.getLogger(__name__)
@@ -56,13 +59,18 @@ class RankCapacityError(RuntimeError):
 
 @dataclass
 class _Forward:
-    """What one rank request computes: its layout, the KV it already has, its candidates' id tokens,
-    and the segments whose fresh KV it keeps (filled in by the forward)."""
+    """What one rank request computes: its layout, the KV it already has, what scores its
+    candidates (`targets`: their id tokens, ints, or their semantic-ID paths, tuples), and the
+    segments whose fresh KV it keeps (filled in by the forward)."""
 
     lay: L.RankLayout
     cached: dict[int, torch.Tensor]
-    id_tokens: list[int]
+    targets: list[int] | list[tuple[int, ...]]
     keep: dict[str, torch.Tensor | None] | None = None
+
+    @property
+    def by_path(self) -> bool:
+        return isinstance(self.targets[0], tuple)
 
     def plan(self) -> tuple[list[int], list[torch.Tensor], list[int], list[tuple[str, int, int]]]:
         """(cached columns, their slots, fresh rows, (segment name, first fresh index, count) per
@@ -172,10 +180,16 @@ class RankExecutor:
         return items
 
     def tokens(self, payload: dict) -> int:
-        """A request's prompt length (its size in the scheduler's batch budget); unknown items count 1."""
+        """A request's size in the scheduler's batch budget: its prompt (unknown items count 1), plus,
+        when it may be scored by semantic ID, up to ND - 1 path tokens per candidate."""
         cat = self.catalog
-        items = sum(len(cat.get(i).token_ids) if isinstance(i, str) and i in cat else 1 for i in payload["item_ids"])
-        return len(payload["user_ids"]) + items + len(payload["instruction_ids"])
+        rows = [cat.index.get(i, -1) if isinstance(i, str) else -1 for i in payload["item_ids"]]
+        items = sum(cat.token_len(r) if r >= 0 else 1 for r in rows)
+        paths = 0
+        if cat.semantic_id_len and payload.get("score_by") != "id_token" and (
+                payload.get("score_by") == "semantic_id" or any(r >= 0 and cat.id_tokens[r] < 0 for r in rows)):
+            paths = len(rows) * (cat.semantic_id_len - 1)
+        return len(payload["user_ids"]) + items + len(payload["instruction_ids"]) + paths
 
     def run_batch(self, payloads: list[dict]) -> list[dict | Exception]:
         """Several requests, their uncached tokens in one forward (one sequence each, its own mask);
@@ -189,6 +203,8 @@ class RankExecutor:
                 try:
                     specs.append(next(gen))
                     gens.append((i, gen))
+                except StopIteration as stop:  # answered without a forward (filters left no candidate)
+                    out[i] = stop.value
                 except (TypeError, ValueError, RuntimeError) as e:
                     out[i] = ValueError(str(e)) if isinstance(e, TypeError) else e
             if not gens:
@@ -223,18 +239,33 @@ class RankExecutor:
             out[i] = e
 
     def run(self, user_key: str, user_ids: list[int], item_ids: list[str], instruction_ids: list[int],
-            prefix: str | None = None, top_k: int | None = None) -> dict:
+            prefix: str | None = None, top_k: int | None = None, score_by: str | None = None) -> dict:
         out = self.run_batch([dict(user_key=user_key, user_ids=user_ids, item_ids=item_ids,
-                                   instruction_ids=instruction_ids, prefix=prefix, top_k=top_k)])[0]
+                                   instruction_ids=instruction_ids, prefix=prefix, top_k=top_k,
+                                   score_by=score_by)])[0]
         if isinstance(out, Exception):
             raise out
         return out
 
     def _request(self, user_key: str, user_ids: list[int], item_ids: list[str], instruction_ids: list[int],
-                 prefix: str | None = None, top_k: int | None = None):
+                 prefix: str | None = None, top_k: int | None = None, score_by: str | None = None,
+                 exclude_items: list[str] | None = None, include_items: list[str] | None = None,
+                 filter: dict | None = None):
         """A request as a generator: yields its forward (a _Forward) once, receives the candidates'
-        scores, returns the response. Closing it early releases everything it holds."""
+        scores (semantic_id: their path log-likelihoods), returns the response. Closing it early
+        releases everything it holds. Filters drop candidates first; with none left it returns an
+        empty ranking without yielding."""
         items = self.validate(user_ids, item_ids, instruction_ids, prefix, top_k)
+        items, ignored = self._filter(items, exclude_items, include_items, filter)
+        fmeta = {"filtered_items": len(item_ids) - len(items), "ignored_exclusions": ignored}
+        if not items:
+            return {"ranking": [], "meta_info": {"prompt_tokens": 0, "cached_tokens": 0, **fmeta}}
+        item_ids = [it.id for it in items]
+        score_by = semantic.resolve_score_by(items, score_by)
+        if score_by == "id_token":
+            targets = [it.id_token for it in items]
+        else:
+            targets = [tuple(it.semantic_id) for it in items]
         policy = prefix or self.args.rank_prefix_policy
         tau_u = len(user_ids)
         tau_i = sum(len(it.token_ids) for it in items)
@@ -268,29 +299,65 @@ class RankExecutor:
             choice = select_prefix(policy, tau_u, tau_i)
         kind = L.ITEM_PREFIX if choice == L.ITEM_PREFIX else L.USER_PREFIX
         lay = L.build(kind, self.header_ids, user_ids, [it.token_ids for it in items], instruction_ids)
-        id_tokens = [it.id_token for it in items]
         fetched = 0
         if choice == L.USER_PREFIX:
-            scores, cached = yield from self._run_user_prefix(lay, id_tokens, user_key, user_ids,
+            scores, cached = yield from self._run_user_prefix(lay, targets, user_key, user_ids,
                                                               by_freq=policy == "auto")
         elif choice == L.ITEM_PREFIX:
-            scores, cached, fetched = yield from self._run_item_prefix(lay, id_tokens, item_ids)
+            scores, cached, fetched = yield from self._run_item_prefix(lay, targets, item_ids)
         else:
-            scores, cached = (yield _Forward(lay, {}, id_tokens)), 0
+            scores, cached = (yield _Forward(lay, {}, targets)), 0
+        loglik = None
+        if score_by == "semantic_id":
+            loglik, scores = scores.tolist(), torch.softmax(scores, dim=0)
         vals = scores.tolist()
         order = sorted(range(len(items)), key=lambda j: (-vals[j], j))
         if top_k is not None:
             order = order[:top_k]
         meta = {"prefix": choice, "prompt_tokens": len(lay), "cached_tokens": cached,
-                "computed_tokens": len(lay) - cached}
+                "computed_tokens": len(lay) - cached, "score_by": score_by, **fmeta}
+        if loglik is not None:
+            meta["path_tokens"] = semantic.PathTrie(targets).num_rows()  # path tokens forwarded
         if self.fetcher is not None:
             meta["fetched_tokens"] = fetched  # of cached_tokens, KV fetched from another rank
-        return {"ranking": [{"item": items[j].id, "score": vals[j]} for j in order], "meta_info": meta}
+        ranking = [{"item": items[j].id, "score": vals[j]} for j in order]
+        if loglik is not None:  # the path's summed log-probability, as /v1/retrieve scores it
+            for r, j in zip(ranking, order):
+                r["log_likelihood"] = loglik[j]
+        return {"ranking": ranking, "meta_info": meta}
+
+    def _filter(self, items: list[Item], exclude: list[str] | None, include: list[str] | None,
+                spec: dict | None) -> tuple[list[Item], int]:
+        """The candidates the request's filters keep (in order), and how many exclude ids are not in
+        the catalog (ignored). Unknown include ids and bad filters: ValueError naming them."""
+        cat, ignored = self.catalog, 0
+        if exclude:
+            ex = set(exclude)
+            ignored = sum(1 for i in ex if i not in cat)
+            items = [it for it in items if it.id not in ex]
+        if include is not None:
+            cat.rows(include)  # UnknownItemError names unknown ids
+            inc = set(include)
+            items = [it for it in items if it.id in inc]
+        if spec is not None:
+            ok = cat.filter_mask(spec)
+            items = [it for it in items if ok[cat.index[it.id]]]
+        return items, ignored
 
     def score_layout(self, lay: L.RankLayout, item_ids: Sequence[str]) -> torch.Tensor:
         """Scores (in candidate order) of a layout computed from scratch, no cache read or write:
         the reference path. `item_ids` are the candidates the layout was built from."""
         return self._forward_many([_Forward(lay, {}, [it.id_token for it in self.catalog.lookup(item_ids)])])[0]
+
+    def score_semantic_layout(self, lay: L.RankLayout, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Path log-likelihoods (float64, in candidate order) of a layout, one candidate at a time
+        from scratch (`semantic.reference_loglik`): the reference of score_by semantic_id. No cache
+        read or write; frees its slots."""
+        out = []
+        for p in paths:
+            self._make_room(len(lay) + len(p) - 1)
+            out.append(semantic.reference_loglik(self.runner, lay, tuple(p)))
+        return torch.tensor(out, dtype=torch.float64)
 
     # ---- the two cached paths -------------------------------------------------------------
     def _reusable_item_tokens(self, items: Sequence[Item]) -> int:
@@ -356,18 +423,18 @@ class RankExecutor:
             st.node, st.cached_len = None, 0
         return freed
 
-    def _run_user_prefix(self, lay: L.RankLayout, id_tokens: list[int], user_key: str, user_ids: list[int],
+    def _run_user_prefix(self, lay: L.RankLayout, targets: list, user_key: str, user_ids: list[int],
                          by_freq: bool = False):
         """Generator (see _request): the user's cached prefix is read, the fresh part of it cached."""
         tree, seg = self.tree, lay.segment("user")
         if seg is None or tree.disable:
-            return (yield _Forward(lay, {}, id_tokens)), 0
+            return (yield _Forward(lay, {}, targets)), 0
         res = tree.match_prefix(user_ids, self.user_extra_key)
         tree.inc_lock_ref(res.last_node)
         m = res.indices.numel()
         fresh: dict[str, torch.Tensor | None] = {"user": None}
         try:
-            scores = yield _Forward(lay, {seg.start: res.indices} if m else {}, id_tokens, fresh)
+            scores = yield _Forward(lay, {seg.start: res.indices} if m else {}, targets, fresh)
             value = res.indices if fresh["user"] is None else torch.cat([res.indices, fresh["user"]])
             fresh["user"] = None  # owned by `value` now
             try:
@@ -385,7 +452,7 @@ class RankExecutor:
         self._trim_users(user_key, by_freq)
         return scores, m
 
-    def _run_item_prefix(self, lay: L.RankLayout, id_tokens: list[int], item_ids: Sequence[str]):
+    def _run_item_prefix(self, lay: L.RankLayout, targets: list, item_ids: Sequence[str]):
         """Generator (see _request) returning (scores, cached tokens, of which fetched from another rank)."""
         store = self.store
         if store.header_slots is None:
@@ -405,7 +472,7 @@ class RankExecutor:
                 if s is not None:
                     cached[seg.start] = s
             fresh.update({f"item{seg.item}": None for seg, s in zip(lay.items(), slots) if s is None})
-            scores = yield _Forward(lay, cached, id_tokens, fresh)
+            scores = yield _Forward(lay, cached, targets, fresh)
             for seg, item_id in zip(lay.items(), item_ids):
                 kv = fresh.pop(f"item{seg.item}", None)
                 if kv is not None and not store.admit(item_id, kv):
@@ -443,31 +510,43 @@ class RankExecutor:
         """One forward over several layouts (one sequence each): every token of a layout not in its
         `cached` (segment start -> slots of that segment's first len(slots) tokens) is computed
         against the KV of all its layout's tokens, under the layout's mask; returns per layout the
-        softmax over its candidates' `id_tokens` logits at its last token.
+        softmax over its candidates' id-token `targets` logits at its last token, or, for path
+        targets, their path log-likelihoods (`semantic.walk`, run over the layouts' KV before any
+        fresh slot is freed; its path slots are freed here).
         A spec's `keep` names segments ("user", "item<j>") whose fresh slots are handed to the
         caller (as the values of those keys) instead of being freed; a name with nothing fresh keeps None."""
         plans = [spec.plan() for spec in specs]
         total = sum(len(fresh_rows) for _, _, fresh_rows, _ in plans)
-        self._make_room(total)
-        slots = self.allocator.alloc(total)
+        tries = [semantic.PathTrie(spec.targets) if spec.by_path else None for spec in specs]
+        n_path = sum(t.num_rows() for t in tries if t is not None)
+        self._make_room(total + n_path)
+        slots = self.allocator.alloc(total + n_path)
         kept: list[set[str]] = [set() for _ in specs]
         try:
-            ids, pos, seqs, rows, off = [], [], [], [], 0
+            ids, pos, seqs, rows, kvs, off = [], [], [], [], [], 0
             for spec, (cached_cols, cached_slots, fresh_rows, _) in zip(specs, plans):
                 n, lay = len(fresh_rows), spec.lay
                 own = slots[off : off + n]
                 kv = torch.cat([*cached_slots, own])
+                kvs.append(kv)
                 seqs.append(SeqLayout(off, n, kv, lay.mask(fresh_rows, cached_cols + fresh_rows)))
                 ids += [lay.token_ids[r] for r in fresh_rows]
                 pos += [lay.positions[r] for r in fresh_rows]
                 off += n
                 rows.append(off - 1)
             t0 = time.perf_counter()
-            logits = self.runner.forward(self.runner.make_batch(ids, pos, slots, seqs), rows)
-            out, off = [], 0
+            logits = self.runner.forward(self.runner.make_batch(ids, pos, slots[:total], seqs), rows)
+            out, jobs, off, poff = [], [], 0, total
             for b, (spec, (_, _, fresh_rows, owner)) in enumerate(zip(specs, plans)):
-                ids_t = torch.tensor(spec.id_tokens, device=logits.device)
-                out.append(torch.softmax(logits[b][ids_t], dim=0).cpu())
+                if tries[b] is None:
+                    ids_t = torch.tensor(spec.targets, device=logits.device)
+                    out.append(torch.softmax(logits[b][ids_t], dim=0).cpu())
+                else:
+                    out.append(None)
+                    n = tries[b].num_rows()
+                    jobs.append(semantic.WalkJob(tries[b], kvs[b], spec.lay.positions[-1], logits[b],
+                                                 slots[poff : poff + n]))
+                    poff += n
                 if spec.keep is not None:
                     for name, start, count in owner:
                         if name in spec.keep:
@@ -475,8 +554,11 @@ class RankExecutor:
                             kept[b].add(name)
                 off += len(fresh_rows)
             self._observe_forward(time.perf_counter() - t0, total)
+            if jobs:
+                lls = iter(semantic.walk(self.runner, jobs))
+                out = [o if t is None else next(lls).cpu() for o, t in zip(out, tries)]
         finally:
-            free, off = [], 0
+            free, off = [slots[total:]] if n_path else [], 0
             for b, (_, _, fresh_rows, owner) in enumerate(plans):
                 free += [slots[off + start : off + start + count] for name, start, count in owner
                          if name not in kept[b]]

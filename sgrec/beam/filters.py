@@ -1,0 +1,160 @@
+"""Request filters on the semantic-ID trie: which leaves (paths) a request may reach.
+
+A request may exclude item ids, allow only some (include), and test attributes (a filter, see
+`sgrec.catalog.attrs`). A leaf is allowed when one of its items passes all three; a node is allowed
+when a leaf under it is. Beam search expands only allowed nodes (`TrieFilter.keep`), so no beam is
+spent on a subtree with nothing to return, and every kept beam reaches an allowed leaf.
+
+Cost per request, never a pass over the catalog for exclusions: an exclusion list of E ids walks
+its E paths up the ND levels, subtracting from per-node item counts (the trie's, or an attribute
+filter's, cached per filter), and only nodes whose count reaches 0 are blocked: O(E * ND log E).
+An include list of I ids marks its I paths' ancestors: O(I * ND log I). An attribute filter
+evaluates over the catalog once (vectorised) and its per-node counts are cached (`FilterCache`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+import torch
+
+from sgrec.beam.trie import SemanticIdTrie
+from sgrec.catalog import Catalog
+
+FILTER_CACHE_SIZE = 4  # attribute filters whose per-node counts are kept
+
+
+def isin_sorted(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x in s, elementwise, for a sorted 1-D `s`."""
+    if s.numel() == 0:
+        return torch.zeros_like(x, dtype=torch.bool)
+    idx = torch.searchsorted(s, x).clamp_(max=s.numel() - 1)
+    return s[idx] == x
+
+
+@dataclass
+class TrieFilter:
+    """One request's allowed nodes. Index d of each list is trie depth d (1..ND; 0 unused)."""
+
+    depth: int
+    allowed: list[torch.Tensor | None]  # sorted node ids: only these are allowed (include lists)
+    blocked: list[torch.Tensor | None]  # sorted node ids with no allowed leaf left (exclusions)
+    dense: list[torch.Tensor | None]  # bool per node (an attribute filter's nodes with an allowed leaf)
+    leaves: int  # allowed leaves: the most distinct items the request can get
+    row_allowed: object = None  # trie row -> bool, for picking a leaf's item when paths repeat
+    ignored_exclusions: int = 0
+    _first: torch.Tensor | None = field(default=None, repr=False)
+
+    def keep(self, depth: int, nodes: torch.Tensor) -> torch.Tensor:
+        """bool per node id at `depth`: does an allowed leaf lie under it."""
+        k = torch.ones(nodes.shape, dtype=torch.bool, device=nodes.device)
+        if self.dense[depth] is not None:
+            k &= self.dense[depth].to(nodes.device)[nodes]
+        if self.allowed[depth] is not None:
+            k &= isin_sorted(nodes, self.allowed[depth].to(nodes.device))
+        if self.blocked[depth] is not None:
+            k &= ~isin_sorted(nodes, self.blocked[depth].to(nodes.device))
+        return k
+
+    def first_mask(self, trie: SemanticIdTrie) -> torch.Tensor:
+        """The first step's dense mask restricted to allowed depth-1 nodes."""
+        if self._first is None:
+            nodes = torch.arange(trie.num_nodes[1], device=trie.first_mask.device)
+            mask = torch.full_like(trie.first_mask, float("-inf"))
+            mask[trie.child_tok[0][nodes[self.keep(1, nodes)]]] = 0.0
+            self._first = mask
+        return self._first
+
+
+class FilterCache:
+    """Per attribute filter (by its canonical JSON): the trie rows that pass and the per-node counts."""
+
+    def __init__(self, size: int = FILTER_CACHE_SIZE):
+        self.size = size
+        self.entries: OrderedDict[bytes, tuple] = OrderedDict()
+
+    def get(self, catalog: Catalog, trie: SemanticIdTrie, trie_rows: np.ndarray, spec: dict):
+        """(bool per trie row: passes the filter, items under each node per depth, count > 0 per depth)."""
+        key = orjson.dumps(spec, option=orjson.OPT_SORT_KEYS)
+        hit = self.entries.get(key)
+        if hit is not None:
+            self.entries.move_to_end(key)
+            return hit
+        ok = catalog.filter_mask(spec)[trie_rows]  # per trie row
+        count = [torch.empty(0)] * (trie.depth + 1)
+        count[trie.depth] = torch.bincount(trie.row_leaf[torch.from_numpy(ok)], minlength=trie.num_nodes[-1])
+        for d in range(trie.depth, 1, -1):
+            count[d - 1] = torch.zeros(trie.num_nodes[d - 1], dtype=torch.int64).index_add_(
+                0, trie.parents(d, trie.child_key[d - 1].cpu()), count[d])
+        dense = [None] + [c > 0 for c in count[1:]]
+        hit = (ok, count, dense)
+        self.entries[key] = hit
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return hit
+
+
+def trie_rows_of(trie_rows: np.ndarray, catalog_rows: list[int]) -> np.ndarray:
+    """Trie rows of catalog rows (those without a semantic ID are left out)."""
+    r = np.asarray(catalog_rows, dtype=np.int64)
+    if not r.size:
+        return r
+    idx = np.searchsorted(trie_rows, r).clip(max=len(trie_rows) - 1)
+    return idx[trie_rows[idx] == r]
+
+
+def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, cache: FilterCache,
+                 exclude: list[str] | None = None, include: list[str] | None = None,
+                 attr_filter: dict | None = None) -> TrieFilter | None:
+    """The request's TrieFilter (None when it filters nothing). UnknownItemError names include ids
+    not in the catalog; ValueError names a bad attribute filter; unknown exclude ids are counted."""
+    if not exclude and include is None and not attr_filter:
+        return None
+    D = trie.depth
+    ok = count = None
+    dense: list[torch.Tensor | None] = [None] * (D + 1)
+    if attr_filter:
+        ok, count, dense = cache.get(catalog, trie, trie_rows, attr_filter)
+    ignored = 0
+    ex = np.zeros(0, dtype=np.int64)
+    if exclude:
+        index = catalog.index
+        rows = [index.get(i, -1) for i in dict.fromkeys(exclude)]
+        ignored = rows.count(-1)
+        ex = np.unique(trie_rows_of(trie_rows, [r for r in rows if r >= 0]))
+    none: list[torch.Tensor | None] = [None] * (D + 1)
+    if include is not None:
+        inc = np.unique(trie_rows_of(trie_rows, catalog.rows(include)))
+        if ok is not None:
+            inc = inc[ok[inc]]
+        inc = np.setdiff1d(inc, ex, assume_unique=True)
+        allowed = list(none)
+        nodes = torch.unique(trie.row_leaf[torch.from_numpy(inc)])
+        for d in range(D, 0, -1):
+            allowed[d] = nodes
+            if d > 1:
+                nodes = torch.unique(trie.parent_nodes(d, nodes))
+        allowed_set = set(inc.tolist())
+        return TrieFilter(D, allowed, list(none), list(none), int(allowed[D].numel()),
+                          row_allowed=allowed_set.__contains__, ignored_exclusions=ignored)
+    base = trie.count if count is None else count
+    if ok is not None:
+        ex = ex[ok[ex]]  # exclusions the filter already removed change nothing
+    blocked = list(none)
+    nodes, dec = torch.unique(trie.row_leaf[torch.from_numpy(ex)], return_counts=True)
+    for d in range(D, 0, -1):
+        blocked[d] = nodes[base[d][nodes] == dec]
+        if d > 1:
+            parents = trie.parent_nodes(d, nodes)
+            nodes, inv = torch.unique(parents, return_inverse=True)
+            dec = torch.zeros(nodes.numel(), dtype=torch.int64).index_add_(0, inv, dec)
+    leaves = (int(trie.num_nodes[D]) if count is None else int(dense[D].sum())) - int(blocked[D].numel())
+    ex_set = set(ex.tolist())
+
+    def row_allowed(r: int) -> bool:
+        return r not in ex_set and (ok is None or bool(ok[r]))
+
+    return TrieFilter(D, list(none), blocked, list(dense), leaves, row_allowed, ignored)

@@ -1,0 +1,240 @@
+"""Item attributes held as columns, and the request filters that test them.
+
+An attribute's values are all of one kind across the catalog: a string, a number, a bool, or a
+list of strings ("strs"). An item may lack an attribute (or give null). Columns:
+
+    str   codes int32 [N] (-1: absent) into `values`
+    num   float64 [N] and `present` bool [N]
+    bool  int8 [N] (-1: absent, 0, 1)
+    strs  CSR: ptr int64 [N + 1], codes int32 [total] into `values`
+
+A filter is `{attr: {op: value, ...}, ...}`, every predicate ANDed:
+`eq` (for a string list: contains), `in` / `not_in` (a list; for a string list: any / none in
+common), `gt` `gte` `lt` `lte` (numbers). An item without the attribute fails `eq`, `in` and the
+ranges and passes `not_in`. `evaluate` answers a bool [N] over the catalog, vectorised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+KINDS = ("str", "num", "bool", "strs")
+RANGE_OPS = {"gt": np.greater, "gte": np.greater_equal, "lt": np.less, "lte": np.less_equal}
+OPS = ("eq", "in", "not_in", *RANGE_OPS)
+
+
+def kind_of(value) -> str | None:
+    """The attribute kind of a value (None for null); ValueError for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not np.isfinite(value):
+            raise ValueError("must be a finite number")
+        return "num"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "strs"
+    raise ValueError("must be a string, a number, a bool or a list of strings")
+
+
+@dataclass
+class AttrColumn:
+    kind: str
+    n: int
+    data: np.ndarray  # str: codes; num: values; bool: int8; strs: codes (flat)
+    present: np.ndarray | None = None  # num
+    ptr: np.ndarray | None = None  # strs
+    values: list[str] = field(default_factory=list)  # str / strs vocabulary
+    _code: dict[str, int] | None = None
+    _flat_rows: np.ndarray | None = None
+
+    def code(self, s: str) -> int:
+        if self._code is None:
+            self._code = {v: i for i, v in enumerate(self.values)}
+        return self._code.get(s, -1)
+
+    def value(self, row: int):
+        """The attribute of one row (None: absent)."""
+        if self.kind == "str":
+            c = int(self.data[row])
+            return None if c < 0 else self.values[c]
+        if self.kind == "num":
+            if not self.present[row]:
+                return None
+            v = float(self.data[row])
+            return int(v) if v.is_integer() and abs(v) < 2**53 else v
+        if self.kind == "bool":
+            b = int(self.data[row])
+            return None if b < 0 else bool(b)
+        if not self.present[row]:
+            return None
+        return [self.values[c] for c in self.data[int(self.ptr[row]) : int(self.ptr[row + 1])]]
+
+    def flat_rows(self) -> np.ndarray:
+        if self._flat_rows is None:
+            self._flat_rows = np.repeat(np.arange(self.n, dtype=np.int64), np.diff(self.ptr))
+        return self._flat_rows
+
+    # ---- predicates -------------------------------------------------------------------------
+    def isin(self, wanted: list) -> np.ndarray:
+        """Rows whose value is (str/num/bool) or holds (strs) one of `wanted`."""
+        if self.kind in ("str", "strs"):
+            codes = np.array([c for c in (self.code(w) for w in wanted) if c >= 0], dtype=np.int32)
+            if self.kind == "str":
+                return np.isin(self.data, codes)
+            out = np.zeros(self.n, dtype=bool)
+            out[self.flat_rows()[np.isin(self.data, codes)]] = True
+            return out
+        if self.kind == "num":
+            return np.isin(self.data, np.array(wanted, dtype=np.float64)) & self.present
+        return np.isin(self.data, np.array([int(w) for w in wanted], dtype=np.int8))
+
+    def range(self, op: str, bound: float) -> np.ndarray:
+        return RANGE_OPS[op](self.data, bound) & self.present
+
+
+class AttrTable:
+    """The catalog's attribute columns (name -> AttrColumn) over N rows."""
+
+    def __init__(self, n: int, columns: dict[str, AttrColumn] | None = None):
+        self.n = n
+        self.columns = columns or {}
+
+    def row(self, i: int) -> dict:
+        out = {}
+        for name, col in self.columns.items():
+            v = col.value(i)
+            if v is not None:
+                out[name] = v
+        return out
+
+    def check(self, spec) -> list[tuple[str, str, object]]:
+        """The (attribute, op, value) predicates of a request filter; ValueError naming the field
+        (`filter.<attr>.<op>`) for anything malformed or for an attribute no item has."""
+        if not isinstance(spec, dict):
+            raise ValueError("filter must be an object: {attribute: {op: value}}")
+        out = []
+        for name, pred in spec.items():
+            where = f"filter.{name}"
+            col = self.columns.get(name)
+            if col is None:
+                raise ValueError(f"{where}: no catalog item has the attribute {name!r}")
+            if not isinstance(pred, dict) or not pred:
+                raise ValueError(f"{where} must be a non-empty object of predicates ({', '.join(OPS)})")
+            for op, v in pred.items():
+                out.append((name, op, _check_pred(f"{where}.{op}", col, op, v)))
+        return out
+
+    def evaluate(self, spec) -> np.ndarray:
+        """bool [N]: the rows that pass every predicate of the filter (checked first)."""
+        ok = np.ones(self.n, dtype=bool)
+        for name, op, v in self.check(spec):
+            col = self.columns[name]
+            if op == "eq":
+                ok &= col.isin([v])
+            elif op == "in":
+                ok &= col.isin(v)
+            elif op == "not_in":
+                ok &= ~col.isin(v)
+            else:
+                ok &= col.range(op, float(v))
+        return ok
+
+
+def _check_pred(where: str, col: AttrColumn, op: str, v):
+    want = {"str": "a string", "strs": "a string", "num": "a number", "bool": "a bool"}[col.kind]
+
+    def scalar_ok(x) -> bool:
+        k = kind_of_or_none(x)
+        return k == col.kind or (col.kind == "strs" and k == "str")
+
+    if op not in OPS:
+        raise ValueError(f"{where}: unknown predicate {op!r}; use one of {', '.join(OPS)}")
+    if op == "eq":
+        if not scalar_ok(v):
+            raise ValueError(f"{where} must be {want} (the attribute is {col.kind})")
+        return v
+    if op in ("in", "not_in"):
+        if not isinstance(v, list) or not all(scalar_ok(x) for x in v):
+            raise ValueError(f"{where} must be a list of {want.split(' ', 1)[1]}s (the attribute is {col.kind})")
+        return v
+    if col.kind != "num":
+        raise ValueError(f"{where}: a range needs a numeric attribute; {where.split('.')[1]!r} is {col.kind}")
+    if kind_of_or_none(v) != "num":
+        raise ValueError(f"{where} must be a number")
+    return v
+
+
+def kind_of_or_none(x) -> str | None:
+    try:
+        return kind_of(x)
+    except ValueError:
+        return None
+
+
+class AttrBuilder:
+    """Collects attributes row by row (`add`), then `build()` makes the columns."""
+
+    def __init__(self):
+        self.kinds: dict[str, str] = {}
+        self.rows: dict[str, list[int]] = {}
+        self.vals: dict[str, list] = {}
+
+    def add(self, row: int, attrs) -> None:
+        if not isinstance(attrs, dict):
+            raise ValueError("'attrs' must be a flat object")
+        for name, v in attrs.items():
+            try:
+                k = kind_of(v)
+            except ValueError as e:
+                raise ValueError(f"attrs.{name} {e}") from None
+            if k is None:
+                continue
+            have = self.kinds.setdefault(name, k)
+            if have != k:
+                raise ValueError(f"attrs.{name} is {k} here but {have} in earlier items; one kind per attribute")
+            self.rows.setdefault(name, []).append(row)
+            self.vals.setdefault(name, []).append(v)
+
+    def build(self, n: int) -> AttrTable:
+        cols = {}
+        for name, kind in self.kinds.items():
+            rows = np.asarray(self.rows[name], dtype=np.int64)
+            vals = self.vals[name]
+            cols[name] = make_column(kind, n, rows, vals)
+        return AttrTable(n, cols)
+
+
+def make_column(kind: str, n: int, rows: np.ndarray, vals: list) -> AttrColumn:
+    """A column of N rows holding vals[j] at rows[j] (every other row absent)."""
+    if kind == "num":
+        data, present = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=bool)
+        data[rows] = np.asarray(vals, dtype=np.float64)
+        present[rows] = True
+        return AttrColumn("num", n, data, present=present)
+    if kind == "bool":
+        data = np.full(n, -1, dtype=np.int8)
+        data[rows] = np.asarray(vals, dtype=np.int8)
+        return AttrColumn("bool", n, data)
+    if kind == "str":
+        values = sorted(set(vals))
+        code = {v: i for i, v in enumerate(values)}
+        data = np.full(n, -1, dtype=np.int32)
+        data[rows] = np.fromiter((code[v] for v in vals), dtype=np.int32, count=len(vals))
+        return AttrColumn("str", n, data, values=values, _code=code)
+    values = sorted({s for lst in vals for s in lst})
+    code = {v: i for i, v in enumerate(values)}
+    lens = np.zeros(n, dtype=np.int64)
+    lens[rows] = [len(lst) for lst in vals]
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=ptr[1:])
+    order = np.argsort(rows, kind="stable")
+    flat = np.fromiter((code[s] for j in order for s in vals[j]), dtype=np.int32, count=int(lens.sum()))
+    present = np.zeros(n, dtype=bool)
+    present[rows] = True
+    return AttrColumn("strs", n, flat, present=present, ptr=ptr, values=values, _code=code)
