@@ -9,8 +9,8 @@ from typing import Iterator
 
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
 from sgrec.managers.rec import (
-    beam_generate_response, build_beam_generate_task, build_rank_task, build_retrieve_task, is_beam_generate,
-    task_response,
+    beam_generate_response, build_beam_generate_task, build_rank_task, build_retrieve_task, check_no_filters,
+    is_beam_generate, task_response,
 )
 from sgrec.managers.io_struct import TaskReq
 from sgrec.managers.score import ScoreResult, build_score, check_plan
@@ -73,6 +73,7 @@ class Engine:
             task = build_beam_generate_task(obj, self.tokenizer, self.builder, self.server_args.max_beam_width,
                                             self.server_args.max_filter_items)
             return beam_generate_response(self._run_task(task), self.tokenizer)
+        check_no_filters(filters)
         msgs, params, is_list = self.builder.build(
             text, input_ids, sampling_params, return_logprob, logprob_start_len,
             top_logprobs_num, token_ids_logprob, rid, extra_key,

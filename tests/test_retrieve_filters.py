@@ -187,6 +187,8 @@ def test_bad_filters_are_value_errors_naming_the_field(runner, tree):
         ({"year": {"gte": True}}, "filter.year.gte must be a number"),
         ({"genre": {"gt": 3}}, "filter.genre.gt: a range needs a numeric attribute"),
         ({"genre": {"in": "a"}}, "filter.genre.in must be a list of strings"),
+        ({"genre": {"eq": ["a"]}}, "filter.genre.eq must be a string"),  # found by the conformance test
+        ({"genre": {"not_in": [["a"]]}}, "filter.genre.not_in must be a list of strings"),
         ({"flag": {"eq": 1}}, "filter.flag.eq must be a bool"),
         ({"lang": {"like": "e"}}, "filter.lang.like: unknown predicate 'like'"),
         ({"lang": {}}, "filter.lang must be a non-empty object"),

@@ -151,7 +151,7 @@ def _check_pred(where: str, col: AttrColumn, op: str, v):
 
     def scalar_ok(x) -> bool:
         k = kind_of_or_none(x)
-        return k == col.kind or (col.kind == "strs" and k == "str")
+        return k in ("str", "num", "bool") and (k == col.kind or (col.kind == "strs" and k == "str"))
 
     if op not in OPS:
         raise ValueError(f"{where}: unknown predicate {op!r}; use one of {', '.join(OPS)}")

@@ -61,9 +61,11 @@ def load(path: str, vocab_size: int | None = None, progress: bool = False) -> Ca
     the vocabulary."""
     from tqdm import tqdm
 
+    import zipfile
+
     try:
         z = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
         raise CatalogError(f"cannot read binary item catalog {path!r}: {e}") from None
     with z, tqdm(total=len(z.files), desc="item catalog", unit="array", disable=not progress) as bar:
         def get(name: str, required: bool = True):

@@ -141,6 +141,9 @@ def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_
 
 
 BEAM_SAMPLING_KEYS = {"beam_width", "n", "max_new_tokens"}
+# the /generate fields the catalog beam form reads; any other field is a 400, not silently ignored
+BEAM_FIELDS = {"text", "input_ids", "sampling_params", "rid", "routing_key", "constrain_to_catalog", "stream",
+               "return_logprob", "exclude_items", "include_items", "filter"}
 
 
 def is_beam_generate(obj) -> bool:
@@ -149,11 +152,21 @@ def is_beam_generate(obj) -> bool:
     return isinstance(sp, dict) and sp.get("beam_width") not in (None, 0, 1)
 
 
+def check_no_filters(obj: dict) -> None:
+    """A /generate that is not the catalog beam form must not carry item filters (they would do nothing)."""
+    for name in sorted(FILTER_FIELDS):
+        if obj.get(name) is not None:
+            raise ValueError(f"{name} works only with catalog beam search (sampling_params.beam_width with "
+                             "\"constrain_to_catalog\": true)")
+
+
 def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int,
                              max_filter_items: int = DEFAULT_MAX_FILTER_ITEMS) -> TaskReq:
     """SGLang's native beam form, constrained to the catalog's semantic-ID paths: one prompt,
     `n` (default 1) best paths out of `beam_width` beams; exclude_items / include_items / filter
     as on /v1/retrieve."""
+    for name in sorted(set(obj) - BEAM_FIELDS):
+        raise ValueError(f"`{name}` cannot be used with beam_width (catalog beam search)")
     if obj.get("constrain_to_catalog") is not True:
         raise ValueError("beam search (sampling_params.beam_width) is supported only with "
                          "\"constrain_to_catalog\": true: beams over the catalog's semantic-ID paths")
@@ -161,8 +174,17 @@ def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder,
     unknown = set(sp) - BEAM_SAMPLING_KEYS
     if unknown:
         raise ValueError(f"sampling_params {', '.join(sorted(unknown))} cannot be used with beam_width")
-    if obj.get("stream") or obj.get("return_logprob"):
-        raise ValueError("beam search does not support stream or return_logprob")
+    mnt = sp.get("max_new_tokens", 0)
+    if not is_int(mnt) or mnt < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {mnt!r}")
+    rid = obj.get("rid")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise ValueError("rid must be a non-empty string (one prompt with beam_width)")
+    for name in ("stream", "return_logprob"):
+        if obj.get(name, False) is not False:
+            raise ValueError(f"beam search does not support {name} (it must be false), got {obj[name]!r}")
+    if obj.get("routing_key") is not None and not isinstance(obj["routing_key"], str):
+        raise ValueError("routing_key must be a string")
     text, ids = obj.get("text"), obj.get("input_ids")
     if (text is None) == (ids is None):
         raise ValueError("give exactly one of text and input_ids (one prompt) with beam_width")

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from sgrec.managers import io_struct as io
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates, wrong_type_field
-from sgrec.managers.rec import build_beam_generate_task, build_rank_task, build_retrieve_task
+from sgrec.managers.rec import build_beam_generate_task, build_rank_task, build_retrieve_task, check_no_filters
 from sgrec.managers.score import ScorePlan, build_score_request
 from sgrec.sampling import SamplingParams, SchemaError
 from sgrec.server_args import ServerArgs
@@ -158,6 +158,7 @@ class TokenizerManager:
             obj.get("return_logprob", False), obj.get("logprob_start_len", -1),
             obj.get("top_logprobs_num", 0), obj.get("token_ids_logprob"), obj.get("rid"), obj.get("extra_key"),
         )
+        check_no_filters(obj)
         return self._send(msgs, params, is_list, bool(obj.get("return_text_in_logprobs", False)),
                           obj.get("routing_key"))
 

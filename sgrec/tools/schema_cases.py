@@ -264,6 +264,11 @@ def _walk_inside(sch: Schemas, s: dict, value, path: tuple) -> Iterator[tuple[tu
                 # inner locations are walked in its example
                 child = value[name] if name in value else example(sch, sub)
                 yield from _walk(sch, sub, child, path + (name,))
+            extra = b.get("additionalProperties")
+            if isinstance(extra, dict):  # the base's own keys under additionalProperties: walked like properties
+                for name in value:
+                    if name not in b.get("properties", {}):
+                        yield from _walk(sch, extra, value[name], path + (name,))
             for name in b.get("required", []):
                 if name in value:
                     yield path + (name,), "required", _REMOVE, (name,), ((id(b), "required", name),)
@@ -341,6 +346,8 @@ def _child_schema(sch: Schemas, s: dict, p, value) -> dict:
     for b in _branches(sch, s):
         if isinstance(p, str) and p in b.get("properties", {}):
             return b["properties"][p]
+        if isinstance(p, str) and isinstance(b.get("additionalProperties"), dict):
+            return b["additionalProperties"]
         if isinstance(p, int) and "items" in b and isinstance(value, list):
             return b["items"]
     return {}

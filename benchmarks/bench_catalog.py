@@ -1,0 +1,316 @@
+"""Production catalogs (issue 21): catalog load time and peak memory (JSON Lines and the npz bundle),
+retrieve latency against catalog size and exclusion-list size, and rank by semantic ID vs id token.
+
+    python benchmarks/bench_catalog.py                          # 10^5, 10^6, 10^7 items (run it alone)
+    python benchmarks/bench_catalog.py --quick                  # 10^4, 10^5 items, 2 repeats
+    python benchmarks/bench_catalog.py --sizes 100000 --repeats 3 --keep --workdir /tmp/cat
+
+Catalogs: N random items "item<k>" with 1-6 item tokens, an id_token, a 3-token semantic_id (each
+level --codes codes in a token range of its own at the top of the vocabulary, so 1024^3 paths and
+10^7 items mostly get distinct ones) and attrs {"genre": one of 20, "year": int}. Model: a tiny
+random llama (sgrec.tools.make_tiny_model), float32 on CPU, vocabulary 3 * codes + 320.
+
+1. Load: the JSONL is written (not timed), `Catalog.load` runs in a fresh subprocess (the call's
+   wall time; peak RSS: the child's VmHWM, imports included, ~0.03 GB), the catalog is converted
+   with `sgrec.catalog.binary.save` and the npz loaded in a fresh subprocess too.
+2. Retrieve: RetrieveExecutor on the catalog (its construction, mostly the trie build, is timed),
+   one prompt of --prompt-len tokens put into the radix tree by the warm-up, so every timed
+   request hits it (computes the last prompt token + the beam steps); top_k = BW, num_items 10;
+   exclusions are random catalog ids, fixed per cell (a cell with exclusions >= N is skipped).
+3. Rank: 100 random candidates of the smallest catalog, a --user-len token profile, scored by
+   semantic ID (ND 3) and by id token, prefix none (all computed) and item (candidate KV from the
+   item store, filled by the warm-up).
+Every latency is the median of --repeats after one warm-up. On a shared machine, run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import orjson
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench_engine import cpu_model  # noqa: E402
+from bench_xbeam import loadavg, timed  # noqa: E402
+from sgrec.beam import RetrieveExecutor  # noqa: E402
+from sgrec.catalog import Catalog, binary  # noqa: E402
+from sgrec.radix.tree import RadixCache  # noqa: E402
+from sgrec.rank.executor import RankExecutor  # noqa: E402
+from sgrec.runner import ModelRunner  # noqa: E402
+from sgrec.server_args import ServerArgs  # noqa: E402
+from sgrec.tools.make_tiny_model import make_tiny_model  # noqa: E402
+
+ND = 3
+EXTRA_VOCAB = 320  # token ids below the semantic-ID codes: item tokens, id tokens, prompts
+GENRES = [f"genre{k:02d}" for k in range(20)]
+CHUNK = 100_000  # items generated per batch when writing the JSONL
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+TARGETS = {"load_items": 10**7, "load_s": 60.0, "load_gb": 3.0, "exclusions": 1000, "exclusion_ratio": 1.10,
+           "size_ratio": 1.5, "size_base": 10**5, "rank_ratio": 2.0}
+# The child's peak RSS: VmHWM, the high-water mark of its own address space. Its ru_maxrss is not
+# usable: Linux carries the parent's high-water mark (torch, the model: ~0.8 GB) across fork + exec.
+CHILD = """import json, sys, time
+from sgrec.catalog import Catalog
+t = time.perf_counter()
+c = Catalog.load(sys.argv[1], vocab_size=int(sys.argv[2]))
+dt = time.perf_counter() - t
+kb = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+print(json.dumps({"items": len(c), "s": dt, "rss_kb": kb}))
+"""
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            have = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        have = []
+    return " ".join(f"{x}={'yes' if x in have else 'no'}" for x in FLAGS)
+
+
+def header(cmd: str) -> str:
+    return (f"# bench_catalog  {datetime.datetime.now().isoformat(timespec='seconds')}\n"
+            f"CPU: {cpu_model()} ({os.cpu_count()} cores); flags: {cpu_flags()}\n"
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; load avg {loadavg():.2f}\n"
+            f"command: {cmd}")
+
+
+def write_jsonl(path: str, n: int, codes: int, base: int, seed: int) -> None:
+    """N random items as JSON Lines (token ids in [3, base), semantic codes from base up)."""
+    rng = np.random.default_rng(seed)
+    with open(path, "wb") as f:
+        for a in range(0, n, CHUNK):
+            m = min(CHUNK, n - a)
+            lens = rng.integers(1, 7, m)
+            ptr = np.concatenate([[0], np.cumsum(lens)]).tolist()
+            toks = rng.integers(3, base, ptr[-1]).tolist()
+            idt = rng.integers(3, base, m).tolist()
+            sem = (base + np.arange(ND) * codes + rng.integers(0, codes, (m, ND))).tolist()
+            genre, year = rng.integers(0, len(GENRES), m).tolist(), rng.integers(1950, 2026, m).tolist()
+            f.write(b"".join(orjson.dumps({"id": f"item{a + i}", "token_ids": toks[ptr[i]:ptr[i + 1]],
+                                           "id_token": idt[i], "semantic_id": sem[i],
+                                           "attrs": {"genre": GENRES[genre[i]], "year": year[i]}}) + b"\n"
+                             for i in range(m)))
+
+
+def child_load(path: str, vocab: int) -> dict:
+    """Catalog.load of `path` in a fresh interpreter: {items, s (the call's wall time), rss_kb}."""
+    out = subprocess.run([sys.executable, "-c", CHILD, path, str(vocab)], cwd=ROOT, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def convert(jsonl: str, npz: str, vocab: int) -> tuple[Catalog, float]:
+    """The catalog loaded here (for the retrieve and rank runs) and saved as the npz bundle."""
+    t = time.perf_counter()
+    cat = Catalog.load(jsonl, vocab_size=vocab)
+    binary.save(cat, npz)
+    return cat, time.perf_counter() - t
+
+
+def make_runner(model_dir: str, tokens: int, **kw) -> ModelRunner:
+    return ModelRunner(ServerArgs.from_kwargs(model_path=model_dir, device="cpu", dtype="float32",
+                                              max_total_tokens=tokens, chunked_prefill_size=-1, **kw))
+
+
+def bench_retrieve(runner, catalog: Catalog, base: int, args, rng) -> tuple[tuple[float, int], list[dict]]:
+    """((seconds to build the RetrieveExecutor, distinct paths), one row per (BW, exclusions) cell)."""
+    tree = RadixCache(runner.kv_pool.allocator)
+    t = time.perf_counter()
+    ex = RetrieveExecutor(runner, tree, catalog, max_beam_width=max(args.beam_widths))
+    build_s = time.perf_counter() - t
+    prompt = rng.integers(3, base, args.prompt_len).tolist()
+    rows = []
+    for bw in args.beam_widths:
+        for e in args.exclusions:
+            if e >= len(catalog):
+                continue
+            excl = [catalog.ids[r] for r in rng.choice(len(catalog), e, replace=False)] or None
+            times, res = timed(lambda: ex.run(prompt, bw, bw, 10, exclude_items=excl), args.repeats)
+            assert res.meta["cached_tokens"] >= args.prompt_len - 1, res.meta  # the prompt was a cache hit
+            rows.append({"items": len(catalog), "bw": bw, "excl": e, "ms": statistics.median(times) * 1e3,
+                         "best": min(times) * 1e3})
+            print(f"  retrieve N={len(catalog)} BW={bw} exclusions={e}: {rows[-1]['ms']:.1f} ms", flush=True)
+    tree.reset()
+    return (build_s, ex.trie.num_nodes[-1]), rows
+
+
+def bench_rank(model_dir: str, catalog: Catalog, base: int, args, rng) -> list[dict]:
+    user = rng.integers(3, base, args.user_len).tolist()
+    cands = [catalog.ids[r] for r in rng.choice(len(catalog), 100, replace=False)]
+    tokens = sum(catalog.token_len(catalog.index[c]) for c in cands)
+    runner = make_runner(model_dir, 2 * (args.user_len + tokens) + 100 * ND + 512, item_cache_tokens=tokens + 16)
+    ex = RankExecutor(runner, RadixCache(runner.kv_pool.allocator), catalog, runner.args, header_ids=[4, 5, 6])
+    rows = []
+    for prefix in ("none", "item"):
+        for score_by in ("id_token", "semantic_id"):
+            times, out = timed(lambda: ex.run("u0", user, cands, [7, 8, 9], prefix=prefix, score_by=score_by),
+                               args.repeats)
+            mi = out["meta_info"]
+            rows.append({"prefix": prefix, "score_by": score_by, "ms": statistics.median(times) * 1e3,
+                         "cached": f"{mi['cached_tokens']} of {mi['prompt_tokens']}"})
+            print(f"  rank prefix={prefix} score_by={score_by}: {rows[-1]['ms']:.1f} ms", flush=True)
+    return rows
+
+
+def md_table(head: list[str], body: list[list]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+                     + ["| " + " | ".join(str(c) for c in row) + " |" for row in body])
+
+
+def verdict(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def report_load(rows: list[dict]) -> None:
+    print("\n## 1. Catalog load (fresh subprocess per load)\n")
+    print(md_table(["items", "JSONL MB", "JSONL load s", "JSONL peak RSS GB", "npz MB", "npz load s",
+                    "npz peak RSS GB"],
+                   [[r["items"], f"{r['jsonl_mb']:.0f}", f"{r['jsonl']['s']:.2f}", f"{r['jsonl']['gb']:.2f}",
+                     f"{r['npz_mb']:.0f}", f"{r['npz']['s']:.2f}", f"{r['npz']['gb']:.2f}"] for r in rows]))
+    big = rows[-1]
+    for kind in ("jsonl", "npz"):
+        s, gb = big[kind]["s"], big[kind]["gb"]
+        v = (f"{verdict(s <= TARGETS['load_s'])} / {verdict(gb <= TARGETS['load_gb'])}"
+             if big["items"] >= TARGETS["load_items"] else "no verdict below 10^7 items")
+        print(f"target: {kind} load of 10^7 items <= {TARGETS['load_s']:.0f} s and <= {TARGETS['load_gb']:.0f} GB; "
+              f"at {big['items']} items: {s:.2f} s, {gb:.2f} GB ({v})")
+
+
+def report_retrieve(rows: list[dict], build: dict[int, tuple[float, int]], args) -> None:
+    print(f"\n## 2. Retrieve latency (prompt {args.prompt_len} tokens cached in the radix tree after the warm-up; "
+          f"top_k = BW, num_items 10; median and best of {args.repeats}; ratios of medians)\n")
+    print("trie build (RetrieveExecutor construction): "
+          + ", ".join(f"{n} items ({p} distinct paths) {s:.2f} s" for n, (s, p) in build.items()))
+    cell = {(r["items"], r["bw"], r["excl"]): r["ms"] for r in rows}
+    smallest = {}  # (BW, exclusions) -> the smallest catalog measured at it
+    for r in rows:
+        smallest.setdefault((r["bw"], r["excl"]), r["items"])
+    print(md_table(["items", "BW", "exclusions", "median ms", "best ms", "ratio to 0 excl.",
+                    "ratio to smallest catalog"],
+                   [[r["items"], r["bw"], r["excl"], f"{r['ms']:.1f}", f"{r['best']:.1f}",
+                     f"{r['ms'] / cell[(r['items'], r['bw'], 0)]:.2f}",
+                     f"{r['ms'] / cell[(smallest[(r['bw'], r['excl'])], r['bw'], r['excl'])]:.2f}"] for r in rows]))
+    E = TARGETS["exclusions"]
+    for r in (r for r in rows if r["excl"] == E):
+        q = r["ms"] / cell[(r["items"], r["bw"], 0)]
+        print(f"target: {E} exclusions add <= 10% (ratio <= {TARGETS['exclusion_ratio']}): N={r['items']} "
+              f"BW={r['bw']}: {q:.2f} ({verdict(q <= TARGETS['exclusion_ratio'])})")
+    sizes = sorted({r["items"] for r in rows})
+    ref = TARGETS["size_base"] if TARGETS["size_base"] in sizes[:-1] else sizes[0]
+    for bw in args.beam_widths if len(sizes) > 1 else []:
+        q = cell[(sizes[-1], bw, 0)] / cell[(ref, bw, 0)]
+        v = verdict(q <= TARGETS["size_ratio"]) if sizes[-1] >= 10**7 and ref == 10**5 else "no verdict"
+        print(f"target: retrieve at 10^7 within {TARGETS['size_ratio']}x of 10^5: BW={bw}, "
+              f"{sizes[-1]} vs {ref} items, 0 exclusions: {q:.2f}x ({v})")
+
+
+def report_rank(rows: list[dict], n: int, args) -> None:
+    print(f"\n## 3. Rank 100 candidates by semantic ID (ND {ND}) vs by id token ({n}-item catalog, user "
+          f"{args.user_len} tokens; median of {args.repeats})\n")
+    ms = {(r["prefix"], r["score_by"]): r["ms"] for r in rows}
+    print(md_table(["prefix", "score_by", "cached prompt tokens", "median ms", "ratio semantic/id_token"],
+                   [[r["prefix"], r["score_by"], r["cached"], f"{r['ms']:.1f}",
+                     f"{r['ms'] / ms[(r['prefix'], 'id_token')]:.2f}"] for r in rows]))
+    for p in ("none", "item"):
+        q = ms[(p, "semantic_id")] / ms[(p, "id_token")]
+        print(f"target: semantic/id_token <= {TARGETS['rank_ratio']:.0f}: prefix {p}: {q:.2f} "
+              f"({verdict(q <= TARGETS['rank_ratio'])})")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="catalog sizes (default 10^5 10^6 10^7)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per cell, after one warm-up (default 5)")
+    ap.add_argument("--quick", action="store_true", help="sizes 10^4 10^5 and 2 repeats unless given")
+    ap.add_argument("--beam-widths", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--exclusions", type=int, nargs="+", default=[0, 1000, 100_000])
+    ap.add_argument("--codes", type=int, default=1024, help="semantic-ID codes per level")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--user-len", type=int, default=256, help="rank: user profile tokens")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None, help="where the catalogs and the model go (default: a new /tmp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the generated files")
+    a = ap.parse_args(argv)
+    a.sizes = sorted(a.sizes or ([10_000, 100_000] if a.quick else [100_000, 1_000_000, 10_000_000]))
+    a.repeats = a.repeats or (2 if a.quick else 5)
+    a.exclusions = sorted({0, *a.exclusions})  # the ratios are to 0 exclusions
+    return a
+
+
+def bench_load(n: int, work: str, vocab: int, base: int, args) -> tuple[dict, Catalog]:
+    """Writes the N-item JSONL, loads it and its npz bundle in fresh subprocesses: (table row, the
+    catalog loaded here). Deletes both files unless --keep."""
+    jsonl, npz = os.path.join(work, f"catalog_{n}.jsonl"), os.path.join(work, f"catalog_{n}.npz")
+    t = time.perf_counter()
+    write_jsonl(jsonl, n, args.codes, base, args.seed + n)
+    print(f"[{n} items] JSONL written in {time.perf_counter() - t:.1f} s (not timed)", flush=True)
+    try:
+        row = {"items": n, "jsonl": child_load(jsonl, vocab)}
+        cat, conv_s = convert(jsonl, npz, vocab)
+        row["npz"] = child_load(npz, vocab)
+        for kind, path in (("jsonl", jsonl), ("npz", npz)):
+            row[f"{kind}_mb"] = os.path.getsize(path) / 1e6
+            row[kind]["gb"] = row[kind]["rss_kb"] * 1024 / 1e9
+    finally:
+        for path in (jsonl, npz) if not args.keep else ():
+            if os.path.exists(path):
+                os.remove(path)
+    print(f"[{n} items] loads: JSONL {row['jsonl']['s']:.2f} s, npz {row['npz']['s']:.2f} s; converted (JSONL "
+          f"load here + binary.save) in {conv_s:.1f} s", flush=True)
+    return row, cat
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cmd = ("python benchmarks/bench_catalog.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
+    print(header(cmd), flush=True)
+    own_dir = args.workdir is None
+    work = tempfile.mkdtemp(prefix="bench_catalog_", dir="/tmp") if own_dir else args.workdir
+    os.makedirs(work, exist_ok=True)
+    vocab = ND * args.codes + EXTRA_VOCAB
+    base = vocab - ND * args.codes
+    load_rows, ret_rows, build, rank_rows = [], [], {}, []
+    try:
+        model_dir = make_tiny_model(os.path.join(work, "model"), arch="llama", seed=args.seed, vocab_size=vocab,
+                                    max_position_embeddings=4096)
+        runner = make_runner(model_dir, args.prompt_len + max(args.beam_widths) * (ND - 1) + 256)
+        rng = np.random.default_rng(args.seed)
+        for n in args.sizes:
+            row, cat = bench_load(n, work, vocab, base, args)
+            load_rows.append(row)
+            build[n], rows = bench_retrieve(runner, cat, base, args, rng)
+            ret_rows += rows
+            if n == args.sizes[0]:
+                rank_rows = bench_rank(model_dir, cat, base, args, rng)
+            del cat
+            gc.collect()
+    finally:
+        if not args.keep:
+            shutil.rmtree(work if own_dir else os.path.join(work, "model"), ignore_errors=True)
+    report_load(load_rows)
+    report_retrieve(ret_rows, build, args)
+    report_rank(rank_rows, args.sizes[0], args)
+    print(f"\nload avg at the end {loadavg():.2f}; files {'kept in ' + work if args.keep else 'deleted'}")
+    print(f"rerun: {cmd}")
+
+
+if __name__ == "__main__":
+    main()

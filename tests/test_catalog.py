@@ -1,0 +1,160 @@
+"""The columnar catalog: JSON Lines and the binary bundle load the same items; optional id_token,
+semantic_id and attrs; every bad line is a start-up error naming file and line; attribute filters
+equal their plain-Python definition."""
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sgrec.catalog import Catalog, CatalogError, Item, UnknownItemError, binary
+from tests.test_retrieve_filters import GENRES, make_catalog, passes, random_filter
+
+VOCAB = 600
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def as_rows(items) -> list[dict]:
+    out = []
+    for it in items:
+        r = {"id": it.id, "token_ids": list(it.token_ids)}
+        if it.id_token is not None:
+            r["id_token"] = it.id_token
+        if it.semantic_id is not None:
+            r["semantic_id"] = list(it.semantic_id)
+        if it.attrs:
+            r["attrs"] = it.attrs
+        r.update(it.meta)
+        out.append(r)
+    return out
+
+
+def mixed_items(rng: random.Random, n: int) -> list[Item]:
+    """Items with and without id_token, semantic_id, attrs and meta."""
+    items = []
+    for k in range(n):
+        attrs = {}
+        if rng.random() < 0.7:
+            attrs["genre"] = rng.sample(GENRES, rng.randint(0, 3))
+        if rng.random() < 0.7:
+            attrs["year"] = rng.choice([rng.randint(1950, 2020), rng.random() * 10])
+        if rng.random() < 0.5:
+            attrs["adult"] = rng.random() < 0.5
+        if rng.random() < 0.5:
+            attrs["lang"] = rng.choice(["en", "fr", "ü"])
+        items.append(Item(f"it{k}", tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))),
+                          rng.randrange(VOCAB) if rng.random() < 0.6 else None,
+                          tuple(rng.randrange(VOCAB) for _ in range(3)) if rng.random() < 0.8 else None,
+                          {"title": f"t{k}"} if rng.random() < 0.5 else {}, attrs))
+    return items
+
+
+def same_items(a: Catalog, items: list[Item]) -> None:
+    got = list(a.items)
+    assert got == items  # id, token_ids, id_token, semantic_id
+    assert [g.attrs for g in got] == [it.attrs for it in items]
+    assert [g.meta for g in got] == [it.meta for it in items]
+
+
+def test_jsonl_and_bundle_load_the_same_items(tmp_path):
+    rng = random.Random(0)
+    items = mixed_items(rng, 300)
+    path = write_jsonl(tmp_path / "c.jsonl", as_rows(items))
+    cat = Catalog.load(path, vocab_size=VOCAB)
+    same_items(cat, items)
+    same_items(Catalog(items), items)
+    assert cat.semantic_id_len == 3
+    assert cat.has_semantic.sum() == sum(it.semantic_id is not None for it in items)
+    assert cat.max_item_len == max(len(it.token_ids) for it in items)
+    binary.save(cat, str(tmp_path / "c.npz"))
+    back = Catalog.load(str(tmp_path / "c.npz"), vocab_size=VOCAB)
+    same_items(back, items)
+    for spec in ({"genre": {"eq": "a"}}, {"year": {"gte": 1990}}, {"adult": {"eq": False}, "lang": {"in": ["ü"]}}):
+        assert np.array_equal(back.filter_mask(spec), cat.filter_mask(spec))
+    assert cat.rows(["it3", "it0"]) == [3, 0]
+    with pytest.raises(UnknownItemError, match="'nope'"):
+        cat.lookup(["it1", "nope"])
+
+
+def test_convert_cli_round_trip(tmp_path):
+    items = mixed_items(random.Random(1), 50)
+    src = write_jsonl(tmp_path / "in.jsonl", as_rows(items))
+    run = [sys.executable, "-m", "sgrec.catalog", "convert"]
+    out = subprocess.run(run + [src, str(tmp_path / "out.npz"), "--vocab-size", str(VOCAB)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "50 items" in out.stdout
+    back = subprocess.run(run + [str(tmp_path / "out.npz"), str(tmp_path / "back.jsonl")], capture_output=True, text=True)
+    assert back.returncode == 0, back.stderr
+    same_items(Catalog.load(str(tmp_path / "back.jsonl")), items)
+    bad = subprocess.run(run + [src, str(tmp_path / "x.npz"), "--vocab-size", "10"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "in.jsonl:1:" in bad.stderr
+
+
+GOOD = {"id": "a", "token_ids": [1, 2]}
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    (json.dumps({"token_ids": [1]}), "'id' must be a non-empty string"),
+    (json.dumps({"id": "b"}), "exactly one of 'text' and 'token_ids'"),
+    (json.dumps({"id": "b", "token_ids": []}), "'token_ids' must be a non-empty list"),
+    (json.dumps({"id": "b", "token_ids": [1, True]}), "'token_ids' holds True"),
+    (json.dumps({"id": "b", "token_ids": [1, 2.5]}), "'token_ids' holds 2.5"),
+    (json.dumps({"id": "b", "token_ids": [1, 2**40]}), "'token_ids' holds"),
+    (json.dumps({"id": "b", "token_ids": [1, VOCAB]}), f"'token_ids' holds {VOCAB}, not a token id"),
+    (json.dumps({"id": "b", "token_ids": [1], "id_token": VOCAB}), "'id_token' holds"),
+    (json.dumps({"id": "b", "token_ids": [1], "id_token": "x"}), "a string 'id_token' needs a tokenizer"),
+    (json.dumps({"id": "b", "token_ids": [1], "semantic_id": [1, 2]}), "semantic_id has 2 tokens, earlier items 3"),
+    (json.dumps({"id": "b", "token_ids": [1], "semantic_id": [1, 2, -1]}), "'semantic_id' holds -1"),
+    (json.dumps({"id": "b", "token_ids": [1], "semantic_id": [1, 2, False]}), "'semantic_id' holds False"),
+    (json.dumps({"id": "b", "token_ids": [1], "attrs": {"year": "1999"}}), "attrs.year is str here but num"),
+    (json.dumps({"id": "b", "token_ids": [1], "attrs": {"x": {"a": 1}}}), "attrs.x must be a string, a number"),
+    (json.dumps({"id": "b", "token_ids": [1], "attrs": [1]}), "'attrs' must be a flat object"),
+    (json.dumps({"id": "a", "token_ids": [1]}), "duplicate item id 'a' (first on line 1)"),
+])
+def test_a_bad_line_names_file_and_line(tmp_path, line, message):
+    first = {**GOOD, "semantic_id": [1, 2, 3], "attrs": {"year": 1999}}
+    path = write_jsonl(tmp_path / "c.jsonl", [first, "", line])  # the bad line is line 3
+    with pytest.raises(CatalogError) as e:
+        Catalog.load(path, vocab_size=VOCAB)
+    assert str(e.value).startswith(f"{path}:3: ") and message in str(e.value), str(e.value)
+
+
+def test_empty_and_missing_catalogs(tmp_path):
+    with pytest.raises(CatalogError, match="has no items"):
+        Catalog.load(write_jsonl(tmp_path / "e.jsonl", ["", ""]))
+    with pytest.raises(CatalogError, match="cannot read item catalog"):
+        Catalog.load(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04junk")
+    with pytest.raises(CatalogError, match="cannot read binary item catalog"):
+        Catalog.load(str(tmp_path / "junk.npz"))
+
+
+def test_items_without_id_token_or_semantic_id_load():
+    cat = Catalog([Item("a", (1,)), Item("b", (2, 3), 7), Item("c", (4,), None, (1, 2))])
+    assert [it.id_token for it in cat.items] == [None, 7, None]
+    assert [it.semantic_id for it in cat.items] == [None, None, (1, 2)]
+    assert cat.semantic_rows().tolist() == [2]
+    assert Catalog([Item("a", (1,))]).semantic_id_len is None
+
+
+def test_filters_equal_their_plain_definition(tmp_path):
+    for seed in range(30):
+        rng = random.Random(seed)
+        cat = make_catalog(rng, 80, 2, VOCAB, codes=4, dup=0.1)
+        loaded = Catalog.load(write_jsonl(tmp_path / f"c{seed}.jsonl", as_rows(cat.items)), vocab_size=VOCAB)
+        spec = random_filter(rng)
+        want = [passes(it.attrs, spec) for it in cat.items]
+        assert cat.filter_mask(spec).tolist() == want
+        assert loaded.filter_mask(spec).tolist() == want
