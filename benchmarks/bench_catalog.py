@@ -10,7 +10,7 @@ level --codes codes in a token range of its own at the top of the vocabulary, so
 10^7 items mostly get distinct ones) and attrs {"genre": one of 20, "year": int}. Model: a tiny
 random llama (sgrec.tools.make_tiny_model), float32 on CPU, vocabulary 3 * codes + 320.
 
-1. Load: the JSONL is written (not timed), `Catalog.load` runs in a fresh subprocess (the call's
+1. Load: the JSONL is written (not timed), `load_catalog` runs in a fresh subprocess (the call's
    wall time; peak RSS: the child's VmHWM, imports included, ~0.03 GB), the catalog is converted
    with `sgrec.catalog.binary.save` and the npz loaded in a fresh subprocess too.
 2. Retrieve: RetrieveExecutor on the catalog (its construction, mostly the trie build, is timed),
@@ -48,7 +48,7 @@ sys.path.insert(0, ROOT)
 from bench_engine import cpu_model  # noqa: E402
 from bench_xbeam import loadavg, timed  # noqa: E402
 from sgrec.beam import RetrieveExecutor  # noqa: E402
-from sgrec.catalog import Catalog, binary  # noqa: E402
+from sgrec.catalog import Catalog, binary, load_catalog  # noqa: E402
 from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.rank.executor import RankExecutor  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
@@ -65,9 +65,9 @@ TARGETS = {"load_items": 10**7, "load_s": 60.0, "load_gb": 3.0, "exclusions": 10
 # The child's peak RSS: VmHWM, the high-water mark of its own address space. Its ru_maxrss is not
 # usable: Linux carries the parent's high-water mark (torch, the model: ~0.8 GB) across fork + exec.
 CHILD = """import json, sys, time
-from sgrec.catalog import Catalog
+from sgrec.catalog import load_catalog
 t = time.perf_counter()
-c = Catalog.load(sys.argv[1], vocab_size=int(sys.argv[2]))
+c = load_catalog(sys.argv[1], vocab_size=int(sys.argv[2]))
 dt = time.perf_counter() - t
 kb = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
 print(json.dumps({"items": len(c), "s": dt, "rss_kb": kb}))
@@ -109,7 +109,7 @@ def write_jsonl(path: str, n: int, codes: int, base: int, seed: int) -> None:
 
 
 def child_load(path: str, vocab: int) -> dict:
-    """Catalog.load of `path` in a fresh interpreter: {items, s (the call's wall time), rss_kb}."""
+    """load_catalog of `path` in a fresh interpreter: {items, s (the call's wall time), rss_kb}."""
     out = subprocess.run([sys.executable, "-c", CHILD, path, str(vocab)], cwd=ROOT, check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -118,7 +118,7 @@ def child_load(path: str, vocab: int) -> dict:
 def convert(jsonl: str, npz: str, vocab: int) -> tuple[Catalog, float]:
     """The catalog loaded here (for the retrieve and rank runs) and saved as the npz bundle."""
     t = time.perf_counter()
-    cat = Catalog.load(jsonl, vocab_size=vocab)
+    cat = load_catalog(jsonl, vocab_size=vocab)
     binary.save(cat, npz)
     return cat, time.perf_counter() - t
 

@@ -121,7 +121,7 @@ def fetch_cost(model: str, catalog: str, batch: int, repeats: int = 200) -> dict
     import torch
     import zmq
 
-    from sgrec.catalog import Catalog
+    from sgrec.catalog import load_catalog
     from sgrec.items.fetch import ItemKVClient, ItemKVServer, header_key
     from sgrec.items.hrcs import DEFAULT_BANDWIDTH_GBPS
     from sgrec.items.peers import measure_recompute_per_token
@@ -135,7 +135,7 @@ def fetch_cost(model: str, catalog: str, batch: int, repeats: int = 200) -> dict
 
     args = ServerArgs(model_path=model, device="cpu", dtype="float32", max_total_tokens=8192, item_catalog=catalog)
     runner = ModelRunner(args)
-    cat = Catalog.load(catalog, Tokenizer(model), runner.config.vocab_size)
+    cat = load_catalog(catalog, Tokenizer(model), runner.config.vocab_size)
     ex = RankExecutor(runner, RadixCache(runner.kv_pool.allocator), cat, args)
     ex.precompute()
     ctx = zmq.Context.instance()

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from sgrec.catalog import Catalog, CatalogError, Item, UnknownItemError, binary
+from sgrec.catalog import Catalog, CatalogError, Item, UnknownItemError, binary, load_catalog
 from tests.test_retrieve_filters import GENRES, make_catalog, passes, random_filter
 
 VOCAB = 600
@@ -69,14 +69,14 @@ def test_jsonl_and_bundle_load_the_same_items(tmp_path):
     rng = random.Random(0)
     items = mixed_items(rng, 300)
     path = write_jsonl(tmp_path / "c.jsonl", as_rows(items))
-    cat = Catalog.load(path, vocab_size=VOCAB)
+    cat = load_catalog(path, vocab_size=VOCAB)
     same_items(cat, items)
     same_items(Catalog(items), items)
     assert cat.semantic_id_len == 3
     assert cat.has_semantic.sum() == sum(it.semantic_id is not None for it in items)
     assert cat.max_item_len == max(len(it.token_ids) for it in items)
     binary.save(cat, str(tmp_path / "c.npz"))
-    back = Catalog.load(str(tmp_path / "c.npz"), vocab_size=VOCAB)
+    back = load_catalog(str(tmp_path / "c.npz"), vocab_size=VOCAB)
     same_items(back, items)
     for spec in ({"genre": {"eq": "a"}}, {"year": {"gte": 1990}}, {"adult": {"eq": False}, "lang": {"in": ["ü"]}}):
         assert np.array_equal(back.filter_mask(spec), cat.filter_mask(spec))
@@ -95,7 +95,7 @@ def test_convert_cli_round_trip(tmp_path):
     assert "50 items" in out.stdout
     back = subprocess.run(run + [str(tmp_path / "out.npz"), str(tmp_path / "back.jsonl")], capture_output=True, text=True)
     assert back.returncode == 0, back.stderr
-    same_items(Catalog.load(str(tmp_path / "back.jsonl")), items)
+    same_items(load_catalog(str(tmp_path / "back.jsonl")), items)
     bad = subprocess.run(run + [src, str(tmp_path / "x.npz"), "--vocab-size", "10"], capture_output=True, text=True)
     assert bad.returncode == 2 and "in.jsonl:1:" in bad.stderr
 
@@ -127,18 +127,18 @@ def test_a_bad_line_names_file_and_line(tmp_path, line, message):
     first = {**GOOD, "semantic_id": [1, 2, 3], "attrs": {"year": 1999}}
     path = write_jsonl(tmp_path / "c.jsonl", [first, "", line])  # the bad line is line 3
     with pytest.raises(CatalogError) as e:
-        Catalog.load(path, vocab_size=VOCAB)
+        load_catalog(path, vocab_size=VOCAB)
     assert str(e.value).startswith(f"{path}:3: ") and message in str(e.value), str(e.value)
 
 
 def test_empty_and_missing_catalogs(tmp_path):
     with pytest.raises(CatalogError, match="has no items"):
-        Catalog.load(write_jsonl(tmp_path / "e.jsonl", ["", ""]))
+        load_catalog(write_jsonl(tmp_path / "e.jsonl", ["", ""]))
     with pytest.raises(CatalogError, match="cannot read item catalog"):
-        Catalog.load(str(tmp_path / "missing.jsonl"))
+        load_catalog(str(tmp_path / "missing.jsonl"))
     (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04junk")
     with pytest.raises(CatalogError, match="cannot read binary item catalog"):
-        Catalog.load(str(tmp_path / "junk.npz"))
+        load_catalog(str(tmp_path / "junk.npz"))
 
 
 def test_items_without_id_token_or_semantic_id_load():
@@ -153,7 +153,7 @@ def test_filters_equal_their_plain_definition(tmp_path):
     for seed in range(30):
         rng = random.Random(seed)
         cat = make_catalog(rng, 80, 2, VOCAB, codes=4, dup=0.1)
-        loaded = Catalog.load(write_jsonl(tmp_path / f"c{seed}.jsonl", as_rows(cat.items)), vocab_size=VOCAB)
+        loaded = load_catalog(write_jsonl(tmp_path / f"c{seed}.jsonl", as_rows(cat.items)), vocab_size=VOCAB)
         spec = random_filter(rng)
         want = [passes(it.attrs, spec) for it in cat.items]
         assert cat.filter_mask(spec).tolist() == want

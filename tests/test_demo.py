@@ -142,9 +142,14 @@ def test_retrieval_above_popularity(engine, vocab, split):
     pop, beam = res["popularity"], res["xBeam BW=32"]
     assert beam["invalid_items"] == 0
     assert beam["Recall@10"] >= MIN_RETRIEVE_RECALL10 and beam["Recall@10"] > 1.5 * pop["Recall@10"], res
+    fresh = res["xBeam BW=32, seen excluded"]  # the user's rated movies excluded inside the search
+    assert fresh["invalid_items"] == 0 and fresh["seen_items"] == 0 and beam["seen_items"] > 0, res
+    assert fresh["Recall@10"] >= MIN_RETRIEVE_RECALL10, res
 
 
 def test_every_retrieved_item_exists(engine, vocab, split):
+    from sgrec.demo.evaluate import seen_items
+
     cat = engine.scheduler.catalog
     for u in split.users[:5]:
         hist, _ = split.test_case(u)
@@ -152,3 +157,7 @@ def test_every_retrieved_item_exists(engine, vocab, split):
         assert len(out["items"]) == 10
         for r in out["items"]:
             assert r["item"] in cat and list(cat.get(r["item"]).semantic_id) == list(r["semantic_id"])
+        seen = seen_items(split, u)
+        fresh = engine.retrieve(user={"id": f"u{u}", "token_ids": vocab.retrieve_ids(hist)}, beam_width=32,
+                                num_items=10, exclude_items=seen)
+        assert len(fresh["items"]) == 10 and not {r["item"] for r in fresh["items"]} & set(seen)

@@ -92,12 +92,12 @@ CANDS = ["s0", "s3", "s6", "s1", "s4", "s9", "s2", "s14", "n0", "n1"]
 @pytest.mark.parametrize("arch,seed", MODELS)
 def test_walk_equals_per_item_reference(tiny_model_dir, catalog, arch, seed, walk_forwards):
     """prefix none: the batched walk's log-likelihoods and scores == the reference's; one forward
-    per level (ND - 1), one row per distinct prefix, never one per item."""
+    for every level, one row per distinct prefix, never one per item."""
     s = setup(tiny_model_dir, catalog, arch, seed)
     user = ids(21, seed)
     cands = CANDS[:-2]  # all with id_token too: the two scorings differ
     out = s.ex.run("u", user, cands, INSTR, prefix="none", score_by="semantic_id")
-    assert walk_forwards == [len({catalog.get(c).semantic_id[:l] for c in cands}) for l in range(1, ND)]
+    assert walk_forwards == [sum(len({catalog.get(c).semantic_id[:l] for c in cands}) for l in range(1, ND))]
     assert out["meta_info"]["score_by"] == "semantic_id"
     assert out["meta_info"]["path_tokens"] == distinct_prefixes(s, cands) == sum(walk_forwards) < len(cands) * (ND - 1)
     check_against_reference(out, reference(s, "user", user, cands), cands)
@@ -183,7 +183,7 @@ def test_item_cache_partial_budget_and_partial_user_hit(tiny_model_dir, catalog)
 # ---- batches ---------------------------------------------------------------------------------
 def test_semantic_and_id_token_requests_in_one_batch(tiny_model_dir, catalog, walk_forwards):
     """run_batch of semantic and id-token requests (several prefix modes) == each alone from the
-    same cache state; the semantic requests' levels run in one forward per level."""
+    same cache state; every level of both semantic requests runs in one forward."""
     reqs = [
         dict(user_key="a", user_ids=ids(30, 1), item_ids=CANDS[:6], instruction_ids=INSTR, prefix="user",
              score_by="semantic_id"),
@@ -202,7 +202,7 @@ def test_semantic_and_id_token_requests_in_one_batch(tiny_model_dir, catalog, wa
     walk_forwards.clear()
     got = s.ex.run_batch(reqs)
     assert walk_forwards == [
-        sum(len({catalog.get(c).semantic_id[:l] for c in reqs[i]["item_ids"]}) for i in (0, 2)) for l in range(1, ND)]
+        sum(len({catalog.get(c).semantic_id[:l] for c in reqs[i]["item_ids"]}) for i in (0, 2) for l in range(1, ND))]
     s.check_accounting()
     assert [g["meta_info"]["score_by"] for g in got[:3]] == ["semantic_id", "id_token", "semantic_id"]
     assert got[0]["meta_info"]["cached_tokens"] == len(reqs[0]["user_ids"])

@@ -273,9 +273,10 @@ class RetrieveExecutor:
         order = torch.sort(r.bufs.scores[:n], descending=True, stable=True).indices  # ties: path order
         leaves = r.bufs.nodes[:n][order]
         leaf_rows = self.trie.leaf_items(leaves).tolist()
-        if r.filt is not None and self.trie.num_duplicate_paths:  # the leaf's first allowed item
-            leaf_rows = [next(x for x in self.trie.rows_of_leaf(int(lf)) if r.filt.row_allowed(x))
-                         for lf in leaves.tolist()]
+        if r.filt is not None and self.trie.num_duplicate_paths:  # a repeated path: its first allowed item
+            shared = (self.trie.count[self.trie.depth][leaves.cpu()] > 1).tolist()
+            leaf_rows = [next(x for x in self.trie.rows_of_leaf(int(lf)) if r.filt.row_allowed(x)) if many else lr
+                         for lf, lr, many in zip(leaves.tolist(), leaf_rows, shared)]
         paths, scores = r.bufs.tokens[:n][order].tolist(), r.bufs.scores[:n][order].tolist()
         ids, catalog_row = self.catalog.ids, self._trie_rows
         items = [{"item": ids[int(catalog_row[lr])], "semantic_id": path, "score": float(s)}

@@ -68,6 +68,7 @@ class SemanticIdTrie:
         self.leaf_item = leaf_item.to(self.device)
         self.num_duplicate_paths = p.shape[0] - self.num_nodes[-1]
         self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._host: tuple | None = None
         mask = torch.full((V,), float("-inf"), dtype=torch.float32)
         mask[self.child_tok[0].cpu()] = 0.0
         self.first_mask = mask.to(self.device)  # dense, precomputed at load
@@ -87,9 +88,13 @@ class SemanticIdTrie:
         (child_key[depth - 1][node])."""
         return keys // self.vocab_size
 
-    def parent_nodes(self, depth: int, nodes: torch.Tensor) -> torch.Tensor:
-        """Parent node ids (at depth - 1) of node ids at `depth` (>= 1)."""
-        return self.child_key[depth - 1].cpu()[nodes] // self.vocab_size
+    def host_arrays(self) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """numpy views (host) of row_leaf, child_key per depth and count per depth, for per-request
+        filter arithmetic on few nodes."""
+        if self._host is None:
+            self._host = (self.row_leaf.numpy(), [k.cpu().numpy() for k in self.child_key],
+                          [c.numpy() for c in self.count])
+        return self._host
 
     @property
     def max_beams(self) -> int:

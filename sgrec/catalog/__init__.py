@@ -5,5 +5,6 @@
 
 from sgrec.catalog.item import CatalogError, Item, UnknownItemError, check_token_ids
 from sgrec.catalog.store import Catalog
+from sgrec.catalog.loader import load_catalog
 
-__all__ = ["Catalog", "CatalogError", "Item", "UnknownItemError", "check_token_ids"]
+__all__ = ["Catalog", "CatalogError", "Item", "UnknownItemError", "check_token_ids", "load_catalog"]

@@ -10,7 +10,7 @@ import time
 
 from sgrec.catalog import binary
 from sgrec.catalog.item import CatalogError
-from sgrec.catalog.store import Catalog
+from sgrec.catalog.loader import load_catalog
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = a.vocab_size or (tok.vocab_size if tok is not None else None)
     t0 = time.perf_counter()
     try:
-        cat = Catalog.load(a.input, tok, vocab, progress=True)
+        cat = load_catalog(a.input, tok, vocab, progress=True)
     except CatalogError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

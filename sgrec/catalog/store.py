@@ -150,17 +150,6 @@ class Catalog:
             arrays.append(self.semantic_ids)
         return sum(a.nbytes for a in arrays)
 
-    @classmethod
-    def load(cls, path: str, tokenizer=None, vocab_size: int | None = None, progress: bool = False) -> "Catalog":
-        """Reads a catalog: JSON Lines, or the binary form (`.npz`, `sgrec.catalog.binary`).
-        `tokenizer` (sgrec.tokenizer.Tokenizer) is needed for `text` items and string `id_token`s;
-        `vocab_size` bounds every token id."""
-        from sgrec.catalog import binary, jsonl
-
-        if binary.is_binary(path):
-            return binary.load(path, vocab_size, progress)
-        return jsonl.load(path, tokenizer, vocab_size, progress)
-
 
 class ItemsView(Sequence):
     """The catalog's items in catalog order, each made on access."""

@@ -68,12 +68,14 @@ def main(argv=None) -> int:
         m = int(r["item"][1:])
         print(f"  {mark(m)} {r['score']:.3f}  {title(m)}")
     try:
+        seen = [item_id(m) for m in split.sequences[a.user][:-1]]  # never recommend a rated movie again
         out = post(a.url, "/v1/retrieve", {"user": {"id": f"u{a.user}", "text": retrieve_text(hist)},
-                                           "beam_width": a.beam_width, "num_items": a.top_k})
+                                           "beam_width": a.beam_width, "num_items": a.top_k, "exclude_items": seen})
     except (RuntimeError, OSError) as e:
         print(f"\n/v1/retrieve failed: {e}")
         return 1
-    print(f"\n/v1/retrieve: top {a.top_k} of all {len(movies)} movies (xBeam, beam width {a.beam_width}):")
+    print(f"\n/v1/retrieve: top {a.top_k} of all {len(movies)} movies (xBeam, beam width {a.beam_width}; "
+          f"the {len(seen)} movies the user rated excluded):")
     for r in out["items"]:
         m = int(r["item"][1:])
         print(f"  {mark(m)} {r['score']:8.3f}  {title(m)}")

@@ -78,11 +78,19 @@ def evaluate_ranking(engine, vocab: Vocab, split: Split, users: list[int], schem
     return res
 
 
-def retrieve_user(engine, vocab: Vocab, split: Split, user: int, beam_width: int, num_items: int = 10) -> list[str]:
-    """The engine's xBeam retrieval for the user (per-beam top-K = beam width), best first."""
+def seen_items(split: Split, user: int) -> list[str]:
+    """Every movie the user rated before the held-out one (what a service would not show again)."""
+    return [item_id(m) for m in split.sequences[user][:-1]]
+
+
+def retrieve_user(engine, vocab: Vocab, split: Split, user: int, beam_width: int, num_items: int = 10,
+                  exclude_seen: bool = False) -> list[str]:
+    """The engine's xBeam retrieval for the user (per-beam top-K = beam width), best first; with
+    exclude_seen, the user's rated movies are excluded inside the beam search."""
     hist, _ = split.test_case(user)
     out = engine.retrieve(user={"id": f"u{user}", "token_ids": vocab.retrieve_ids(hist)}, beam_width=beam_width,
-                          top_k=beam_width, num_items=num_items)
+                          top_k=beam_width, num_items=num_items,
+                          exclude_items=seen_items(split, user) if exclude_seen else None)
     return [r["item"] for r in out["items"]]
 
 
@@ -90,18 +98,32 @@ def hit_rank(items: list[str], target: str) -> int:
     return items.index(target) + 1 if target in items else 10**9
 
 
-def evaluate_retrieval(engine, vocab: Vocab, split: Split, users: list[int], beam_widths=(32, 128)) -> dict:
-    pop10 = [item_id(m) for m in split.popularity_order()[:10]]
-    res = {"popularity": _r10([hit_rank(pop10, item_id(split.test_case(u)[1])) for u in users])}
-    catalog = engine.scheduler.catalog
-    for bw in beam_widths:
-        t = time.perf_counter()
-        ranks, invalid = [], 0
+def evaluate_retrieval(engine, vocab: Vocab, split: Split, users: list[int], beam_widths=(32, 128),
+                       exclude_seen: tuple[bool, ...] = (False, True)) -> dict:
+    """Recall@10 / NDCG@10 of popularity and of xBeam at each beam width, without and with the
+    user's rated movies excluded (popularity: its 10 most popular unseen movies); `invalid_items`
+    counts returned items outside the catalog, `seen_items` returned movies the user rated."""
+    pop = [item_id(m) for m in split.popularity_order()]
+    res = {}
+    for ex in exclude_seen:
+        tag = ", seen excluded" if ex else ""
+        ranks = []
         for u in users:
-            items = retrieve_user(engine, vocab, split, u, bw)
-            invalid += sum(i not in catalog for i in items)
-            ranks.append(hit_rank(items, item_id(split.test_case(u)[1])))
-        res[f"xBeam BW={bw}"] = {**_r10(ranks), "invalid_items": invalid, "seconds": time.perf_counter() - t}
+            seen = set(seen_items(split, u)) if ex else set()
+            ranks.append(hit_rank([i for i in pop if i not in seen][:10], item_id(split.test_case(u)[1])))
+        res[f"popularity{tag}"] = _r10(ranks)
+    catalog = engine.scheduler.catalog
+    for ex in exclude_seen:
+        for bw in beam_widths:
+            t = time.perf_counter()
+            ranks, invalid, shown = [], 0, 0
+            for u in users:
+                items = retrieve_user(engine, vocab, split, u, bw, exclude_seen=ex)
+                invalid += sum(i not in catalog for i in items)
+                shown += len(set(items) & set(seen_items(split, u)))
+                ranks.append(hit_rank(items, item_id(split.test_case(u)[1])))
+            res[f"xBeam BW={bw}{', seen excluded' if ex else ''}"] = {
+                **_r10(ranks), "invalid_items": invalid, "seen_items": shown, "seconds": time.perf_counter() - t}
     return res
 
 
@@ -111,18 +133,20 @@ def _r10(ranks: list[int]) -> dict:
 
 
 def print_table(title: str, rows: dict, cols: list[str]) -> None:
+    w = max(16, *(len(name) for name in rows))
     print(f"\n{title}")
-    print(f"| {'method':<16} | " + " | ".join(f"{c:>9}" for c in cols) + " |")
-    print("|" + "-" * 18 + "|" + "|".join("-" * 11 for _ in cols) + "|")
+    print(f"| {'method':<{w}} | " + " | ".join(f"{c:>9}" for c in cols) + " |")
+    print("|" + "-" * (w + 2) + "|" + "|".join("-" * 11 for _ in cols) + "|")
     for name, m in rows.items():
-        print(f"| {name:<16} | " + " | ".join(f"{m[c]:>9.4f}" for c in cols) + " |")
+        print(f"| {name:<{w}} | " + " | ".join(f"{m[c]:>9.4f}" for c in cols) + " |")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=ARTIFACT_DIR)
     ap.add_argument("--users", type=int, default=0, help="evaluate the first N users only (0: all 943)")
-    ap.add_argument("--schemes", nargs="+", default=list(CANDIDATE_SCHEMES), choices=CANDIDATE_SCHEMES)
+    ap.add_argument("--schemes", nargs="*", default=list(CANDIDATE_SCHEMES), choices=CANDIDATE_SCHEMES,
+                    help="ranking candidate schemes (none: retrieval only)")
     ap.add_argument("--beam-widths", nargs="*", type=int, default=[32, 128])
     ap.add_argument("--json", help="also write the numbers to this file")
     a = ap.parse_args(argv)
@@ -146,6 +170,9 @@ def main(argv=None) -> None:
         print_table("Retrieval, all 1,682 movies (top 10)", res, ["Recall@10", "NDCG@10"])
         bad = sum(v.get("invalid_items", 0) for v in res.values())
         print(f"items returned that are not in the catalog: {bad}")
+        for name, v in res.items():
+            if "seen_items" in v:
+                print(f"{name}: {v['seen_items']} returned movies the user had rated")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

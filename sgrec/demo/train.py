@@ -233,7 +233,7 @@ class ExampleStream:
 # ---- main -------------------------------------------------------------------------------
 def build_artifacts(out: str, seed: int, sid_tokens: str = "node"):
     """Split, semantic IDs, tokenizer and catalog (written to `out`); returns what training needs."""
-    from sgrec.catalog import Catalog
+    from sgrec.catalog import load_catalog
 
     split = load_split()
     train_seqs = {u: s[:-1] for u, s in split.sequences.items()}
@@ -245,7 +245,7 @@ def build_artifacts(out: str, seed: int, sid_tokens: str = "node"):
     tok = build_tokenizer(text_corpus(split), [item_token(m) for m in split.movie_ids], level_sizes)
     tok.save_pretrained(out)
     write_catalog(build_catalog(split, tok, codes), os.path.join(out, CATALOG_NAME))
-    catalog = Catalog.load(os.path.join(out, CATALOG_NAME), vocab_size=len(tok))
+    catalog = load_catalog(os.path.join(out, CATALOG_NAME), vocab_size=len(tok))
     return split, tok, Vocab.from_tokenizer(tok, catalog), level_sizes, feats
 
 

@@ -5,11 +5,12 @@ prompt: log p(s1 | prompt) + log p(s2 | prompt, s1) + ... (full-vocabulary log_s
 k sits at position last + k (last: the position of the layout's last token), sees every token of
 the layout and, causally, the path tokens before it.
 
-All candidates of a request are computed together by walking their sub-trie level by level with
+All candidates of a request are computed together over their sub-trie with
 staged attention (sgrec.beam.attention): the rank forward gives the level-0 logits; level l forwards
 one row per distinct prefix of length l (its last token), whose shared KV is the whole layout and
 whose unshared KV is the slots of that prefix's tokens. The last path token needs no forward.
-`walk` does this for several requests at once (one forward per level); `reference_loglik` is the
+`walk` does this for several requests at once, every level in one forward (teacher forcing knows
+all path tokens up front); `reference_loglik` is the
 plain one-candidate-at-a-time reference.
 """
 
@@ -91,38 +92,39 @@ class WalkJob:
 
 
 def walk(runner, jobs: list[WalkJob]) -> list[torch.Tensor]:
-    """Per job the float32 log-likelihoods [len(paths)] of its paths, in path order. Level l of
-    every job runs in one forward (a BeamBatchMeta group per job). Writes KV only into job.slots."""
+    """Per job the float32 log-likelihoods [len(paths)] of its paths, in path order. Teacher
+    forcing knows every path token up front, so every level of every job runs in ONE forward: a
+    BeamBatchMeta group per (job, level l) whose rows attend to the job's layout and to their own
+    l path slots (each layer writes all rows' KV before any attends). Writes KV only into job.slots."""
     dev, backend = runner.device, StagedBeamBackend()
-    logps: list[list[torch.Tensor]] = [[torch.log_softmax(j.logits0.float(), -1)[None]] for j in jobs]
     slot_of: list[dict[Path, int]] = []
     for j in jobs:
         prefixes = [p for lv in j.trie.levels for p in lv]
         slot_of.append(dict(zip(prefixes, j.slots.tolist())))
-    for l in range(1, max(j.trie.depth for j in jobs)):
-        live = [b for b, j in enumerate(jobs) if j.trie.depth > l]
-        groups, toks, pos, locs = [], [], [], []
-        for b in live:
-            prefixes = jobs[b].trie.levels[l - 1]
+    groups, toks, pos, locs = [], [], [], []
+    for b, j in enumerate(jobs):
+        for l in range(1, j.trie.depth):
+            prefixes = j.trie.levels[l - 1]
             idx = torch.tensor([[slot_of[b][p[:k]] for k in range(1, l + 1)] for p in prefixes],
                                dtype=torch.int64, device=dev)
-            groups.append(BeamStepMeta(jobs[b].shared.to(dev), idx))
+            groups.append(BeamStepMeta(j.shared.to(dev), idx))
             toks += [p[-1] for p in prefixes]
-            pos += [jobs[b].last_pos + l] * len(prefixes)
+            pos += [j.last_pos + l] * len(prefixes)
             locs.append(idx[:, -1])
+    logits = None
+    if groups:
         batch = ForwardBatch(input_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              out_cache_loc=torch.cat(locs).contiguous(), seqs=[], kv_pool=runner.kv_pool,
                              attn_meta=groups[0] if len(groups) == 1 else BeamBatchMeta(groups))
         model = runner.model
         logits = model.compute_logits(model(batch, backend))
-        a = 0
-        for b in live:
-            n = len(jobs[b].trie.levels[l - 1])
-            logps[b].append(torch.log_softmax(logits[a : a + n].float(), -1))
-            a += n
-    out = []
-    for j, lp in zip(jobs, logps):
+    out, a = [], 0
+    for j in jobs:
+        lp = [torch.log_softmax(j.logits0.float(), -1)[None]]
+        for lv in j.trie.levels:
+            lp.append(torch.log_softmax(logits[a : a + len(lv)].float(), -1))
+            a += len(lv)
         rows = [{p: r for r, p in enumerate(lv)} for lv in [[()]] + j.trie.levels]
         r_idx = torch.tensor([[rows[l][p[:l]] for l in range(j.trie.depth)] for p in j.trie.paths], device=dev)
         t_idx = torch.tensor(j.trie.paths, dtype=torch.int64, device=dev)

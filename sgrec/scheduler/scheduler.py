@@ -18,7 +18,7 @@ from sgrec.radix.eviction import make_policy
 from sgrec.radix.tree import RadixCache
 from sgrec.runner import ModelRunner
 from sgrec.sampling import GREEDY_EPS, Sampler
-from sgrec.catalog import Catalog
+from sgrec.catalog import load_catalog
 from sgrec.managers.io_struct import TaskReq, TokenizedGenerateReq, abort_reason
 from sgrec.sampling import SamplingParams
 from sgrec.scheduler.policy import (
@@ -66,7 +66,7 @@ class Scheduler:
         if args.item_catalog:
             from sgrec.rank.executor import RankExecutor
 
-            self.catalog = Catalog.load(args.item_catalog, tokenizer, runner.config.vocab_size)
+            self.catalog = load_catalog(args.item_catalog, tokenizer, runner.config.vocab_size)
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
             self.rank_executor.precompute(progress=show_progress)
             kinds["rank"] = TaskKind(self.rank_executor.run_batch, self.rank_executor.tokens)
