@@ -8,7 +8,8 @@ retrieve latency against catalog size and exclusion-list size, and rank by seman
 Catalogs: N random items "item<k>" with 1-6 item tokens, an id_token, a 3-token semantic_id (each
 level --codes codes in a token range of its own at the top of the vocabulary, so 1024^3 paths and
 10^7 items mostly get distinct ones) and attrs {"genre": one of 20, "year": int}. Model: a tiny
-random llama (sgrec.tools.make_tiny_model), float32 on CPU, vocabulary 3 * codes + 320.
+random llama (sgrec.tools.make_tiny_model), float32 on CPU, vocabulary 3 * codes + 320; or a real one
+with --model-path (its top 3 * codes tokens become the codes).
 
 1. Load: the JSONL is written (not timed), `load_catalog` runs in a fresh subprocess (the call's
    wall time; peak RSS: the child's VmHWM, imports included, ~0.03 GB), the catalog is converted
@@ -247,6 +248,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where the catalogs and the model go (default: a new /tmp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
+    ap.add_argument("--model-path", default=None,
+                    help="a real model (e.g. ~/.cache/sgrec/SmolLM2-135M-Instruct) instead of the tiny random one; "
+                         "the semantic-ID codes take the top 3 x --codes tokens of its vocabulary")
     a = ap.parse_args(argv)
     a.sizes = sorted(a.sizes or ([10_000, 100_000] if a.quick else [100_000, 1_000_000, 10_000_000]))
     a.repeats = a.repeats or (2 if a.quick else 5)
@@ -285,12 +289,19 @@ def main(argv=None) -> None:
     own_dir = args.workdir is None
     work = tempfile.mkdtemp(prefix="bench_catalog_", dir="/tmp") if own_dir else args.workdir
     os.makedirs(work, exist_ok=True)
-    vocab = ND * args.codes + EXTRA_VOCAB
+    if args.model_path:
+        model_dir = os.path.expanduser(args.model_path)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        print(f"model: {model_dir} (vocabulary {vocab})")
+    else:
+        vocab = ND * args.codes + EXTRA_VOCAB
     base = vocab - ND * args.codes
     load_rows, ret_rows, build, rank_rows = [], [], {}, []
     try:
-        model_dir = make_tiny_model(os.path.join(work, "model"), arch="llama", seed=args.seed, vocab_size=vocab,
-                                    max_position_embeddings=4096)
+        if not args.model_path:
+            model_dir = make_tiny_model(os.path.join(work, "model"), arch="llama", seed=args.seed, vocab_size=vocab,
+                                        max_position_embeddings=4096)
         runner = make_runner(model_dir, args.prompt_len + max(args.beam_widths) * (ND - 1) + 256)
         rng = np.random.default_rng(args.seed)
         for n in args.sizes:
@@ -304,7 +315,7 @@ def main(argv=None) -> None:
             gc.collect()
     finally:
         if not args.keep:
-            shutil.rmtree(work if own_dir else os.path.join(work, "model"), ignore_errors=True)
+            shutil.rmtree(work if own_dir else os.path.join(work, "model"), ignore_errors=True)  # never --model-path
     report_load(load_rows)
     report_retrieve(ret_rows, build, args)
     report_rank(rank_rows, args.sizes[0], args)

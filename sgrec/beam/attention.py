@@ -91,6 +91,28 @@ def staged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     return merge_stages(stages, q.dtype)
 
 
+def _shared_once(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: "BeamBatchMeta",
+                 scale: float) -> torch.Tensor:
+    """staged_attention per group, except that consecutive groups with the same shared_idx tensor
+    (several unshared lengths over one prompt: a rank request's semantic-ID levels) run their
+    shared stage once, over all their rows."""
+    groups, rows, out, i = meta.groups, meta.rows(), [], 0
+    qf = _queries(q, k_buf.shape[1], scale)
+    while i < len(groups):
+        j = i
+        while j + 1 < len(groups) and groups[j + 1].shared_idx is groups[i].shared_idx:
+            j += 1
+        a0, b0 = rows[i][0], rows[j][1]
+        shared = shared_stage(qf[a0:b0], k_buf, v_buf, groups[i].shared_idx) if groups[i].shared_idx.numel() else None
+        for g, (a, b) in zip(groups[i : j + 1], rows[i : j + 1]):
+            stages = [] if shared is None else [tuple(t[a - a0 : b - a0] for t in shared)]
+            if g.unshared_idx.numel():
+                stages.append(unshared_stage(qf[a:b], k_buf, v_buf, g.unshared_idx))
+            out.append(merge_stages(stages, q.dtype))
+        i = j + 1
+    return torch.cat(out)
+
+
 @dataclass
 class BeamStepMeta:
     shared_idx: torch.Tensor  # [P] prompt slots
@@ -138,8 +160,7 @@ class StagedBeamBackend(AttentionBackend):
             return staged_attention(q, k_buf, v_buf, meta.shared_idx, meta.unshared_idx, scale)
         if self.units is not None:
             return self._as_units(q, k_buf, v_buf, meta, scale)
-        return torch.cat([staged_attention(q[a:b], k_buf, v_buf, g.shared_idx, g.unshared_idx, scale)
-                          for g, (a, b) in zip(meta.groups, meta.rows())])
+        return _shared_once(q, k_buf, v_buf, meta, scale)
 
     def _as_units(self, q, k_buf, v_buf, meta: "BeamBatchMeta", scale: float) -> torch.Tensor:
         from sgrec.scheduler.streams import UnitCost, WorkUnit

@@ -336,7 +336,7 @@ class RetrieveExecutor:
         else:
             n = r.bufs.n
             parent_scores, parent_nodes = r.bufs.scores[:n], r.bufs.nodes[:n]
-            masked = self.mask.masked(logits, trie, step, parent_nodes, None if filt is None else filt.keep)
+            masked = self.mask.masked(logits, trie, step, parent_nodes, filt)
         logp = torch.log_softmax(masked, dim=-1)
         parents, tokens, scores = select_step(logp, parent_scores, r.top_k, trie.max_children[step], m, V)
         nodes = trie.child_nodes(step, parent_nodes[parents], tokens)

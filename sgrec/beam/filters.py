@@ -50,14 +50,36 @@ class TrieFilter:
 
     def keep(self, depth: int, nodes: torch.Tensor) -> torch.Tensor:
         """bool per node id at `depth`: does an allowed leaf lie under it."""
+        k = self.positive(depth, nodes)
+        k = torch.ones(nodes.shape, dtype=torch.bool, device=nodes.device) if k is None else k
+        if self.blocked[depth] is not None:
+            k &= ~isin_sorted(nodes, self.blocked[depth].to(nodes.device))
+        return k
+
+    def positive(self, depth: int, nodes: torch.Tensor) -> torch.Tensor | None:
+        """keep() without the exclusions (None: an include list or attribute filter leaves them all)."""
+        if self.dense[depth] is None and self.allowed[depth] is None:
+            return None
         k = torch.ones(nodes.shape, dtype=torch.bool, device=nodes.device)
         if self.dense[depth] is not None:
             k &= self.dense[depth].to(nodes.device)[nodes]
         if self.allowed[depth] is not None:
             k &= isin_sorted(nodes, self.allowed[depth].to(nodes.device))
-        if self.blocked[depth] is not None:
-            k &= ~isin_sorted(nodes, self.blocked[depth].to(nodes.device))
         return k
+
+    def blocked_children(self, trie: SemanticIdTrie, depth: int, parents: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The blocked nodes at `depth` whose parent is one of `parents` (node ids at depth - 1,
+        ascending, as beams are kept in path order): (row in `parents`, token). O(blocked x log
+        beams), never a pass over the beams' children."""
+        b = self.blocked[depth]
+        if b is None or not b.numel():
+            return None
+        b = b.to(parents.device)
+        bp = trie.child_key[depth - 1][b] // trie.vocab_size
+        idx = torch.searchsorted(parents, bp).clamp_(max=parents.numel() - 1)
+        hit = parents[idx] == bp
+        return idx[hit], trie.child_tok[depth - 1][b[hit]]
 
     def first_mask(self, trie: SemanticIdTrie) -> torch.Tensor:
         """The first step's dense mask restricted to allowed depth-1 nodes."""

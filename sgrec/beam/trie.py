@@ -151,16 +151,23 @@ class SparseMaskBuffer:
                                   device=self.buf.device)
 
     def masked(self, logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes: torch.Tensor,
-               keep=None) -> torch.Tensor:
-        """`keep(depth + 1, child nodes)` (a request filter's): bool, which valid children stay."""
+               filt=None) -> torch.Tensor:
+        """`filt` (a request's sgrec.beam.filters.TrieFilter) removes children with no allowed leaf:
+        an include list or attribute filter by testing each child, exclusions by re-masking just
+        their blocked nodes (nodes: ascending, as beams are kept in path order)."""
         n = nodes.numel()
         self._ensure(n)
         rows, toks, pos = trie.children(depth, nodes)
-        if keep is not None:
-            k = keep(depth + 1, pos)
-            rows, toks = rows[k], toks[k]
+        blocked = None
+        if filt is not None:
+            k = filt.positive(depth + 1, pos)
+            if k is not None:
+                rows, toks = rows[k], toks[k]
+            blocked = filt.blocked_children(trie, depth + 1, nodes)
         view = self.buf[:n]
         view[rows, toks] = 0.0
+        if blocked is not None:
+            view[blocked] = float("-inf")
         try:
             return logits + view
         finally:

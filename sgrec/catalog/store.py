@@ -90,13 +90,13 @@ class Catalog:
     def items(self) -> "ItemsView":
         return ItemsView(self)
 
-    def item(self, row: int) -> Item:
-        """The Item view of catalog row `row`."""
+    def item(self, row: int, full: bool = True) -> Item:
+        """The Item view of catalog row `row` (full=False: without meta and attrs, cheaper)."""
         a, b = int(self.token_ptr[row]), int(self.token_ptr[row + 1])
         idt = int(self.id_tokens[row])
-        sem = tuple(int(t) for t in self.semantic_ids[row]) if self.has_semantic[row] else None
+        sem = tuple(self.semantic_ids[row].tolist()) if self.has_semantic[row] else None
         return Item(self.ids[row], tuple(self.token_flat[a:b].tolist()), None if idt < 0 else idt, sem,
-                    self.meta.get(row, {}), self.attrs.row(row))
+                    self.meta.get(row, {}) if full else {}, self.attrs.row(row) if full else {})
 
     def get(self, item_id: str) -> Item:
         return self.item(self.index[item_id])
@@ -110,9 +110,10 @@ class Catalog:
             raise UnknownItemError([i for i, r in zip(ids, out) if r < 0])
         return out
 
-    def lookup(self, item_ids: Iterable[str]) -> list[Item]:
-        """The items for these ids, in order; UnknownItemError names every unknown one."""
-        return [self.item(r) for r in self.rows(item_ids)]
+    def lookup(self, item_ids: Iterable[str], full: bool = True) -> list[Item]:
+        """The items for these ids, in order; UnknownItemError names every unknown one. full=False:
+        tokens, id token and semantic ID only (no meta, no attrs)."""
+        return [self.item(r, full) for r in self.rows(item_ids)]
 
     def token_len(self, row: int) -> int:
         return int(self.token_ptr[row + 1] - self.token_ptr[row])

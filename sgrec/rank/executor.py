@@ -171,7 +171,7 @@ class RankExecutor:
                 seen.add(i)
         if dups:
             raise ValueError(f"items: duplicate candidate item id(s): {', '.join(repr(d) for d in dups[:5])}")
-        items = self.catalog.lookup(item_ids)
+        items = self.catalog.lookup(item_ids, full=False)
         if not instruction_ids:
             raise ValueError("the instruction must not be empty: its last token scores the candidates")
         for name, ids in (("user token_ids", user_ids), ("instruction token_ids", instruction_ids)):

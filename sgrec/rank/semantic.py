@@ -103,11 +103,12 @@ def walk(runner, jobs: list[WalkJob]) -> list[torch.Tensor]:
         slot_of.append(dict(zip(prefixes, j.slots.tolist())))
     groups, toks, pos, locs = [], [], [], []
     for b, j in enumerate(jobs):
+        shared = j.shared.to(dev)  # one tensor for the job's levels: their shared stage runs once
         for l in range(1, j.trie.depth):
             prefixes = j.trie.levels[l - 1]
             idx = torch.tensor([[slot_of[b][p[:k]] for k in range(1, l + 1)] for p in prefixes],
                                dtype=torch.int64, device=dev)
-            groups.append(BeamStepMeta(j.shared.to(dev), idx))
+            groups.append(BeamStepMeta(shared, idx))
             toks += [p[-1] for p in prefixes]
             pos += [j.last_pos + l] * len(prefixes)
             locs.append(idx[:, -1])
