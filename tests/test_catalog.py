@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sgrec.catalog import Catalog, CatalogError, Item, UnknownItemError, binary, load_catalog
+from sgrec.catalog.jsonl import item_line
 from tests.test_retrieve_filters import GENRES, make_catalog, passes, random_filter
 
 VOCAB = 600
@@ -24,18 +25,7 @@ def write_jsonl(path, rows) -> str:
 
 
 def as_rows(items) -> list[dict]:
-    out = []
-    for it in items:
-        r = {"id": it.id, "token_ids": list(it.token_ids)}
-        if it.id_token is not None:
-            r["id_token"] = it.id_token
-        if it.semantic_id is not None:
-            r["semantic_id"] = list(it.semantic_id)
-        if it.attrs:
-            r["attrs"] = it.attrs
-        r.update(it.meta)
-        out.append(r)
-    return out
+    return [item_line(it) for it in items]
 
 
 def mixed_items(rng: random.Random, n: int) -> list[Item]:

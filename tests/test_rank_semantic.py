@@ -4,14 +4,13 @@ and leaves the KV accounting balanced."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 import torch
 
 from sgrec.beam.attention import StagedBeamBackend
-from sgrec.catalog import Catalog, Item
+from sgrec.catalog import Catalog, Item, jsonl
 from sgrec.rank import layout as L
 from sgrec.rank import semantic
 from tests.test_rank import INSTR, MODELS, TOL, Setup, ids, scores_of
@@ -283,14 +282,7 @@ def test_walk_failure_frees_everything(tiny_model_dir, catalog, monkeypatch, pre
 @pytest.fixture(scope="module")
 def sem_rank_server(start_server, tiny_model_dir, tmp_path_factory, catalog):
     path = tmp_path_factory.mktemp("semrank") / "catalog.jsonl"
-    with open(path, "w") as f:
-        for it in catalog.items:
-            line = {"id": it.id, "token_ids": list(it.token_ids)}
-            if it.id_token is not None:
-                line["id_token"] = it.id_token
-            if it.semantic_id is not None:
-                line["semantic_id"] = list(it.semantic_id)
-            f.write(json.dumps(line) + "\n")
+    jsonl.write(catalog.items, str(path))
     return start_server(tiny_model_dir("llama"), "--max-total-tokens", "2048", "--item-catalog", str(path))
 
 

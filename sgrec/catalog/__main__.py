@@ -8,7 +8,7 @@ import argparse
 import sys
 import time
 
-from sgrec.catalog import binary
+from sgrec.catalog import binary, jsonl
 from sgrec.catalog.item import CatalogError
 from sgrec.catalog.loader import load_catalog
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.output.endswith(".npz"):
         binary.save(cat, a.output)
     else:
-        binary.write_jsonl(cat, a.output)
+        jsonl.write(cat.items, a.output)
     print(f"{len(cat)} items (semantic IDs: {int(cat.has_semantic.sum())}, attributes: "
           f"{', '.join(cat.attrs.columns) or 'none'}) read in {t1 - t0:.1f} s, written to {a.output} in "
           f"{time.perf_counter() - t1:.1f} s")

@@ -95,18 +95,3 @@ def load(path: str, vocab_size: int | None = None, progress: bool = False) -> Ca
         if vocab_size is not None and idt.size and idt.max() >= vocab_size:
             raise CatalogError(f"{path}: an item's 'id_token' is outside [0, {vocab_size})")
         return Catalog.from_columns(ids, tokens, get("token_ptr"), idt, sem, has, AttrTable(n, cols), meta)
-
-
-def write_jsonl(catalog: Catalog, path: str) -> None:
-    """The catalog as JSON Lines (token ids, not text), one item per line."""
-    with open(path, "wb") as f:
-        for it in catalog.items:
-            obj = {"id": it.id, "token_ids": list(it.token_ids)}
-            if it.id_token is not None:
-                obj["id_token"] = it.id_token
-            if it.semantic_id is not None:
-                obj["semantic_id"] = list(it.semantic_id)
-            if it.attrs:
-                obj["attrs"] = it.attrs
-            obj.update(it.meta)
-            f.write(orjson.dumps(obj) + b"\n")

@@ -179,6 +179,26 @@ def load(path: str, tokenizer=None, vocab_size: int | None = None, progress: boo
     return b.finish(path)
 
 
+def item_line(it: Item) -> dict:
+    """An item as its JSON Lines object (token ids, not text)."""
+    obj = {"id": it.id, "token_ids": list(it.token_ids)}
+    if it.id_token is not None:
+        obj["id_token"] = it.id_token
+    if it.semantic_id is not None:
+        obj["semantic_id"] = list(it.semantic_id)
+    if it.attrs:
+        obj["attrs"] = it.attrs
+    obj.update(it.meta)
+    return obj
+
+
+def write(items, path: str) -> None:
+    """Items (e.g. `catalog.items`) as JSON Lines, one per line."""
+    with open(path, "wb") as f:
+        for it in items:
+            f.write(orjson.dumps(item_line(it)) + b"\n")
+
+
 def read_items(path: str, tokenizer=None, vocab_size: int | None = None) -> list[Item]:
     """The items of a JSONL catalog, in file order (small catalogs and tools)."""
     return list(load(path, tokenizer, vocab_size).items)

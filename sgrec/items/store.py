@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +53,10 @@ class _Entry:
 
 class ItemStore:
     def __init__(self, runner, catalog: Catalog, budget_tokens: int, header_ids: Sequence[int] = (),
-                 hotness: Callable[[str], float] | None = None, owns: Callable[[str], bool] | None = None):
+                 hotness: Callable[[str], float] | None = None, owns: Callable[[str], bool] | None = None,
+                 hot_ids: Callable[[], Iterable[str]] | None = None):
+        """hot_ids: the ids whose hotness may be nonzero (so the default precompute order needs no
+        pass over a huge catalog); None: every catalog id."""
         self.runner = runner
         self.allocator = runner.kv_pool.allocator
         self.catalog = catalog
@@ -61,6 +64,7 @@ class ItemStore:
         self.header_ids = [int(t) for t in header_ids]
         self.hotness = hotness or (lambda item_id: 0.0)
         self.owns = owns or (lambda item_id: True)
+        self.hot_ids = hot_ids
         self.entries: dict[str, _Entry] = {}
         self.header_slots: torch.Tensor | None = None
         self.item_tokens = 0
@@ -185,15 +189,19 @@ class ItemStore:
         from tqdm import tqdm
 
         self.ensure_header()
-        if items is None:  # stable: catalog order when nothing was accessed yet
-            items = sorted(self.catalog.items, key=lambda it: -self.hotness(it.id))
-        todo = [it for it in items if it.id not in self.entries and self.owns(it.id)]
+        if items is None:
+            items = self._default_order()
         added = 0
-        bar = tqdm(total=len(todo), desc="item KV", unit="item", disable=not progress)
+        cat = self.catalog  # the bar's total: about how many average items the budget holds
+        fit = (self.budget - self.total_size()) * len(cat) // max(1, cat.total_tokens)
+        bar = tqdm(total=max(0, min(len(cat) - len(self.entries), fit)), desc="item KV", unit="item",
+                   disable=not progress)
         try:
             batch: list[Item] = []
             size = 0
-            for it in todo:
+            for it in items:
+                if it.id in self.entries or not self.owns(it.id):
+                    continue
                 n = len(it.token_ids)
                 if self.total_size() + size + n > self.budget:
                     break
@@ -208,10 +216,21 @@ class ItemStore:
                 bar.update(len(batch))
         finally:
             bar.close()
-        if added < len(todo):
-            logger.info("item store: %d of %d items precomputed (budget %d tokens); the rest load lazily",
-                        added, len(todo), self.budget)
+        if len(self.entries) < len(self.catalog):
+            logger.info("item store: %d of %d catalog items held (budget %d tokens); the rest load lazily",
+                        len(self.entries), len(self.catalog), self.budget)
         return added
+
+    def _default_order(self) -> Iterator[Item]:
+        """The hottest items first (by hotness, catalog order among equals), then the rest in catalog
+        order; made one at a time, so filling a small budget never walks a huge catalog."""
+        cat = self.catalog
+        ids = cat.index if self.hot_ids is None else self.hot_ids()
+        hot = sorted((cat.index[i] for i in ids if i in cat and self.hotness(i) > 0),
+                     key=lambda r: (-self.hotness(cat.ids[r]), r))
+        yield from (cat.item(r) for r in hot)
+        seen = set(hot)
+        yield from (cat.item(r) for r in range(len(cat)) if r not in seen)
 
     def _compute_and_keep(self, items: list[Item]) -> int:
         header = self.ensure_header()

@@ -116,10 +116,10 @@ class RankExecutor:
         self.user_cache_tokens = None if user_cache_tokens is None else max(0, int(user_cache_tokens))
         budget = args.item_cache_tokens
         if budget is None:
-            catalog_tokens = sum(len(it.token_ids) for it in catalog.items) + len(self.header_ids)
+            catalog_tokens = catalog.total_tokens + len(self.header_ids)
             budget = min(catalog_tokens, self.allocator.size // 2)
         self.store = ItemStore(runner, catalog, budget, self.header_ids, hotness=self.meta.item_count,
-                               owns=self._owns)
+                               owns=self._owns, hot_ids=self.meta.item_counts.keys)
 
     # ---- start-up -------------------------------------------------------------------------
     def _owns(self, item_id: str) -> bool:

@@ -66,7 +66,7 @@ class Scheduler:
         if args.item_catalog:
             from sgrec.rank.executor import RankExecutor
 
-            self.catalog = load_catalog(args.item_catalog, tokenizer, runner.config.vocab_size)
+            self.catalog = load_catalog(args.item_catalog, tokenizer, runner.config.vocab_size, progress=show_progress)
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
             self.rank_executor.precompute(progress=show_progress)
             kinds["rank"] = TaskKind(self.rank_executor.run_batch, self.rank_executor.tokens)
