@@ -177,7 +177,7 @@ def fetch_cost(model: str, catalog: str, batch: int, repeats: int = 200) -> dict
                                          slots, [seq]), [])
         alloc.free(slots)
     recompute = (time.perf_counter() - t0) / repeats
-    per_token_model = measure_recompute_per_token(runner, cat.items, args.max_rank_candidates)
+    per_token_model = measure_recompute_per_token(runner, cat, args.max_rank_candidates)
     cfg = runner.config
     per_token = runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.kv_pool.dtype)
     model_s = one_tokens * per_token / (DEFAULT_BANDWIDTH_GBPS * 1e9 / 8)

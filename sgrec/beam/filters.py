@@ -2,7 +2,9 @@
 
 A request may exclude item ids, allow only some (include), and test attributes (a filter, see
 `sgrec.catalog.attrs`). A leaf is allowed when one of its items passes all three; a node is allowed
-when a leaf under it is. Beam search expands only allowed nodes (`TrieFilter.keep`), so no beam is
+when a leaf under it is. Beam search expands only allowed nodes (`SparseMaskBuffer.masked` with the
+request's TrieFilter: an include list or attribute filter tests each valid child, `positive`;
+exclusions re-mask just their blocked nodes under the live beams, `blocked_children`), so no beam is
 spent on a subtree with nothing to return, and every kept beam reaches an allowed leaf.
 
 Cost per request, never a pass over the catalog for exclusions: an exclusion list of E ids walks

@@ -196,19 +196,25 @@ def make_plan(item_ids: Sequence[str], item_lens: Sequence[int], freqs: Sequence
     return Plan(rep, pl, per_items, per_tokens, [t * bytes_per_token for t in per_tokens], float(remote))
 
 
-def catalog_freqs(items) -> list[float]:
-    """Static item frequencies for placement: catalog popularity + 1. Every server computes the same
-    numbers, so all agree on the owners (run-time access counts differ between servers)."""
-    return [float(it.meta.get("popularity", 0)) + 1.0 for it in items]
+def catalog_freqs(catalog) -> list[float]:
+    """Static item frequencies for placement: catalog popularity + 1 (the items' `popularity` key).
+    Every server computes the same numbers, so all agree on the owners (run-time access counts
+    differ between servers)."""
+    meta = catalog.meta
+    return [float(meta[r].get("popularity", 0)) + 1.0 if r in meta else 1.0 for r in range(len(catalog))]
 
 
-def fit_catalog_prefill(runner, items, max_candidates: int) -> Callable[[float, float], float]:
+def mean_item_tokens(catalog) -> float:
+    return catalog.total_tokens / len(catalog)
+
+
+def fit_catalog_prefill(runner, catalog, max_candidates: int) -> Callable[[float, float], float]:
     """Prefill-time model of this runner over the shapes a rank request of the catalog has. Timing
     noise can bend the quadratic fit below zero outside the measured shapes (t = 0 would replicate
     every item), so predictions are floored at the longest measured prefill: the shapes asked for
-    (tau_u user tokens over c * tau_i) are at least as long."""
-    tau_i = sum(len(it.token_ids) for it in items) / len(items)
-    c = min(100, max_candidates, len(items))
+    (tau_u user tokens over c * tau_i) are at least as long. `catalog`: sgrec.catalog.Catalog."""
+    tau_i = mean_item_tokens(catalog)
+    c = min(100, max_candidates, len(catalog))
     prefix = round(c * tau_i)
     shapes = [(s, p) for s in (32, 128, 512) for p in (0, prefix // 2, prefix)]
     samples = measure_prefill(runner, shapes, repeats=1)
@@ -216,15 +222,15 @@ def fit_catalog_prefill(runner, items, max_candidates: int) -> Callable[[float, 
     return lambda suffix, prefix_: max(model(suffix, prefix_), floor)
 
 
-def plan_catalog(items, n: int, prefill_time: Callable[[float, float], float], bytes_per_token: int,
+def plan_catalog(catalog, n: int, prefill_time: Callable[[float, float], float], bytes_per_token: int,
                  max_candidates: int, tau_u: float, bandwidth_gbps: float, alpha: float) -> tuple[Placement, ReplicationResult]:
-    """Algorithm 1 and the placement over `n` ranks (all ranks of all servers) for a catalog."""
-    freqs = catalog_freqs(items)
-    tau_i = sum(len(it.token_ids) for it in items) / len(items)
-    c = min(100, max_candidates, len(items))
+    """Algorithm 1 and the placement over `n` ranks (all ranks of all servers) for a catalog
+    (sgrec.catalog.Catalog: read from its columns, no item objects)."""
+    freqs = catalog_freqs(catalog)
+    c = min(100, max_candidates, len(catalog))
     bandwidth = bandwidth_gbps * 1e9 / 8 / bytes_per_token
-    rep = compute_replication_ratio(bandwidth, freqs, tau_u, tau_i, alpha, c, n, prefill_time)
-    return plan_placement([it.id for it in items], freqs, rep.ratio, n), rep
+    rep = compute_replication_ratio(bandwidth, freqs, tau_u, mean_item_tokens(catalog), alpha, c, n, prefill_time)
+    return plan_placement(catalog.ids, freqs, rep.ratio, n), rep
 
 
 def format_plan(plan: Plan) -> str:

@@ -102,14 +102,13 @@ def write_peer_file(path: str, servers: Sequence[dict], **settings) -> None:
     os.replace(tmp, path)
 
 
-def measure_recompute_per_token(runner, items, max_candidates: int, repeats: int = 2) -> float:
+def measure_recompute_per_token(runner, catalog, max_candidates: int, repeats: int = 2) -> float:
     """Seconds this runner spends per item token it recomputes inside a rank request's forward: the
     per-new-token slope b of t = a + b * new + c * cached (`LinearJct`, non-negative least squares)
     fitted on prefills of the shapes such a forward has (new tokens over up to c * tau_i cached)."""
     from sgrec.scheduler.policy import LinearJct
 
-    tau_i = sum(len(it.token_ids) for it in items) / len(items)
-    prefix = round(min(100, max_candidates, len(items)) * tau_i)
+    prefix = round(min(100, max_candidates, len(catalog)) * hrcs.mean_item_tokens(catalog))
     shapes = [(s, p) for s in (16, 64, 256) for p in (0, prefix)]
     samples = hrcs.measure_prefill(runner, shapes, repeats=repeats)
     return LinearJct.fit([(s + p, p, t) for s, p, t in samples]).b
@@ -200,8 +199,7 @@ class ItemPool:
             ex.placement = self._plan(n) if n > 1 else None
         if n > 1 and self.fetcher.recompute_s is None:
             if self._per_token is None:
-                self._per_token = measure_recompute_per_token(self.runner, ex.catalog.items,
-                                                              ex.args.max_rank_candidates)
+                self._per_token = measure_recompute_per_token(self.runner, ex.catalog, ex.args.max_rank_candidates)
                 logger.info("item fetch: recomputing an item token costs %.1f us here", self._per_token * 1e6)
             per_token = self._per_token
             if self._per_token_given:
@@ -219,10 +217,10 @@ class ItemPool:
         self.members = members
 
     def _plan(self, n: int):
-        items = self.ex.catalog.items
+        catalog = self.ex.catalog
         if self._prefill_model is None:
-            self._prefill_model = hrcs.fit_catalog_prefill(self.runner, items, self.ex.args.max_rank_candidates)
-        placement, rep = hrcs.plan_catalog(items, n, self._prefill_model, self.bytes_per_token,
+            self._prefill_model = hrcs.fit_catalog_prefill(self.runner, catalog, self.ex.args.max_rank_candidates)
+        placement, rep = hrcs.plan_catalog(catalog, n, self._prefill_model, self.bytes_per_token,
                                            self.ex.args.max_rank_candidates, self.tau_u, self.bandwidth_gbps,
                                            self.alpha)
         logger.info("HRCS over %d ranks: replication ratio %.3f (%d items)", n, rep.ratio, rep.num_replicated)

@@ -136,11 +136,11 @@ class RankExecutor:
 
     def _default_placement(self):
         """Algorithm 1 over this server's dp_size ranks (the same plan on every rank)."""
-        cfg, items = self.runner.config, self.catalog.items
+        cfg = self.runner.config
         per_token = self.runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                                         self.runner.dtype)
-        prefill = hrcs.fit_catalog_prefill(self.runner, items, self.args.max_rank_candidates)
-        placement, rep = hrcs.plan_catalog(items, self.args.dp_size, prefill, per_token, self.args.max_rank_candidates,
+        prefill = hrcs.fit_catalog_prefill(self.runner, self.catalog, self.args.max_rank_candidates)
+        placement, rep = hrcs.plan_catalog(self.catalog, self.args.dp_size, prefill, per_token, self.args.max_rank_candidates,
                                            hrcs.DEFAULT_TAU_U, hrcs.DEFAULT_BANDWIDTH_GBPS, hrcs.DEFAULT_ALPHA)
         logger.info("HRCS: replication ratio %.3f (%d items), rank %d of %d", rep.ratio, rep.num_replicated,
                     self.dp_rank, self.args.dp_size)
