@@ -11,6 +11,7 @@ from sgrec.beam import KVCacheFullError, RetrieveExecutor, SemanticIdTrie, naive
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, UnsharedKV, staged_attention
 from sgrec.beam.search import (
     apply_schedule_, inplace_schedule, per_beam_topk, reorder_rows_, select_beams, select_beams_full_sort,
+    select_global,
 )
 from sgrec.beam.trie import SparseMaskBuffer
 from sgrec.catalog import Catalog, Item
@@ -165,6 +166,25 @@ def test_select_beams_equals_full_sort(seed):
         assert ranked <= int(torch.isfinite(cand).sum())
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_global_selection_equals_per_beam_then_global(seed):
+    """select_global (one pass, no per-row cap) == per-beam top-K then global top-m whenever K >= m,
+    ties included (by path), and == the brute-force sort."""
+    g = torch.Generator().manual_seed(seed)
+    V = 50
+    for n, m in [(1, 32), (7, 10), (32, 32), (16, 16), (3, 100), (64, 1), (5, 49)]:
+        logits = torch.randn(n, V, generator=g) * (3.0 if seed % 2 else 0.3)
+        if seed >= 3:
+            logits = torch.round(logits)  # many exact ties
+        logits[torch.rand(n, V, generator=g) < 0.3] = float("-inf")
+        logits[:, 0] = 0.0
+        scores = torch.round(torch.randn(n, 1, generator=g)) + torch.log_softmax(logits, -1)
+        p, t, s = select_global(scores, m, V)
+        vals, toks = per_beam_topk(scores, V)  # K = V >= m: no cap
+        bp, bt, bs = _brute_top(vals, toks, m, V)
+        assert p.tolist() == bp and t.tolist() == bt and s.tolist() == bs
+
+
 def test_select_beams_terminates_early():
     n, k, m = 64, 64, 64
     tok = torch.arange(k).repeat(n, 1)
@@ -307,6 +327,7 @@ def test_beam_step_logits_equal_plain_backend(new_tree, runners, arch):
         ("llama", {}, 4, 128, 16, 50, 2, 1200),
         ("qwen2", {}, 5, 1, 3, 1, 3, 100),
         ("llama", {}, 6, 20, 20, 5, 1, 30),
+        ("qwen2", {}, 7, 300, 300, 40, 2, 6000),  # k >= BW >= GLOBAL_SELECT_MIN_K: the global selection
     ],
 )
 def test_matches_naive_reference(new_tree, runners, arch, overrides, seed, bw, top_k, num_items, nd, n_items):
