@@ -13,7 +13,7 @@ from sgrec.beam.search import (
     apply_schedule_, inplace_schedule, per_beam_topk, reorder_rows_, select_beams, select_beams_full_sort,
     select_global,
 )
-from sgrec.beam.trie import SparseMaskBuffer
+from sgrec.beam.trie import children_logp
 from sgrec.catalog import Catalog, Item
 from sgrec.mem.kv_pool import KVPool
 from sgrec.model.attention import SeqLayout
@@ -106,21 +106,24 @@ def test_trie_children_and_masks():
     trie, rows = SemanticIdTrie.from_catalog(cat, V)
     assert trie.depth == 3 and trie.num_nodes[-1] == len(paths)
     first = sorted({p[0] for p in paths})
-    assert torch.equal(torch.nonzero(trie.first_mask == 0).flatten(), torch.tensor(first))
-    assert torch.isneginf(trie.first_mask).sum() == V - len(first)  # -inf, not a large negative number
 
-    # walk every prefix: the sparse children lists equal the catalog's
-    buf = SparseMaskBuffer(V)
+    # walk every prefix: the sparse children lists equal the catalog's, and children_logp equals the
+    # dense -inf-masked log_softmax over the vocabulary
     nodes, prefixes = torch.zeros(1, dtype=torch.int64), [()]
     for d in range(trie.depth):
         want = [sorted({p[d] for p in paths if p[:d] == pre}) for pre in prefixes]
         r, t, _ = trie.children(d, nodes)
         got = [t[r == i].tolist() for i in range(len(prefixes))]
         assert got == want
-        masked = buf.masked(torch.zeros(len(prefixes), V), trie, d, nodes)
+        logits = torch.randn(len(prefixes), V)
+        mask = torch.full((len(prefixes), V), float("-inf"))
         for i, w in enumerate(want):
-            assert torch.nonzero(torch.isfinite(masked[i])).flatten().tolist() == w
-        assert bool(torch.isneginf(buf.buf).all())  # the reused buffer is restored
+            mask[i, w] = 0.0
+        dense = torch.log_softmax(logits + mask, dim=-1)
+        logp, toks = children_logp(logits, trie, d, nodes)
+        for i, w in enumerate(want):
+            assert toks[i, : len(w)].tolist() == w and bool(torch.isneginf(logp[i, len(w):]).all())
+            assert torch.allclose(logp[i, : len(w)], dense[i, w], atol=1e-6)
         par = torch.repeat_interleave(nodes, torch.tensor([len(w) for w in want]))
         nodes = trie.child_nodes(d, par, torch.tensor([x for w in want for x in w]))
         prefixes = [pre + (x,) for pre, w in zip(prefixes, want) for x in w]
@@ -179,7 +182,8 @@ def test_global_selection_equals_per_beam_then_global(seed):
         logits[torch.rand(n, V, generator=g) < 0.3] = float("-inf")
         logits[:, 0] = 0.0
         scores = torch.round(torch.randn(n, 1, generator=g)) + torch.log_softmax(logits, -1)
-        p, t, s = select_global(scores, m, V)
+        perm = torch.argsort(torch.rand(n, V, generator=g), dim=1)  # columns in any token order
+        p, t, s = select_global(scores.gather(1, perm), perm, m, V)
         vals, toks = per_beam_topk(scores, V)  # K = V >= m: no cap
         bp, bt, bs = _brute_top(vals, toks, m, V)
         assert p.tolist() == bp and t.tolist() == bt and s.tolist() == bs

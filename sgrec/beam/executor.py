@@ -1,8 +1,8 @@
 """RetrieveExecutor: one xBeam generative-retrieval request on a ModelRunner (xGR §5-6).
 
     prompt ──(radix prefix hit + extend)──► shared KV (in the radix tree, locked while in use)
-    step 0: prompt logits + dense first-step mask ──► per-beam top-K ──► global top-BW
-    step s: BW tokens ──(staged attention: shared + unshared)──► logits + sparse mask ──► ...
+    step 0: prompt logits at the root's children ──► per-beam top-K ──► global top-BW
+    step s: BW tokens ──(staged attention: shared + unshared)──► logits at each beam's children ──► ...
     after ND steps: leaves ──► catalog items, best first
 
 The prompt's KV is computed once (only the part the radix tree does not already hold), inserted
@@ -27,7 +27,7 @@ import torch
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, UnsharedKV
 from sgrec.beam.filters import FilterCache, TrieFilter, build_filter
 from sgrec.beam.search import BeamBuffers, inplace_schedule, per_beam_topk, select_beams, select_global
-from sgrec.beam.trie import SemanticIdTrie, SparseMaskBuffer
+from sgrec.beam.trie import SemanticIdTrie, children_logp
 from sgrec.catalog import Catalog, check_token_ids
 from sgrec.model.attention import ForwardBatch, SeqLayout
 
@@ -109,7 +109,6 @@ class RetrieveExecutor:
             self.trie, self._trie_rows = SemanticIdTrie.from_catalog(catalog, self.vocab_size, self.device)
         self.filter_cache = FilterCache()
         self.backend = StagedBeamBackend(units)  # units: a batched step's attention stages as work units
-        self.mask = SparseMaskBuffer(self.vocab_size, self.device)
 
     # ---- public API ---------------------------------------------------------------------
     def tokens(self, payload: dict) -> int:
@@ -332,18 +331,15 @@ class RetrieveExecutor:
         trie, V = self.trie, self.vocab_size
         last = step == trie.depth - 1
         m = min(r.beam_width, r.num_items) if last else r.beam_width
-        filt = r.filt
-        if step == 0:
+        if step == 0:  # the root: one beam
             parent_scores = torch.zeros(1, device=self.device)
             parent_nodes = torch.zeros(1, dtype=torch.int64, device=self.device)
-            # dense mask, precomputed at load (a filter's: once per request)
-            masked = r.logits0 + (trie.first_mask if filt is None else filt.first_mask(trie))
+            logits = r.logits0
         else:
             n = r.bufs.n
             parent_scores, parent_nodes = r.bufs.scores[:n], r.bufs.nodes[:n]
-            masked = self.mask.masked(logits, trie, step, parent_nodes, filt)
-        logp = torch.log_softmax(masked, dim=-1)
-        parents, tokens, scores = select_step(logp, parent_scores, r.top_k, trie.max_children[step], m, V)
+        logp, toks = children_logp(logits, trie, step, parent_nodes, r.filt)
+        parents, tokens, scores = select_step(logp, toks, parent_scores, r.top_k, m, V)
         nodes = trie.child_nodes(step, parent_nodes[parents], tokens)
         schedule = inplace_schedule(parents)[:2] if step > 0 else None  # shared by KV and tokens
         if schedule is not None and not last:
@@ -351,17 +347,19 @@ class RetrieveExecutor:
         r.bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk, schedule)
 
 
-def select_step(logp: torch.Tensor, parent_scores: torch.Tensor, top_k: int, fanout: int, m: int, vocab: int):
-    """A level's kept (parent, token, score): per-beam top-k, then the global top m. When the top-k
-    pool holds fewer than m valid candidates, every valid child competes (k = the fan-out), so a
-    level keeps min(m, valid children) beams: with filters, num_items come back whenever that many
-    allowed items exist."""
+def select_step(logp: torch.Tensor, toks: torch.Tensor, parent_scores: torch.Tensor, top_k: int, m: int,
+                vocab: int):
+    """A level's kept (parent, token, score) from each beam's children (children_logp: logp and
+    tokens [n, C]): per-beam top-k, then the global top m. When the top-k pool holds fewer than m
+    valid candidates, every valid child competes (k = C), so a level keeps min(m, valid children)
+    beams: with filters, num_items come back whenever that many allowed items exist."""
+    fanout = logp.shape[1]
     k = min(top_k, fanout)
     if k >= m and k >= GLOBAL_SELECT_MIN_K:  # the per-beam cap cannot bind: one global pass is cheaper
-        return select_global(parent_scores[:, None] + logp, m, vocab)
+        return select_global(parent_scores[:, None] + logp, toks, m, vocab)
     while True:
-        vals, toks = per_beam_topk(logp, k)
-        parents, tokens, scores, _ = select_beams(parent_scores[:, None] + vals, toks, m, vocab)
+        vals, cols = per_beam_topk(logp, k)
+        parents, tokens, scores, _ = select_beams(parent_scores[:, None] + vals, toks.gather(1, cols), m, vocab)
         if parents.numel() >= m or k >= fanout:
             return parents, tokens, scores
         k = fanout

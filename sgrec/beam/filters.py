@@ -2,10 +2,10 @@
 
 A request may exclude item ids, allow only some (include), and test attributes (a filter, see
 `sgrec.catalog.attrs`). A leaf is allowed when one of its items passes all three; a node is allowed
-when a leaf under it is. Beam search expands only allowed nodes (`SparseMaskBuffer.masked` with the
-request's TrieFilter: an include list or attribute filter tests each valid child, `positive`;
-exclusions re-mask just their blocked nodes under the live beams, `blocked_children`), so no beam is
-spent on a subtree with nothing to return, and every kept beam reaches an allowed leaf.
+when a leaf under it is. Beam search expands only allowed nodes (`sgrec.beam.trie.children_logp`
+with the request's TrieFilter: an include list or attribute filter tests each valid child,
+`positive`; exclusions strike just their blocked nodes under the live beams, `blocked_children`), so
+no beam is spent on a subtree with nothing to return, and every kept beam reaches an allowed leaf.
 
 Cost per request, never a pass over the catalog for exclusions: an exclusion list of E ids walks
 its E paths up the ND levels, subtracting from per-node item counts (the trie's, or an attribute
@@ -17,7 +17,7 @@ evaluates over the catalog once (vectorised) and its per-node counts are cached 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import orjson
@@ -48,7 +48,6 @@ class TrieFilter:
     leaves: int  # allowed leaves: the most distinct items the request can get
     row_allowed: object = None  # trie row -> bool, for picking a leaf's item when paths repeat
     ignored_exclusions: int = 0
-    _first: torch.Tensor | None = field(default=None, repr=False)
 
     def keep(self, depth: int, nodes: torch.Tensor) -> torch.Tensor:
         """bool per node id at `depth`: does an allowed leaf lie under it."""
@@ -70,10 +69,10 @@ class TrieFilter:
         return k
 
     def blocked_children(self, trie: SemanticIdTrie, depth: int, parents: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The blocked nodes at `depth` whose parent is one of `parents` (node ids at depth - 1,
-        ascending, as beams are kept in path order): (row in `parents`, token). O(blocked x log
-        beams), never a pass over the beams' children."""
+        ascending, as beams are kept in path order): (row in `parents`, token, node id). O(blocked x
+        log beams), never a pass over the beams' children."""
         b = self.blocked[depth]
         if b is None or not b.numel():
             return None
@@ -81,16 +80,7 @@ class TrieFilter:
         bp = trie.child_key[depth - 1][b] // trie.vocab_size
         idx = torch.searchsorted(parents, bp).clamp_(max=parents.numel() - 1)
         hit = parents[idx] == bp
-        return idx[hit], trie.child_tok[depth - 1][b[hit]]
-
-    def first_mask(self, trie: SemanticIdTrie) -> torch.Tensor:
-        """The first step's dense mask restricted to allowed depth-1 nodes."""
-        if self._first is None:
-            nodes = torch.arange(trie.num_nodes[1], device=trie.first_mask.device)
-            mask = torch.full_like(trie.first_mask, float("-inf"))
-            mask[trie.child_tok[0][nodes[self.keep(1, nodes)]]] = 0.0
-            self._first = mask
-        return self._first
+        return idx[hit], trie.child_tok[depth - 1][b[hit]], b[hit]
 
 
 class FilterCache:

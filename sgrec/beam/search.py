@@ -70,14 +70,16 @@ def select_beams(cand: torch.Tensor, cand_tok: torch.Tensor, m: int, vocab: int
     return p, t, s, int(keep.sum())
 
 
-def select_global(scores: torch.Tensor, m: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top m of a dense [n, vocab] score matrix (-inf = not a candidate), no per-row cap: what
-    per-beam top-K then global top-m gives when K >= m (a row can place at most m anyway), in one
-    pass instead of n sorted per-row top-Ks. Same contract: ties by path, (parent, token) order."""
+def select_global(scores: torch.Tensor, toks: torch.Tensor, m: int, vocab: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top m of an [n, C] score matrix whose column j of row i is token toks[i, j] (-inf = not a
+    candidate), no per-row cap: what per-beam top-K then global top-m gives when K >= m (a row can
+    place at most m anyway), in one pass instead of n sorted per-row top-Ks. Same contract: ties by
+    path, (parent, token) order."""
     flat = scores.reshape(-1)
     tau = torch.topk(flat, min(m, flat.numel()), sorted=False).values.min()
     keep = torch.nonzero((flat >= tau) & torch.isfinite(flat)).flatten()  # ties at tau included
-    return _ordered_top(flat[keep], keep // vocab, keep % vocab, m, vocab)
+    return _ordered_top(flat[keep], keep // scores.shape[1], toks.reshape(-1)[keep], m, vocab)
 
 
 def select_beams_full_sort(cand: torch.Tensor, cand_tok: torch.Tensor, m: int, vocab: int):

@@ -1,14 +1,14 @@
 """Valid semantic-ID paths (xGR §6.1): a level-by-level trie over the catalog's semantic ids, and
-the masks that keep beam search on it.
+the constrained log-probabilities that keep beam search on it.
 
 Nodes at depth d are the distinct d-token prefixes of the catalog's paths, numbered in
 lexicographic order (depth 0 is the root, node 0). Each depth keeps its children in CSR form,
 grouped by parent and sorted by token, so a beam's valid next tokens are one contiguous run.
 
-Masks are additive and use -inf (never a large negative number): after log_softmax an invalid
-token has probability exactly 0 and cannot be picked. The first step's mask is dense and built
-here, once, at load time; later steps write each beam's few valid children into a reused
-[rows, vocab] buffer that is all -inf between uses (see `SparseMaskBuffer`).
+Constraining (`children_logp`): each beam's logits are gathered at its valid children only, one
+row of at most C columns (C: the most children of any live beam), padding -inf, and normalised
+over them. That is log_softmax(logits + mask) with an additive -inf mask over the vocabulary
+(an invalid token has probability exactly 0), computed on n x C entries instead of n x vocab.
 """
 
 from __future__ import annotations
@@ -69,9 +69,6 @@ class SemanticIdTrie:
         self.num_duplicate_paths = p.shape[0] - self.num_nodes[-1]
         self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host: tuple | None = None
-        mask = torch.full((V,), float("-inf"), dtype=torch.float32)
-        mask[self.child_tok[0].cpu()] = 0.0
-        self.first_mask = mask.to(self.device)  # dense, precomputed at load
 
     @classmethod
     def from_catalog(cls, catalog: Catalog, vocab_size: int, device: str | torch.device = "cpu"
@@ -136,39 +133,32 @@ class SemanticIdTrie:
         return order[int(ptr[leaf]) : int(ptr[leaf + 1])].tolist()
 
 
-class SparseMaskBuffer:
-    """A [rows, vocab] additive mask kept all -inf between uses. `masked(logits, ...)` writes each
-    beam's valid children as 0 (sparse, in place), adds the mask to the logits, and puts the -inf
-    back at exactly those positions, so the buffer is reused by every later step and request."""
-
-    def __init__(self, vocab_size: int, device: str | torch.device = "cpu"):
-        self.vocab_size = vocab_size
-        self.buf = torch.full((0, vocab_size), float("-inf"), dtype=torch.float32, device=device)
-
-    def _ensure(self, rows: int) -> None:
-        if self.buf.shape[0] < rows:
-            self.buf = torch.full((rows, self.vocab_size), float("-inf"), dtype=torch.float32,
-                                  device=self.buf.device)
-
-    def masked(self, logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes: torch.Tensor,
-               filt=None) -> torch.Tensor:
-        """`filt` (a request's sgrec.beam.filters.TrieFilter) removes children with no allowed leaf:
-        an include list or attribute filter by testing each child, exclusions by re-masking just
-        their blocked nodes (nodes: ascending, as beams are kept in path order)."""
-        n = nodes.numel()
-        self._ensure(n)
-        rows, toks, pos = trie.children(depth, nodes)
-        blocked = None
-        if filt is not None:
-            k = filt.positive(depth + 1, pos)
-            if k is not None:
-                rows, toks = rows[k], toks[k]
-            blocked = filt.blocked_children(trie, depth + 1, nodes)
-        view = self.buf[:n]
-        view[rows, toks] = 0.0
+def children_logp(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes: torch.Tensor, filt=None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each beam's log-probabilities over its valid children only: (logp [n, C], tokens [n, C]),
+    C = the most children any of the beams has, column j = the beam's j-th child in token order,
+    padding and filtered-out children -inf. Equal to log_softmax(logits + mask) over the vocabulary
+    restricted to the valid children (an invalid token's probability is exactly 0 either way), but
+    touches n x C entries instead of writing and undoing a [n, vocab] mask. `filt` (a request's
+    sgrec.beam.filters.TrieFilter) removes children with no allowed leaf: an include list or
+    attribute filter by testing each child, exclusions by striking just their blocked nodes
+    (nodes: ascending, as beams are kept in path order)."""
+    ptr = trie.child_ptr[depth]
+    start = ptr[nodes]
+    count = ptr[nodes + 1] - start
+    C = int(count.max())
+    col = torch.arange(C, device=nodes.device)
+    valid = col[None, :] < count[:, None]
+    pos = torch.minimum(start[:, None] + col[None, :], ptr[-1] - 1)  # node ids at depth + 1 (clamped pads)
+    toks = trie.child_tok[depth][pos]
+    vals = logits.gather(1, toks).float()
+    if filt is not None:
+        k = filt.positive(depth + 1, pos)
+        if k is not None:
+            valid &= k
+        blocked = filt.blocked_children(trie, depth + 1, nodes)
         if blocked is not None:
-            view[blocked] = float("-inf")
-        try:
-            return logits + view
-        finally:
-            view[rows, toks] = float("-inf")
+            rows, btoks, bnodes = blocked
+            valid[rows, bnodes - start[rows]] = False
+    vals.masked_fill_(~valid, float("-inf"))
+    return torch.log_softmax(vals, dim=-1), toks
