@@ -41,3 +41,43 @@ def test_decode_equals_per_sequence_reference(hq, hkv, lens):
     want = reference(q, pool.k_buffer[0], pool.v_buffer[0], seqs, d ** -0.5)
     assert out.shape == (b, hq * d)
     assert (out.double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_extend_is_sdpa_on_the_bool_mask(dtype):
+    """Sequences with an explicit bool mask (rank layouts, path rows) and a cached prefix: the
+    backend's additive mask (made once per forward) gives SDPA's output on the bool mask bit for bit,
+    in every layer's call; the result is the float64 masked attention's within float32 rounding."""
+    torch.manual_seed(3)
+    hq, hkv, d, size = 6, 2, 16, 300
+    pool = KVPool(size, 1, hkv, d, dtype)
+    pool.k_buffer[0].copy_(torch.randn_like(pool.k_buffer[0], dtype=torch.float32))
+    pool.v_buffer[0].copy_(torch.randn_like(pool.v_buffer[0], dtype=torch.float32))
+    perm = torch.randperm(size)[:70] + 1
+    specs = [(30, 12), (25, 25), (3, 1)]  # (kv_len, q_len): the new tokens are the last q_len slots
+    seqs, q_start, used = [], 0, 0
+    for kv_len, q_len in specs:
+        mask = torch.rand(q_len, kv_len) < 0.6
+        mask[:, 0] = True  # every row sees something
+        seqs.append(SeqLayout(q_start, q_len, perm[used : used + kv_len], mask))
+        q_start, used = q_start + q_len, used + kv_len
+    new = torch.cat([s.kv_indices[s.kv_len - s.q_len :] for s in seqs])
+    n = new.numel()
+    q, k, v = (torch.randn(n, h, d).to(dtype) for h in (hq, hkv, hkv))
+    batch = ForwardBatch(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), new, seqs, pool)
+    backend = TorchBackend()
+    backend.prepare(batch)
+    out = backend.forward(q, k, v, 0, batch, d ** -0.5).view(n, hq, d)
+    for s in seqs:
+        sl = slice(s.q_start, s.q_start + s.q_len)
+        kk, vv = pool.k_buffer[0][s.kv_indices], pool.v_buffer[0][s.kv_indices]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[sl].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=s.mask, scale=d ** -0.5,
+            enable_gqa=True).transpose(0, 1)
+        assert torch.equal(out[sl], want)
+        kd, vd = (t.double().repeat_interleave(hq // hkv, dim=1) for t in (kk, vv))
+        sc = torch.einsum("qhd,lhd->hql", q[sl].double(), kd) * d ** -0.5
+        p = torch.softmax(sc.masked_fill(~s.mask, float("-inf")), dim=-1)
+        ref = torch.einsum("hql,lhd->qhd", p, vd)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        assert (out[sl].double() - ref).abs().max() < tol

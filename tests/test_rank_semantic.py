@@ -1,6 +1,6 @@
-"""Ranking by semantic-ID path (issue 21): the batched sub-trie walk equals the one-candidate-at-a-time
-reference in every prefix mode, is order invariant, batches with id-token requests, picks score_by,
-and leaves the KV accounting balanced."""
+"""Ranking by semantic-ID path (issue 21): the path rows, in the rank forward itself, equal the
+one-candidate-at-a-time reference in every prefix mode, are order invariant, batch with id-token
+requests, pick score_by, and leave the KV accounting balanced."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from sgrec.beam.attention import StagedBeamBackend
 from sgrec.catalog import Catalog, Item, jsonl
 from sgrec.rank import layout as L
 from sgrec.rank import semantic
+from sgrec.runner import ModelRunner
 from tests.test_rank import INSTR, MODELS, TOL, Setup, ids, scores_of
 
 ND = 3
@@ -71,17 +71,17 @@ def distinct_prefixes(s: Setup, cands) -> int:
 
 
 @pytest.fixture
-def walk_forwards(monkeypatch):
-    """The row counts of every staged (path-level) forward."""
-    rows: list[int] = []
-    prepare = StagedBeamBackend.prepare
+def forwards(monkeypatch):
+    """(tokens computed, logit rows) of every model forward."""
+    calls: list[tuple[int, int]] = []
+    forward = ModelRunner.forward
 
-    def counting(self, batch):
-        rows.append(batch.input_ids.numel())
-        return prepare(self, batch)
+    def counting(self, batch, logit_rows):
+        calls.append((batch.input_ids.numel(), len(logit_rows)))
+        return forward(self, batch, logit_rows)
 
-    monkeypatch.setattr(StagedBeamBackend, "prepare", counting)
-    return rows
+    monkeypatch.setattr(ModelRunner, "forward", counting)
+    return calls
 
 
 CANDS = ["s0", "s3", "s6", "s1", "s4", "s9", "s2", "s14", "n0", "n1"]
@@ -89,16 +89,18 @@ CANDS = ["s0", "s3", "s6", "s1", "s4", "s9", "s2", "s14", "n0", "n1"]
 
 # ---- exactness -------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch,seed", MODELS)
-def test_walk_equals_per_item_reference(tiny_model_dir, catalog, arch, seed, walk_forwards):
-    """prefix none: the batched walk's log-likelihoods and scores == the reference's; one forward
-    for every level, one row per distinct prefix, never one per item."""
+def test_path_rows_equal_per_item_reference(tiny_model_dir, catalog, arch, seed, forwards):
+    """prefix none: the log-likelihoods and scores == the reference's; ONE forward computes the
+    layout and one row per distinct prefix (never one per item), with logits at the layout's last
+    token and at each path row."""
     s = setup(tiny_model_dir, catalog, arch, seed)
     user = ids(21, seed)
     cands = CANDS[:-2]  # all with id_token too: the two scorings differ
     out = s.ex.run("u", user, cands, INSTR, prefix="none", score_by="semantic_id")
-    assert walk_forwards == [sum(len({catalog.get(c).semantic_id[:l] for c in cands}) for l in range(1, ND))]
+    rows = distinct_prefixes(s, cands)
     assert out["meta_info"]["score_by"] == "semantic_id"
-    assert out["meta_info"]["path_tokens"] == distinct_prefixes(s, cands) == sum(walk_forwards) < len(cands) * (ND - 1)
+    assert out["meta_info"]["path_tokens"] == rows < len(cands) * (ND - 1)
+    assert forwards == [(out["meta_info"]["prompt_tokens"] + rows, 1 + rows)]
     check_against_reference(out, reference(s, "user", user, cands), cands)
     assert abs(scores_of(out, cands).sum().item() - 1) < 1e-5
     by_id = s.ex.run("u", user, cands, INSTR, prefix="none", score_by="id_token")
@@ -107,21 +109,27 @@ def test_walk_equals_per_item_reference(tiny_model_dir, catalog, arch, seed, wal
     s.check_accounting()
 
 
-@pytest.mark.parametrize("mutant", ["position", "shared_kv"])
-def test_comparison_catches_a_wrong_walk(tiny_model_dir, catalog, monkeypatch, mutant):
-    """The reference comparison can fail: a walk whose path tokens sit one position late, or see
-    only the instruction's last token of the layout, gives other log-likelihoods."""
+@pytest.mark.parametrize("mutant", ["position", "layout", "own_prefix"])
+def test_comparison_catches_wrong_path_rows(tiny_model_dir, catalog, monkeypatch, mutant):
+    """The reference comparison can fail: path rows one position late, rows that see only the
+    layout's last token, or rows that do not see their own earlier path tokens give other
+    log-likelihoods."""
     s = setup(tiny_model_dir, catalog)
     user, cands = ids(15, 3), ["s0", "s3", "s4", "s6"]
     ref = reference(s, "user", user, cands)
-    real = semantic.WalkJob
+    real = semantic.path_rows
 
-    def wrong(trie, shared, last_pos, logits0, slots):
+    def wrong(trie, last_pos, layout_cols):
+        toks, pos, mask = real(trie, last_pos, layout_cols)
         if mutant == "position":
-            return real(trie, shared, last_pos + 1, logits0, slots)
-        return real(trie, shared[-1:], last_pos, logits0, slots)
+            pos = [p + 1 for p in pos]
+        elif mutant == "layout":
+            mask[:, : layout_cols - 1] = False
+        else:
+            mask[:, layout_cols:] = torch.eye(len(toks), dtype=torch.bool)
+        return toks, pos, mask
 
-    monkeypatch.setattr(semantic, "WalkJob", wrong)
+    monkeypatch.setattr(semantic, "path_rows", wrong)
     out = s.ex.run("u", user, cands, INSTR, prefix="none", score_by="semantic_id")
     assert (logliks_of(out, cands) - ref).abs().max() > 1e-3
     s.check_accounting()
@@ -180,9 +188,9 @@ def test_item_cache_partial_budget_and_partial_user_hit(tiny_model_dir, catalog)
 
 
 # ---- batches ---------------------------------------------------------------------------------
-def test_semantic_and_id_token_requests_in_one_batch(tiny_model_dir, catalog, walk_forwards):
+def test_semantic_and_id_token_requests_in_one_batch(tiny_model_dir, catalog, forwards):
     """run_batch of semantic and id-token requests (several prefix modes) == each alone from the
-    same cache state; every level of both semantic requests runs in one forward."""
+    same cache state; the layouts and every path row of both semantic requests run in one forward."""
     reqs = [
         dict(user_key="a", user_ids=ids(30, 1), item_ids=CANDS[:6], instruction_ids=INSTR, prefix="user",
              score_by="semantic_id"),
@@ -198,10 +206,11 @@ def test_semantic_and_id_token_requests_in_one_batch(tiny_model_dir, catalog, wa
         return s
 
     s = fresh()
-    walk_forwards.clear()
+    forwards.clear()
     got = s.ex.run_batch(reqs)
-    assert walk_forwards == [
-        sum(len({catalog.get(c).semantic_id[:l] for c in reqs[i]["item_ids"]}) for i in (0, 2) for l in range(1, ND))]
+    rows = [distinct_prefixes(s, reqs[i]["item_ids"]) for i in (0, 2)]
+    computed = sum(g["meta_info"]["computed_tokens"] for g in got[:3])
+    assert forwards == [(computed + sum(rows), 3 + sum(rows))]
     s.check_accounting()
     assert [g["meta_info"]["score_by"] for g in got[:3]] == ["semantic_id", "id_token", "semantic_id"]
     assert got[0]["meta_info"]["cached_tokens"] == len(reqs[0]["user_ids"])
@@ -262,18 +271,18 @@ def test_kv_accounting_under_pressure(tiny_model_dir, catalog):
 
 
 @pytest.mark.parametrize("prefix", ["user", "item"])
-def test_walk_failure_frees_everything(tiny_model_dir, catalog, monkeypatch, prefix):
-    """An error inside the walk (after the rank forward) leaves no slot, lock or pin behind."""
+def test_path_scoring_failure_frees_everything(tiny_model_dir, catalog, monkeypatch, prefix):
+    """An error while scoring the paths (after the forward) leaves no slot, lock or pin behind."""
     s = setup(tiny_model_dir, catalog)
     s.ex.precompute()
     user = ids(20, 1)
     s.ex.run("u", user, ["s0"], INSTR, prefix=prefix)  # something cached to lock / pin
 
-    def boom(runner, jobs):
-        raise RuntimeError("walk failed")
+    def boom(trie, logits0, path_logits):
+        raise RuntimeError("path scoring failed")
 
-    monkeypatch.setattr(semantic, "walk", boom)
-    with pytest.raises(RuntimeError, match="walk failed"):
+    monkeypatch.setattr(semantic, "path_logliks", boom)
+    with pytest.raises(RuntimeError, match="path scoring failed"):
         s.ex.run("u", user + [7, 8], CANDS, INSTR, prefix=prefix)
     s.check_accounting()
 

@@ -73,6 +73,13 @@ class _ExtendMeta:
     fresh: list[bool]  # True when the sequence attends only to its own new tokens
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = may attend) as the additive mask SDPA makes of it (0 / -inf in the query's
+    dtype): made once per forward instead of in every layer's SDPA call (same outputs, bit for bit;
+    about 2x faster attention at small head dims on CPU)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 class TorchBackend(AttentionBackend):
     """scaled_dot_product_attention on gathered K/V; runs on CPU and CUDA."""
 
@@ -94,18 +101,18 @@ class TorchBackend(AttentionBackend):
             rows = (kv_idx[:, None, :] * hkv + torch.arange(hkv, device=dev)[None, :, None]).reshape(-1)
             batch.attn_meta = _DecodeMeta(rows, (len(lens), hkv, width), mask)
             return
-        masks, fresh = [], []
+        masks, fresh, dtype = [], [], batch.kv_pool.dtype
         for s in batch.seqs:
             prefix = s.kv_len - s.q_len
             if s.mask is not None:
-                masks.append(s.mask.to(batch.out_cache_loc.device))
+                masks.append(_additive(s.mask.to(batch.out_cache_loc.device), dtype))
                 fresh.append(False)
             elif prefix == 0:
                 masks.append(None)
                 fresh.append(True)
             else:
                 q_pos = torch.arange(s.q_len, device=batch.out_cache_loc.device)[:, None] + prefix
-                masks.append(torch.arange(s.kv_len, device=batch.out_cache_loc.device)[None, :] <= q_pos)
+                masks.append(_additive(torch.arange(s.kv_len, device=batch.out_cache_loc.device)[None, :] <= q_pos, dtype))
                 fresh.append(False)
         batch.attn_meta = _ExtendMeta(masks, fresh)
 

@@ -6,8 +6,8 @@ prefix from the radix tree for user-as-prefix; header and item KV from the item 
 item-as-prefix), computes every other token of the layout in one forward (their rows of the
 layout's mask against the KV of all its tokens), and scores the candidates by a softmax over
 their id_token logits at the last position (BAT §2.2), or (score_by semantic_id) over their
-semantic-ID path log-likelihoods after the prompt (`sgrec.rank.semantic`, walked while the layout's
-KV is still held).
+semantic-ID path log-likelihoods after the prompt (`sgrec.rank.semantic`: one row per distinct
+path prefix, in the same forward).
 
 KV ownership (the scheduler's discipline): a matched user prefix is locked for the request and
 the user's fresh KV goes into the tree afterwards (duplicates freed); item-store hits are pinned
@@ -511,60 +511,60 @@ class RankExecutor:
         `cached` (segment start -> slots of that segment's first len(slots) tokens) is computed
         against the KV of all its layout's tokens, under the layout's mask; returns per layout the
         softmax over its candidates' id-token `targets` logits at its last token, or, for path
-        targets, their path log-likelihoods (`semantic.walk`, run over the layouts' KV before any
-        fresh slot is freed; its path slots are freed here).
+        targets, their path log-likelihoods: the layout's sequence then also holds one row per
+        distinct path prefix (`semantic.path_rows`: it sees the whole layout and its own prefixes),
+        so every level of every candidate is in this same forward; their slots are freed here.
         A spec's `keep` names segments ("user", "item<j>") whose fresh slots are handed to the
         caller (as the values of those keys) instead of being freed; a name with nothing fresh keeps None."""
         plans = [spec.plan() for spec in specs]
-        total = sum(len(fresh_rows) for _, _, fresh_rows, _ in plans)
         tries = [semantic.PathTrie(spec.targets) if spec.by_path else None for spec in specs]
-        n_path = sum(t.num_rows() for t in tries if t is not None)
-        self._make_room(total + n_path)
-        slots = self.allocator.alloc(total + n_path)
+        sizes = [len(fresh_rows) + (0 if t is None else t.num_rows()) for (_, _, fresh_rows, _), t in zip(plans, tries)]
+        total = sum(sizes)
+        self._make_room(total)
+        slots = self.allocator.alloc(total)  # per spec: its fresh layout tokens, then its path rows
         kept: list[set[str]] = [set() for _ in specs]
         try:
-            ids, pos, seqs, rows, kvs, off = [], [], [], [], [], 0
-            for spec, (cached_cols, cached_slots, fresh_rows, _) in zip(specs, plans):
+            ids, pos, seqs, rows, off = [], [], [], [], 0
+            for spec, (cached_cols, cached_slots, fresh_rows, _), trie, size in zip(specs, plans, tries, sizes):
                 n, lay = len(fresh_rows), spec.lay
-                own = slots[off : off + n]
-                kv = torch.cat([*cached_slots, own])
-                kvs.append(kv)
-                seqs.append(SeqLayout(off, n, kv, lay.mask(fresh_rows, cached_cols + fresh_rows)))
+                kv = torch.cat([*cached_slots, slots[off : off + size]])
+                mask = lay.mask(fresh_rows, cached_cols + fresh_rows)
                 ids += [lay.token_ids[r] for r in fresh_rows]
                 pos += [lay.positions[r] for r in fresh_rows]
-                off += n
-                rows.append(off - 1)
+                if trie is not None:
+                    p_ids, p_pos, p_mask = semantic.path_rows(trie, lay.positions[-1], mask.shape[1])
+                    mask = torch.cat([torch.cat([mask, torch.zeros(n, len(p_ids), dtype=torch.bool)], 1), p_mask])
+                    ids += p_ids
+                    pos += p_pos
+                seqs.append(SeqLayout(off, size, kv, mask))
+                rows += range(off + n - 1, off + size)  # the layout's last token, then the path rows
+                off += size
             t0 = time.perf_counter()
-            logits = self.runner.forward(self.runner.make_batch(ids, pos, slots[:total], seqs), rows)
-            out, jobs, off, poff = [], [], 0, total
+            logits = self.runner.forward(self.runner.make_batch(ids, pos, slots, seqs), rows)
+            self._observe_forward(time.perf_counter() - t0, total)
+            out, off, a = [], 0, 0
             for b, (spec, (_, _, fresh_rows, owner)) in enumerate(zip(specs, plans)):
+                m = sizes[b] - len(fresh_rows)
                 if tries[b] is None:
                     ids_t = torch.tensor(spec.targets, device=logits.device)
-                    out.append(torch.softmax(logits[b][ids_t], dim=0).cpu())
+                    out.append(torch.softmax(logits[a][ids_t], dim=0).cpu())
                 else:
-                    out.append(None)
-                    n = tries[b].num_rows()
-                    jobs.append(semantic.WalkJob(tries[b], kvs[b], spec.lay.positions[-1], logits[b],
-                                                 slots[poff : poff + n]))
-                    poff += n
+                    out.append(semantic.path_logliks(tries[b], logits[a], logits[a + 1 : a + 1 + m]).cpu())
+                a += 1 + m
                 if spec.keep is not None:
                     for name, start, count in owner:
                         if name in spec.keep:
                             spec.keep[name] = slots[off + start : off + start + count]
                             kept[b].add(name)
-                off += len(fresh_rows)
-            self._observe_forward(time.perf_counter() - t0, total)
-            if jobs:
-                lls = iter(semantic.walk(self.runner, jobs))
-                out = [o if t is None else next(lls).cpu() for o, t in zip(out, tries)]
+                off += sizes[b]
         finally:
-            free, off = [slots[total:]] if n_path else [], 0
+            free, off = [], 0
             for b, (_, _, fresh_rows, owner) in enumerate(plans):
                 free += [slots[off + start : off + start + count] for name, start, count in owner
                          if name not in kept[b]]
-                off += len(fresh_rows)
-            if free:
-                self.allocator.free(torch.cat(free))
+                free.append(slots[off + len(fresh_rows) : off + sizes[b]])  # path rows (maybe empty)
+                off += sizes[b]
+            self.allocator.free(torch.cat(free))
         return out
 
     def _observe_forward(self, seconds: float, tokens: int) -> None:

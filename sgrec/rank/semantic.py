@@ -5,24 +5,23 @@ prompt: log p(s1 | prompt) + log p(s2 | prompt, s1) + ... (full-vocabulary log_s
 k sits at position last + k (last: the position of the layout's last token), sees every token of
 the layout and, causally, the path tokens before it.
 
-All candidates of a request are computed together over their sub-trie with
-staged attention (sgrec.beam.attention): the rank forward gives the level-0 logits; level l forwards
-one row per distinct prefix of length l (its last token), whose shared KV is the whole layout and
-whose unshared KV is the slots of that prefix's tokens. The last path token needs no forward.
-`walk` does this for several requests at once, every level in one forward (teacher forcing knows
-all path tokens up front); `reference_loglik` is the
-plain one-candidate-at-a-time reference.
+All candidates of a request are computed together over their sub-trie, in the rank forward
+itself: after the layout's tokens its sequence holds one row per distinct path prefix (its last
+token; `path_rows`), which sees the whole layout and, causally, its own prefix's rows. Teacher
+forcing knows every path token up front, so every level of every candidate is in that one forward,
+next to the layout, and the layout's KV (cached or fresh) is read in place, never copied per
+candidate; the last path token needs no row. The layout's last token gives level 0's logits, the
+path rows the others (`path_logliks`). `reference_loglik` is the plain one-candidate-at-a-time
+reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend
-from sgrec.model.attention import ForwardBatch, SeqLayout
+from sgrec.model.attention import SeqLayout
 
 SCORE_BY = ("auto", "id_token", "semantic_id")
 
@@ -74,64 +73,44 @@ class PathTrie:
             raise ValueError("semantic_id paths of one request must have the same length")
         self.levels = [sorted({p[:l] for p in self.paths}) for l in range(1, self.depth)]
 
+    def prefixes(self) -> list[Path]:
+        """Every distinct prefix of length 1 .. depth - 1, shortest first: the path rows."""
+        return [p for lv in self.levels for p in lv]
+
     def num_rows(self) -> int:
-        """Tokens forwarded by the walk (= KV slots it needs)."""
+        """Path rows forwarded (= KV slots they need)."""
         return sum(len(lv) for lv in self.levels)
 
 
-@dataclass
-class WalkJob:
-    """One request's walk: its trie, the slots of its whole layout (the shared KV), the position of
-    the layout's last token, its level-0 logits [V] and trie.num_rows() slots for the path tokens."""
+def path_rows(trie: PathTrie, last_pos: int, layout_cols: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """The path rows a rank forward appends to its layout's sequence, one per distinct prefix in
+    level order (trie.prefixes()), their KV after the layout's: (tokens, positions, bool mask
+    [R, layout_cols + R]). The row of a prefix of length l holds its last token at position
+    last_pos + l and sees every one of the layout's `layout_cols` columns and the rows of its own
+    prefixes of length 1..l (itself last)."""
+    prefixes = trie.prefixes()
+    row_of = {p: r for r, p in enumerate(prefixes)}
+    rows, cols = [], []
+    for r, p in enumerate(prefixes):
+        rows += [r] * len(p)
+        cols += [layout_cols + row_of[p[:k]] for k in range(1, len(p) + 1)]
+    mask = torch.zeros(len(prefixes), layout_cols + len(prefixes), dtype=torch.bool)
+    mask[:, :layout_cols] = True
+    mask[rows, cols] = True
+    return [p[-1] for p in prefixes], [last_pos + len(p) for p in prefixes], mask
 
-    trie: PathTrie
-    shared: torch.Tensor
-    last_pos: int
-    logits0: torch.Tensor
-    slots: torch.Tensor
 
-
-def walk(runner, jobs: list[WalkJob]) -> list[torch.Tensor]:
-    """Per job the float32 log-likelihoods [len(paths)] of its paths, in path order. Teacher
-    forcing knows every path token up front, so every level of every job runs in ONE forward: a
-    BeamBatchMeta group per (job, level l) whose rows attend to the job's layout and to their own
-    l path slots (each layer writes all rows' KV before any attends). Writes KV only into job.slots."""
-    dev, backend = runner.device, StagedBeamBackend()
-    slot_of: list[dict[Path, int]] = []
-    for j in jobs:
-        prefixes = [p for lv in j.trie.levels for p in lv]
-        slot_of.append(dict(zip(prefixes, j.slots.tolist())))
-    groups, toks, pos, locs = [], [], [], []
-    for b, j in enumerate(jobs):
-        shared = j.shared.to(dev)  # one tensor for the job's levels: their shared stage runs once
-        for l in range(1, j.trie.depth):
-            prefixes = j.trie.levels[l - 1]
-            idx = torch.tensor([[slot_of[b][p[:k]] for k in range(1, l + 1)] for p in prefixes],
-                               dtype=torch.int64, device=dev)
-            groups.append(BeamStepMeta(shared, idx))
-            toks += [p[-1] for p in prefixes]
-            pos += [j.last_pos + l] * len(prefixes)
-            locs.append(idx[:, -1])
-    logits = None
-    if groups:
-        batch = ForwardBatch(input_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
-                             positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-                             out_cache_loc=torch.cat(locs).contiguous(), seqs=[], kv_pool=runner.kv_pool,
-                             attn_meta=groups[0] if len(groups) == 1 else BeamBatchMeta(groups))
-        model = runner.model
-        logits = model.compute_logits(model(batch, backend))
-    out, a = [], 0
-    for j in jobs:
-        lp = [torch.log_softmax(j.logits0.float(), -1)[None]]
-        for lv in j.trie.levels:
-            lp.append(torch.log_softmax(logits[a : a + len(lv)].float(), -1))
-            a += len(lv)
-        rows = [{p: r for r, p in enumerate(lv)} for lv in [[()]] + j.trie.levels]
-        r_idx = torch.tensor([[rows[l][p[:l]] for l in range(j.trie.depth)] for p in j.trie.paths], device=dev)
-        t_idx = torch.tensor(j.trie.paths, dtype=torch.int64, device=dev)
-        per_level = [lp[l][r_idx[:, l], t_idx[:, l]] for l in range(j.trie.depth)]
-        out.append(torch.stack(per_level, 1).sum(1))
-    return out
+def path_logliks(trie: PathTrie, logits0: torch.Tensor, path_logits: torch.Tensor) -> torch.Tensor:
+    """float32 log-likelihoods [len(trie.paths)] in path order, from the logits at the layout's last
+    token (level 0, [V]) and at the path rows ([trie.num_rows(), V], path_rows' order): per path
+    the full-vocabulary log-probability of each of its tokens after its prefix, summed."""
+    dev = path_logits.device
+    lp = torch.log_softmax(torch.cat([logits0.reshape(1, -1), path_logits]).float(), -1)
+    row_of = {(): 0}
+    row_of.update((p, r + 1) for r, p in enumerate(trie.prefixes()))
+    r_idx = torch.tensor([[row_of[p[:l]] for l in range(trie.depth)] for p in trie.paths], device=dev)
+    t_idx = torch.tensor(trie.paths, dtype=torch.int64, device=dev)
+    return lp[r_idx, t_idx].sum(1)
 
 
 def reference_loglik(runner, lay, path: Path) -> float:
