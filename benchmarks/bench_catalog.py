@@ -21,7 +21,9 @@ with --model-path (its top 3 * codes tokens become the codes).
 3. Rank: 100 random candidates of the smallest catalog, a --user-len token profile, scored by
    semantic ID (ND 3) and by id token, prefix none (all computed) and item (candidate KV from the
    item store, filled by the warm-up).
-Every latency is the median of --repeats after one warm-up. On a shared machine, run it alone.
+Every latency is the median of --repeats after one warm-up. The cells of a table are timed
+round-robin (one call of each in turn; every catalog stays loaded), so the machine's drift during
+the run lands on every cell alike. On a shared machine, run it alone.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench_engine import cpu_model  # noqa: E402
-from bench_xbeam import loadavg, timed  # noqa: E402
+from bench_xbeam import loadavg  # noqa: E402
 from sgrec.beam import RetrieveExecutor  # noqa: E402
 from sgrec.catalog import Catalog, binary, load_catalog  # noqa: E402
 from sgrec.radix.tree import RadixCache  # noqa: E402
@@ -129,26 +131,49 @@ def make_runner(model_dir: str, tokens: int, **kw) -> ModelRunner:
                                               max_total_tokens=tokens, chunked_prefill_size=-1, **kw))
 
 
-def bench_retrieve(runner, catalog: Catalog, base: int, args, rng) -> tuple[tuple[float, int], list[dict]]:
-    """((seconds to build the RetrieveExecutor, distinct paths), one row per (BW, exclusions) cell)."""
+def interleaved(cells: list, run, repeats: int) -> list[list[float]]:
+    """Seconds of `repeats` calls run(cell, True) per cell, round-robin over the cells (one warm-up
+    call run(cell, False) each first), so that the machine's drift over the run lands on every cell alike."""
+    for c in cells:
+        run(c, False)
+    times: list[list[float]] = [[] for _ in cells]
+    for _ in range(repeats):
+        for k, c in enumerate(cells):
+            t = time.perf_counter()
+            run(c, True)
+            times[k].append(time.perf_counter() - t)
+    return times
+
+
+def make_retrievers(runner, catalog: Catalog) -> tuple[RetrieveExecutor, RadixCache, float]:
+    """(the catalog's RetrieveExecutor, its radix tree, seconds to build it: mostly the trie)."""
     tree = RadixCache(runner.kv_pool.allocator)
     t = time.perf_counter()
-    ex = RetrieveExecutor(runner, tree, catalog, max_beam_width=max(args.beam_widths))
-    build_s = time.perf_counter() - t
+    ex = RetrieveExecutor(runner, tree, catalog, max_beam_width=runner.args.max_beam_width)
+    return ex, tree, time.perf_counter() - t
+
+
+def bench_retrieve(runner, executors: list[RetrieveExecutor], base: int, args, rng) -> list[dict]:
+    """One row per (catalog size, BW, exclusions) cell, every cell timed round-robin."""
     prompt = rng.integers(3, base, args.prompt_len).tolist()
+    cells = []
+    for ex in executors:
+        cat = ex.catalog
+        excl = {e: [cat.ids[r] for r in rng.choice(len(cat), e, replace=False)] or None
+                for e in args.exclusions if e < len(cat)}  # fixed per cell (a cell with e >= N is skipped)
+        cells += [(ex, bw, e, excl[e]) for bw in args.beam_widths for e in excl]
+
+    def run(cell, timed):
+        ex, bw, _, excl = cell
+        res = ex.run(prompt, bw, bw, 10, exclude_items=excl)
+        assert not timed or res.meta["cached_tokens"] >= args.prompt_len - 1, res.meta  # a cache hit
+    times = interleaved(cells, run, args.repeats)
     rows = []
-    for bw in args.beam_widths:
-        for e in args.exclusions:
-            if e >= len(catalog):
-                continue
-            excl = [catalog.ids[r] for r in rng.choice(len(catalog), e, replace=False)] or None
-            times, res = timed(lambda: ex.run(prompt, bw, bw, 10, exclude_items=excl), args.repeats)
-            assert res.meta["cached_tokens"] >= args.prompt_len - 1, res.meta  # the prompt was a cache hit
-            rows.append({"items": len(catalog), "bw": bw, "excl": e, "ms": statistics.median(times) * 1e3,
-                         "best": min(times) * 1e3})
-            print(f"  retrieve N={len(catalog)} BW={bw} exclusions={e}: {rows[-1]['ms']:.1f} ms", flush=True)
-    tree.reset()
-    return (build_s, ex.trie.num_nodes[-1]), rows
+    for (ex, bw, e, _), ts in zip(cells, times):
+        rows.append({"items": len(ex.catalog), "bw": bw, "excl": e, "ms": statistics.median(ts) * 1e3,
+                     "best": min(ts) * 1e3})
+        print(f"  retrieve N={rows[-1]['items']} BW={bw} exclusions={e}: {rows[-1]['ms']:.1f} ms", flush=True)
+    return rows
 
 
 def bench_rank(model_dir: str, catalog: Catalog, base: int, args, rng) -> list[dict]:
@@ -157,15 +182,18 @@ def bench_rank(model_dir: str, catalog: Catalog, base: int, args, rng) -> list[d
     tokens = sum(catalog.token_len(catalog.index[c]) for c in cands)
     runner = make_runner(model_dir, 2 * (args.user_len + tokens) + 100 * ND + 512, item_cache_tokens=tokens + 16)
     ex = RankExecutor(runner, RadixCache(runner.kv_pool.allocator), catalog, runner.args, header_ids=[4, 5, 6])
+    cells = [(prefix, score_by) for prefix in ("none", "item") for score_by in ("id_token", "semantic_id")]
+    out = {}
+
+    def run(cell, timed):
+        out[cell] = ex.run("u0", user, cands, [7, 8, 9], prefix=cell[0], score_by=cell[1])
+    times = interleaved(cells, run, args.repeats)
     rows = []
-    for prefix in ("none", "item"):
-        for score_by in ("id_token", "semantic_id"):
-            times, out = timed(lambda: ex.run("u0", user, cands, [7, 8, 9], prefix=prefix, score_by=score_by),
-                               args.repeats)
-            mi = out["meta_info"]
-            rows.append({"prefix": prefix, "score_by": score_by, "ms": statistics.median(times) * 1e3,
-                         "cached": f"{mi['cached_tokens']} of {mi['prompt_tokens']}"})
-            print(f"  rank prefix={prefix} score_by={score_by}: {rows[-1]['ms']:.1f} ms", flush=True)
+    for (prefix, score_by), ts in zip(cells, times):
+        mi = out[(prefix, score_by)]["meta_info"]
+        rows.append({"prefix": prefix, "score_by": score_by, "ms": statistics.median(ts) * 1e3,
+                     "cached": f"{mi['cached_tokens']} of {mi['prompt_tokens']}"})
+        print(f"  rank prefix={prefix} score_by={score_by}: {rows[-1]['ms']:.1f} ms", flush=True)
     return rows
 
 
@@ -302,17 +330,22 @@ def main(argv=None) -> None:
         if not args.model_path:
             model_dir = make_tiny_model(os.path.join(work, "model"), arch="llama", seed=args.seed, vocab_size=vocab,
                                         max_position_embeddings=4096)
-        runner = make_runner(model_dir, args.prompt_len + max(args.beam_widths) * (ND - 1) + 256)
+        # room for every catalog's cached prompt and one request's beams
+        runner = make_runner(model_dir, len(args.sizes) * args.prompt_len + max(args.beam_widths) * (ND - 1) + 256,
+                             max_beam_width=max(args.beam_widths))
         rng = np.random.default_rng(args.seed)
-        for n in args.sizes:
+        executors = []
+        for n in args.sizes:  # every catalog stays loaded: the retrieve cells are timed round-robin
             row, cat = bench_load(n, work, vocab, base, args)
             load_rows.append(row)
-            build[n], rows = bench_retrieve(runner, cat, base, args, rng)
-            ret_rows += rows
+            ex, _, build_s = make_retrievers(runner, cat)
+            build[n] = (build_s, ex.trie.num_nodes[-1])
+            executors.append(ex)
             if n == args.sizes[0]:
                 rank_rows = bench_rank(model_dir, cat, base, args, rng)
-            del cat
-            gc.collect()
+        ret_rows = bench_retrieve(runner, executors, base, args, rng)
+        del executors, cat
+        gc.collect()
     finally:
         if not args.keep:
             shutil.rmtree(work if own_dir else os.path.join(work, "model"), ignore_errors=True)  # never --model-path
