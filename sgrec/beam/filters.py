@@ -48,6 +48,7 @@ class TrieFilter:
     leaves: int  # allowed leaves: the most distinct items the request can get
     row_allowed: object = None  # trie row -> bool, for picking a leaf's item when paths repeat
     ignored_exclusions: int = 0
+    blocked_parent: list[torch.Tensor | None] | None = None  # parent node id (depth - 1) of each blocked node
 
     def keep(self, depth: int, nodes: torch.Tensor) -> torch.Tensor:
         """bool per node id at `depth`: does an allowed leaf lie under it."""
@@ -68,19 +69,17 @@ class TrieFilter:
             k &= isin_sorted(nodes, self.allowed[depth].to(nodes.device))
         return k
 
-    def blocked_children(self, trie: SemanticIdTrie, depth: int, parents: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def blocked_children(self, depth: int, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The blocked nodes at `depth` whose parent is one of `parents` (node ids at depth - 1,
-        ascending, as beams are kept in path order): (row in `parents`, token, node id). O(blocked x
+        ascending, as beams are kept in path order): (row in `parents`, node id). O(blocked x
         log beams), never a pass over the beams' children."""
         b = self.blocked[depth]
         if b is None or not b.numel():
             return None
-        b = b.to(parents.device)
-        bp = trie.child_key[depth - 1][b] // trie.vocab_size
+        bp = self.blocked_parent[depth].to(parents.device)
         idx = torch.searchsorted(parents, bp).clamp_(max=parents.numel() - 1)
         hit = parents[idx] == bp
-        return idx[hit], trie.child_tok[depth - 1][b[hit]], b[hit]
+        return idx[hit], b.to(parents.device)[hit]
 
 
 class FilterCache:
@@ -136,10 +135,10 @@ def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, 
     ignored = 0
     ex = np.zeros(0, dtype=np.int64)
     if exclude:
-        get = catalog.index.get
-        rows = [get(i, -1) for i in exclude]
-        if -1 in rows:  # distinct ids no longer in the catalog
-            ignored = len({i for i, r in zip(exclude, rows) if r < 0})
+        rows = list(map(catalog.index.get, exclude))  # a C loop: ~2x the list comprehension's speed
+        if None in rows:  # distinct ids no longer in the catalog
+            ignored = len({i for i, r in zip(exclude, rows) if r is None})
+            rows = [r for r in rows if r is not None]
         ex = trie_rows_of(trie_rows, rows, len(catalog))
     none: list[torch.Tensor | None] = [None] * (D + 1)
     if include is not None:
@@ -161,13 +160,15 @@ def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, 
     base = np_count if count is None else [c.numpy() for c in count]
     if ok is not None:
         ex = ex[ok[ex]]  # exclusions the filter already removed change nothing
-    blocked = list(none)
+    blocked, blocked_parent = list(none), list(none)
     # numpy, not torch: a few dozen small ops, each ~1 us here against ~5-10 us as torch ops
     nodes, dec = np.unique(np_leaf[ex], return_counts=True)
     for d in range(D, 0, -1):
-        blocked[d] = torch.from_numpy(nodes[base[d][nodes] == dec])
+        parent = np_key[d - 1][nodes] // trie.vocab_size
+        hit = base[d][nodes] == dec
+        blocked[d], blocked_parent[d] = torch.from_numpy(nodes[hit]), torch.from_numpy(parent[hit])
         if d > 1:
-            nodes, inv = np.unique(np_key[d - 1][nodes] // trie.vocab_size, return_inverse=True)
+            nodes, inv = np.unique(parent, return_inverse=True)
             dec = np.bincount(inv, weights=dec, minlength=nodes.size).astype(np.int64)
     leaves = (int(trie.num_nodes[D]) if count is None else int(dense[D].sum())) - int(blocked[D].numel())
     ex_set: set[int] = set()
@@ -177,4 +178,4 @@ def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, 
             ex_set.update(ex.tolist())
         return r not in ex_set and (ok is None or bool(ok[r]))
 
-    return TrieFilter(D, list(none), blocked, list(dense), leaves, row_allowed, ignored)
+    return TrieFilter(D, list(none), blocked, list(dense), leaves, row_allowed, ignored, blocked_parent)

@@ -156,9 +156,9 @@ def children_logp(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes:
         k = filt.positive(depth + 1, pos)
         if k is not None:
             valid &= k
-        blocked = filt.blocked_children(trie, depth + 1, nodes)
+        blocked = filt.blocked_children(depth + 1, nodes)
         if blocked is not None:
-            rows, btoks, bnodes = blocked
+            rows, bnodes = blocked
             valid[rows, bnodes - start[rows]] = False
     vals.masked_fill_(~valid, float("-inf"))
     return torch.log_softmax(vals, dim=-1), toks
