@@ -26,6 +26,9 @@ RANGE_OPS = {"gt": np.greater, "gte": np.greater_equal, "lt": np.less, "lte": np
 OPS = ("eq", "in", "not_in", *RANGE_OPS)
 
 
+_EXACT_KIND = {str: "str", int: "num", bool: "bool"}  # kind_of's answer for values of exactly these types
+
+
 def kind_of(value) -> str | None:
     """The attribute kind of a value (None for null); ValueError for anything else."""
     if value is None:
@@ -189,15 +192,20 @@ class _Growing:
         self.lens = array("q") if kind == "strs" else None
         self.code: dict[str, int] = {}
 
-    def add(self, row: int, v) -> None:
+        self.add = {"str": self._add_str, "strs": self._add_strs}.get(kind, self._add_value)  # one call per value
+
+    def _add_str(self, row: int, v: str) -> None:
         self.rows.append(row)
-        if self.kind == "str":
-            self.data.append(self.code.setdefault(v, len(self.code)))
-        elif self.kind == "strs":
-            self.lens.append(len(v))
-            self.data.extend(self.code.setdefault(x, len(self.code)) for x in v)
-        else:
-            self.data.append(v)
+        self.data.append(self.code.setdefault(v, len(self.code)))
+
+    def _add_strs(self, row: int, v: list[str]) -> None:
+        self.rows.append(row)
+        self.lens.append(len(v))
+        self.data.extend(self.code.setdefault(x, len(self.code)) for x in v)
+
+    def _add_value(self, row: int, v) -> None:
+        self.rows.append(row)
+        self.data.append(v)
 
     def column(self, n: int) -> AttrColumn:
         rows = np.frombuffer(self.rows, dtype=np.int64) if self.rows else np.zeros(0, np.int64)
@@ -236,12 +244,14 @@ class AttrBuilder:
         if not isinstance(attrs, dict):
             raise ValueError("'attrs' must be a flat object")
         for name, v in attrs.items():
-            try:
-                k = kind_of(v)
-            except ValueError as e:
-                raise ValueError(f"attrs.{name} {e}") from None
+            k = _EXACT_KIND.get(type(v))  # the common types without kind_of's checks (10^7-item loads)
             if k is None:
-                continue
+                try:
+                    k = kind_of(v)
+                except ValueError as e:
+                    raise ValueError(f"attrs.{name} {e}") from None
+                if k is None:
+                    continue
             col = self.cols.get(name)
             if col is None:
                 col = self.cols[name] = _Growing(k)

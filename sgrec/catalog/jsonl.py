@@ -67,11 +67,11 @@ class ColumnBuilder:
         idt = obj.get("id_token")
         if idt is None:
             idt = -1
-        else:
-            idt = self._id_token(idt, item_id, tokenizer)
+        elif type(idt) is not int or idt < 0 or (self.vocab_size is not None and idt >= self.vocab_size):
+            idt = self._id_token(idt, item_id, tokenizer)  # a string to tokenize, or an error
         sem = obj.get("semantic_id")
         if sem is not None:
-            if type(sem) is not list or not sem or not all(type(t) is int for t in sem):
+            if type(sem) is not list or not sem or (maybe_bool and not all(type(t) is int for t in sem)):
                 check_token_ids(sem, f"item {item_id!r}: 'semantic_id'", self.vocab_size)
             if self.nd is None:
                 self.nd = len(sem)
@@ -85,7 +85,11 @@ class ColumnBuilder:
             if extra:
                 self.meta[row] = extra
         if sem is not None:
-            self.sem.extend(sem)
+            try:  # a non-int raises here (bools were ruled out above); the range is checked in finish()
+                self.sem.extend(sem)
+            except (TypeError, OverflowError):
+                check_token_ids(sem, f"item {item_id!r}: 'semantic_id'", self.vocab_size)
+                raise
         self.has_sem.append(sem is not None)
         self.ptr.append(len(self.tokens))
         self.id_tokens.append(idt)
