@@ -120,9 +120,13 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:
         """float32 logits [len(logit_rows), vocab] for the asked rows of the flat batch."""
+        return self.model.compute_logits(self.hidden(batch, logit_rows))
+
+    def hidden(self, batch: ForwardBatch, rows: torch.Tensor | list[int]) -> torch.Tensor:
+        """The final hidden states [len(rows), hidden] of the asked rows (compute_logits makes logits,
+        of every column or of some)."""
         hidden = self.model(batch, self.backend)
-        rows = torch.as_tensor(logit_rows, dtype=torch.int64, device=hidden.device)
-        return self.model.compute_logits(hidden[rows])
+        return hidden[torch.as_tensor(rows, dtype=torch.int64, device=hidden.device)]
 
     def forward_prefill_only(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:
         """Like forward, through hybrid prefilling (MLP and projections chunk by chunk)."""

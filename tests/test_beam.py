@@ -18,6 +18,7 @@ from sgrec.catalog import Catalog, Item
 from sgrec.mem.kv_pool import KVPool
 from sgrec.model.attention import SeqLayout
 from sgrec.radix.tree import RadixCache
+from sgrec.model.cpu_linear import PackedLinear, packing_available
 from sgrec.runner import ModelRunner
 from sgrec.server_args import ServerArgs
 
@@ -291,6 +292,47 @@ def test_staged_attention_equals_plain(hq, hkv, P, s):
             enable_gqa=hq != hkv,
         )  # [Hq, 1, D]
         assert torch.allclose(out[b], ref.reshape(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_children_logp_from_the_level_columns_only_equals_all_columns():
+    """A beam step computes only trie.logit_columns(depth) (the level's distinct tokens); reading
+    each child's logit from those columns gives children_logp of the full logits, bit for bit."""
+    rng = random.Random(4)
+    V = 500
+    cat = random_catalog(rng, 300, 3, V, codes=60)
+    trie, _ = SemanticIdTrie.from_catalog(cat, V)
+    nodes = torch.zeros(1, dtype=torch.int64)
+    for d in range(trie.depth):
+        cols = trie.logit_columns(d)
+        want_cols = sorted({it.semantic_id[d] for it in cat.items})
+        assert cols is not None and cols.tolist() == want_cols
+        logits = torch.randn(nodes.numel(), V)
+        full, toks = children_logp(logits, trie, d, nodes)
+        part, toks2 = children_logp(logits[:, cols], trie, d, nodes, restricted=True)
+        assert torch.equal(toks, toks2) and torch.equal(full, part)
+        keep = torch.isfinite(full)  # every valid child becomes a beam of the next level
+        nodes = trie.child_nodes(d, nodes[keep.nonzero()[:, 0]], toks[keep])
+    wide, _ = SemanticIdTrie.from_catalog(random_catalog(rng, 400, 2, 64), 64)
+    assert wide.logit_columns(0) is None  # over half the vocabulary: the whole output layer
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_of_some_columns_equal_those_of_all_columns(tiny_model_dir, pack, tied):
+    """compute_logits(hidden, columns) == compute_logits(hidden)[:, columns] within float32
+    rounding, also with the output layer prepacked for oneDNN (vocabulary 4,500 x 64: packed)."""
+    if pack and not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN weight packing is not available in this torch build")
+    path = tiny_model_dir("llama", vocab_size=4500, tie_word_embeddings=tied)
+    runner = ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32", max_total_tokens=64,
+                                                enable_weight_packing=pack))
+    model = runner.model
+    assert isinstance(model.lm_head, PackedLinear) == pack
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(9, runner.config.hidden_size, generator=g)
+    cols = torch.randperm(4500, generator=g)[:700]
+    got, want = model.compute_logits(hidden, cols), model.compute_logits(hidden)[:, cols]
+    assert got.shape == (9, 700) and (got - want).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

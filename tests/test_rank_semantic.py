@@ -72,15 +72,15 @@ def distinct_prefixes(s: Setup, cands) -> int:
 
 @pytest.fixture
 def forwards(monkeypatch):
-    """(tokens computed, logit rows) of every model forward."""
+    """(tokens computed, rows whose hidden states are kept for logits) of every model forward."""
     calls: list[tuple[int, int]] = []
-    forward = ModelRunner.forward
+    hidden = ModelRunner.hidden
 
-    def counting(self, batch, logit_rows):
-        calls.append((batch.input_ids.numel(), len(logit_rows)))
-        return forward(self, batch, logit_rows)
+    def counting(self, batch, rows):
+        calls.append((batch.input_ids.numel(), len(rows)))
+        return hidden(self, batch, rows)
 
-    monkeypatch.setattr(ModelRunner, "forward", counting)
+    monkeypatch.setattr(ModelRunner, "hidden", counting)
     return calls
 
 

@@ -319,12 +319,13 @@ class RetrieveExecutor:
         return self.allocator.available_size() >= n
 
     def _beam_forward(self, tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
-                      meta: BeamStepMeta | BeamBatchMeta) -> torch.Tensor:
-        """One token per beam (of one or several requests) -> logits [n, V]."""
+                      meta: BeamStepMeta | BeamBatchMeta, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per beam (of one or several requests) -> logits [n, V], or [n, len(columns)]
+        of just those vocabulary ids."""
         batch = ForwardBatch(input_ids=tokens, positions=positions, out_cache_loc=out_loc, seqs=[],
                              kv_pool=self.pool, attn_meta=meta)
         model = self.runner.model
-        return model.compute_logits(model(batch, self.backend))
+        return model.compute_logits(model(batch, self.backend), columns)
 
     def _select(self, r: _Request, step: int, logits: torch.Tensor | None) -> None:
         """Level `step` of request r: mask, per-beam top-k, global top-BW, in-place reorders."""
@@ -338,7 +339,8 @@ class RetrieveExecutor:
         else:
             n = r.bufs.n
             parent_scores, parent_nodes = r.bufs.scores[:n], r.bufs.nodes[:n]
-        logp, toks = children_logp(logits, trie, step, parent_nodes, r.filt)
+        restricted = step > 0 and trie.logit_columns(step) is not None  # see _RoundHooks.launch
+        logp, toks = children_logp(logits, trie, step, parent_nodes, r.filt, restricted)
         parents, tokens, scores = select_step(logp, toks, parent_scores, r.top_k, m, V)
         nodes = trie.child_nodes(step, parent_nodes[parents], tokens)
         schedule = inplace_schedule(parents)[:2] if step > 0 else None  # shared by KV and tokens
@@ -399,7 +401,9 @@ class _RoundHooks:
             positions.append(torch.full((n,), p, dtype=torch.int64, device=ex.device))
             locs.append(idx[:, -1])
         meta = groups[0] if len(groups) == 1 else BeamBatchMeta(groups)
-        return ex._beam_forward(torch.cat(tokens), torch.cat(positions), torch.cat(locs).contiguous(), meta)
+        # only the logits of level `step`'s tokens (every request of a round walks the same trie)
+        return ex._beam_forward(torch.cat(tokens), torch.cat(positions), torch.cat(locs).contiguous(), meta,
+                                ex.trie.logit_columns(step))
 
     @torch.inference_mode()
     def finish(self, step: int, phase: str, handle: object) -> None:

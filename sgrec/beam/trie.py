@@ -67,6 +67,14 @@ class SemanticIdTrie:
         leaf_item.scatter_reduce_(0, parent_of_row, rows, reduce="amin")
         self.leaf_item = leaf_item.to(self.device)
         self.num_duplicate_paths = p.shape[0] - self.num_nodes[-1]
+        # per depth d: the distinct tokens of the nodes at depth d + 1 (ascending), and each
+        # vocabulary id's column among them: a beam step computes only these logits (`logit_columns`)
+        self.level_tokens = [torch.unique(t) for t in self.child_tok]
+        self.level_col = []
+        for toks in self.level_tokens:
+            col = torch.zeros(V, dtype=torch.int64, device=self.device)
+            col[toks] = torch.arange(toks.numel(), device=self.device)
+            self.level_col.append(col)
         self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host: tuple | None = None
 
@@ -119,6 +127,13 @@ class SemanticIdTrie:
             raise RuntimeError("beam search left the valid semantic-id paths")
         return idx
 
+    def logit_columns(self, depth: int) -> torch.Tensor | None:
+        """The vocabulary ids whose logits a step at trie `depth` needs: every token of a node at
+        depth + 1 (children_logp reads no other); None when they are over half the vocabulary
+        (then the whole output layer costs about as much as gathering its rows)."""
+        toks = self.level_tokens[depth]
+        return toks if 2 * toks.numel() <= self.vocab_size else None
+
     def leaf_items(self, leaves: torch.Tensor) -> torch.Tensor:
         return self.leaf_item[leaves]
 
@@ -133,8 +148,8 @@ class SemanticIdTrie:
         return order[int(ptr[leaf]) : int(ptr[leaf + 1])].tolist()
 
 
-def children_logp(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes: torch.Tensor, filt=None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def children_logp(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes: torch.Tensor, filt=None,
+                  restricted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each beam's log-probabilities over its valid children only: (logp [n, C], tokens [n, C]),
     C = the most children any of the beams has, column j = the beam's j-th child in token order,
     padding and filtered-out children -inf. Equal to log_softmax(logits + mask) over the vocabulary
@@ -142,7 +157,8 @@ def children_logp(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes:
     touches n x C entries instead of writing and undoing a [n, vocab] mask. `filt` (a request's
     sgrec.beam.filters.TrieFilter) removes children with no allowed leaf: an include list or
     attribute filter by testing each child, exclusions by striking just their blocked nodes
-    (nodes: ascending, as beams are kept in path order)."""
+    (nodes: ascending, as beams are kept in path order). `restricted`: logits holds only the
+    columns trie.logit_columns(depth), in that order."""
     ptr = trie.child_ptr[depth]
     start = ptr[nodes]
     count = ptr[nodes + 1] - start
@@ -151,7 +167,7 @@ def children_logp(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes:
     valid = col[None, :] < count[:, None]
     pos = torch.minimum(start[:, None] + col[None, :], ptr[-1] - 1)  # node ids at depth + 1 (clamped pads)
     toks = trie.child_tok[depth][pos]
-    vals = logits.gather(1, toks).float()
+    vals = logits.gather(1, trie.level_col[depth][toks] if restricted else toks).float()
     if filt is not None:
         k = filt.positive(depth + 1, pos)
         if k is not None:

@@ -110,14 +110,28 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits for the given rows of hidden states only."""
+    def compute_logits(self, hidden: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits for the given rows of hidden states only. `columns` (vocabulary ids):
+        only those, [rows, len(columns)], through the output layer's rows gathered first: the
+        values of compute_logits(hidden)[:, columns] up to the float32 rounding of a smaller matmul,
+        at len(columns) / vocab of its cost."""
+        if columns is not None:
+            return F.linear(hidden, self.out_weight.index_select(0, columns)).float()
         if self.lm_head is None:  # tied embeddings
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
+    @property
+    def out_weight(self) -> torch.Tensor:
+        """The output layer's plain [vocab, hidden] weight (kept aside when the layer is packed)."""
+        plain = self.__dict__.get("_plain_out_weight")
+        if plain is not None:
+            return plain
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def pack_for_cpu(self) -> None:
         """Prepacks every projection (and the output layer) for oneDNN; see cpu_linear.py."""
+        self.__dict__["_plain_out_weight"] = self.out_weight.detach()  # for compute_logits(columns=...)
         if self.lm_head is None and self.embed_tokens.weight.numel() >= MIN_PACKED_NUMEL:
             self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight  # shared, then packed separately below

@@ -510,7 +510,8 @@ class RankExecutor:
         """One forward over several layouts (one sequence each): every token of a layout not in its
         `cached` (segment start -> slots of that segment's first len(slots) tokens) is computed
         against the KV of all its layout's tokens, under the layout's mask; returns per layout the
-        softmax over its candidates' id-token `targets` logits at its last token, or, for path
+        softmax over its candidates' id-token `targets` logits at its last token (only those columns
+        of the output layer are computed), or, for path
         targets, their path log-likelihoods: the layout's sequence then also holds one row per
         distinct path prefix (`semantic.path_rows`: it sees the whole layout and its own prefixes),
         so every level of every candidate is in this same forward; their slots are freed here.
@@ -540,16 +541,17 @@ class RankExecutor:
                 rows += range(off + n - 1, off + size)  # the layout's last token, then the path rows
                 off += size
             t0 = time.perf_counter()
-            logits = self.runner.forward(self.runner.make_batch(ids, pos, slots, seqs), rows)
+            hidden = self.runner.hidden(self.runner.make_batch(ids, pos, slots, seqs), rows)
             self._observe_forward(time.perf_counter() - t0, total)
-            out, off, a = [], 0, 0
+            model, out, off, a = self.runner.model, [], 0, 0
             for b, (spec, (_, _, fresh_rows, owner)) in enumerate(zip(specs, plans)):
                 m = sizes[b] - len(fresh_rows)
-                if tries[b] is None:
-                    ids_t = torch.tensor(spec.targets, device=logits.device)
-                    out.append(torch.softmax(logits[a][ids_t], dim=0).cpu())
-                else:
-                    out.append(semantic.path_logliks(tries[b], logits[a], logits[a + 1 : a + 1 + m]).cpu())
+                if tries[b] is None:  # only the candidates' id-token columns of the output layer
+                    ids_t = torch.tensor(spec.targets, device=hidden.device)
+                    out.append(torch.softmax(model.compute_logits(hidden[a : a + 1], ids_t)[0], dim=0).cpu())
+                else:  # full-vocabulary log-probabilities at the last token and every path row
+                    logits = model.compute_logits(hidden[a : a + 1 + m])
+                    out.append(semantic.path_logliks(tries[b], logits[0], logits[1:]).cpu())
                 a += 1 + m
                 if spec.keep is not None:
                     for name, start, count in owner:
