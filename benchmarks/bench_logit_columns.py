@@ -1,0 +1,94 @@
+"""Beam steps computing only their level's logits vs the whole vocabulary's (issue 23, part 3).
+
+    python benchmarks/bench_logit_columns.py          # SmolLM2-135M, 10^5 items, BW 128 and 512
+
+One RetrieveExecutor, one catalog of --num-items random 3-token semantic IDs (each level --codes
+codes at the top of the vocabulary), one --prompt-len prompt cached by the warm-up. The two peers
+differ only in the output layer of a beam step: "all columns" computes every vocabulary logit
+(SemanticIdTrie.logit_columns patched to None, the path before this change), "level columns" the
+rows of the level's tokens only. They run alternately in one process (one call of each in turn),
+--repeats times after a warm-up; the table shows medians, their ratio, and whether both returned
+the same items with the same scores (rounded to 1e-4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench_catalog import header, md_table  # noqa: E402
+from sgrec.beam import RetrieveExecutor  # noqa: E402
+from sgrec.beam.trie import SemanticIdTrie  # noqa: E402
+from sgrec.catalog import Catalog, Item  # noqa: E402
+from sgrec.radix.tree import RadixCache  # noqa: E402
+from sgrec.runner import ModelRunner  # noqa: E402
+from sgrec.server_args import ServerArgs  # noqa: E402
+
+ND = 3
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="~/.cache/sgrec/SmolLM2-135M-Instruct")
+    ap.add_argument("--beam-widths", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--num-items", type=int, default=100_000)
+    ap.add_argument("--codes", type=int, default=1024, help="semantic-ID codes per level")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cmd = ("python benchmarks/bench_logit_columns.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
+    print(header(cmd).replace("bench_catalog", "bench_logit_columns"), flush=True)
+    model = os.path.expanduser(args.model_path)
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    base = vocab - ND * args.codes
+    rng = np.random.default_rng(0)
+    sem = base + np.arange(ND) * args.codes + rng.integers(0, args.codes, (args.num_items, ND))
+    catalog = Catalog([Item(f"i{k}", (5,), None, tuple(s)) for k, s in enumerate(sem.tolist())])
+    runner = ModelRunner(ServerArgs.from_kwargs(
+        model_path=model, device="cpu", dtype="float32", chunked_prefill_size=-1,
+        max_total_tokens=args.prompt_len + max(args.beam_widths) * (ND - 1) + 256))
+    ex = RetrieveExecutor(runner, RadixCache(runner.kv_pool.allocator), catalog, max_beam_width=max(args.beam_widths))
+    prompt = rng.integers(10, base, args.prompt_len).tolist()
+    level = SemanticIdTrie.logit_columns
+    peers = {"all columns": lambda self, depth: None, "level columns": level}
+    print(f"model {model} (vocabulary {vocab}); {args.num_items} items; level tokens per depth: "
+          f"{[int(t.numel()) for t in ex.trie.level_tokens]}", flush=True)
+    rows = []
+    try:
+        for bw in args.beam_widths:
+            times: dict[str, list[float]] = {k: [] for k in peers}
+            items: dict[str, list] = {}
+            for rep in range(args.repeats + 1):  # the first round is the warm-up
+                for name, columns in peers.items():
+                    SemanticIdTrie.logit_columns = columns
+                    t = time.perf_counter()
+                    res = ex.run(prompt, bw, bw, 10)
+                    if rep:
+                        times[name].append(time.perf_counter() - t)
+                    items[name] = [(x["item"], round(x["score"], 4)) for x in res.items]
+            full, part = (statistics.median(times[k]) * 1e3 for k in peers)
+            rows.append([bw, f"{full:.1f}", f"{part:.1f}", f"{full / part:.2f}",
+                         items["all columns"] == items["level columns"]])
+            print(f"  BW {bw}: {full:.1f} / {part:.1f} ms", flush=True)
+    finally:
+        SemanticIdTrie.logit_columns = level
+    print(md_table(["BW", "all columns ms", "level columns ms", "speed-up", "same items and scores"], rows))
+    print(f"rerun: {cmd}")
+
+
+if __name__ == "__main__":
+    main()
