@@ -93,7 +93,9 @@ class ServerArgs:
         1024, "Most prompts in one batch /generate request, and most items in one score request (more: 400).")
     max_n: int = _arg(64, "Largest n (samples per prompt) of a generate request (more: 400).")
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
-    attention_backend: str = _arg("torch", "Attention implementation.", ["torch"])
+    attention_backend: str = _arg(
+        "torch", "Attention implementation: torch (SDPA, CPU and CUDA) or triton (decode attention that reads "
+        "the KV pool by slot index; CUDA, or CPU under TRITON_INTERPRET=1 for tests).", ["torch", "triton"])
     enable_weight_packing: bool = _arg(
         False, "On CPU, prepack float32 weights for oneDNN matmuls: faster decode, but a different "
         "summation order (logprobs differ from HF by up to ~1e-3 on some models instead of ~1e-4).")

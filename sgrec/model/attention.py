@@ -12,6 +12,9 @@ layouts, beams) pass explicit masks and positions; the model itself never assume
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +155,47 @@ class TorchBackend(AttentionBackend):
         return out.reshape(q.shape[0], -1)
 
 
-def make_backend(name: str) -> AttentionBackend:
+@dataclass
+class _SlotMeta:
+    idx: torch.Tensor  # every sequence's KV slots, concatenated
+    ptr: torch.Tensor  # [B + 1] offsets into idx
+
+
+class TritonBackend(TorchBackend):
+    """Decode through the Triton kernel that reads the KV pool by slot index (no gathered copy of
+    any sequence's K/V, sgrec.model.kernels.decode_attention); extend batches as TorchBackend. Runs
+    on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if not batch.is_decode:
+            return super().prepare(batch)
+        dev = batch.out_cache_loc.device
+        lens = torch.tensor([0] + [s.kv_len for s in batch.seqs], dtype=torch.int64)
+        idx = torch.cat([s.kv_indices for s in batch.seqs]).to(dev, torch.int64)
+        batch.attn_meta = _SlotMeta(idx, torch.cumsum(lens, 0).to(dev))
+
+    def forward(self, q, k, v, layer, batch, scale):
+        meta = batch.attn_meta
+        if not isinstance(meta, _SlotMeta):
+            return super().forward(q, k, v, layer, batch, scale)
+        from sgrec.model.kernels.decode_attention import decode_attention
+
+        batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer)
+        return decode_attention(q, k_buf, v_buf, meta.idx, meta.ptr, scale)
+
+
+BACKENDS = ("torch", "triton")
+
+
+def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
     if name == "torch":
         return TorchBackend()
-    raise ValueError(f"Unknown attention backend {name!r} (available: torch)")
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("--attention-backend triton needs the triton package")
+        if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--attention-backend triton runs on CUDA, or on CPU only under TRITON_INTERPRET=1 "
+                             "(Triton's interpreter: slow, for tests)")
+        return TritonBackend()
+    raise ValueError(f"Unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")

@@ -1,0 +1,98 @@
+"""Decode attention that reads K/V through slot indices (Triton): one query token per sequence,
+its keys and values wherever the KV pool holds them, no gathered copy.
+
+    q        [B, Hq, D]            one new token per sequence
+    k_buf    [slots, Hkv, D]       the pool's K of one layer (v_buf likewise)
+    kv_idx   [sum of lengths]      every sequence's slots, concatenated
+    kv_ptr   [B + 1]               sequence b's slots are kv_idx[kv_ptr[b] : kv_ptr[b + 1]] (>= 1 each)
+    -> out   [B, Hq * D]
+
+One program per (sequence, KV head) handles the G = Hq / Hkv query heads that share the KV head
+(GQA): it walks the sequence's slots BLOCK_N at a time with the online-softmax update (running max
+m, sum l, unnormalised output acc), so K and V are read once per KV head, from the pool in place.
+Products are broadcast sums rather than tl.dot, which needs 16-row tiles that G rarely fills.
+Accumulates in float32 whatever the pool's dtype; the output has q's dtype.
+
+Under TRITON_INTERPRET=1 (read when the kernel is first built) the kernel runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_KERNELS: dict[bool, object] = {}  # interpreted or compiled -> the jitted kernel
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(Q, K, V, IDX, PTR, O, scale,
+               s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, s_ob, s_oh,
+               G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        start = tl.load(PTR + b)
+        end = tl.load(PTR + b + 1)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        n = tl.arange(0, BLOCK_N)
+        gd_mask = (g < G)[:, None] & (d < D)[None, :]
+        q = tl.load(Q + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :], mask=gd_mask, other=0.0)
+        q = q.to(tl.float32) * scale
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            valid = n0 + n < end
+            slot = tl.load(IDX + n0 + n, mask=valid, other=0)
+            nd_mask = valid[:, None] & (d < D)[None, :]
+            k = tl.load(K + slot[:, None] * s_ks + h * s_kh + d[None, :], mask=nd_mask, other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            v = tl.load(V + slot[:, None] * s_vs + h * s_vh + d[None, :], mask=nd_mask, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(O + b * s_ob + (h * G + g)[:, None] * s_oh + d[None, :], out.to(O.dtype.element_ty), mask=gd_mask)
+
+    return kernel
+
+
+def _kernel():
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreted not in _KERNELS:
+        _KERNELS[interpreted] = _build()
+    return _KERNELS[interpreted]
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_idx: torch.Tensor,
+                     kv_ptr: torch.Tensor, scale: float, block_n: int = 32) -> torch.Tensor:
+    """softmax(q k^T * scale) v per sequence over its slots (see the module doc) -> [B, Hq * D]."""
+    B, hq, D = q.shape
+    hkv = k_buf.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
+    if k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1:
+        raise ValueError("k_buf and v_buf need a contiguous last dimension")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    G = hq // hkv
+    _kernel()[(B, hkv)](
+        q, k_buf, v_buf, kv_idx.to(torch.int64).contiguous(), kv_ptr.to(torch.int64).contiguous(), out, float(scale),
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        out.stride(0), out.stride(1),
+        G=G, D=D, BLOCK_G=_pow2(G), BLOCK_D=_pow2(D), BLOCK_N=block_n)
+    return out.reshape(B, hq * D)

@@ -1,0 +1,47 @@
+"""Triton kernels (issue 24): on CPU under Triton's interpreter, in a subprocess (the cases are
+tests/triton_interpreted.py), and compiled on CUDA where a GPU is present."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from sgrec.model.attention import make_backend  # noqa: E402
+from sgrec.model.kernels.decode_attention import decode_attention  # noqa: E402
+from tests.kernel_refs import case, reference  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_kernels_under_the_triton_interpreter():
+    """Every case of tests/triton_interpreted.py passes, none skipped (TRITON_INTERPRET=1 must be
+    set before triton is imported, so they run in a fresh interpreter)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_interpreted.py"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tail = out.stdout[-3000:] + out.stderr[-2000:]
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    assert out.returncode == 0, tail
+    assert re.fullmatch(r"=*\s*\d+ passed(, \d+ warnings?)? in .*", summary), tail
+
+
+def test_triton_backend_is_refused_on_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        make_backend("triton", "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_compiled_on_cuda(monkeypatch, dtype, tol):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k_buf, v_buf, idx, ptr = case(16, 4, 64, [1, 100, 513, 37], dtype, device="cuda", seed=9)
+    out = decode_attention(q, k_buf, v_buf, idx, ptr, 0.125)
+    ref = reference(q.cpu(), k_buf.cpu(), v_buf.cpu(), idx.cpu(), ptr.cpu(), 0.125)
+    assert (out.double().cpu() - ref).abs().max() <= tol

@@ -1,0 +1,96 @@
+"""Triton kernels against their torch references on CPU, under Triton's interpreter. Run by
+tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1 set before triton is imported (the
+interpreter replaces triton.language's own jitted helpers at import, so it cannot be switched on
+inside a process that already imported triton). Not collected by a plain `pytest` run."""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run by tests/test_kernels.py with TRITON_INTERPRET=1", allow_module_level=True)
+
+from sgrec.mem.kv_pool import KVPool  # noqa: E402
+from sgrec.model.attention import ForwardBatch, SeqLayout, TorchBackend, TritonBackend  # noqa: E402
+from sgrec.model.kernels.decode_attention import decode_attention  # noqa: E402
+from sgrec.runner import ModelRunner  # noqa: E402
+from sgrec.server_args import ServerArgs  # noqa: E402
+from tests.kernel_refs import case, reference  # noqa: E402
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (6, 2, 16), (9, 3, 32), (8, 1, 24)])
+@pytest.mark.parametrize("lens,block_n", [([1], 16), ([5, 16, 17, 40], 16), ([3, 70, 1, 33], 32)])
+def test_decode_attention_equals_reference(hq, hkv, d, lens, block_n):
+    """GQA ratios 1, 3, 3, 8; head dims that are and are not powers of two; lengths below, at
+    and across block boundaries; slots scattered over the pool."""
+    q, k_buf, v_buf, idx, ptr = case(hq, hkv, d, lens, torch.float32, seed=len(lens) + hq)
+    scale = d ** -0.5
+    out = decode_attention(q, k_buf, v_buf, idx, ptr, scale, block_n=block_n)
+    assert out.shape == (len(lens), hq * d) and out.dtype == torch.float32
+    assert (out.double() - reference(q, k_buf, v_buf, idx, ptr, scale)).abs().max() <= 1e-5
+
+
+def test_decode_attention_bfloat16():
+    q, k_buf, v_buf, idx, ptr = case(6, 2, 16, [9, 31, 64], torch.bfloat16, seed=5)
+    out = decode_attention(q, k_buf, v_buf, idx, ptr, 0.25)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - reference(q, k_buf, v_buf, idx, ptr, 0.25)).abs().max() <= 2e-2
+
+
+def test_the_comparison_can_fail():
+    """A kernel reading one slot off (each sequence's first slot skipped) is caught."""
+    q, k_buf, v_buf, idx, ptr = case(4, 2, 16, [6, 9], torch.float32, seed=2)
+    wrong = decode_attention(q, k_buf, v_buf, idx, ptr + torch.tensor([1, 1, 0]), 0.25)
+    assert (wrong.double() - reference(q, k_buf, v_buf, idx, ptr, 0.25)).abs().max() > 1e-3
+
+
+def test_triton_backend_decode_equals_torch_backend():
+    """The backend a runner uses with --attention-backend triton: same outputs as the torch
+    backend's decode on one pool and batch (K/V written first, then read by slot)."""
+    hq, hkv, d, lens = 6, 2, 16, [1, 13, 4, 30]
+    pool = KVPool(200, 1, hkv, d, torch.float32)
+    pool.k_buffer[0].copy_(torch.randn_like(pool.k_buffer[0]))
+    pool.v_buffer[0].copy_(torch.randn_like(pool.v_buffer[0]))
+    slots = (torch.randperm(200)[: sum(lens)] + 1).split(lens)
+    seqs = [SeqLayout(i, 1, sl) for i, sl in enumerate(slots)]
+    new = torch.stack([sl[-1] for sl in slots])
+    q, k, v = torch.randn(len(lens), hq, d), torch.randn(len(lens), hkv, d), torch.randn(len(lens), hkv, d)
+    outs = []
+    for backend in (TorchBackend(), TritonBackend()):
+        batch = ForwardBatch(torch.zeros(len(lens), dtype=torch.int64), torch.zeros(len(lens), dtype=torch.int64),
+                             new, seqs, pool)
+        backend.prepare(batch)
+        outs.append(backend.forward(q, k, v, 0, batch, d ** -0.5))
+    assert (outs[0] - outs[1]).abs().max() <= 1e-5
+
+
+def test_runner_with_the_triton_backend_decodes_like_torch(tiny_model_dir):
+    """A tiny qwen3 (GQA, q/k norms): prefill, then 4 decode steps of two sequences of different
+    lengths; logits of the triton-backend runner == the torch-backend runner's within 1e-4."""
+    path = tiny_model_dir("qwen3")
+    runners = [ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32", max_total_tokens=256,
+                                                  attention_backend=name)) for name in ("torch", "triton")]
+    assert isinstance(runners[1].backend, TritonBackend)
+    prompts = [[5, 9, 33, 2, 8, 41, 7], [17, 3]]
+    logits = []
+    for r in runners:
+        alloc, got = r.kv_pool.allocator, []
+        slots = [alloc.alloc(len(p) + 4) for p in prompts]
+        ids, pos, seqs, last = [], [], [], []
+        for p, s in zip(prompts, slots):
+            seqs.append(SeqLayout(len(ids), len(p), s[: len(p)]))
+            ids += p
+            pos += range(len(p))
+            last.append(len(ids) - 1)
+        out = r.forward(r.make_batch(ids, pos, torch.cat([s[: len(p)] for p, s in zip(prompts, slots)]), seqs), last)
+        toks = out.argmax(-1).tolist()
+        for step in range(4):
+            lens = [len(p) + step + 1 for p in prompts]
+            seqs = [SeqLayout(i, 1, s[:n]) for i, (s, n) in enumerate(zip(slots, lens))]
+            out = r.forward(r.make_batch(toks, [n - 1 for n in lens], torch.stack([s[n - 1] for s, n in zip(slots, lens)]),
+                                         seqs), [0, 1])
+            got.append(out)
+            toks = out.argmax(-1).tolist()
+        logits.append(torch.stack(got))
+    assert (logits[0] - logits[1]).abs().max() <= 1e-4
