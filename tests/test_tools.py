@@ -88,3 +88,53 @@ def test_tiny_model_overrides(tmp_path):
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
     assert rope["rope_type"] == "linear" and rope["factor"] == 2.0
     assert "lm_head.weight" not in _weights(path)
+
+
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
+
+
+def test_smollm2_shape_is_the_real_models(tmp_path):
+    """--shape smollm2-135m writes the real SmolLM2-135M's config (every shape key, rope theta) and
+    tensors of exactly its names and shapes, in bfloat16 when asked, with random values; sgrec loads it."""
+    from safetensors import safe_open
+
+    from sgrec.runner import ModelRunner
+    from sgrec.server_args import ServerArgs
+    from sgrec.tools.prepare_smollm2 import prepare_smollm2
+
+    real = prepare_smollm2()
+    path = make_tiny_model(str(tmp_path / "s"), shape="smollm2-135m", dtype="bfloat16")
+    got, want = (json.load(open(os.path.join(p, "config.json"))) for p in (path, real))
+    assert {k: got.get(k) for k in SHAPE_KEYS} == {k: want.get(k) for k in SHAPE_KEYS}
+    assert got["rope_parameters"]["rope_theta"] == want["rope_parameters"]["rope_theta"]
+
+    def tensors(p):
+        with safe_open(os.path.join(p, "model.safetensors"), "pt") as f:
+            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+
+    mine, theirs = tensors(path), tensors(real)
+    assert {k: s for k, (s, _) in mine.items()} == {k: s for k, (s, _) in theirs.items()}
+    assert {d for _, d in mine.values()} == {"BF16"}
+    runner = ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32", max_total_tokens=64))
+    assert sum(p.numel() for p in runner.model.parameters()) == 134_515_008
+
+
+@pytest.mark.parametrize("shape,total,non_embedding", [("qwen3-0.6b", 0.6, 0.44), ("qwen3-1.7b", 1.7, 1.4)])
+def test_qwen3_shapes_have_the_published_sizes(shape, total, non_embedding):
+    """The Qwen3 shapes have the model cards' parameter counts (0.6B / 0.44B non-embedding, 1.7B /
+    1.4B), counted on the meta device (no weights are made)."""
+    import transformers
+
+    from sgrec.tools.make_tiny_model import shape_config
+
+    arch, cfg = shape_config(shape)
+    assert arch == "qwen3"
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
+    n = sum(p.numel() for p in model.parameters())
+    emb = model.model.embed_tokens.weight.numel()
+    digits = len(str(non_embedding).split(".")[1])
+    assert round(n / 1e9, 1) == total and round((n - emb) / 1e9, digits) == non_embedding
+    with pytest.raises(ValueError, match="shape must be one of"):
+        shape_config("qwen3-8b")

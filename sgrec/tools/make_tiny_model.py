@@ -1,7 +1,9 @@
 """Write a tiny random-weight HF-format model directory (llama / qwen2 / qwen3) with a
-small trained byte-level BPE tokenizer, for fast tests.
+small trained byte-level BPE tokenizer, for fast tests; or, with --shape, random weights of a real
+model's exact shape (for timings at the sizes the field reports; no hub needed).
 
     python -m sgrec.tools.make_tiny_model OUT --arch qwen3 --seed 1
+    python -m sgrec.tools.make_tiny_model OUT --shape qwen3-1.7b --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -26,6 +28,22 @@ DEFAULTS = dict(
     initializer_range=0.2,  # larger than HF's 0.02: peaked logits, non-degenerate greedy
     tie_word_embeddings=False,
 )
+
+# Real models' shapes (from their config.json): (arch, config). Random weights at HF's init scale.
+SHAPES = {
+    "smollm2-135m": ("llama", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True)),
+    "qwen3-0.6b": ("qwen3", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
+    "qwen3-1.7b": ("qwen3", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
+}
 
 LLAMA_SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # last three ids
@@ -128,17 +146,32 @@ def _build_tokenizer(vocab_size: int, family: str):
     return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **kw)
 
 
-def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """Write config.json, model.safetensors (float32), generation_config.json and tokenizer
-    files for a random-weight model into out_dir; returns out_dir."""
+def shape_config(shape: str) -> tuple[str, dict]:
+    """(arch, HF config keys) of a named real-model shape (SHAPES), at HF's init scale."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    arch, cfg = SHAPES[shape]
+    return arch, {**DEFAULTS, "initializer_range": 0.02, **cfg}
+
+
+def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, shape: str | None = None,
+                    dtype: str = "float32", **overrides) -> str:
+    """Write config.json, model.safetensors (`dtype`: float32 or bfloat16), generation_config.json
+    and tokenizer files for a random-weight model into out_dir; returns out_dir. `shape` (a key of
+    SHAPES) takes a real model's architecture and sizes (overrides still apply on top)."""
     import torch
     import transformers
     from transformers import GenerationConfig
 
     out_dir = str(out_dir)
+    base = DEFAULTS
+    if shape is not None:
+        arch, base = shape_config(shape)
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    cfg = {**DEFAULTS, **{k: v for k, v in overrides.items() if v is not None}}
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    cfg = {**base, **{k: v for k, v in overrides.items() if v is not None}}
     if arch == "qwen3":
         cfg.setdefault("head_dim", 32)
     family = "llama" if arch == "llama" else "qwen"
@@ -165,6 +198,9 @@ def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, **override
         if not config.tie_word_embeddings:
             model.lm_head.weight.mul_(2.0)  # logit std ~3 rather than ~1.6
 
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+        config.dtype = torch.bfloat16
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     GenerationConfig(**ids).save_pretrained(out_dir)
@@ -176,6 +212,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
     ap.add_argument("--arch", choices=ARCHS, default="llama")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a real model's architecture and sizes (random weights)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of the written weights")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int)
     ap.add_argument("--hidden-size", type=int)
@@ -193,6 +231,8 @@ def main(argv=None) -> None:
         a.out,
         arch=a.arch,
         seed=a.seed,
+        shape=a.shape,
+        dtype=a.dtype,
         vocab_size=a.vocab_size,
         hidden_size=a.hidden_size,
         intermediate_size=a.intermediate_size,
