@@ -94,8 +94,9 @@ class ServerArgs:
     max_n: int = _arg(64, "Largest n (samples per prompt) of a generate request (more: 400).")
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg(
-        "torch", "Attention implementation: torch (SDPA, CPU and CUDA) or triton (decode attention that reads "
-        "the KV pool by slot index; CUDA, or CPU under TRITON_INTERPRET=1 for tests).", ["torch", "triton"])
+        "torch", "Attention implementation: torch (SDPA, CPU and CUDA) or triton (Triton kernels for decode, "
+        "reading the KV pool by slot index, and for beam steps' staged attention; CUDA, or CPU under "
+        "TRITON_INTERPRET=1 for tests).", ["torch", "triton"])
     enable_weight_packing: bool = _arg(
         False, "On CPU, prepack float32 weights for oneDNN matmuls: faster decode, but a different "
         "summation order (logprobs differ from HF by up to ~1e-3 on some models instead of ~1e-4).")

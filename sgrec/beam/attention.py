@@ -144,8 +144,9 @@ class StagedBeamBackend(AttentionBackend):
     (independent) and a merge that depends on both; the stages' partial results go to the tensor
     pool of the stream that made them until the merge that reads them is done."""
 
-    def __init__(self, units=None):
+    def __init__(self, units=None, triton: bool = False):
         self.units = units
+        self.triton = triton  # each request's staged attention in one Triton kernel (--attention-backend triton)
 
     def prepare(self, batch: ForwardBatch) -> None:
         if not isinstance(batch.attn_meta, (BeamStepMeta, BeamBatchMeta)):
@@ -156,6 +157,13 @@ class StagedBeamBackend(AttentionBackend):
         pool.set_kv(layer, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv(layer)
         meta = batch.attn_meta
+        if self.triton:
+            from sgrec.model.kernels.staged_attention import staged_attention as kernel
+
+            if isinstance(meta, BeamStepMeta):
+                return kernel(q, k_buf, v_buf, meta.shared_idx, meta.unshared_idx, scale)
+            return torch.cat([kernel(q[a:b], k_buf, v_buf, g.shared_idx, g.unshared_idx, scale)
+                              for g, (a, b) in zip(meta.groups, meta.rows())])
         if isinstance(meta, BeamStepMeta):
             return staged_attention(q, k_buf, v_buf, meta.shared_idx, meta.unshared_idx, scale)
         if self.units is not None:

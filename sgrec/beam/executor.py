@@ -108,7 +108,8 @@ class RetrieveExecutor:
         if catalog is not None and catalog.semantic_id_len:
             self.trie, self._trie_rows = SemanticIdTrie.from_catalog(catalog, self.vocab_size, self.device)
         self.filter_cache = FilterCache()
-        self.backend = StagedBeamBackend(units)  # units: a batched step's attention stages as work units
+        # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
+        self.backend = StagedBeamBackend(units, triton=runner.args.attention_backend == "triton")
 
     # ---- public API ---------------------------------------------------------------------
     def tokens(self, payload: dict) -> int:
