@@ -45,3 +45,21 @@ def test_decode_attention_compiled_on_cuda(monkeypatch, dtype, tol):
     out = decode_attention(q, k_buf, v_buf, idx, ptr, 0.125)
     ref = reference(q.cpu(), k_buf.cpu(), v_buf.cpu(), idx.cpu(), ptr.cpu(), 0.125)
     assert (out.double().cpu() - ref).abs().max() <= tol
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_staged_attention_compiled_on_cuda(monkeypatch, dtype, tol):
+    from sgrec.beam.attention import staged_attention as torch_staged
+    from sgrec.model.kernels.staged_attention import staged_attention
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d, P, n, s = 16, 4, 64, 1000, 64, 2
+    k_buf, v_buf = (torch.randn(P + n * s + 5, hkv, d, generator=g).to("cuda", dtype) for _ in range(2))
+    perm = torch.randperm(P + n * s + 5, generator=g).cuda()
+    sh, un = perm[:P], perm[P : P + n * s].view(n, s)
+    q = torch.randn(n, hq, d, generator=g).to("cuda", dtype)
+    out = staged_attention(q, k_buf, v_buf, sh, un, 0.125)
+    want = torch_staged(q.float(), k_buf.float(), v_buf.float(), sh, un, 0.125)
+    assert (out.float() - want).abs().max() <= tol
