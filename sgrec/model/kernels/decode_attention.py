@@ -18,9 +18,9 @@ Under TRITON_INTERPRET=1 (read when the kernel is first built) the kernel runs o
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from sgrec.model.kernels import built, pow2
 
 _KERNELS: dict[bool, object] = {}  # interpreted or compiled -> the jitted kernel
 
@@ -67,17 +67,6 @@ def _build():
     return kernel
 
 
-def _kernel():
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpreted not in _KERNELS:
-        _KERNELS[interpreted] = _build()
-    return _KERNELS[interpreted]
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_idx: torch.Tensor,
                      kv_ptr: torch.Tensor, scale: float, block_n: int = 32) -> torch.Tensor:
     """softmax(q k^T * scale) v per sequence over its slots (see the module doc) -> [B, Hq * D]."""
@@ -90,9 +79,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     q = q.contiguous()
     out = torch.empty_like(q)
     G = hq // hkv
-    _kernel()[(B, hkv)](
+    built(_KERNELS, _build)[(B, hkv)](
         q, k_buf, v_buf, kv_idx.to(torch.int64).contiguous(), kv_ptr.to(torch.int64).contiguous(), out, float(scale),
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1),
-        G=G, D=D, BLOCK_G=_pow2(G), BLOCK_D=_pow2(D), BLOCK_N=block_n)
+        G=G, D=D, BLOCK_G=pow2(G), BLOCK_D=pow2(D), BLOCK_N=block_n)
     return out.reshape(B, hq * D)

@@ -18,11 +18,10 @@ Under TRITON_INTERPRET=1 (set before triton is imported) it runs on CPU tensors.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from sgrec.model.kernels.decode_attention import _pow2
+from sgrec.model.kernels import built, pow2
+
 
 _KERNELS: dict[bool, object] = {}
 
@@ -82,13 +81,6 @@ def _build():
     return kernel
 
 
-def _kernel():
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpreted not in _KERNELS:
-        _KERNELS[interpreted] = _build()
-    return _KERNELS[interpreted]
-
-
 def staged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared_idx: torch.Tensor,
                      unshared_idx: torch.Tensor, scale: float, block_b: int = 4, block_n: int = 32) -> torch.Tensor:
     """See the module doc; the same contract as sgrec.beam.attention.staged_attention. Needs at
@@ -105,9 +97,9 @@ def staged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     out = torch.empty_like(q)
     G = hq // hkv
     grid = (-(-n // block_b), hkv)
-    _kernel()[grid](
+    built(_KERNELS, _build)[grid](
         q, k_buf, v_buf, shared_idx.to(torch.int64).contiguous(), un, out, float(scale), n, shared_idx.numel(),
         un.shape[1], q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         max(un.stride(0), 1), out.stride(0), out.stride(1),
-        G=G, D=D, BLOCK_B=block_b, BLOCK_G=_pow2(G), BLOCK_D=_pow2(D), BLOCK_N=block_n)
+        G=G, D=D, BLOCK_B=block_b, BLOCK_G=pow2(G), BLOCK_D=pow2(D), BLOCK_N=block_n)
     return out.reshape(n, hq * D)
