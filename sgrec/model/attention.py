@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +114,8 @@ class TorchBackend(AttentionBackend):
                 fresh.append(True)
             else:
                 q_pos = torch.arange(s.q_len, device=batch.out_cache_loc.device)[:, None] + prefix
-                masks.append(_additive(torch.arange(s.kv_len, device=batch.out_cache_loc.device)[None, :] <= q_pos, dtype))
+                causal = torch.arange(s.kv_len, device=batch.out_cache_loc.device)[None, :] <= q_pos
+                masks.append(_additive(causal, dtype))
                 fresh.append(False)
         batch.attn_meta = _ExtendMeta(masks, fresh)
 
