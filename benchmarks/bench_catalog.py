@@ -86,8 +86,8 @@ def cpu_flags() -> str:
     return " ".join(f"{x}={'yes' if x in have else 'no'}" for x in FLAGS)
 
 
-def header(cmd: str) -> str:
-    return (f"# bench_catalog  {datetime.datetime.now().isoformat(timespec='seconds')}\n"
+def header(cmd: str, name: str = "bench_catalog") -> str:
+    return (f"# {name}  {datetime.datetime.now().isoformat(timespec='seconds')}\n"
             f"CPU: {cpu_model()} ({os.cpu_count()} cores); flags: {cpu_flags()}\n"
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; load avg {loadavg():.2f}\n"
             f"command: {cmd}")

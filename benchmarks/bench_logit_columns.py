@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cmd = ("python benchmarks/bench_logit_columns.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
-    print(header(cmd).replace("bench_catalog", "bench_logit_columns"), flush=True)
+    print(header(cmd, "bench_logit_columns"), flush=True)
     model = os.path.expanduser(args.model_path)
     with open(os.path.join(model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]

@@ -69,7 +69,7 @@ class SemanticIdTrie:
         self.num_duplicate_paths = p.shape[0] - self.num_nodes[-1]
         # per depth d: the distinct tokens of the nodes at depth d + 1 (ascending), and each
         # vocabulary id's column among them: a beam step computes only these logits (`logit_columns`)
-        self.level_tokens = [torch.unique(t) for t in self.child_tok]
+        self.level_tokens = [torch.bincount(t, minlength=V).nonzero().flatten() for t in self.child_tok]  # O(N)
         self.level_col = []
         for toks in self.level_tokens:
             col = torch.zeros(V, dtype=torch.int64, device=self.device)
