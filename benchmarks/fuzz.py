@@ -77,6 +77,7 @@ def fuzz(max_time: int | None = 600, seed: int = 0, workers: int = 1, api_key: s
          extra_flags: list[str] | None = None, workdir: str | None = None, max_examples: int | None = None) -> dict:
     workdir = workdir or tempfile.mkdtemp(prefix="sgrec-fuzz-")
     flags = SERVER_FLAGS + (["--api-key", api_key] if api_key else []) + (extra_flags or [])
+    flags += ["--catalog-journal", os.path.join(workdir, "catalog.journal")]  # the catalog updates it sends
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with LocalServer(flags, log_path=os.path.join(workdir, "server.log")) as srv:
         before = proc_tree(srv.pid)

@@ -185,6 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.served_model_name is None:
         args.served_model_name = args.model_path
+    if args.item_catalog:  # a crash mid-compaction or mid-append: settled before anyone replays or appends
+        from sgrec.catalog import CatalogError, compact, journal
+
+        try:
+            for warning in (compact.finish(args.item_catalog, args.journal_path), journal.repair(args.journal_path)):
+                if warning is not None:
+                    logger.warning("%s", warning)
+        except CatalogError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     ipc_dir = tempfile.mkdtemp(prefix="sgrec-ipc-")
     in_addrs = [f"ipc://{ipc_dir}/scheduler-{r}" for r in range(args.dp_size)]
     out_addr = f"ipc://{ipc_dir}/tokenizer"

@@ -63,6 +63,15 @@ class ServerArgs:
     item_catalog: str | None = _arg(
         None, "Item catalog for /v1/rank and /v1/retrieve: JSON Lines (id, text or token_ids, optional "
         "id_token, semantic_id, attrs) or the binary .npz bundle of `python -m sgrec.catalog convert`.")
+    catalog_journal: str | None = _arg(
+        None, "Journal of catalog updates (POST /v1/catalog/...): each update is appended and fsynced here "
+        "before it is acknowledged, and replayed over --item-catalog at start-up (default: <catalog>.journal; "
+        "created on the first update). `python -m sgrec.catalog compact` folds it into the catalog file.")
+    catalog_history: int = _arg(
+        8, "Catalog versions kept for POST /v1/catalog/rollback (the current one included); each keeps its "
+        "own copy of the catalog's columns and trie in memory.")
+    admin_api_key: str | None = _arg(
+        None, "Require 'Authorization: Bearer KEY' on the catalog update routes (default: --api-key when set).")
     item_cache_tokens: int | None = _arg(
         None, "KV tokens reserved for the item store (default: enough for the whole catalog, capped at "
         "half the pool); items beyond it are recomputed on a miss.")
@@ -152,6 +161,8 @@ class ServerArgs:
             raise ValueError("num_streams must be at least 1")
         if self.item_cache_tokens is not None and self.item_cache_tokens < 0:
             raise ValueError("item_cache_tokens must be non-negative")
+        if self.catalog_history < 1:
+            raise ValueError("catalog_history must be at least 1 (the current version)")
         if self.dp_size < 1:
             raise ValueError("dp_size must be at least 1")
         if self.item_kv_port is not None and not 0 < self.item_kv_port <= 65536 - self.dp_size:
@@ -199,6 +210,13 @@ class ServerArgs:
             return cls(**vars(ns))
         except ValueError as e:
             parser.error(str(e))
+
+    @property
+    def journal_path(self) -> str | None:
+        """The catalog journal's path (None without a catalog)."""
+        if self.catalog_journal is not None:
+            return self.catalog_journal
+        return None if self.item_catalog is None else self.item_catalog + ".journal"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, UnsharedKV
@@ -103,13 +104,23 @@ class RetrieveExecutor:
         self.vocab_size = runner.config.vocab_size
         self.max_beam_width = max_beam_width or runner.args.max_beam_width
         self.reorder_chunk = reorder_chunk
-        self.trie: SemanticIdTrie | None = None
-        self._trie_rows = None  # catalog row of each trie row
-        if catalog is not None and catalog.semantic_id_len:
-            self.trie, self._trie_rows = SemanticIdTrie.from_catalog(catalog, self.vocab_size, self.device)
-        self.filter_cache = FilterCache()
+        self.use_catalog(catalog, self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
         self.backend = StagedBeamBackend(units, triton=runner.args.attention_backend == "triton")
+
+    def build_trie(self, catalog: Catalog | None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
+        """The valid-path trie of a catalog and the catalog row of each trie row ((None, None) when
+        no item has a semantic ID). Reads nothing that changes: a new version's trie is built here
+        off the scheduler's step, then handed to `use_catalog`."""
+        if catalog is None or not catalog.semantic_id_len:
+            return None, None
+        return SemanticIdTrie.from_catalog(catalog, self.vocab_size, self.device)
+
+    def use_catalog(self, catalog: Catalog | None, built) -> None:
+        """Serves a catalog version (between scheduler steps): its trie from `build_trie`."""
+        self.catalog = catalog
+        self.trie, self._trie_rows = built
+        self.filter_cache = FilterCache()  # per-node counts of the old trie
 
     # ---- public API ---------------------------------------------------------------------
     def tokens(self, payload: dict) -> int:

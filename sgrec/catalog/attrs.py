@@ -46,6 +46,17 @@ def kind_of(value) -> str | None:
     raise ValueError("must be a string, a number, a bool or a list of strings")
 
 
+def take_ragged(ptr: np.ndarray, flat: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of a ragged array (CSR: `flat[ptr[r]:ptr[r + 1]]` is row r), in the order of `rows`:
+    (new ptr, new flat), vectorised."""
+    rows = np.asarray(rows, dtype=np.int64)
+    lens = ptr[rows + 1] - ptr[rows]
+    new_ptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lens, out=new_ptr[1:])
+    idx = np.arange(int(new_ptr[-1]), dtype=np.int64) + np.repeat(ptr[rows] - new_ptr[:-1], lens)
+    return new_ptr, flat[idx]
+
+
 @dataclass
 class AttrColumn:
     kind: str
@@ -101,6 +112,43 @@ class AttrColumn:
     def range(self, op: str, bound: float) -> np.ndarray:
         return RANGE_OPS[op](self.data, bound) & self.present
 
+    # ---- new columns from old (catalog updates) ---------------------------------------------
+    @classmethod
+    def absent(cls, kind: str, n: int) -> "AttrColumn":
+        """A column of `kind` over n rows that no row has."""
+        if kind == "num":
+            return cls("num", n, np.zeros(n, np.float64), present=np.zeros(n, bool))
+        if kind == "strs":
+            return cls("strs", n, np.zeros(0, np.int32), present=np.zeros(n, bool), ptr=np.zeros(n + 1, np.int64))
+        return cls(kind, n, np.full(n, -1, np.int32 if kind == "str" else np.int8))
+
+    def take(self, rows: np.ndarray) -> "AttrColumn":
+        """The column of these rows, in this order (the vocabulary kept as it is)."""
+        n = len(rows)
+        if self.kind == "strs":
+            ptr, flat = take_ragged(self.ptr, self.data, rows)
+            return AttrColumn("strs", n, flat, present=self.present[rows], ptr=ptr, values=self.values)
+        present = None if self.present is None else self.present[rows]
+        return AttrColumn(self.kind, n, self.data[rows], present=present, values=self.values)
+
+    def concat(self, other: "AttrColumn") -> "AttrColumn":
+        """This column's rows, then `other`'s (of the same kind); other's strings recoded into this
+        column's vocabulary, new strings appended to it."""
+        n = self.n + other.n
+        if self.kind in ("str", "strs"):
+            values = list(self.values)
+            code = {v: i for i, v in enumerate(values)}
+            remap = np.array([code.setdefault(v, len(code)) for v in other.values] or [0], dtype=np.int32)
+            values = list(code)
+            theirs = np.where(other.data >= 0, remap[np.maximum(other.data, 0)], -1).astype(np.int32)
+            if self.kind == "str":
+                return AttrColumn("str", n, np.concatenate([self.data, theirs]), values=values)
+            ptr = np.concatenate([self.ptr, other.ptr[1:] + self.ptr[-1]])
+            return AttrColumn("strs", n, np.concatenate([self.data, theirs]),
+                              present=np.concatenate([self.present, other.present]), ptr=ptr, values=values)
+        present = None if self.present is None else np.concatenate([self.present, other.present])
+        return AttrColumn(self.kind, n, np.concatenate([self.data, other.data]), present=present)
+
 
 class AttrTable:
     """The catalog's attribute columns (name -> AttrColumn) over N rows."""
@@ -133,6 +181,28 @@ class AttrTable:
             for op, v in pred.items():
                 out.append((name, op, _check_pred(f"{where}.{op}", col, op, v)))
         return out
+
+    def present_rows(self) -> np.ndarray:
+        """bool [N]: rows that have at least one attribute."""
+        out = np.zeros(self.n, dtype=bool)
+        for col in self.columns.values():
+            out |= col.present if col.present is not None else col.data >= 0
+        return out
+
+    def take(self, rows: np.ndarray) -> "AttrTable":
+        return AttrTable(len(rows), {name: col.take(rows) for name, col in self.columns.items()})
+
+    def concat(self, other: "AttrTable") -> "AttrTable":
+        """This table's rows, then `other`'s; ValueError naming an attribute whose kinds differ."""
+        cols = {}
+        for name in [*self.columns, *(k for k in other.columns if k not in self.columns)]:
+            a, b = self.columns.get(name), other.columns.get(name)
+            if a is not None and b is not None and a.kind != b.kind:
+                raise ValueError(f"attrs.{name} is {b.kind} here but {a.kind} in the catalog; one kind per attribute")
+            a = a if a is not None else AttrColumn.absent(b.kind, self.n)
+            b = b if b is not None else AttrColumn.absent(a.kind, other.n)
+            cols[name] = a.concat(b)
+        return AttrTable(self.n + other.n, cols)
 
     def evaluate(self, spec) -> np.ndarray:
         """bool [N]: the rows that pass every predicate of the filter (checked first)."""

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import orjson
 
-from sgrec.catalog.attrs import AttrBuilder, AttrTable
+from sgrec.catalog.attrs import AttrBuilder, AttrTable, take_ragged
 from sgrec.catalog.item import CatalogError, Item, UnknownItemError
 
 
@@ -78,6 +78,46 @@ class Catalog:
         if len(ids) == 0:
             raise CatalogError("the item catalog has no items")
         self.semantic_id_len: int | None = None if self.semantic_ids is None else int(self.semantic_ids.shape[1])
+
+    # ---- new catalogs from old (updates) --------------------------------------------------
+    def take(self, rows) -> "Catalog":
+        """A catalog of these rows, in this order (columns gathered, vectorised)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        ptr, flat = take_ragged(self.token_ptr, self.token_flat, rows)
+        new_row = {int(r): k for k, r in enumerate(rows.tolist())} if self.meta else {}
+        meta = {new_row[r]: m for r, m in self.meta.items() if r in new_row}
+        ids = self.ids
+        return Catalog.from_columns([ids[r] for r in rows.tolist()], flat, ptr, self.id_tokens[rows],
+                                    None if self.semantic_ids is None else self.semantic_ids[rows],
+                                    self.has_semantic[rows], self.attrs.take(rows), meta)
+
+    def concat(self, other: "Catalog") -> "Catalog":
+        """This catalog's rows, then `other`'s. CatalogError when semantic IDs differ in length, an
+        attribute's kind differs, or an id is in both."""
+        if self.semantic_id_len and other.semantic_id_len and self.semantic_id_len != other.semantic_id_len:
+            raise CatalogError(f"semantic_id has {other.semantic_id_len} tokens here but {self.semantic_id_len} "
+                               "in the catalog")
+        nd = self.semantic_id_len or other.semantic_id_len
+        try:
+            attrs = self.attrs.concat(other.attrs)
+        except ValueError as e:
+            raise CatalogError(str(e)) from None
+        sem = None
+        if nd:
+            sem = np.full((len(self) + len(other), nd), -1, dtype=np.int32)
+            for off, c in ((0, self), (len(self), other)):
+                if c.semantic_ids is not None:
+                    sem[off:off + len(c)] = c.semantic_ids
+        index = dict(self.index)
+        n = len(self)
+        for k, i in enumerate(other.ids):
+            if index.setdefault(i, n + k) != n + k:
+                raise CatalogError(f"duplicate item id {i!r}")
+        meta = {**self.meta, **{n + r: m for r, m in other.meta.items()}}
+        return Catalog.from_columns(self.ids + other.ids, np.concatenate([self.token_flat, other.token_flat]),
+                                    np.concatenate([self.token_ptr, other.token_ptr[1:] + self.token_ptr[-1]]),
+                                    np.concatenate([self.id_tokens, other.id_tokens]), sem,
+                                    np.concatenate([self.has_semantic, other.has_semantic]), attrs, meta, index)
 
     # ---- lookups ------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -20,6 +20,7 @@ from sgrec.managers.tokenizer_manager import QueueFull, TokenizerManager
 from sgrec.server_args import ServerArgs
 
 OPEN_PATHS = ("/health", "/health_generate", "/ready", "/metrics")
+ADMIN_PATHS = ("/v1/catalog/items", "/v1/catalog/delete", "/v1/catalog/rollback")  # --admin-api-key
 
 
 class BodyLimitMiddleware:
@@ -87,14 +88,18 @@ class AdmissionMiddleware:
 class APIKeyMiddleware:
     """Pure ASGI (BaseHTTPMiddleware would hide client disconnects from the handlers)."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str | None, admin_api_key: str | None = None):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        admin = admin_api_key or api_key  # the catalog updates: the admin key when given
+        self.admin = None if admin is None else f"Bearer {admin}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        path = scope.get("path")
+        if scope["type"] == "http" and path not in OPEN_PATHS:
+            expected = self.admin if path in ADMIN_PATHS and scope.get("method") == "POST" else self.expected
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if expected is not None and not hmac.compare_digest(given, expected):
                 await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -111,9 +116,22 @@ def add_middleware(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None
     """Outermost first: the body limit (413), the API key (401), admission (503)."""
     if args.max_queued_requests is not None:
         app.add_middleware(AdmissionMiddleware, tm=tm)  # inside the key check: 401 before 503
-    if args.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    if args.api_key or args.admin_api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key, admin_api_key=args.admin_api_key)
     app.add_middleware(BodyLimitMiddleware, limit=args.max_request_bytes)
+
+
+def secured_routes(args: ServerArgs):
+    """(path, method) -> whether APIKeyMiddleware asks for a key there; None when it is not installed."""
+    if not (args.api_key or args.admin_api_key):
+        return None
+
+    def secured(path: str, method: str) -> bool:
+        if path in OPEN_PATHS:
+            return False
+        return bool(args.admin_api_key or args.api_key) if path in ADMIN_PATHS and method == "post" else bool(args.api_key)
+
+    return secured
 
 
 def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
@@ -132,5 +150,5 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
 
     lim = tm.builder.limits
     install_openapi(app, SchemaLimits(lim.vocab_size, lim.max_n, lim.max_batch_size, args.max_rank_candidates,
-                                      args.max_beam_width, args.max_filter_items), OPEN_PATHS if args.api_key else None)
+                                      args.max_beam_width, args.max_filter_items), secured_routes(args))
     return app

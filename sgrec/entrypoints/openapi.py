@@ -227,6 +227,37 @@ def retrieve_schema(lim: SchemaLimits) -> dict:
     }
 
 
+def catalog_item_schema(lim: SchemaLimits) -> dict:
+    """One item of POST /v1/catalog/items: the catalog's JSON Lines line (sgrec.catalog.jsonl)."""
+    return {
+        "type": "object",
+        "required": ["id"],
+        "properties": {
+            "id": {"type": "string", "minLength": 1},
+            "text": {"type": "string", "minLength": 1},
+            "token_ids": _nullable(_token_ids(lim)),
+            "id_token": _nullable({"anyOf": [{"type": "integer", "minimum": 0, "maximum": lim.vocab_size - 1},
+                                             {"type": "string", "minLength": 1}]}),
+            "semantic_id": _nullable(_token_ids(lim)),
+            "attrs": _nullable({"type": "object"}),
+        },
+        "description": "exactly one of text and token_ids; any other key is kept as the item's meta",
+    }
+
+
+CATALOG_SCHEMAS = {
+    "CatalogItemsRequest": lambda lim: {
+        "type": "object", "required": ["items"],
+        "properties": {"items": {"type": "array", "items": catalog_item_schema(lim), "minItems": 1}}},
+    "CatalogDeleteRequest": lambda lim: {
+        "type": "object", "required": ["ids"],
+        "properties": {"ids": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}}},
+    "CatalogRollbackRequest": lambda lim: {
+        "type": "object", "required": ["version"],
+        "properties": {"version": {"type": "integer", "minimum": 0}}},
+}
+
+
 ERROR_SCHEMA = {
     "type": "object",
     "description": "OpenAI's error object on /v1 routes; {\"error\": ...} on native routes",
@@ -255,7 +286,12 @@ BODIES = {  # path -> (component name, streams)
     "/v1/score": ("ScoringRequest", False),
     "/v1/rank": ("RankRequest", False),
     "/v1/retrieve": ("RetrieveRequest", False),
+    "/v1/catalog/items": ("CatalogItemsRequest", False),
+    "/v1/catalog/delete": ("CatalogDeleteRequest", False),
+    "/v1/catalog/rollback": ("CatalogRollbackRequest", False),
 }
+CATALOG_ERRORS = {"404": "A rollback to a catalog version that is not kept",
+                  "500": "The update could not be made durable (journal write failed)"}
 TEXT = {"content": {"text/plain": {"schema": {"type": "string"}}}}
 _UNHEALTHY = {"description": "Not serving (a scheduler died, or the health generation failed)"}
 _NOT_FLUSHED = {"description": "Requests are running or waiting: nothing flushed", **TEXT}
@@ -269,12 +305,15 @@ OTHER_RESPONSES = {  # (path, method) -> the statuses and bodies of the routes w
                           "404": {"description": "Metrics are off (--enable-metrics)", **TEXT}},
     ("/v1/models/{model_id}", "get"): {"404": {"description": "No such model",
                                                 "content": {"application/json": {"schema": ERROR_SCHEMA}}}},
+    ("/v1/catalog", "get"): {"404": {"description": "No item catalog (--item-catalog)",
+                                     "content": {"application/json": {"schema": ERROR_SCHEMA}}}},
 }
 
 
-def build_openapi(app: FastAPI, lim: SchemaLimits, open_paths: tuple[str, ...] | None) -> dict:
-    """The document; `open_paths`: the routes that need no API key (None: no --api-key)."""
-    auth = open_paths is not None
+def build_openapi(app: FastAPI, lim: SchemaLimits, secured=None) -> dict:
+    """The document; `secured(path, method)`: whether the route needs an API key (None: none does)."""
+    auth = secured is not None
+    secured = secured or (lambda path, method: False)
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                       description="sgrec: SGLang-compatible serving for generative recommendation")
     comps = doc.setdefault("components", {}).setdefault("schemas", {})
@@ -287,6 +326,7 @@ def build_openapi(app: FastAPI, lim: SchemaLimits, open_paths: tuple[str, ...] |
         **FILTER_SCHEMAS,
         "ScoringRequest": score_schema(lim), "RecUser": _user_schema(lim), "RankRequest": rank_schema(lim),
         "RetrieveRequest": retrieve_schema(lim),
+        **{name: make(lim) for name, make in CATALOG_SCHEMAS.items()},
     })
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
@@ -296,9 +336,11 @@ def build_openapi(app: FastAPI, lim: SchemaLimits, open_paths: tuple[str, ...] |
                 op["requestBody"] = _body(name)
                 op["responses"] = {"200": STREAMING_OK if streams else JSON_OK,
                                    **{code: _error(why) for code, why in ERROR_STATUSES.items()}}
+                if path.startswith("/v1/catalog/"):
+                    op["responses"].update({code: _error(why) for code, why in CATALOG_ERRORS.items()})
             else:
                 op["responses"].update(OTHER_RESPONSES.get((path, method), {}))
-            if auth and path not in open_paths:
+            if secured(path, method):
                 op["responses"]["401"] = UNAUTHORIZED
                 op["security"] = [{"bearer": []}]
     if auth:
@@ -306,12 +348,12 @@ def build_openapi(app: FastAPI, lim: SchemaLimits, open_paths: tuple[str, ...] |
     return doc
 
 
-def install_openapi(app: FastAPI, lim: SchemaLimits, open_paths: tuple[str, ...] | None) -> None:
+def install_openapi(app: FastAPI, lim: SchemaLimits, secured=None) -> None:
     """Replaces FastAPI's generated document with build_openapi's (built once, on first request)."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = build_openapi(app, lim, open_paths)
+            app.openapi_schema = build_openapi(app, lim, secured)
         return app.openapi_schema
 
     app.openapi = openapi

@@ -7,6 +7,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sgrec.entrypoints.helpers import HTTPError, await_or_disconnect, native_error, openai_error_body, read_json
+from sgrec.managers.catalog import CatalogRequestError
 from sgrec.managers.rec import beam_generate_response, task_response
 from sgrec.managers.score import score_response
 from sgrec.managers.tokenizer_manager import TokenizerManager
@@ -15,10 +16,12 @@ from sgrec.managers.tokenizer_manager import TokenizerManager
 def error(request: Request, status: int, message: str) -> JSONResponse:
     """OpenAI-style errors on /v1 routes, SGLang's native ones on /generate."""
     if request.url.path.startswith("/v1/"):
-        # type as the OpenAI routes: BadRequestError for 400s, else the status
-        return JSONResponse(openai_error_body(status, message, None if status == 400 else str(status)),
-                            status_code=status)
+        return error_json(status, message)  # type as the OpenAI routes: BadRequestError for 400s, else the status
     return native_error(status, message)
+
+
+def error_json(status: int, message: str) -> JSONResponse:
+    return JSONResponse(openai_error_body(status, message, None if status == 400 else str(status)), status_code=status)
 
 
 def add_rec_routes(app: FastAPI, tm: TokenizerManager) -> None:
@@ -73,3 +76,34 @@ def add_rec_routes(app: FastAPI, tm: TokenizerManager) -> None:
                          lambda states, _: beam_generate_response(states[0], tm.tokenizer), body)
 
     app.state.beam_generate = beam_generate
+
+    async def catalog_update(request: Request, op: str):
+        try:
+            body = await read_json(request)
+            return JSONResponse(await tm.catalog.update(op, body))
+        except HTTPError as e:
+            return error(request, e.status, e.message)
+        except CatalogRequestError as e:
+            return error(request, e.status, e.message)
+
+    @app.post("/v1/catalog/items")
+    async def catalog_items(request: Request):
+        """Inserts or replaces items by id (all or nothing), durably, on every rank."""
+        return await catalog_update(request, "upsert")
+
+    @app.post("/v1/catalog/delete")
+    async def catalog_delete(request: Request):
+        """Deletes items by id (unknown ids are ignored and counted)."""
+        return await catalog_update(request, "delete")
+
+    @app.post("/v1/catalog/rollback")
+    async def catalog_rollback(request: Request):
+        """Serves a kept earlier version again, as a new version."""
+        return await catalog_update(request, "rollback")
+
+    @app.get("/v1/catalog")
+    async def catalog_info():
+        """The served catalog version: item counts, semantic-ID length, kept versions."""
+        if tm.catalog.facts is None:
+            return error_json(404, "this server has no item catalog (--item-catalog)")
+        return JSONResponse(tm.catalog.facts)

@@ -169,6 +169,22 @@ class ItemStore:
                 freed += len(e.slots)
         return freed
 
+    def use_catalog(self, catalog: Catalog, changed: Iterable[str]) -> int:
+        """Serves a new catalog version: the entries of the items it changed (replaced, deleted, or
+        different after a rollback) are freed, so they are recomputed from their new tokens on
+        their next use; returns the tokens freed. Between scheduler steps only: no entry is pinned."""
+        freed = 0
+        with self.lock:
+            self.catalog = catalog
+            for k in [k for k in changed if k in self.entries]:
+                e = self.entries.pop(k)
+                if e.pins:
+                    raise RuntimeError(f"item {k!r} is in use while the catalog changes")
+                self.allocator.free(e.slots)
+                self.item_tokens -= len(e.slots)
+                freed += len(e.slots)
+        return freed
+
     def read_kv(self, item_ids: Sequence[str]) -> tuple[list[tuple[str, int]], torch.Tensor | None,
                                                          torch.Tensor | None]:
         """Safe from any thread (see the module docstring): the stored items among `item_ids`, as

@@ -101,6 +101,33 @@ class SchedulerReady:
     context_len: int
     vocab_size: int
     max_input_len: int
+    catalog: dict | None = None  # the catalog's facts (GET /v1/catalog), None without one
+
+
+@dataclass
+class CatalogUpdateReq:
+    """Phase one of a catalog update: build the next version (a journal record) off the step."""
+
+    uid: str
+    record: dict
+
+
+@dataclass
+class CatalogCommitReq:
+    """Phase two: serve the prepared version from the next step on (commit), or drop it."""
+
+    uid: str
+    commit: bool = True
+
+
+@dataclass
+class CatalogReply:
+    uid: str
+    dp_rank: int
+    stage: str  # "prepared" | "committed" | "failed"
+    status_code: int = 200
+    message: str = ""
+    info: dict | None = None  # prepared: the update's counts; committed: the catalog's facts
 
 
 QUEUE_FULL = "The request queue is full."  # the 503 message of --max-queued-requests (SGLang's)
@@ -115,7 +142,7 @@ _TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         TokenizedGenerateReq, TaskReq, ReqOutput, BatchReqOutput, AbortReq, FlushCacheReq, FlushCacheResult,
-        SchedulerStats, SchedulerReady,
+        SchedulerStats, SchedulerReady, CatalogUpdateReq, CatalogCommitReq, CatalogReply,
     )
 }
 

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from sgrec.managers import io_struct as io
+from sgrec.managers.catalog import CatalogAdmin
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates, wrong_type_field
 from sgrec.managers.rec import build_beam_generate_task, build_rank_task, build_retrieve_task, check_no_filters
 from sgrec.managers.score import ScorePlan, build_score_request
@@ -93,6 +94,7 @@ class TokenizerManager:
             sock.bind(addr)
             self.send_socks.append(sock)
         self.builder: RequestBuilder | None = None
+        self.catalog: CatalogAdmin | None = None  # catalog updates (set once the ranks are ready)
         self.ready: dict[int, io.SchedulerReady] = {}
         self.stats: dict[int, io.SchedulerStats] = {}
         self.subs: dict[str, Submission] = {}  # rid -> submission
@@ -122,6 +124,11 @@ class TokenizerManager:
         self.builder = RequestBuilder(
             self.tokenizer, Limits(first.vocab_size, first.context_len, pool, first.max_input_len,
                                    self.args.max_batch_size, self.args.max_n))
+        versions = {None if r.catalog is None else r.catalog["version"] for r in self.ready.values()}
+        if len(versions) > 1:
+            raise RuntimeError(f"the ranks loaded different catalog versions {sorted(versions)}")
+        self.catalog = CatalogAdmin(self.send_socks, self.tokenizer, first.vocab_size,
+                                    self.args.journal_path if first.catalog else None, first.catalog)
         self.listener = asyncio.create_task(self._listen())
 
     @property
@@ -279,6 +286,8 @@ class TokenizerManager:
 
     def fail_all(self, message: str, status_code: int = 500) -> None:
         self.dead = message
+        if self.catalog is not None:
+            self.catalog.fail_all(message)
         for sub in set(self.subs.values()):
             for s in sub.states:
                 if not s.finished:
@@ -311,6 +320,9 @@ class TokenizerManager:
                 self.stats[msg.dp_rank] = msg
                 if self.metrics:
                     self.metrics.on_stats(self.stats)
+        elif isinstance(msg, io.CatalogReply):
+            if self.catalog is not None:
+                self.catalog.on_reply(msg)
         elif isinstance(msg, io.FlushCacheResult):
             if self.flush_waiters:
                 self.flush_waiters.pop(0).set_result(msg.success)

@@ -146,6 +146,12 @@ class RankExecutor:
                     self.dp_rank, self.args.dp_size)
         return placement
 
+    def use_catalog(self, catalog: Catalog, changed: set[str]) -> None:
+        """Serves a new catalog version (between scheduler steps): the item KV of changed items is
+        dropped here; peers that ask for it check the tokens' fingerprint (sgrec.items.fetch)."""
+        self.catalog = catalog
+        self.store.use_catalog(catalog, changed)
+
     # ---- accounting -----------------------------------------------------------------------
     def total_size(self) -> int:
         """KV slots held by the item store (the tree reports its own)."""

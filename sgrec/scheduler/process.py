@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 import traceback
 
@@ -16,6 +17,8 @@ import zmq
 from tqdm import tqdm
 
 from sgrec.catalog import CatalogError
+from sgrec.catalog.update import UpdateError
+from sgrec.catalog.versions import UnknownVersionError
 from sgrec.managers import io_struct as io
 from sgrec.runner import ModelRunner
 from sgrec.sampling import SamplingParams
@@ -36,11 +39,13 @@ class SchedulerLoop:
         self.args = args
         self.dp_rank = dp_rank
         self.parent = os.getppid()
-        ctx = zmq.Context(1)
+        ctx = self.ctx = zmq.Context(1)
+        self.out_addr = out_addr
         self.recv_sock = ctx.socket(zmq.PULL)
         self.recv_sock.connect(in_addr)
         self.send_sock = ctx.socket(zmq.PUSH)
         self.send_sock.connect(out_addr)
+        self.catalog_prepared: dict[str, tuple] = {}  # update uid -> (Prepared, trie), awaiting commit
         tokenizer = Tokenizer(args.tokenizer_path or args.model_path)
         show = dp_rank == 0
         self.runner = ModelRunner(args, show_progress=show)
@@ -86,7 +91,8 @@ class SchedulerLoop:
 
     def run(self) -> None:
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
-                                    self.runner.config.vocab_size, self.runner.max_input_len))
+                                    self.runner.config.vocab_size, self.runner.max_input_len,
+                                    self.scheduler.catalog_info()))
         while True:
             wait = self.scheduler.idle_wait()  # rank / retrieve batches waiting for their quota: sleep till due
             ready = dict(self.poller.poll(IDLE_POLL_MS if wait is None else min(IDLE_POLL_MS, math.ceil(wait * 1000))))
@@ -149,8 +155,44 @@ class SchedulerLoop:
                 self.send(io.BatchReqOutput([req.make_output()]))
         elif isinstance(msg, io.FlushCacheReq):
             self.send(io.FlushCacheResult(sched.flush_cache()))
+        elif isinstance(msg, io.CatalogUpdateReq):
+            threading.Thread(target=self._prepare_catalog, args=(msg,), daemon=True, name="catalog-prepare").start()
+        elif isinstance(msg, io.CatalogCommitReq):
+            prepared = self.catalog_prepared.pop(msg.uid, None)
+            if msg.commit and prepared is not None:  # here, between two steps
+                try:
+                    sched.commit_catalog(*prepared)
+                    reply = io.CatalogReply(msg.uid, self.dp_rank, "committed", info=sched.catalog_info())
+                except Exception as e:  # journaled but not served: only a restart brings the ranks together
+                    logger.error("catalog commit failed:\n%s", traceback.format_exc())
+                    reply = io.CatalogReply(msg.uid, self.dp_rank, "failed", 500,
+                                            f"the update is journaled but rank {self.dp_rank} failed to serve it "
+                                            f"({e!r}); restart the server")
+                self.send(reply)
         else:
             logger.warning("dropped an unexpected %s message", type(msg).__name__)
+
+    def _prepare_catalog(self, msg: io.CatalogUpdateReq) -> None:
+        """Phase one of a catalog update, on its own thread while steps go on: builds the next
+        version and its trie and reports back (from its own socket: ZMQ sockets are not shared
+        across threads)."""
+        try:
+            self.catalog_prepared[msg.uid] = self.scheduler.prepare_catalog(msg.record)
+            reply = io.CatalogReply(msg.uid, self.dp_rank, "prepared",
+                                    info=self.catalog_prepared[msg.uid][0].applied.counts())
+        except UpdateError as e:
+            reply = io.CatalogReply(msg.uid, self.dp_rank, "failed", 400, str(e))
+        except UnknownVersionError as e:
+            reply = io.CatalogReply(msg.uid, self.dp_rank, "failed", 404, str(e))
+        except Exception as e:
+            logger.error("catalog update failed:\n%s", traceback.format_exc())
+            reply = io.CatalogReply(msg.uid, self.dp_rank, "failed", 500, f"catalog update failed: {e!r}")
+        sock = self.ctx.socket(zmq.PUSH)
+        try:
+            sock.connect(self.out_addr)
+            sock.send(io.encode(reply))
+        finally:
+            sock.close(linger=5000)
 
     def step(self) -> None:
         try:

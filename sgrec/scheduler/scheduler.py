@@ -19,6 +19,8 @@ from sgrec.radix.tree import RadixCache
 from sgrec.runner import ModelRunner
 from sgrec.sampling import GREEDY_EPS, Sampler
 from sgrec.catalog import load_catalog
+from sgrec.catalog.update import UpdateError
+from sgrec.catalog.versions import Prepared, catalog_facts, replay
 from sgrec.managers.io_struct import TaskReq, TokenizedGenerateReq, abort_reason
 from sgrec.sampling import SamplingParams
 from sgrec.scheduler.policy import (
@@ -62,25 +64,32 @@ class Scheduler:
         self.clock = time.monotonic
         kinds: dict[str, TaskKind] = {}  # rank / retrieve: batched by kind, each batch one work unit
         backend = stream_backend(args, runner.device)
-        self.catalog = self.rank_executor = None
+        self.catalog = self.rank_executor = self.retriever = self.versions = None
         if args.item_catalog:
+            from sgrec.beam.executor import RetrieveExecutor
             from sgrec.rank.executor import RankExecutor
 
-            self.catalog = load_catalog(args.item_catalog, tokenizer, runner.config.vocab_size, progress=show_progress)
+            vocab = runner.config.vocab_size
+            catalog = load_catalog(args.item_catalog, tokenizer, vocab, progress=show_progress)
+            self.versions = replay(catalog, args.journal_path, args.catalog_history, vocab)
+            self.catalog = self.versions.current
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
             self.rank_executor.precompute(progress=show_progress)
-            kinds["rank"] = TaskKind(self.rank_executor.run_batch, self.rank_executor.tokens)
-            if self.catalog.semantic_id_len is not None:
-                from sgrec.beam.executor import RetrieveExecutor
+            self.retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width,
+                                              units=stage_units(args, backend))
 
-                retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width,
-                                             units=stage_units(args, backend))
+            def versioned(results: list) -> list:  # every answer names the catalog version it was served on
+                for r in results:
+                    if isinstance(r, dict):
+                        r["meta_info"]["catalog_version"] = self.versions.version
+                return results
 
-                def retrieve(payloads: list[dict]) -> list:
-                    return [r if isinstance(r, Exception) else {"items": r.items, "meta_info": r.meta}
-                            for r in retriever.run_batch(payloads)]
+            def retrieve(payloads: list[dict]) -> list:
+                return versioned([r if isinstance(r, Exception) else {"items": r.items, "meta_info": r.meta}
+                                  for r in self.retriever.run_batch(payloads)])
 
-                kinds["retrieve"] = TaskKind(retrieve, retriever.tokens)
+            kinds["rank"] = TaskKind(lambda p: versioned(self.rank_executor.run_batch(p)), self.rank_executor.tokens)
+            kinds["retrieve"] = TaskKind(retrieve, self.retriever.tokens)
         self.tasks = TaskQueue(args, kinds, backend, clock=lambda: self.clock())
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         self.last_was_prefill = False
@@ -200,6 +209,30 @@ class Scheduler:
         if self.rank_executor is not None:
             self.rank_executor.store.reset()
         return True
+
+    # ---- catalog versions (issue 22) -------------------------------------------------------
+    def prepare_catalog(self, record: dict) -> tuple[Prepared, tuple]:
+        """The next catalog version from a journal record and its trie, built without touching what
+        is served (safe on another thread while steps run). UpdateError / UnknownVersionError: the
+        record does not apply."""
+        if self.versions is None:
+            raise UpdateError("this server has no item catalog (--item-catalog)")
+        prepared = self.versions.prepare(record, self.runner.config.vocab_size)
+        return prepared, self.retriever.build_trie(prepared.applied.catalog)
+
+    def commit_catalog(self, prepared: Prepared, trie) -> None:
+        """Serves the prepared version from the next step on (call between steps): the executors
+        switch catalogs and the item store drops the KV of changed items."""
+        self.versions.commit(prepared)
+        self.catalog = self.versions.current
+        self.retriever.use_catalog(self.catalog, trie)
+        self.rank_executor.use_catalog(self.catalog, prepared.applied.changed)
+
+    def catalog_info(self) -> dict | None:
+        """GET /v1/catalog's facts about the current version."""
+        if self.versions is None:
+            return None
+        return catalog_facts(self.catalog, self.versions)
 
     def check_memory(self) -> None:
         """When idle: every slot is either free or held by the cache."""

@@ -1,0 +1,111 @@
+"""Catalog updates while serving (issue 22): a batch of items to insert or replace by id, or ids to
+delete, applied to a catalog as a new catalog (the old one is left as it is, so a request that
+started on it finishes on it and a rollback can return to it).
+
+A batch is all or nothing: `parse_items` names the first bad item (`items[3] ('i9'): ...`) and
+`apply_update` raises CatalogError before anything is built when the batch does not fit the
+catalog (semantic IDs of another length, an attribute of another kind, every item deleted).
+Replaced items move to the end of the catalog, after the kept rows, in the batch's order; new
+items follow them the same way. `changed` (ids inserted, replaced or deleted) is what caches keyed
+by item id must drop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sgrec.catalog.item import CatalogError
+from sgrec.catalog.jsonl import ColumnBuilder, item_line
+from sgrec.catalog.store import Catalog
+
+
+class UpdateError(ValueError):
+    """A batch that cannot be applied (a 400; nothing changed)."""
+
+
+def parse_items(objs, tokenizer=None, vocab_size: int | None = None) -> Catalog:
+    """The items of an update batch (JSON Lines-shaped objects) as a small catalog; UpdateError
+    naming the first bad item. `text` and string `id_token`s need the tokenizer."""
+    if not isinstance(objs, list) or not objs:
+        raise UpdateError("items must be a non-empty list of item objects")
+    b = ColumnBuilder(vocab_size)
+    for k, obj in enumerate(objs):
+        try:
+            b.add(obj, k, tokenizer)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise UpdateError(f"items[{k}]{_named(obj)}: {e}") from None
+    try:
+        return b.finish("items")
+    except CatalogError as e:  # "items:K: ..." from the range check: K is the item's index
+        where, _, rest = str(e).partition(": ")
+        raise UpdateError(f"items[{where.split(':')[1]}]: {rest}") from None
+
+
+def _named(obj) -> str:
+    i = obj.get("id") if isinstance(obj, dict) else None
+    return f" ({i!r})" if isinstance(i, str) else ""
+
+
+def canonical_lines(items: Catalog) -> list[dict]:
+    """The batch as JSON Lines objects with token ids (what the journal keeps: replaying it needs no
+    tokenizer)."""
+    return [item_line(it) for it in items.items]
+
+
+def check_ids(ids) -> list[str]:
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
+        raise UpdateError("ids must be a non-empty list of item id strings")
+    return ids
+
+
+@dataclass
+class Applied:
+    catalog: Catalog
+    changed: set[str] = field(default_factory=set)
+    inserted: int = 0
+    replaced: int = 0
+    deleted: int = 0
+    unknown: int = 0  # deleted ids the catalog did not have (ignored)
+
+    def counts(self) -> dict:
+        return {"inserted": self.inserted, "replaced": self.replaced, "deleted": self.deleted,
+                "unknown_ids": self.unknown}
+
+
+def apply_update(catalog: Catalog, upserts: Catalog | None = None, delete: Sequence[str] = ()) -> Applied:
+    """The catalog after inserting / replacing `upserts` (by id) and deleting `delete` (unknown ids
+    ignored and counted); UpdateError when the result cannot be built."""
+    index = catalog.index
+    drop = []
+    out = Applied(catalog)
+    for i in dict.fromkeys(delete):
+        r = index.get(i)
+        if r is None:
+            out.unknown += 1
+        else:
+            drop.append(r)
+            out.changed.add(i)
+    out.deleted = len(drop)
+    if upserts is not None:
+        for i in upserts.ids:
+            r = index.get(i)
+            if r is not None:
+                drop.append(r)
+                out.replaced += 1
+            out.changed.add(i)
+        out.inserted = len(upserts) - out.replaced
+    if not drop and upserts is None:
+        return out
+    if len(drop) == len(catalog) and upserts is None:
+        raise UpdateError("the update would delete every item of the catalog")
+    keep = np.ones(len(catalog), dtype=bool)
+    keep[np.asarray(drop, dtype=np.int64)] = False
+    base = catalog if keep.all() else catalog.take(np.flatnonzero(keep)) if keep.any() else None
+    try:
+        out.catalog = upserts if base is None else base if upserts is None else base.concat(upserts)
+    except CatalogError as e:
+        raise UpdateError(str(e)) from None
+    return out

@@ -1,0 +1,125 @@
+"""The front's side of catalog updates (issue 22), one at a time:
+
+1. validate the batch here (tokenizing `text` items), so a malformed one is a 400 naming its first
+   bad item before any rank sees it;
+2. every rank builds the next version off its step (phase one) and says whether it applies;
+3. the journal record is appended and fsynced (the update is durable from here);
+4. every rank serves the new version from its next step (phase two); then it is acknowledged.
+
+A batch that fails on any rank in phase one is dropped on every rank and changes nothing. A request
+admitted after the acknowledgement runs on the new version on whichever rank it lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from sgrec.catalog.item import CatalogError
+from sgrec.catalog.journal import Journal
+from sgrec.catalog.update import UpdateError, canonical_lines, check_ids, parse_items
+from sgrec.managers import io_struct as io
+
+logger = logging.getLogger("sgrec.catalog")
+
+
+class CatalogRequestError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class CatalogAdmin:
+    def __init__(self, socks, tokenizer, vocab_size: int, journal_path: str | None, facts: dict | None):
+        self.socks = socks
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.journal = None if journal_path is None else Journal(journal_path)
+        self.facts = facts  # the current version's facts (GET /v1/catalog), from the ranks
+        self.lock = asyncio.Lock()
+        self.waiting: dict[str, tuple[str, dict[int, io.CatalogReply], asyncio.Future]] = {}
+
+    @property
+    def version(self) -> int | None:
+        return None if self.facts is None else self.facts["version"]
+
+    # ---- routes ---------------------------------------------------------------------------
+    def record(self, op: str, body) -> dict:
+        """The journal record of a request body (without its version); CatalogRequestError 400."""
+        if self.facts is None:
+            raise CatalogRequestError(400, "this server has no item catalog (--item-catalog)")
+        if not isinstance(body, dict):
+            raise CatalogRequestError(400, "the request body must be a JSON object")
+        try:
+            if op == "upsert":
+                items = parse_items(body.get("items"), self.tokenizer, self.vocab_size)
+                return {"op": op, "items": canonical_lines(items)}
+            if op == "delete":
+                return {"op": op, "ids": check_ids(body.get("ids"))}
+            to = body.get("version")
+            if type(to) is not int or to < 0:
+                raise UpdateError("version must be a non-negative integer (a kept catalog version)")
+            return {"op": op, "to": to}
+        except UpdateError as e:
+            raise CatalogRequestError(400, str(e)) from None
+
+    async def update(self, op: str, body) -> dict:
+        """Applies one update on every rank; the answer: the new version and the update's counts."""
+        rec = self.record(op, body)
+        async with self.lock:
+            rec = {"version": self.version + 1, **rec}
+            if op == "rollback" and rec["to"] not in self.facts["kept_versions"]:
+                raise CatalogRequestError(404, f"catalog version {rec['to']} is not kept "
+                                               f"(kept: {self.facts['kept_versions']})")
+            uid = uuid.uuid4().hex
+            prepared = await self._round(uid, "prepared", io.CatalogUpdateReq(uid, rec))
+            failed = [r for r in prepared.values() if r.stage == "failed"]
+            if failed:
+                self._send_all(io.CatalogCommitReq(uid, commit=False))
+                raise CatalogRequestError(failed[0].status_code, failed[0].message)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.journal.append, rec)
+            except (OSError, CatalogError) as e:
+                self._send_all(io.CatalogCommitReq(uid, commit=False))
+                logger.error("catalog journal append failed: %s", e)
+                raise CatalogRequestError(503 if isinstance(e, CatalogError) else 500,
+                                          f"the update could not be made durable: {e}") from None
+            committed = await self._round(uid, "committed", io.CatalogCommitReq(uid))
+            self.facts = committed[0].info
+        counts = prepared[0].info or {}
+        out = {"version": rec["version"], **counts}
+        if op == "rollback":
+            out = {"version": rec["version"], "rolled_back_to": rec["to"]}
+        return out
+
+    # ---- messages -------------------------------------------------------------------------
+    def _send_all(self, msg) -> None:
+        for s in self.socks:
+            s.send(io.encode(msg))
+
+    async def _round(self, uid: str, stage: str, msg) -> dict[int, io.CatalogReply]:
+        """Sends msg to every rank and waits for each one's reply of this stage (or a failure)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[uid] = (stage, {}, fut)
+        try:
+            self._send_all(msg)
+            return await fut
+        finally:
+            self.waiting.pop(uid, None)
+
+    def on_reply(self, msg: io.CatalogReply) -> None:
+        entry = self.waiting.get(msg.uid)
+        if entry is None:
+            return
+        stage, replies, fut = entry
+        if msg.stage in (stage, "failed"):
+            replies[msg.dp_rank] = msg
+            if len(replies) == len(self.socks) and not fut.done():
+                fut.set_result(replies)
+
+    def fail_all(self, message: str) -> None:
+        """A scheduler died: no round can finish."""
+        for _, _, fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(CatalogRequestError(500, message))

@@ -1,0 +1,291 @@
+"""Catalog updates as plain code (issue 22): a new version from a batch equals the catalog built
+from the expected items (columns, attributes, filters); a batch is all or nothing; the journal's
+torn last line is dropped and any other bad line named; versions, rollbacks and replay."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from sgrec.catalog import Catalog, CatalogError, Item
+from sgrec.catalog import journal
+from sgrec.catalog.update import UpdateError, apply_update, canonical_lines, parse_items
+from sgrec.catalog.versions import CatalogVersions, UnknownVersionError, replay
+from tests.test_catalog import VOCAB, as_rows, mixed_items, same_items
+from tests.test_retrieve_filters import passes, random_filter
+
+
+def expected_after(items: list[Item], upserts: list[Item], delete: list[str]) -> list[Item]:
+    """The obviously-right result: kept items in order, then the batch's items (replaced ones move)."""
+    gone = set(delete) | {u.id for u in upserts}
+    return [it for it in items if it.id not in gone] + list(upserts)
+
+
+def test_take_and_concat_equal_the_catalog_of_those_items():
+    rng = random.Random(1)
+    items = mixed_items(rng, 200)
+    cat = Catalog(items)
+    rows = rng.sample(range(200), 120)
+    same_items(cat.take(rows), [items[r] for r in rows])
+    more = [Item(f"new{k}", it.token_ids, it.id_token, it.semantic_id, it.meta, it.attrs)
+            for k, it in enumerate(mixed_items(random.Random(2), 50))]
+    joined = cat.take(rows).concat(Catalog(more))
+    same_items(joined, [items[r] for r in rows] + more)
+    assert joined.index == {it.id: k for k, it in enumerate([items[r] for r in rows] + more)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_updates_equal_the_catalog_built_from_the_expected_items(seed):
+    rng = random.Random(seed)
+    items = mixed_items(rng, 150)
+    cat = Catalog(items)
+    for _ in range(5):
+        ids = [it.id for it in items]
+        delete = rng.sample(ids, rng.randint(0, 10)) + ["missing"]
+        fresh = mixed_items(random.Random(rng.random()), 30)
+        upserts = [Item(rng.choice(ids) if rng.random() < 0.5 else f"n{rng.random()}", *_body(it))
+                   for it in fresh]
+        upserts = list({u.id: u for u in upserts}.values())  # one per id
+        upserts = [u for u in upserts if u.id not in delete]
+        cat = apply_update(cat, parse_items(as_rows(upserts), None, VOCAB)).catalog
+        res = apply_update(cat, None, delete)
+        assert res.unknown == 1 and res.deleted == len(set(delete) - {"missing"})
+        cat = res.catalog
+        items = expected_after(expected_after(items, upserts, []), [], delete)
+        same_items(cat, items)
+        ref = Catalog(items)  # filters see the new rows
+        for _ in range(10):
+            spec = {k: v for k, v in random_filter(rng).items() if k in ref.attrs.columns}
+            if "adult" in ref.attrs.columns and rng.random() < 0.5:
+                spec["adult"] = {"eq": rng.random() < 0.5}  # a bool column
+            assert cat.filter_mask(spec).tolist() == ref.filter_mask(spec).tolist() == [
+                passes(it.attrs, spec) for it in items]
+
+
+def _body(it: Item):
+    return it.token_ids, it.id_token, it.semantic_id, it.meta, it.attrs
+
+
+def test_changed_ids_and_counts():
+    cat = Catalog([Item("a", (1,), None, (1, 2)), Item("b", (2,), None, (1, 3)), Item("c", (3,), None, (2, 2))])
+    res = apply_update(cat, parse_items([{"id": "b", "token_ids": [9]}, {"id": "d", "token_ids": [4]}]), ["a", "zz"])
+    assert res.changed == {"a", "b", "d"}
+    assert res.counts() == {"inserted": 1, "replaced": 1, "deleted": 1, "unknown_ids": 1}
+    assert res.catalog.ids == ["c", "b", "d"] and res.catalog.get("b").token_ids == (9,)
+    assert cat.ids == ["a", "b", "c"] and cat.get("b").token_ids == (2,)  # the old version is untouched
+
+
+@pytest.mark.parametrize("batch, message", [
+    ([{"id": "x", "token_ids": [1]}, {"id": "y"}], "items[1] ('y'): item 'y': give exactly one of"),
+    ([{"id": "x", "token_ids": [1]}, {"id": "x", "token_ids": [2]}], "items[1] ('x'): duplicate item id"),
+    ([{"id": "x", "token_ids": [1]}, {"id": "z", "token_ids": [VOCAB + 5]}], "items[1]: item 'z': 'token_ids' holds"),
+    ([{"id": "x", "token_ids": [1], "attrs": {"year": [1]}}], "items[0] ('x'): attrs.year must be"),
+    ([], "items must be a non-empty list"),
+    ("x", "items must be a non-empty list"),
+])
+def test_a_bad_batch_names_its_first_bad_item(batch, message):
+    with pytest.raises(UpdateError) as e:
+        parse_items(batch, None, VOCAB)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("batch, message", [
+    ([{"id": "x", "token_ids": [1], "semantic_id": [1, 2]}], "semantic_id has 2 tokens here but 3"),
+    ([{"id": "x", "token_ids": [1], "attrs": {"genre": "Drama"}}], "attrs.genre is str here but strs"),
+])
+def test_a_batch_that_does_not_fit_the_catalog_changes_nothing(batch, message):
+    cat = Catalog([Item("a", (1,), None, (1, 2, 3), attrs={"genre": ["Comedy"]}), Item("b", (2,))])
+    with pytest.raises(UpdateError, match=message):
+        apply_update(cat, parse_items(batch, None, VOCAB))
+    with pytest.raises(UpdateError, match="every item"):
+        apply_update(cat, None, ["a", "b"])
+    same_items(cat, [Item("a", (1,), None, (1, 2, 3), attrs={"genre": ["Comedy"]}), Item("b", (2,))])
+
+
+# ---- the journal ----------------------------------------------------------------------------
+def write_journal(path, records, tail: bytes = b""):
+    with open(path, "wb") as f:
+        for r in records:
+            f.write((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n")
+        f.write(tail)
+    return str(path)
+
+
+RECS = [{"version": 1, "op": "upsert", "items": [{"id": "n", "token_ids": [5]}]},
+        {"version": 2, "op": "delete", "ids": ["a"]},
+        {"version": 3, "op": "rollback", "to": 1}]
+
+
+def test_journal_round_trip_and_fsynced_appends(tmp_path):
+    path = str(tmp_path / "j")
+    j = journal.Journal(path)
+    for r in RECS:
+        j.append(r)
+    with pytest.raises(CatalogError, match="held by another process"):
+        journal.Journal(path).append(RECS[0])  # one writer at a time
+    j.close()
+    assert journal.read(path) == (0, RECS, None)
+    assert journal.last_version(path) == 3
+    assert journal.read(str(tmp_path / "none")) == (0, [], None)
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning_and_repaired(tmp_path):
+    path = write_journal(tmp_path / "j", RECS[:2], tail=b'{"version": 3, "op": "rollb')
+    base, recs, warning = journal.read(path)
+    assert recs == RECS[:2] and "j:3: dropped a torn last journal record" in warning
+    assert journal.repair(path) == warning
+    assert journal.read(path) == (0, RECS[:2], None)
+    journal.Journal(path).append(RECS[2])  # appends after the repair land on their own line
+    assert journal.read(path) == (0, RECS, None)
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([RECS[0], b'{"version": 2, "op": "del', RECS[2]], "j:2: corrupt journal record: unexpected end of data"),
+    ([RECS[0], RECS[2]], "j:2: corrupt journal record: version 3 where 2 was due"),
+    ([RECS[1]], "j:1: corrupt journal record: version 2 where 1 was due"),
+    ([RECS[0], {"version": 2, "op": "drop", "ids": ["a"]}], "j:2: corrupt journal record: unknown op 'drop'"),
+    ([RECS[0], {"version": 2, "op": "rollback", "to": 2}], "'to' must be an earlier version"),
+    ([RECS[0], {"version": 2, "op": "base"}], "a base record may only be the first line"),
+])
+def test_any_other_bad_journal_line_is_named(tmp_path, lines, message):
+    path = write_journal(tmp_path / "j", lines)
+    with pytest.raises(CatalogError, match=message.replace("(", r"\(")):
+        journal.read(path)
+
+
+def test_a_base_record_numbers_the_catalog_file(tmp_path):
+    path = write_journal(tmp_path / "j", [{"version": 7, "op": "base"},
+                                          {"version": 8, "op": "delete", "ids": ["a"]}])
+    assert journal.read(path)[:2] == (7, [{"version": 8, "op": "delete", "ids": ["a"]}])
+    assert journal.last_version(path) == 8
+
+
+# ---- versions --------------------------------------------------------------------------------
+def base_catalog() -> Catalog:
+    return Catalog([Item("a", (1,), None, (1, 2)), Item("b", (2,), None, (1, 3))])
+
+
+def test_versions_rollback_returns_the_very_catalog_and_the_ids_changed_since():
+    v = CatalogVersions(base_catalog(), keep=3)
+    v0 = v.current
+    v.commit(v.prepare({"version": 1, "op": "upsert", "items": [{"id": "c", "token_ids": [3], "semantic_id": [2, 2]}]}))
+    v1 = v.current
+    v.commit(v.prepare({"version": 2, "op": "delete", "ids": ["a"]}))
+    p = v.prepare({"version": 3, "op": "rollback", "to": 1})
+    assert p.applied.catalog is v1 and p.applied.changed == {"a"}
+    v.commit(p)
+    assert v.kept() == [1, 2, 3] and v.current is v1
+    with pytest.raises(UnknownVersionError, match="not kept"):
+        v.prepare({"version": 4, "op": "rollback", "to": 0})  # trimmed (keep=3)
+    with pytest.raises(UpdateError, match="not the next one"):
+        v.prepare({"version": 9, "op": "delete", "ids": ["a"]})
+    p = v.prepare({"version": 4, "op": "rollback", "to": 2})
+    assert p.applied.changed == {"a"}  # 3 changed a back; 2 -> 4 is 3's change
+    assert v0.ids == ["a", "b"]
+
+
+def test_replay_equals_the_live_versions_and_keeps_rollback_targets(tmp_path):
+    rng = random.Random(5)
+    items = mixed_items(rng, 60)
+    live = CatalogVersions(Catalog(items), keep=100)  # the obviously-right state: every version kept
+    recs = []
+    for n in range(1, 12):
+        if n in (6, 11):
+            rec = {"version": n, "op": "rollback", "to": 1 if n == 6 else 4}  # 1 and 4: outside the window
+        elif n % 3 == 0:
+            rec = {"version": n, "op": "delete", "ids": rng.sample(live.current.ids, 3)}
+        else:
+            ups = [Item(f"u{n}_{k}", *_body(it)) for k, it in enumerate(mixed_items(random.Random(n), 4))]
+            rec = {"version": n, "op": "upsert", "items": canonical_lines(Catalog(ups))}
+        recs.append(rec)
+        live.commit(live.prepare(rec, VOCAB))
+    path = write_journal(tmp_path / "j", recs)
+    got = replay(Catalog(items), path, keep=2, vocab_size=VOCAB)
+    assert got.kept() == [10, 11]
+    assert got.current is got.catalogs[11]
+    same_items(got.current, list(live.catalogs[4].items))
+    same_items(got.catalogs[10], list(live.catalogs[10].items))
+    bad = write_journal(tmp_path / "bad", [{"version": 1, "op": "rollback", "to": 0},
+                                           {"version": 2, "op": "upsert", "items": [{"id": "x", "token_ids": [1],
+                                                                                     "semantic_id": [1]}]}])
+    with pytest.raises(CatalogError, match="bad: record of version 2: semantic_id has 1 tokens here but 3"):
+        replay(Catalog(items), bad, vocab_size=VOCAB)
+
+
+# ---- compaction --------------------------------------------------------------------------------
+from sgrec.catalog import compact as compaction  # noqa: E402
+from sgrec.catalog import load_catalog  # noqa: E402
+from sgrec.catalog.jsonl import write as write_catalog_file  # noqa: E402
+
+
+@pytest.fixture(params=["jsonl", "npz"])
+def journaled(tmp_path, request):
+    """A catalog file of either form with a journal of three updates, and the items they lead to."""
+    from sgrec.catalog import binary
+
+    items = mixed_items(random.Random(7), 40)
+    path = str(tmp_path / f"cat.{request.param}")
+    (binary.save(Catalog(items), path) if request.param == "npz" else write_catalog_file(items, path))
+    recs = [{"version": 1, "op": "upsert", "items": canonical_lines(Catalog(mixed_items(random.Random(8), 3)[:1]))},
+            {"version": 2, "op": "delete", "ids": ["it3", "it4"]},
+            {"version": 3, "op": "upsert", "items": [{"id": "zz", "token_ids": [1, 2], "semantic_id": [3, 4, 5]}]}]
+    write_journal(path + ".journal", recs)
+    return path, list(replay(Catalog(items), path + ".journal", vocab_size=VOCAB).current.items)
+
+
+def test_compact_writes_the_current_version_and_empties_the_journal(journaled):
+    path, want = journaled
+    assert compaction.compact(path, vocab_size=VOCAB) == (3, len(want))
+    same_items(load_catalog(path, vocab_size=VOCAB), want)
+    assert journal.read(path + ".journal") == (3, [], None)
+    journal.Journal(path + ".journal").append({"version": 4, "op": "delete", "ids": ["zz"]})  # numbering goes on
+    got = replay(load_catalog(path, vocab_size=VOCAB), path + ".journal", vocab_size=VOCAB)
+    assert got.version == 4 and "zz" not in got.current
+
+
+def test_compact_refuses_while_a_server_holds_the_journal(journaled):
+    path, _ = journaled
+    j = journal.Journal(path + ".journal")
+    j.append({"version": 4, "op": "delete", "ids": ["it5"]})
+    with pytest.raises(CatalogError, match="held by another process"):
+        compaction.compact(path, vocab_size=VOCAB)
+    j.close()
+
+
+@pytest.mark.parametrize("crash_after", ["catalog_tmp", "journal_tmp", "catalog_renamed", "journal_tmp_torn"])
+def test_an_interrupted_compaction_is_finished_or_dropped(journaled, crash_after, monkeypatch):
+    """A crash at each point of compact: `finish` (what the server runs at start-up) leaves a pair of
+    files that replays to the same items as before the compaction."""
+    path, want = journaled
+    replace = compaction.os.replace
+    steps = []
+
+    def crashing_replace(src, dst):
+        steps.append(dst)
+        if crash_after == "catalog_renamed" and len(steps) == 2:
+            raise KeyboardInterrupt  # the process dies between the two renames
+        return replace(src, dst)
+
+    def crashing_write(p, write):
+        write(p)
+        is_journal = p.endswith(".journal.compact-tmp")
+        if crash_after == "journal_tmp_torn" and is_journal:
+            with open(p, "rb+") as f:
+                f.truncate(10)
+        if crash_after == "catalog_tmp" and not is_journal or crash_after.startswith("journal_tmp") and is_journal:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(compaction.os, "replace", crashing_replace)
+    monkeypatch.setattr(compaction, "_write_synced", crashing_write)
+    with pytest.raises(KeyboardInterrupt):
+        compaction.compact(path, vocab_size=VOCAB)
+    monkeypatch.undo()
+    done = compaction.finish(path, path + ".journal")
+    rolled_forward = crash_after in ("journal_tmp", "catalog_renamed")
+    assert done is not None and done.startswith("finished" if rolled_forward else "dropped")
+    got = replay(load_catalog(path, vocab_size=VOCAB), path + ".journal", vocab_size=VOCAB)
+    assert got.version == 3
+    same_items(got.current, want)
+    assert journal.read(path + ".journal")[0] == (3 if rolled_forward else 0)
+    assert compaction.finish(path, path + ".journal") is None  # nothing left over
