@@ -9,7 +9,8 @@ from typing import Iterator
 
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates
 from sgrec.managers.rec import (
-    beam_generate_response, build_beam_generate_task, build_rank_task, build_retrieve_task, check_no_filters,
+    beam_generate_response, build_beam_generate_task, build_rank_task, build_recommend_task, build_retrieve_task,
+    check_no_filters,
     is_beam_generate, task_response,
 )
 from sgrec.managers.io_struct import TaskReq
@@ -141,6 +142,19 @@ class Engine:
             obj["top_k"] = top_k
         return task_response(self._run_task(build_retrieve_task(
             obj, self.tokenizer, self.builder, self.server_args.max_beam_width, self.server_args.max_filter_items)))
+
+    def recommend(self, user: dict, retrieve: dict | None = None, rank: dict | None = None, top_k: int | None = None,
+                  exclude_items: list[str] | None = None, include_items: list[str] | None = None,
+                  filter: dict | None = None) -> dict:
+        """Retrieve then rank in one task (/v1/recommend): `retrieve` {"beam_width", "num_candidates",
+        "top_k"}, `rank` {"instruction", "prefix", "score_by"}; the filters act in the retrieve stage.
+        {"items": [{"item", "score", "retrieve_score", "semantic_id"}, ...], "meta_info": {"retrieve",
+        "rank", "catalog_version"}}, equal to retrieve() and then rank() of its items."""
+        obj = {"user": user, "retrieve": retrieve, "rank": rank, "top_k": top_k, "exclude_items": exclude_items,
+               "include_items": include_items, "filter": filter}
+        a = self.server_args
+        return task_response(self._run_task(build_recommend_task(
+            obj, self.tokenizer, self.builder, a.max_beam_width, a.max_rank_candidates, a.max_filter_items)))
 
     def _run_task(self, msg: TaskReq) -> ReqState:
         return self._run([ReqState(msg, SamplingParams(max_new_tokens=0))])[0]

@@ -242,3 +242,35 @@ def test_a_replaced_items_kv_equals_a_fresh_servers(start_server, model, files):
     assert want["meta_info"]["prefix"] == "item"
     assert {x["item"]: x["score"] for x in got["ranking"]} == pytest.approx(
         {x["item"]: x["score"] for x in want["ranking"]}, abs=1e-6)
+
+
+def test_every_data_parallel_rank_serves_the_acknowledged_version(start_server, model, tmp_path):
+    """--dp-size 2: an update is applied on both ranks before it is acknowledged; requests pinned to
+    either rank (routing_key) see it, and both rank a replaced item alike (item KV from its owner
+    or recomputed, never the old tokens')."""
+    import zlib
+
+    cat = write_catalog(tmp_path / "catalog.jsonl", n=30, semantic=True)
+    srv = start_server(model, *FLAGS, "--item-catalog", cat, "--dp-size", "2")
+    keys = {zlib.crc32(k.encode()) % 2: k for k in ("alice", "bob", "carol", "dave")}
+    assert set(keys) == {0, 1}
+
+    def on(rank_, path, body):
+        r = httpx.post(srv.url + path, json={**body, "routing_key": keys[rank_]}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    user = {"token_ids": [9, 10, 11]}
+    before = [on(k, "/v1/rank", {"user": user, "items": ["i0", "i1", "i2"], "prefix": "item"}) for k in (0, 1)]
+    top = next(it["item"] for it in on(0, "/v1/retrieve", {"user": user, "beam_width": 8, "num_items": 8})["items"]
+               if it["item"] not in ("i0", "i1", "i2"))
+    assert httpx.post(srv.url + "/v1/catalog/items", json={"items": [
+        {"id": "i0", "token_ids": [200, 201, 202], "id_token": 3, "semantic_id": [0, 0, 0]}]}).json()["version"] == 1
+    assert httpx.post(srv.url + "/v1/catalog/delete", json={"ids": [top]}).json()["version"] == 2
+    for k in (0, 1):
+        got = on(k, "/v1/retrieve", {"user": user, "beam_width": 8, "num_items": 8})
+        assert got["meta_info"]["catalog_version"] == 2 and top not in {it["item"] for it in got["items"]}
+    after = [on(k, "/v1/rank", {"user": user, "items": ["i0", "i1", "i2"], "prefix": "item"}) for k in (0, 1)]
+    scores = [{x["item"]: x["score"] for x in a["ranking"]} for a in after]
+    assert scores[0] == pytest.approx(scores[1], abs=1e-5)
+    assert scores[0] != pytest.approx({x["item"]: x["score"] for x in before[0]["ranking"]}, abs=1e-4)

@@ -227,6 +227,31 @@ def retrieve_schema(lim: SchemaLimits) -> dict:
     }
 
 
+def recommend_schema(lim: SchemaLimits) -> dict:
+    """/v1/recommend: retrieve's and rank's fields, each stage's in its own object."""
+    rank = rank_schema(lim)["properties"]
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["user"],
+        "properties": {
+            "user": {"$ref": "#/components/schemas/RecUser"},
+            "retrieve": _nullable({"type": "object", "additionalProperties": False, "properties": {
+                "beam_width": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
+                "num_candidates": {"type": "integer", "minimum": 1,
+                                   "maximum": min(lim.max_beam_width, lim.max_rank_candidates)},
+                "top_k": {"type": "integer", "minimum": 1}}}),
+            "rank": _nullable({"type": "object", "additionalProperties": False, "properties": {
+                name: rank[name] for name in ("instruction", "prefix", "score_by")}}),
+            "top_k": rank["top_k"],
+            **filter_properties(lim),
+            "rid": _nullable({"type": "string"}),
+            "routing_key": _nullable({"type": "string"}),
+            "model": _nullable({"type": "string"}),
+        },
+    }
+
+
 def catalog_item_schema(lim: SchemaLimits) -> dict:
     """One item of POST /v1/catalog/items: the catalog's JSON Lines line (sgrec.catalog.jsonl)."""
     return {
@@ -286,6 +311,7 @@ BODIES = {  # path -> (component name, streams)
     "/v1/score": ("ScoringRequest", False),
     "/v1/rank": ("RankRequest", False),
     "/v1/retrieve": ("RetrieveRequest", False),
+    "/v1/recommend": ("RecommendRequest", False),
     "/v1/catalog/items": ("CatalogItemsRequest", False),
     "/v1/catalog/delete": ("CatalogDeleteRequest", False),
     "/v1/catalog/rollback": ("CatalogRollbackRequest", False),
@@ -325,7 +351,7 @@ def build_openapi(app: FastAPI, lim: SchemaLimits, secured=None) -> dict:
         "SamplingParams": sampling_params_schema(lim), "GenerateReqInput": generate_schema(lim),
         **FILTER_SCHEMAS,
         "ScoringRequest": score_schema(lim), "RecUser": _user_schema(lim), "RankRequest": rank_schema(lim),
-        "RetrieveRequest": retrieve_schema(lim),
+        "RetrieveRequest": retrieve_schema(lim), "RecommendRequest": recommend_schema(lim),
         **{name: make(lim) for name, make in CATALOG_SCHEMAS.items()},
     })
     for path, ops in doc["paths"].items():

@@ -70,6 +70,11 @@ def add_rec_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def retrieve(request: Request):
         return await run(request, tm.submit_retrieve, lambda states, _: task_response(states[0]))
 
+    @app.post("/v1/recommend")
+    async def recommend(request: Request):
+        """Candidates by retrieve, ranked by rank, in one request (one task on one catalog version)."""
+        return await run(request, tm.submit_recommend, lambda states, _: task_response(states[0]))
+
     async def beam_generate(request: Request, body: dict):
         """Native /generate with sampling_params.beam_width (routed here by the /generate handler)."""
         return await run(request, lambda b: tm.submit_retrieve(b, native_beam=True),

@@ -152,7 +152,9 @@ class ItemKVServer:
             self.missed += len(items)
             self.sock.send_multipart([peer, json.dumps({"id": rid, "ok": False}).encode()])
             return
-        found, k, v = self.store.read_kv(items)  # under the store's lock (see the module docstring)
+        fps = req.get("fps")  # the asker's fingerprint of each item's tokens (its catalog version)
+        fps = {str(i): f for i, f in fps.items()} if isinstance(fps, dict) else None
+        found, k, v = self.store.read_kv(items, fps)  # under the store's lock (see the module docstring)
         self.served += len(found)
         self.missed += len(items) - len(found)
         meta = {"id": rid, "ok": True, "items": found}
@@ -231,9 +233,11 @@ class ItemKVClient:
         return addr is not None and self.clock() >= self.dead_until.get(addr, 0.0)
 
     def fetch_many(self, wants: dict[int, Sequence[str]], header: str,
-                   timeout_ms: int = DEFAULT_TIMEOUT_MS) -> dict[int, PeerReply | None]:
+                   timeout_ms: int = DEFAULT_TIMEOUT_MS, fps: dict[str, int] | None = None
+                   ) -> dict[int, PeerReply | None]:
         """One request per owner rank for all its items in `wants`, sent to every owner before any
-        reply is awaited. Per rank: its reply, or None (dead, timed out, another header)."""
+        reply is awaited (`fps`: item id -> fingerprint of the tokens wanted; owners holding KV of
+        other tokens leave the item out). Per rank: its reply, or None (dead, timed out, another header)."""
         out: dict[int, PeerReply | None] = {}
         pending: dict[zmq.Socket, tuple[int, int, float]] = {}  # socket -> (rank, request id, sent at)
         for rank, items in wants.items():
@@ -244,7 +248,10 @@ class ItemKVClient:
             sock = self._sock(addr)
             rid = next(self._ids)
             try:
-                sock.send(json.dumps({"id": rid, "items": list(items), "header": header}).encode(), zmq.NOBLOCK)
+                req = {"id": rid, "items": list(items), "header": header}
+                if fps is not None:
+                    req["fps"] = {i: fps[i] for i in items if i in fps}
+                sock.send(json.dumps(req).encode(), zmq.NOBLOCK)
             except zmq.Again:
                 self._mark_dead(addr)
                 continue
@@ -391,9 +398,10 @@ class ItemFetcher:
         return False
 
     # ---- fetching -----------------------------------------------------------------------------
-    def fetch_many(self, wanted: Sequence[tuple[str, int]]) -> list[Fetched]:
+    def fetch_many(self, wanted: Sequence[tuple[str, int]], fps: dict[str, int] | None = None) -> list[Fetched]:
         """KV of the items in `wanted` ((item id, tokens)) that other ranks own and are worth
-        fetching, one chunk per owner that answered; items left out are recomputed by the caller."""
+        fetching, one chunk per owner that answered; items left out are recomputed by the caller.
+        `fps`: the fingerprint of each item's tokens (so another catalog version's KV is not taken)."""
         by_rank: dict[int, list[tuple[str, int]]] = {}
         for item_id, n in wanted:
             owner = self.owner(item_id)
@@ -415,7 +423,7 @@ class ItemFetcher:
         got_tokens = 0
         if ask:
             t0 = time.perf_counter()
-            replies = self.client.fetch_many(ask, self.header, self.timeout_ms)
+            replies = self.client.fetch_many(ask, self.header, self.timeout_ms, fps)
             self.fetch_seconds += time.perf_counter() - t0
             for r, rep in replies.items():
                 if rep is None:
@@ -434,8 +442,8 @@ class ItemFetcher:
 
     @staticmethod
     def _checked(rep: PeerReply, want: dict[str, int]) -> Fetched | None:
-        """The reply's items that were asked for with the expected length (another catalog version
-        at the owner could differ); None when none is left."""
+        """The reply's items that were asked for with the expected length (an owner that predates
+        fingerprints could hold another catalog version's); None when none is left."""
         keep, rows, off = [], [], 0
         for item_id, n in rep.items:
             if want.get(item_id) == n:

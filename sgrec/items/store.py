@@ -30,9 +30,11 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sgrec.catalog import Catalog, Item
@@ -44,11 +46,18 @@ logger = logging.getLogger(__name__)
 PRECOMPUTE_BATCH_TOKENS = 4096
 
 
+def fingerprint(token_ids) -> int:
+    """An item's tokens as one number (CRC-32 of their int32 bytes): item KV is asked for and served
+    by id and fingerprint, so KV of another catalog version's tokens is never used."""
+    return zlib.crc32(np.asarray(token_ids, dtype=np.int32).tobytes())
+
+
 @dataclass
 class _Entry:
     slots: torch.Tensor
     pins: int = 0
     tick: int = 0
+    fp: int = 0  # fingerprint() of the tokens the KV was computed from
 
 
 class ItemStore:
@@ -149,7 +158,8 @@ class ItemStore:
                 if self._colder_room(mine) < short:
                     return False
                 self._evict(short, colder_than=mine)
-            self.entries[item_id] = _Entry(slots.to(torch.int64).clone(), 0, next(self._ticks))
+            self.entries[item_id] = _Entry(slots.to(torch.int64).clone(), 0, next(self._ticks),
+                                           fingerprint(self.catalog.get(item_id).token_ids))
             self.item_tokens += n
         return True
 
@@ -185,13 +195,16 @@ class ItemStore:
                 freed += len(e.slots)
         return freed
 
-    def read_kv(self, item_ids: Sequence[str]) -> tuple[list[tuple[str, int]], torch.Tensor | None,
-                                                         torch.Tensor | None]:
-        """Safe from any thread (see the module docstring): the stored items among `item_ids`, as
-        (item id, tokens) in request order, and their K and V for every layer, concatenated in that
-        order: two CPU tensors [layers, tokens, kv_heads, head_dim] (None when no item is stored)."""
+    def read_kv(self, item_ids: Sequence[str], fps: dict[str, int] | None = None
+                ) -> tuple[list[tuple[str, int]], torch.Tensor | None, torch.Tensor | None]:
+        """Safe from any thread (see the module docstring): the stored items among `item_ids` (with
+        `fps`: only those whose KV is of the tokens with that fingerprint), as (item id, tokens) in
+        request order, and their K and V for every layer, concatenated in that order: two CPU
+        tensors [layers, tokens, kv_heads, head_dim] (None when no item is stored)."""
         with self.lock:
-            found = [(i, self.entries[i].slots) for i in dict.fromkeys(item_ids) if i in self.entries]
+            entries = self.entries
+            found = [(i, entries[i].slots) for i in dict.fromkeys(item_ids)
+                     if i in entries and (fps is None or fps.get(i) == entries[i].fp)]
             if not found:
                 return [], None, None
             k, v = gather_kv(self.runner.kv_pool, torch.cat([s for _, s in found]))
@@ -269,7 +282,8 @@ class ItemStore:
         with self.lock:
             for it in items:
                 n = len(it.token_ids)
-                self.entries[it.id] = _Entry(slots[off : off + n].clone(), 0, next(self._ticks))
+                self.entries[it.id] = _Entry(slots[off : off + n].clone(), 0, next(self._ticks),
+                                             fingerprint(it.token_ids))
                 self.item_tokens += n
                 off += n
         return len(items)

@@ -7,6 +7,7 @@ tokenized without them. Item ids are checked against the catalog by the schedule
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 import zlib
 
@@ -196,6 +197,63 @@ def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder,
     task = build_retrieve_task({"user": user, "beam_width": beam_width, "top_k": beam_width, "num_items": n,
                                 "rid": obj.get("rid"), **filters}, tokenizer, builder, max_beam_width, max_filter_items)
     return task
+
+
+RECOMMEND_FIELDS = {"user", "retrieve", "rank", "top_k", "rid", "routing_key", "model"}
+RECOMMEND_RETRIEVE = {"beam_width", "num_candidates", "top_k"}
+RECOMMEND_RANK = {"instruction", "prefix", "score_by"}
+DEFAULT_NUM_CANDIDATES = 50  # capped at the beam width and --max-rank-candidates
+
+
+def _stage(obj: dict, name: str, fields: set[str]) -> dict:
+    stage = obj.get(name)
+    if stage is None:
+        return {}
+    if not isinstance(stage, dict):
+        raise ValueError(f"{name} must be an object with {', '.join(sorted(fields))}")
+    unknown = set(stage) - fields
+    if unknown:
+        raise ValueError(f"unknown {name} field(s): {', '.join(sorted(unknown))}")
+    return stage
+
+
+@contextlib.contextmanager
+def _in_stage(stage: str, fields: set[str]):
+    """A stage builder's ValueError with its field named as the recommend body names it."""
+    try:
+        yield
+    except ValueError as e:
+        msg = str(e)
+        field = next((f for f in fields if msg.startswith((f + " ", f + "."))), None)
+        if field is not None:
+            msg = f"{stage}.{'num_candidates' if field == 'num_items' else field}{msg[len(field):]}"
+        raise ValueError(msg) from None
+
+
+def build_recommend_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int,
+                         max_candidates: int, max_filter_items: int = DEFAULT_MAX_FILTER_ITEMS) -> TaskReq:
+    """/v1/recommend: candidates by retrieve (xBeam, with the request's filters), ranked by rank
+    (bipartite attention), in one task. The user is tokenized once; each stage's payload is what
+    its own route would send, so the answer equals the two calls."""
+    rid = _check_body(obj, RECOMMEND_FIELDS | FILTER_FIELDS)
+    ret, rk = _stage(obj, "retrieve", RECOMMEND_RETRIEVE), _stage(obj, "rank", RECOMMEND_RANK)
+    user_key, user_ids = parse_user(obj.get("user"), tokenizer, builder)
+    user = {"id": user_key, "token_ids": user_ids}  # tokenized: the stages reuse the ids
+    beam_width = ret.get("beam_width", min(DEFAULT_BEAM_WIDTH, max_beam_width))
+    n = ret.get("num_candidates", min(DEFAULT_NUM_CANDIDATES, max_candidates,
+                                      beam_width if is_int(beam_width) else DEFAULT_NUM_CANDIDATES))
+    if is_int(n) and n > max_candidates:
+        raise ValueError(f"retrieve.num_candidates {n} exceeds --max-rank-candidates {max_candidates}")
+    retrieve_obj = {"user": user, "num_items": n, **{k: v for k, v in ret.items() if k != "num_candidates"},
+                    **{k: obj[k] for k in FILTER_FIELDS if k in obj}}
+    with _in_stage("retrieve", {"beam_width", "top_k", "num_items"}):
+        retrieve = build_retrieve_task(retrieve_obj, tokenizer, builder, max_beam_width, max_filter_items)
+    with _in_stage("rank", RECOMMEND_RANK):
+        rank = build_rank_task({"user": user, "items": ["-"], "top_k": obj.get("top_k"), **rk},
+                               tokenizer, builder, max_candidates, max_filter_items)
+    rank.payload.pop("item_ids")  # filled with the retrieved candidates when the task runs
+    return TaskReq(rid=rid, kind="recommend", input_ids=user_ids,
+                   payload={"retrieve": retrieve.payload, "rank": rank.payload})
 
 
 def beam_generate_response(state, tokenizer: Tokenizer) -> dict:

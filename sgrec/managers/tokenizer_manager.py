@@ -20,7 +20,9 @@ import zmq.asyncio
 from sgrec.managers import io_struct as io
 from sgrec.managers.catalog import CatalogAdmin
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates, wrong_type_field
-from sgrec.managers.rec import build_beam_generate_task, build_rank_task, build_retrieve_task, check_no_filters
+from sgrec.managers.rec import (
+    build_beam_generate_task, build_rank_task, build_recommend_task, build_retrieve_task, check_no_filters,
+)
 from sgrec.managers.score import ScorePlan, build_score_request
 from sgrec.sampling import SamplingParams, SchemaError
 from sgrec.server_args import ServerArgs
@@ -191,6 +193,13 @@ class TokenizerManager:
         build = build_beam_generate_task if native_beam else build_retrieve_task
         return self._send_task(build(obj, self.tokenizer, self.builder, self.args.max_beam_width,
                                      self.args.max_filter_items), obj)
+
+    def submit_recommend(self, obj: dict) -> Submission:
+        """A /v1/recommend request: retrieve then rank, one task. Raises ValueError on bad input."""
+        self.admit(obj)
+        a = self.args
+        return self._send_task(build_recommend_task(obj, self.tokenizer, self.builder, a.max_beam_width,
+                                                    a.max_rank_candidates, a.max_filter_items), obj)
 
     def _send_task(self, msg: io.TaskReq, obj: dict) -> Submission:
         return self._send([msg], [SamplingParams(max_new_tokens=0)], False, False, obj.get("routing_key"))

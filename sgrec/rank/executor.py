@@ -41,7 +41,7 @@ import torch
 from sgrec.catalog import Catalog, Item, check_token_ids
 from sgrec.items import hrcs
 from sgrec.items.fetch import write_item_kv
-from sgrec.items.store import ItemStore
+from sgrec.items.store import ItemStore, fingerprint
 from sgrec.model.attention import SeqLayout
 from sgrec.rank import layout as L
 from sgrec.rank import semantic
@@ -500,7 +500,8 @@ class RankExecutor:
         if not want:
             return
         segs = lay.items()
-        for chunk in self.fetcher.fetch_many([(i, segs[j].length) for i, j in want.items()]):
+        fps = {i: fingerprint(lay.token_ids[segs[j].start:segs[j].stop]) for i, j in want.items()}
+        for chunk in self.fetcher.fetch_many([(i, segs[j].length) for i, j in want.items()], fps):
             n = sum(chunk.lens)
             self._make_room(n)
             got = self.allocator.alloc(n)

@@ -26,6 +26,7 @@ from sgrec.sampling import SamplingParams
 from sgrec.scheduler.policy import (
     jct_uncached_tokens, pick_prefill_only, profile_linear_jct,
 )
+from sgrec.scheduler.recommend import recommend_batch
 from sgrec.scheduler.req import LogprobSpec, Req
 from sgrec.scheduler.task import Task, TaskKind, TaskQueue, stage_units, stream_backend
 from sgrec.server_args import ServerArgs
@@ -88,8 +89,15 @@ class Scheduler:
                 return versioned([r if isinstance(r, Exception) else {"items": r.items, "meta_info": r.meta}
                                   for r in self.retriever.run_batch(payloads)])
 
+            def recommend_tokens(p: dict) -> int:  # the retrieve stage, then about the rank stage's prompt
+                ranked = len(p["rank"]["user_ids"]) + len(p["rank"]["instruction_ids"])
+                per_item = self.catalog.total_tokens / len(self.catalog)
+                return self.retriever.tokens(p["retrieve"]) + ranked + round(p["retrieve"]["num_items"] * per_item)
+
             kinds["rank"] = TaskKind(lambda p: versioned(self.rank_executor.run_batch(p)), self.rank_executor.tokens)
             kinds["retrieve"] = TaskKind(retrieve, self.retriever.tokens)
+            kinds["recommend"] = TaskKind(
+                lambda p: versioned(recommend_batch(self.retriever, self.rank_executor, p)), recommend_tokens)
         self.tasks = TaskQueue(args, kinds, backend, clock=lambda: self.clock())
         self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         self.last_was_prefill = False

@@ -23,7 +23,8 @@ from sgrec.scheduler.streams import (
 )
 
 NEEDS = {"rank": "an item catalog (--item-catalog)",
-         "retrieve": "an item catalog (--item-catalog) whose items carry semantic_id"}
+         "retrieve": "an item catalog (--item-catalog) whose items carry semantic_id",
+         "recommend": "an item catalog (--item-catalog) whose items carry semantic_id"}
 
 
 @dataclass

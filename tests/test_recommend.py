@@ -1,0 +1,113 @@
+"""One-call recommendation (issue 22, part 4): /v1/recommend and Engine.recommend equal retrieve and
+then rank of the retrieved candidates, called separately on the same catalog version."""
+
+import httpx
+import pytest
+
+from tests.test_rec_server import write_catalog
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def catalog(tmp_path_factory):
+    return write_catalog(tmp_path_factory.mktemp("rec") / "catalog.jsonl", n=30, semantic=True)
+
+
+@pytest.fixture(scope="module")
+def engine(model, catalog):
+    from sgrec import Engine
+
+    return Engine(model, device="cpu", dtype="float32", max_total_tokens=4096, item_catalog=catalog,
+                  max_rank_candidates=20)
+
+
+def two_calls(retrieve, rank, user, bw, n, top_k=None, rank_args=None, **filters) -> list[tuple]:
+    got = retrieve(user, bw, n, **filters)
+    ids = [it["item"] for it in got["items"]]
+    if not ids:
+        return []
+    paths = {it["item"]: (it["score"], it["semantic_id"]) for it in got["items"]}
+    ranked = rank(user, ids, top_k, **(rank_args or {}))
+    return [(x["item"], x["score"], *paths[x["item"]]) for x in ranked["ranking"]]
+
+
+def as_rows(answer) -> list[tuple]:
+    return [(x["item"], x["score"], x["retrieve_score"], x["semantic_id"]) for x in answer["items"]]
+
+
+def same(a: list[tuple], b: list[tuple]) -> None:
+    assert [x[0] for x in a] == [x[0] for x in b] and [x[3] for x in a] == [x[3] for x in b]
+    for x, y in zip(a, b):
+        assert abs(x[1] - y[1]) <= 1e-5 and abs(x[2] - y[2]) <= 1e-5
+
+
+CASES = [
+    ({"token_ids": [5, 6, 7, 8]}, 8, 6, None, {}, {}),
+    ({"id": "u2", "token_ids": [40, 41]}, 16, 10, 3, {"prefix": "user"}, {"exclude_items": ["i0", "i1"]}),
+    ({"id": "u3", "token_ids": [90, 91, 92]}, 8, 8, None, {"prefix": "item", "score_by": "semantic_id"},
+     {"include_items": [f"i{k}" for k in range(0, 30, 2)]}),
+    ({"token_ids": [7]}, 4, 4, 2, {"prefix": "none", "instruction": [3, 4]}, {}),
+]
+
+
+@pytest.mark.parametrize("user, bw, n, top_k, rank_args, filters", CASES)
+def test_engine_recommend_equals_retrieve_then_rank(engine, user, bw, n, top_k, rank_args, filters):
+    def retrieve(u, bw, n, **f):
+        return engine.retrieve(u, beam_width=bw, num_items=n, **f)
+
+    def rank(u, ids, k, **a):
+        return engine.rank(u, ids, top_k=k, **a)
+
+    want = two_calls(retrieve, rank, user, bw, n, top_k, rank_args, **filters)
+    got = engine.recommend(user, {"beam_width": bw, "num_candidates": n}, rank_args, top_k, **filters)
+    assert len(want) == (top_k or n) and got["meta_info"]["catalog_version"] == 0
+    same(as_rows(got), want)
+    assert got["meta_info"]["retrieve"]["prompt_tokens"] == len(user["token_ids"])
+    assert got["meta_info"]["rank"]["prefix"] == rank_args.get("prefix", got["meta_info"]["rank"]["prefix"])
+    engine.check_memory()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"retrieve": {"beam_width": 0}}, "retrieve.beam_width must be a positive integer"),
+    ({"retrieve": {"beam_width": 4, "num_candidates": 5}}, "retrieve.num_candidates (5) must not exceed beam_width"),
+    ({"retrieve": {"num_candidates": 21}}, "retrieve.num_candidates 21 exceeds --max-rank-candidates 20"),
+    ({"retrieve": {"width": 4}}, "unknown retrieve field(s): width"),
+    ({"rank": {"prefix": "sideways"}}, "rank.prefix must be one of"),
+    ({"rank": {"items": ["i1"]}}, "unknown rank field(s): items"),
+    ({"rank": "item"}, "rank must be an object"),
+    ({"top_k": 0}, "top_k must be a positive integer"),
+    ({"exclude_items": "i1"}, "exclude_items must be a list"),
+    ({"filter": {"genre": {"eq": "x"}}}, "filter.genre: no catalog item has the attribute"),
+])
+def test_bad_recommend_input_names_the_field(engine, kwargs, message):
+    with pytest.raises(ValueError) as e:
+        engine.recommend({"token_ids": [5, 6]}, **kwargs)
+    assert message in str(e.value)
+
+
+def test_server_recommend_equals_the_two_calls(start_server, model, catalog):
+    srv = start_server(model, "--max-total-tokens", "4096", "--item-catalog", catalog, "--max-rank-candidates", "20")
+
+    def post(path, body):
+        r = httpx.post(srv.url + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def retrieve(u, bw, n, **f):
+        return post("/v1/retrieve", {"user": u, "beam_width": bw, "num_items": n, **f})
+
+    def rank(u, ids, k, **a):
+        return post("/v1/rank", {"user": u, "items": ids, "top_k": k, **a})
+
+    for user, bw, n, top_k, rank_args, filters in CASES:
+        want = two_calls(retrieve, rank, user, bw, n, top_k, rank_args, **filters)
+        got = post("/v1/recommend", {"user": user, "retrieve": {"beam_width": bw, "num_candidates": n},
+                                     "rank": rank_args, "top_k": top_k, **filters})
+        same(as_rows(got), want)
+        assert got["meta_info"]["catalog_version"] == 0 and "id" in got["meta_info"]
+    r = httpx.post(srv.url + "/v1/recommend", json={"user": {"token_ids": [5]}, "rank": {"prefix": 1}}, timeout=60)
+    assert r.status_code == 400 and "rank.prefix must be one of" in r.json()["message"]
