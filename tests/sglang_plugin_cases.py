@@ -357,6 +357,132 @@ def grammar_startup_errors():
     emit(errors=errors)
 
 
+# ---- beams on the trie ---------------------------------------------------------------------------
+def _path_logits(path: tuple, vocab: int = V):
+    """Deterministic 'model' logits after a semantic-ID prefix."""
+    import torch
+
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(hash(path) % (1 << 31))) * 2
+
+
+def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3):
+    """SGLang's beam selection driven step by step as its scheduler does: the worker's pre-sample
+    capture (hooked: the trie mask), `_rows_topk_logprobs`, `BeamCoordinator._select_group`
+    (joint_select; hooked: the rows' trie nodes), the group's commit, then finalize."""
+    from array import array
+
+    import torch
+    from sglang.srt.beam_search.batch_tail import BeamTail, BeamTailEntry
+    from sglang.srt.beam_search.beam_group import BeamGroup, BeamGroupState
+    from sglang.srt.beam_search.coordinator import BeamCoordinator, _rows_topk_logprobs
+    from sglang.srt.beam_search.logits_capture import capture_pre_sample_logits
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sgrec.sglang_plugin.beam import BeamTrie
+
+    group = BeamGroup(beam_width=beam_width, stop_token_ids=[EOS], max_new_tokens=max_new_tokens)
+    group.sgrec_sid = BeamTrie(g, group.stop_token_ids)  # what the validate_and_init hook attaches
+    req = Req("beam", "", array("q", [5, 6, 7]), SamplingParams(max_new_tokens=max_new_tokens))
+    req.beam_group = group
+    batch, fb = ScheduleBatch.__new__(ScheduleBatch), ForwardBatch.__new__(ForwardBatch)
+    batch.reqs, batch.beam_tail = [req], None
+    fb.forward_mode, fb.positions = ForwardMode.EXTEND, torch.zeros(1, dtype=torch.int64)
+    paths = [()]
+    tick = 0
+    while group.state == BeamGroupState.DECODING:
+        logits = torch.stack([_path_logits(p) for p in paths])
+        out = LogitsProcessorOutput(next_token_logits=logits.clone())
+        capture_pre_sample_logits(batch, fb, out)
+        cap = out.beam
+        pieces = [cap.leader_logits[0:1]] + ([cap.tail_logits] if cap.tail_logits is not None else [])
+        top_lp, top_tok = _rows_topk_logprobs(pieces, group.num_candidates)
+        tokens, parents = BeamCoordinator._select_group(None, group, top_lp, top_tok, tick)
+        if parents is not None:
+            paths = [paths[p] + (t,) for p, t in zip(parents.tolist(), tokens.tolist())]
+        group.commit_pending()
+        tick += 1
+        # the next forward is a decode over the leader and its member rows
+        batch.beam_tail = BeamTail(num_base_rows=1, entries=[BeamTailEntry(group, 0, 0, beam_width - 1)])
+        fb.forward_mode, fb.positions = ForwardMode.DECODE, torch.zeros(beam_width, dtype=torch.int64)
+    return group.finalize(), tick
+
+
+def brute_force_top(items: list[dict], shared, filt, k: int) -> list[tuple[tuple, float]]:
+    """Every allowed path scored as sgrec's children_logp does (log-softmax over the valid children)."""
+    import torch
+
+    from sgrec.sglang_plugin.grammar import SidGrammar
+
+    scored = {}
+    for it in items:
+        path, total = tuple(it["semantic_id"]), 0.0
+        g = SidGrammar(shared, filt)
+        for d in range(ND):
+            toks, _ = g.allowed_tokens()
+            lp = torch.log_softmax(_path_logits(path[:d])[toks], 0)
+            total += float(lp[(toks == path[d]).nonzero()[0, 0]])
+            g.accept_token(path[d])
+        scored[path] = total
+    return sorted(scored.items(), key=lambda kv: -kv[1])[:k]
+
+
+@case
+def beam_paths():
+    from array import array
+
+    import torch
+    from sglang.srt.beam_search.coordinator import BeamCoordinator
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    load_plugin()
+    path = Path(tempfile.mkdtemp()) / "catalog.jsonl"
+    items = write_catalog(path)
+    backend = sid_backend(path)
+    by_id = {it["id"]: it for it in items}
+    summary = {}
+    cases = {
+        "include10": ({"type": "sgrec-sid", "include_items": [f"i{i}" for i in range(10, 20)]}, 10, True),
+        "include3": ({"type": "sgrec-sid", "include_items": ["i4", "i8", "i9"]}, 6, True),  # fewer paths than beams
+        "exclude": ({"type": "sgrec-sid", "exclude_items": [f"i{i}" for i in range(0, 40, 3)]}, 4, False),
+        "all": ({"type": "sgrec-sid"}, 5, False),
+    }
+    for name, (spec, width, exhaustive) in cases.items():
+        g = compile_grammar(backend, spec)
+        # the allowed paths, from the request's filter by brute force over the catalog
+        inc, exc = spec.get("include_items"), set(spec.get("exclude_items", []))
+        ok_items = [it for it in items if (inc is None or it["id"] in inc) and it["id"] not in exc]
+        allowed = {tuple(it["semantic_id"]) for it in ok_items}
+        results, steps = run_sglang_beam(g, width)
+        got = [(tuple(r.tokens[:-1]), r.cum_logprob) for r in results]
+        for r in results:
+            assert r.tokens[-1] == EOS and r.matched_token == EOS and tuple(r.tokens[:-1]) in allowed, (name, r)
+        assert steps == ND + 1, (name, steps)  # every path ended with EOS: no length cut, no extra step
+        if exhaustive:  # beam_width >= the allowed nodes of every level: the exact top paths
+            want = brute_force_top(ok_items, g.shared, g.filt, width)
+            assert [p for p, _ in got] == [p for p, _ in want], (name, got, want)
+            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, want)), (name, got, want)
+        summary[name] = len(results)
+    assert summary["include3"] == 3  # three items: three beams returned, no padding beam
+    # requests SGLang's validate_and_init sees: invalid specs and ignore_eos are the request's error
+    errors = {}
+    for name, spec, extra in (("bad spec", {"type": "sgrec-sid", "include_items": ["nope"]}, {}),
+                              ("ignore_eos", {"type": "sgrec-sid"}, {"ignore_eos": True})):
+        req = Req("b", "", array("q", [5]), SamplingParams(max_new_tokens=8, beam_width=4,
+                                                           structural_tag=json.dumps(spec), **extra))
+        errors[name] = BeamCoordinator.validate_and_init(None, req, None)
+        assert errors[name] and errors[name].startswith("sgrec-sid"), errors[name]
+    sid_backend(None)
+    req = Req("c", "", array("q", [5]), SamplingParams(max_new_tokens=8, beam_width=4,
+                                                       structural_tag=json.dumps({"type": "sgrec-sid"})))
+    errors["no catalog"] = BeamCoordinator.validate_and_init(None, req, None)
+    assert "no item catalog" in errors["no catalog"]
+    emit(beams=summary, errors=errors)
+
+
 # ---- srjf -------------------------------------------------------------------------------------------
 @case
 def srjf_order():

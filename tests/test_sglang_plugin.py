@@ -89,3 +89,15 @@ def test_srjf_orders_sglang_requests_as_sgrec_does():
     takes them (20 random queues, three fairness values), re-reads cached prefixes every round, keeps
     SGLang's in-batch prefix check, and leaves other policies alone."""
     assert run_case("srjf_order") == {"orders": 20}
+
+
+def test_sglang_beam_search_stays_on_the_trie():
+    """SGLang's beam search ignores grammars (BeamCoordinator.validate_and_init refuses them; selection
+    reads the raw pre-sample logits), so the plugin masks the captured beam rows: driven through
+    capture_pre_sample_logits, _rows_topk_logprobs, BeamCoordinator._select_group and BeamGroup's
+    commit/finalize, every beam is an allowed path ended by EOS; with beam_width >= the allowed nodes
+    of every level the beams are exactly the top allowed paths by children-normalised log-prob (sgrec's
+    rule); fewer allowed paths than beams returns just those; bad specs are the request's error."""
+    r = run_case("beam_paths")
+    assert r["beams"] == {"include10": 10, "include3": 3, "exclude": 4, "all": 5}
+    assert set(r["errors"]) == {"bad spec", "ignore_eos", "no catalog"}

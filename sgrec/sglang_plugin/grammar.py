@@ -47,6 +47,12 @@ NAME = "sgrec-sid"
 CATALOG_ENV = "SGREC_CATALOG"
 SPEC_KEYS = {"type", "exclude_items", "include_items", "filter"}
 CACHE_SIZE = 256  # compiled request grammars kept (SGLang's own cache is unbounded)
+_shared: SidTrie | None = None  # this process's catalog trie, once SGLang built the backend
+
+
+def shared_trie() -> SidTrie | None:
+    """The catalog trie of this process's sgrec-sid backend (None: not built, or no catalog)."""
+    return _shared
 
 
 class SidTrie:
@@ -215,9 +221,11 @@ class SidGrammarBackend(BaseGrammarBackend):
 
 def create_backend(server_args, tokenizer, vocab_size: int, eos_token_ids=None) -> SidGrammarBackend:
     """SGLang's grammar-backend factory signature (register_grammar_backend)."""
+    global _shared
     path = os.environ.get(CATALOG_ENV)
     if not path:
         logger.warning("%s: %s is not set: requests that opt in will be refused", NAME, CATALOG_ENV)
+        _shared = None
         return SidGrammarBackend(None)
     stop = set(eos_token_ids or ())
     if not stop and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -228,4 +236,5 @@ def create_backend(server_args, tokenizer, vocab_size: int, eos_token_ids=None) 
     except (OSError, ValueError) as e:
         raise ValueError(f"--grammar-backend {NAME}: cannot use the catalog {CATALOG_ENV}={path}: {e}") from e
     logger.info("%s: %d items, semantic IDs of %d tokens, from %s", NAME, len(catalog), shared.trie.depth, path)
+    _shared = shared
     return SidGrammarBackend(shared)
