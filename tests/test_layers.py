@@ -37,6 +37,9 @@ PACKAGE = ROOT / "sgrec"
 #   them; the rest of managers/ (the asyncio side) is above it and never imports the scheduler;
 # - radix/sim/ (the trace simulator: evaluation tooling) sits above radix/, which it replays; no other
 #   module imports it (test_no_module_imports_the_simulator).
+# - sgrec.sglang_plugin (sgrec inside stock SGLang, an entry point SGLang loads) sits right above the
+#   highest room it uses (beam: trie and filters; also radix, catalog, scheduler.policy); nothing
+#   imports it (test_no_module_imports_the_sglang_plugin).
 # At the top: the package's own __init__ (its lazy `Engine` imports engine.py), the demo (its
 # evaluation runs the Engine; the launcher serves it), then the HTTP routes, the tools (local_server
 # starts `python -m sgrec.launch_server` from wherever `sgrec` lives) and the launcher, which imports
@@ -54,6 +57,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sgrec.rank.layout",),
     ("sgrec.items",),
     ("sgrec.beam",),
+    ("sgrec.sglang_plugin",),
     ("sgrec.rank",),
     ("sgrec.managers.io_struct",),
     ("sgrec.scheduler",),
@@ -233,6 +237,18 @@ def test_no_module_imports_the_simulator():
     _, imports = import_graph()
     bad = [str(i) for i in imports if i.dst.startswith("sgrec.radix.sim") and not i.src.startswith("sgrec.radix.sim")]
     assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_the_sglang_plugin():
+    """The plugin is an entry point that SGLang loads; sgrec itself never imports it, and it imports no
+    model code (registering must stay cheap)."""
+    _, imports = import_graph()
+    bad = [str(i) for i in imports if i.dst.startswith("sgrec.sglang_plugin") and not i.src.startswith("sgrec.sglang_plugin")]
+    assert not bad, "\n".join(bad)
+    allowed = ("sgrec.radix", "sgrec.beam.trie", "sgrec.beam.filters", "sgrec.catalog", "sgrec.scheduler.policy",
+               "sgrec.sglang_plugin")
+    used = [str(i) for i in imports if i.src.startswith("sgrec.sglang_plugin") and not i.dst.startswith(allowed)]
+    assert not used, "\n".join(used)
 
 
 def test_route_modules_share_helpers_and_the_helpers_import_no_route():

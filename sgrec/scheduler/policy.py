@@ -119,6 +119,24 @@ def _profile(runner, lengths: Sequence[int], repeats: int) -> LinearJct:
     return LinearJct.fit(samples)
 
 
+def prefill_only_key(policy: str, now: float, cached_now: Callable[[PrefillOnlyJob], int], fairness: float = 0.0,
+                     jct: JctFn = jct_uncached_tokens) -> Callable[[Sequence[PrefillOnlyJob], int], tuple]:
+    """The rank of queue[i] under `policy` (Algorithm 1): the smallest goes first; ties go to the
+    older request, then to the earlier position."""
+    if policy == "fcfs":
+        return lambda queue, i: (queue[i].arrival, i)
+    if policy not in ("srjf", "srjf-static"):
+        raise ValueError(f"unknown prefill-only policy {policy!r}")
+    calibrate = policy == "srjf"
+
+    def key(queue: Sequence[PrefillOnlyJob], i: int) -> tuple:
+        job = queue[i]
+        cached = cached_now(job) if calibrate else job.cached_on_arrival
+        return (jct(job.n_input, cached) - fairness * (now - job.arrival), job.arrival, i)
+
+    return key
+
+
 def pick_prefill_only(
     queue: Sequence[PrefillOnlyJob],
     policy: str,
@@ -130,14 +148,20 @@ def pick_prefill_only(
     """Index in `queue` of the request to run next (Algorithm 1; ties go to the older request)."""
     if not queue:
         raise ValueError("empty queue")
-    if policy == "fcfs":
-        return min(range(len(queue)), key=lambda i: (queue[i].arrival, i))
-    if policy not in ("srjf", "srjf-static"):
-        raise ValueError(f"unknown prefill-only policy {policy!r}")
-    best, best_score = 0, float("inf")
-    for i, job in enumerate(queue):
-        cached = cached_now(job) if policy == "srjf" else job.cached_on_arrival
-        score = jct(job.n_input, cached) - fairness * (now - job.arrival)
-        if score < best_score or (score == best_score and job.arrival < queue[best].arrival):
-            best, best_score = i, score
-    return best
+    key = prefill_only_key(policy, now, cached_now, fairness, jct)
+    return min(range(len(queue)), key=lambda i: key(queue, i))
+
+
+def order_prefill_only(
+    queue: Sequence[PrefillOnlyJob],
+    policy: str,
+    now: float,
+    cached_now: Callable[[PrefillOnlyJob], int],
+    fairness: float = 0.0,
+    jct: JctFn = jct_uncached_tokens,
+) -> list[int]:
+    """Indices of `queue` in the order `pick_prefill_only` takes them at `now` when nothing is cached
+    in between (each job's cached prefix read once): for an engine that sorts its waiting queue
+    (sgrec's SGLang plugin) instead of picking one request at a time."""
+    key = prefill_only_key(policy, now, cached_now, fairness, jct)
+    return sorted(range(len(queue)), key=lambda i: key(queue, i))

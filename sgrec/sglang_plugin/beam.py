@@ -1,0 +1,187 @@
+"""Beam search on valid semantic-ID paths inside SGLang (xBeam's valid-path rule, xGR §6.1).
+
+SGLang 0.5.23's beam search does not consult grammars: `BeamCoordinator.validate_and_init`
+(sglang/srt/beam_search/coordinator.py) refuses a beam request that carries json_schema / regex /
+ebnf / structural_tag ("Beam search is not supported with constrained decoding."), and selection
+ranks the raw pre-sample logits (`capture_pre_sample_logits` clones them before the sampler, where
+the vocab mask is applied; `_rows_topk_logprobs` + `joint_select` never see a mask). So for a
+request with `beam_width > 1` and an sgrec-sid structural_tag these hooks constrain the beams:
+
+  BeamCoordinator.validate_and_init  around: compile the request's trie filter (an invalid spec is the
+                                     request's 400), let SGLang admit the beam group without the
+                                     grammar, and attach a `BeamTrie` (each beam row's trie node)
+  capture_pre_sample_logits          after: in each captured beam row, every token but the row's
+                                     valid, allowed children (after a full path: the stop tokens)
+                                     gets -inf, so the log-softmax and top-2k run over valid
+                                     children only, exactly sgrec's children_logp
+  BeamCoordinator._select_group      after: advance each row's trie node by the selected (parent,
+                                     token); rows whose score is -inf are padding (dead)
+  joint_select                       after: -inf candidates are not beams: finished ones are dropped,
+                                     and when no finite survivor is left the group finishes (fewer
+                                     valid paths than beam_width keep the width with dead rows)
+  BeamGroup.finalize                 after: dead (-inf) beams are not returned
+
+Rows and beams line up as in SGLang: row 0 is the leader, then the member rows; `parent_idx`
+names the row a survivor extends. The state update reads the selection on the host (one small
+device-to-host copy per step for these requests only).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from sgrec.sglang_plugin import grammar
+
+COORDINATOR = "sglang.srt.beam_search.coordinator.BeamCoordinator"
+DEAD = -1
+
+
+def sid_spec(structural_tag: str | None) -> bool:
+    """Whether a structural_tag opts in to sgrec-sid."""
+    if not structural_tag:
+        return False
+    try:
+        obj = json.loads(structural_tag)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and obj.get("type") == grammar.NAME
+
+
+class BeamTrie:
+    """The trie position of every row of one beam group: a trie node per row (DEAD: a padding row)."""
+
+    def __init__(self, g: grammar.SidGrammar, stop_tokens: torch.Tensor):
+        self.g, self.stop_tokens = g, stop_tokens.cpu()
+        self.depth = 0
+        self.nodes = [0]  # the prompt: one pseudo-row at the root
+
+    def allowed(self, node: int) -> torch.Tensor:
+        """Tokens a row at `node` (current depth) may take."""
+        trie = self.g.shared.trie
+        if self.depth == trie.depth:
+            return self.stop_tokens
+        ptr = trie.child_ptr[self.depth]
+        children = torch.arange(int(ptr[node]), int(ptr[node + 1]))
+        if self.g.filt is not None:
+            children = children[self.g.filt.keep(self.depth + 1, children)]
+        return trie.child_tok[self.depth][children]
+
+    def mask_(self, logits: torch.Tensor) -> None:
+        """-inf on every token a row may not take (rows in frontier order; dead rows untouched: their
+        cumulative score is already -inf)."""
+        keep = torch.ones(logits.shape, dtype=torch.bool)
+        for r, node in enumerate(self.nodes[: logits.shape[0]]):
+            if node != DEAD:
+                keep[r] = False
+                keep[r, self.allowed(node)] = True
+        logits.masked_fill_(~keep.to(logits.device), float("-inf"))
+
+    def advance(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> None:
+        """Rows after a selection: row j extends row parents[j] by tokens[j] (dead if its score is -inf)."""
+        trie = self.g.shared.trie
+        nodes = []
+        for tok, par, score in zip(tokens.tolist(), parents.tolist(), scores.tolist()):
+            node = self.nodes[par] if par < len(self.nodes) else DEAD
+            if node == DEAD or score == float("-inf") or self.depth >= trie.depth:
+                nodes.append(DEAD)
+                continue
+            key = node * trie.vocab_size + tok
+            keys = trie.child_key[self.depth]
+            i = int(torch.searchsorted(keys, torch.tensor(key)))
+            if i >= keys.numel() or int(keys[i]) != key:
+                raise RuntimeError(f"{grammar.NAME}: beam search left the valid semantic-ID paths")
+            nodes.append(i)
+        self.nodes = nodes
+        self.depth += 1
+
+
+def _state(group) -> BeamTrie | None:
+    return getattr(group, "sgrec_sid", None)
+
+
+# ---- hooks ------------------------------------------------------------------------------------------
+def around_validate_and_init(original, coordinator, req, recv_req):
+    params = req.sampling_params
+    spec = params.structural_tag
+    if not sid_spec(spec):
+        return original(coordinator, req, recv_req)
+    shared = grammar.shared_trie()
+    if shared is None:
+        return f"{grammar.NAME}: this server has no item catalog (--grammar-backend {grammar.NAME} with {grammar.CATALOG_ENV})"
+    if params.ignore_eos:
+        return f"{grammar.NAME}: beam search ends each semantic-ID path with a stop token; do not set ignore_eos"
+    g = shared.compile(spec)
+    if not isinstance(g, grammar.SidGrammar):
+        return g.error_message
+    params.structural_tag = None
+    try:
+        error = original(coordinator, req, recv_req)
+    finally:
+        params.structural_tag = spec
+    if error is None:
+        group = req.beam_group
+        stops = group.stop_token_ids
+        if not stops.numel():
+            return f"{grammar.NAME}: beam search needs a stop token to end a semantic-ID path"
+        group.sgrec_sid = BeamTrie(g, stops)
+    return error
+
+
+def after_capture(result, batch, forward_batch, logits_output):
+    capture = getattr(logits_output, "beam", None) if logits_output is not None else None
+    if capture is None:
+        return result
+    if batch.beam_tail is not None:
+        for gi, entry in enumerate(batch.beam_tail.entries):
+            state = _state(entry.group)
+            if state is not None:
+                rows = torch.cat([capture.leader_logits[gi : gi + 1], capture.tail_logits[entry.start : entry.end]])
+                state.mask_(rows)
+                capture.leader_logits[gi : gi + 1] = rows[:1]
+                capture.tail_logits[entry.start : entry.end] = rows[1:]
+    elif capture.leader_rows is not None:
+        for pos, row in enumerate(capture.leader_rows):
+            group = batch.reqs[row].beam_group
+            state = _state(group) if group is not None else None
+            if state is not None:
+                state.mask_(capture.leader_logits[pos : pos + 1])
+    return result
+
+
+def after_select_group(result, coordinator, group, top_logprobs, top_tokens, tick):
+    state = _state(group)
+    if state is not None:
+        tokens, parents = result
+        if parents is not None:  # a final (length-limited) step needs no next frontier
+            n = int(group._pending_steps[-1][1].num_survivors)  # the selection just staged
+            scores = group.frontier_cum_logprobs[: tokens.shape[0]].clone()
+            scores[n:] = float("-inf")  # slots past the survivors hold no beam
+            state.advance(tokens, parents, scores)
+    return result
+
+
+def after_joint_select(sel, *args, **kwargs):
+    """Candidates scored -inf are masked-out tokens or extensions of dead rows, never beams."""
+    k, c = sel.new_cum_logprobs.shape[0], sel.fin_cum_logprobs.shape[0]
+    live = (torch.arange(k, device=sel.num_survivors.device) < sel.num_survivors) & torch.isfinite(sel.new_cum_logprobs)
+    sel.num_survivors = torch.where(live.any(), sel.num_survivors, torch.zeros_like(sel.num_survivors))
+    fin = (torch.arange(c, device=sel.num_finished.device) < sel.num_finished) & torch.isfinite(sel.fin_cum_logprobs)
+    sel.num_finished = fin.sum()  # finished candidates are ranked best first: the finite ones lead
+    return sel
+
+
+def after_finalize(results, group):
+    if _state(group) is None:
+        return results
+    return [r for r in results if r.cum_logprob != float("-inf")]
+
+
+HOOKS = [
+    (f"{COORDINATOR}.validate_and_init", around_validate_and_init, "around"),
+    (f"{COORDINATOR}._select_group", after_select_group, "after"),
+    ("sglang.srt.beam_search.logits_capture.capture_pre_sample_logits", after_capture, "after"),
+    ("sglang.srt.beam_search.joint_select.joint_select", after_joint_select, "after"),
+    ("sglang.srt.beam_search.beam_group.BeamGroup.finalize", after_finalize, "after"),
+]
