@@ -17,9 +17,12 @@ from tests.test_retrieve_filters import passes, random_filter
 
 
 def expected_after(items: list[Item], upserts: list[Item], delete: list[str]) -> list[Item]:
-    """The obviously-right result: kept items in order, then the batch's items (replaced ones move)."""
-    gone = set(delete) | {u.id for u in upserts}
-    return [it for it in items if it.id not in gone] + list(upserts)
+    """The obviously-right result: items in order, a replaced one in its place, deleted ones gone,
+    then the new ones in the batch's order."""
+    by_id = {u.id: u for u in upserts}
+    old = {it.id for it in items}
+    return ([by_id.get(it.id, it) for it in items if it.id not in set(delete)]
+            + [u for u in upserts if u.id not in old])
 
 
 def test_take_and_concat_equal_the_catalog_of_those_items():
@@ -72,8 +75,21 @@ def test_changed_ids_and_counts():
     res = apply_update(cat, parse_items([{"id": "b", "token_ids": [9]}, {"id": "d", "token_ids": [4]}]), ["a", "zz"])
     assert res.changed == {"a", "b", "d"}
     assert res.counts() == {"inserted": 1, "replaced": 1, "deleted": 1, "unknown_ids": 1}
-    assert res.catalog.ids == ["c", "b", "d"] and res.catalog.get("b").token_ids == (9,)
+    assert res.catalog.ids == ["b", "c", "d"] and res.catalog.get("b").token_ids == (9,)
+    assert not res.catalog.same_paths(cat)
     assert cat.ids == ["a", "b", "c"] and cat.get("b").token_ids == (2,)  # the old version is untouched
+
+
+def test_an_update_that_keeps_every_path_keeps_the_rows_of_the_trie():
+    items = mixed_items(random.Random(3), 50)
+    cat = Catalog(items)
+    same = [Item(it.id, (7, 7), None, it.semantic_id, {}, {"year": 1}) for it in items[5:15]]
+    res = apply_update(cat, Catalog(same))
+    assert res.catalog.same_paths(cat) and res.catalog.ids == cat.ids
+    same_items(res.catalog, expected_after(items, same, []))
+    moved = [Item(items[7].id, (7,), None, (1, 1, 1))]
+    assert not apply_update(cat, Catalog(moved)).catalog.same_paths(cat)
+    assert not apply_update(cat, None, [items[0].id]).catalog.same_paths(cat)
 
 
 @pytest.mark.parametrize("batch, message", [

@@ -111,3 +111,29 @@ def test_server_recommend_equals_the_two_calls(start_server, model, catalog):
         assert got["meta_info"]["catalog_version"] == 0 and "id" in got["meta_info"]
     r = httpx.post(srv.url + "/v1/recommend", json={"user": {"token_ids": [5]}, "rank": {"prefix": 1}}, timeout=60)
     assert r.status_code == 400 and "rank.prefix must be one of" in r.json()["message"]
+
+
+def test_an_update_that_keeps_every_path_keeps_the_trie_and_filters_see_it(model, catalog):
+    """Catalog versions in-process (Scheduler.prepare_catalog / commit_catalog, what every rank runs):
+    new attributes keep the trie (same paths, same rows) and a filter on them sees the new values;
+    a new path builds a new trie."""
+    from sgrec import Engine
+
+    e = Engine(model, device="cpu", dtype="float32", max_total_tokens=4096, item_catalog=catalog)
+    sched, user = e.scheduler, {"token_ids": [5, 6, 7, 8]}
+    before = e.retrieve(user, beam_width=8, num_items=6)
+    top = [it["item"] for it in before["items"][:3]]
+    upd = [{"id": it.id, "token_ids": list(it.token_ids), "id_token": it.id_token,
+            "semantic_id": list(it.semantic_id), "attrs": {"hidden": True}} for it in sched.catalog.lookup(top)]
+    prepared, trie = sched.prepare_catalog({"version": 1, "op": "upsert", "items": upd})
+    assert trie[0] is sched.retriever.trie
+    sched.commit_catalog(prepared, trie)
+    after = e.retrieve(user, beam_width=8, num_items=6, filter={"hidden": {"not_in": [True]}})
+    assert after["meta_info"]["catalog_version"] == 1
+    excluded = e.retrieve(user, beam_width=8, num_items=6, exclude_items=top)  # the same items, by id
+    assert [it["item"] for it in after["items"]] == [it["item"] for it in excluded["items"]]
+    assert not set(top) & {it["item"] for it in after["items"]} and len(after["items"]) == 6
+    prepared, trie = sched.prepare_catalog({"version": 2, "op": "upsert", "items": [
+        {"id": "fresh", "token_ids": [3], "semantic_id": [1, 2, 0]}]})
+    assert trie[0] is not sched.retriever.trie
+    e.check_memory()

@@ -119,6 +119,16 @@ class Catalog:
                                     np.concatenate([self.id_tokens, other.id_tokens]), sem,
                                     np.concatenate([self.has_semantic, other.has_semantic]), attrs, meta, index)
 
+    def same_paths(self, other: "Catalog") -> bool:
+        """Whether both catalogs hold the same semantic IDs on the same rows (then one trie and its
+        row map serve both)."""
+        if len(self) != len(other) or not np.array_equal(self.has_semantic, other.has_semantic):
+            return False
+        if self.semantic_ids is None or other.semantic_ids is None:
+            return self.semantic_ids is None and other.semantic_ids is None
+        return self.semantic_ids.shape == other.semantic_ids.shape and bool(
+            (self.semantic_ids[self.has_semantic] == other.semantic_ids[other.has_semantic]).all())
+
     # ---- lookups ------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.ids)

@@ -3,11 +3,11 @@ delete, applied to a catalog as a new catalog (the old one is left as it is, so 
 started on it finishes on it and a rollback can return to it).
 
 A batch is all or nothing: `parse_items` names the first bad item (`items[3] ('i9'): ...`) and
-`apply_update` raises CatalogError before anything is built when the batch does not fit the
-catalog (semantic IDs of another length, an attribute of another kind, every item deleted).
-Replaced items move to the end of the catalog, after the kept rows, in the batch's order; new
-items follow them the same way. `changed` (ids inserted, replaced or deleted) is what caches keyed
-by item id must drop.
+`apply_update` raises UpdateError before anything changes when the batch does not fit the catalog
+(semantic IDs of another length, an attribute of another kind, every item deleted). A replaced
+item keeps its row (so an update that leaves every semantic ID as it was leaves the trie as it was:
+`Catalog.same_paths`); new items follow the kept rows in the batch's order. `changed` (ids
+inserted, replaced or deleted) is what caches keyed by item id must drop.
 """
 
 from __future__ import annotations
@@ -77,35 +77,53 @@ class Applied:
 
 def apply_update(catalog: Catalog, upserts: Catalog | None = None, delete: Sequence[str] = ()) -> Applied:
     """The catalog after inserting / replacing `upserts` (by id) and deleting `delete` (unknown ids
-    ignored and counted); UpdateError when the result cannot be built."""
+    ignored and counted); UpdateError when the result cannot be built. A replaced item keeps its
+    row; new items follow the kept rows in the batch's order."""
     index = catalog.index
-    drop = []
     out = Applied(catalog)
+    gone = []
     for i in dict.fromkeys(delete):
         r = index.get(i)
         if r is None:
             out.unknown += 1
         else:
-            drop.append(r)
+            gone.append(r)
             out.changed.add(i)
-    out.deleted = len(drop)
+    out.deleted = len(gone)
+    rep_rows, rep_pos, new_pos = [], [], []  # replaced rows and their batch positions; new items' positions
     if upserts is not None:
-        for i in upserts.ids:
+        for j, i in enumerate(upserts.ids):
             r = index.get(i)
-            if r is not None:
-                drop.append(r)
-                out.replaced += 1
+            if r is None:
+                new_pos.append(j)
+            else:
+                rep_rows.append(r)
+                rep_pos.append(j)
             out.changed.add(i)
-        out.inserted = len(upserts) - out.replaced
-    if not drop and upserts is None:
+        out.replaced, out.inserted = len(rep_rows), len(new_pos)
+    if not gone and upserts is None:
         return out
-    if len(drop) == len(catalog) and upserts is None:
+    n = len(catalog)
+    if len(gone) == n and not new_pos:
         raise UpdateError("the update would delete every item of the catalog")
-    keep = np.ones(len(catalog), dtype=bool)
-    keep[np.asarray(drop, dtype=np.int64)] = False
-    base = catalog if keep.all() else catalog.take(np.flatnonzero(keep)) if keep.any() else None
+    alive = np.ones(n, dtype=bool)
+    alive[np.asarray(gone, dtype=np.int64)] = False
+    kept = alive.copy()
+    kept[np.asarray(rep_rows, dtype=np.int64)] = False  # rows whose old version goes
+    base_rows = np.flatnonzero(kept)
+    base = catalog if len(base_rows) == n else catalog.take(base_rows) if len(base_rows) else None
     try:
-        out.catalog = upserts if base is None else base if upserts is None else base.concat(upserts)
+        if upserts is None:
+            out.catalog = base
+            return out
+        joined = upserts if base is None else base.concat(upserts)
     except CatalogError as e:
         raise UpdateError(str(e)) from None
+    if not rep_rows:  # inserts only: the new items already follow the kept rows
+        out.catalog = joined
+        return out
+    nb = len(base_rows)
+    perm = np.cumsum(kept) - 1  # an old row's place in base
+    perm[np.asarray(rep_rows, dtype=np.int64)] = nb + np.asarray(rep_pos, dtype=np.int64)
+    out.catalog = joined.take(np.concatenate([perm[alive], nb + np.asarray(new_pos, dtype=np.int64)]))
     return out

@@ -226,7 +226,10 @@ class Scheduler:
         if self.versions is None:
             raise UpdateError("this server has no item catalog (--item-catalog)")
         prepared = self.versions.prepare(record, self.runner.config.vocab_size)
-        return prepared, self.retriever.build_trie(prepared.applied.catalog)
+        new = prepared.applied.catalog
+        if new.same_paths(self.versions.current):  # texts, tokens or attributes only: the trie stays
+            return prepared, (self.retriever.trie, self.retriever._trie_rows)
+        return prepared, self.retriever.build_trie(new)
 
     def commit_catalog(self, prepared: Prepared, trie) -> None:
         """Serves the prepared version from the next step on (call between steps): the executors
