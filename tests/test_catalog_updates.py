@@ -76,6 +76,8 @@ def test_changed_ids_and_counts():
     assert res.changed == {"a", "b", "d"}
     assert res.counts() == {"inserted": 1, "replaced": 1, "deleted": 1, "unknown_ids": 1}
     assert res.catalog.ids == ["b", "c", "d"] and res.catalog.get("b").token_ids == (9,)
+    same_tokens = apply_update(cat, parse_items([{"id": "b", "token_ids": [2], "attrs": {"x": 1}}]))
+    assert same_tokens.changed == set() and same_tokens.replaced == 1  # its item KV stays valid
     assert not res.catalog.same_paths(cat)
     assert cat.ids == ["a", "b", "c"] and cat.get("b").token_ids == (2,)  # the old version is untouched
 

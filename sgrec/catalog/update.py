@@ -7,7 +7,8 @@ A batch is all or nothing: `parse_items` names the first bad item (`items[3] ('i
 (semantic IDs of another length, an attribute of another kind, every item deleted). A replaced
 item keeps its row (so an update that leaves every semantic ID as it was leaves the trie as it was:
 `Catalog.same_paths`); new items follow the kept rows in the batch's order. `changed` (ids
-inserted, replaced or deleted) is what caches keyed by item id must drop.
+inserted, deleted, or replaced with other tokens) is what caches of item KV keyed by id must drop;
+an item whose attributes or semantic ID alone change keeps its KV.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def check_ids(ids) -> list[str]:
 @dataclass
 class Applied:
     catalog: Catalog
-    changed: set[str] = field(default_factory=set)
+    changed: set[str] = field(default_factory=set)  # ids whose item KV is stale: new tokens, deleted, inserted
     inserted: int = 0
     replaced: int = 0
     deleted: int = 0
@@ -92,14 +93,17 @@ def apply_update(catalog: Catalog, upserts: Catalog | None = None, delete: Seque
     out.deleted = len(gone)
     rep_rows, rep_pos, new_pos = [], [], []  # replaced rows and their batch positions; new items' positions
     if upserts is not None:
+        old_ptr, old_flat, ptr, flat = catalog.token_ptr, catalog.token_flat, upserts.token_ptr, upserts.token_flat
         for j, i in enumerate(upserts.ids):
             r = index.get(i)
             if r is None:
                 new_pos.append(j)
-            else:
-                rep_rows.append(r)
-                rep_pos.append(j)
-            out.changed.add(i)
+                out.changed.add(i)
+                continue
+            rep_rows.append(r)
+            rep_pos.append(j)
+            if old_flat[old_ptr[r]:old_ptr[r + 1]].tobytes() != flat[ptr[j]:ptr[j + 1]].tobytes():
+                out.changed.add(i)  # new tokens: its item KV is stale
         out.replaced, out.inserted = len(rep_rows), len(new_pos)
     if not gone and upserts is None:
         return out

@@ -175,6 +175,12 @@ def score_schema(lim: SchemaLimits) -> dict:
     }
 
 
+def rec_request_fields(lim: SchemaLimits) -> dict:
+    """The fields every recommendation request shares: the exposure filters, rid, routing_key, model."""
+    return {**filter_properties(lim), "rid": _nullable({"type": "string"}),
+            "routing_key": _nullable({"type": "string"}), "model": _nullable({"type": "string"})}
+
+
 def _user_schema(lim: SchemaLimits) -> dict:
     return {
         "type": "object",
@@ -201,10 +207,7 @@ def rank_schema(lim: SchemaLimits) -> dict:
             "prefix": _nullable({"type": "string", "enum": ["auto", "user", "item", "none", "greedy"]}),
             "top_k": _nullable({"type": "integer", "minimum": 1}),
             "score_by": _nullable({"type": "string", "enum": ["auto", "id_token", "semantic_id"]}),
-            **filter_properties(lim),
-            "rid": _nullable({"type": "string"}),
-            "routing_key": _nullable({"type": "string"}),
-            "model": _nullable({"type": "string"}),
+            **rec_request_fields(lim),
         },
     }
 
@@ -219,10 +222,7 @@ def retrieve_schema(lim: SchemaLimits) -> dict:
             "beam_width": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
             "top_k": {"type": "integer", "minimum": 1},
             "num_items": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
-            **filter_properties(lim),
-            "rid": _nullable({"type": "string"}),
-            "routing_key": _nullable({"type": "string"}),
-            "model": _nullable({"type": "string"}),
+            **rec_request_fields(lim),
         },
     }
 
@@ -244,10 +244,7 @@ def recommend_schema(lim: SchemaLimits) -> dict:
             "rank": _nullable({"type": "object", "additionalProperties": False, "properties": {
                 name: rank[name] for name in ("instruction", "prefix", "score_by")}}),
             "top_k": rank["top_k"],
-            **filter_properties(lim),
-            "rid": _nullable({"type": "string"}),
-            "routing_key": _nullable({"type": "string"}),
-            "model": _nullable({"type": "string"}),
+            **rec_request_fields(lim),
         },
     }
 

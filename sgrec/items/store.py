@@ -180,20 +180,19 @@ class ItemStore:
         return freed
 
     def use_catalog(self, catalog: Catalog, changed: Iterable[str]) -> int:
-        """Serves a new catalog version: the entries of the items it changed (replaced, deleted, or
-        different after a rollback) are freed, so they are recomputed from their new tokens on
+        """Serves a new catalog version: the entries of the items whose tokens it changed (replaced
+        with other tokens, deleted, or different after a rollback) are freed, so they are recomputed from their new tokens on
         their next use; returns the tokens freed. Between scheduler steps only: no entry is pinned."""
-        freed = 0
         with self.lock:
             self.catalog = catalog
-            for k in [k for k in changed if k in self.entries]:
-                e = self.entries.pop(k)
-                if e.pins:
-                    raise RuntimeError(f"item {k!r} is in use while the catalog changes")
-                self.allocator.free(e.slots)
-                self.item_tokens -= len(e.slots)
-                freed += len(e.slots)
-        return freed
+            gone = [self.entries.pop(k) for k in changed if k in self.entries]
+            if any(e.pins for e in gone):
+                raise RuntimeError("an item in use while the catalog changes")
+            if gone:  # one free for all
+                slots = torch.cat([e.slots for e in gone])
+                self.allocator.free(slots)
+                self.item_tokens -= len(slots)
+        return sum(len(e.slots) for e in gone)
 
     def read_kv(self, item_ids: Sequence[str], fps: dict[str, int] | None = None
                 ) -> tuple[list[tuple[str, int]], torch.Tensor | None, torch.Tensor | None]:

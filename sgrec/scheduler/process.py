@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import traceback
@@ -31,6 +32,7 @@ logger = logging.getLogger("sgrec.scheduler")
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
 INTERNAL_ERROR = "Internal error while running the batch"
+PREPARE_SWITCH_S = 0.0005  # GIL switch interval while a catalog version is built beside the steps (default 5 ms)
 
 
 class SchedulerLoop:
@@ -176,6 +178,8 @@ class SchedulerLoop:
         """Phase one of a catalog update, on its own thread while steps go on: builds the next
         version and its trie and reports back (from its own socket: ZMQ sockets are not shared
         across threads)."""
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(PREPARE_SWITCH_S)  # the step's thread gets the GIL back within this
         try:
             self.catalog_prepared[msg.uid] = self.scheduler.prepare_catalog(msg.record)
             reply = io.CatalogReply(msg.uid, self.dp_rank, "prepared",
@@ -187,6 +191,8 @@ class SchedulerLoop:
         except Exception as e:
             logger.error("catalog update failed:\n%s", traceback.format_exc())
             reply = io.CatalogReply(msg.uid, self.dp_rank, "failed", 500, f"catalog update failed: {e!r}")
+        finally:
+            sys.setswitchinterval(switch)
         sock = self.ctx.socket(zmq.PUSH)
         try:
             sock.connect(self.out_addr)
