@@ -8,9 +8,11 @@
 1. Traffic: the demo server (MovieLens model and catalog). --clients clients send retrieve requests
    (BW 16, 10 items) back to back; in the "updates" phases one more client replaces --rate items per
    second (batches of --batch demo items with corrected attributes, each batch one POST that is
-   acknowledged after the journal's fsync and the switch of every rank). Quiet and update phases
-   alternate (--rounds of each), so the machine's drift lands on both. Reported: retrieve P50 / P99
-   per phase kind, their ratio (target: P99 within 1.2x), the update rate reached and the updates'
+   acknowledged after the journal's fsync and the switch of every rank). A control phase sends the
+   same POSTs with one bad item at the end of each batch (a 400 once the server parsed the batch: the
+   HTTP and validation share of the cost, no new version). Quiet, control and update phases alternate
+   (--rounds of each), so the machine's drift lands on all. Reported: retrieve P50 / P99 per phase
+   kind, their ratio (target: P99 within 1.2x), the update rate reached and the updates'
    acknowledgement latency.
 2. Visibility: a server on an N-item catalog (the tiny random model; items as in bench_catalog). Each
    trial inserts one new item on a new semantic-ID path; timed: the POST until its acknowledgement
@@ -67,16 +69,16 @@ def retrieve_body(rng: random.Random, items: list[dict]) -> dict:
 
 
 # ---- 1. retrieve under updates ---------------------------------------------------------------
-def push_updates(url: str, bodies: list[bytes], per_s: float, start: float, stop: float, q) -> None:
+def push_updates(url: str, bodies: list[bytes], per_s: float, start: float, stop: float, expect: int, q) -> None:
     """The updater process: one POST per body, paced at `per_s`, from `start` until `stop`
-    (monotonic); reports (posts, seconds, acknowledgement latencies)."""
+    (monotonic), each answered with status `expect`; reports (posts, seconds, answer latencies)."""
     time.sleep(max(0.0, start - time.monotonic()))
     t0, n, acks = time.monotonic(), 0, []
     with httpx.Client(base_url=url, timeout=300, headers={"content-type": "application/json"}) as c:
         while time.monotonic() < stop and n < len(bodies):
             t = time.perf_counter()
             r = c.post("/v1/catalog/items", content=bodies[n])
-            assert r.status_code == 200, r.text
+            assert r.status_code == expect, r.text
             acks.append(time.perf_counter() - t)
             n += 1
             wait = t0 + n / per_s - time.monotonic()
@@ -91,22 +93,23 @@ def bench_traffic(work: str, a) -> list[dict]:
     with demo_server(work, "traffic") as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
         for _ in range(2):  # warm-up: both request kinds once
             assert c.post("/v1/retrieve", json=retrieve_body(random.Random(0), items)).status_code == 200
-        lat: dict[str, list[float]] = {"quiet": [], "updates": []}
+        lat: dict[str, list[float]] = {"quiet": [], "rejected": [], "updates": []}
         acks: list[float] = []
         pushed = [0, 0.0]  # items acknowledged, seconds of update phases
 
         def clients(phase: str, seconds: float, seed: int) -> None:
             proc = None
-            if phase == "updates":  # from another process, bodies encoded beforehand: the clients' GIL
+            if phase != "quiet":  # from another process, bodies encoded beforehand: the clients' GIL
                 rng = random.Random(seed)  # and CPU are not the updater's
+                bad = [{"id": "no-tokens"}] if phase == "rejected" else []  # the last item: a 400 after parsing
                 bodies = [orjson.dumps({"items": [{**it, "attrs": {**it["attrs"], "year": rng.randint(1900, 2000)}}
-                                                  for it in rng.sample(items, a.batch)]})
+                                                  for it in rng.sample(items, a.batch)] + bad})
                           for _ in range(int(seconds * a.rate / a.batch) + 1)]
                 ctx = multiprocessing.get_context("fork")  # forked before the client threads start
                 q = ctx.Queue()
                 start = time.monotonic() + 0.5
                 proc = ctx.Process(target=push_updates, args=(srv.url, bodies, a.rate / a.batch, start,
-                                                              start + seconds, q))
+                                                              start + seconds, 400 if bad else 200, q))
                 proc.start()
                 time.sleep(max(0.0, start - time.monotonic()))
             stop = time.monotonic() + seconds
@@ -128,15 +131,16 @@ def bench_traffic(work: str, a) -> list[dict]:
             if proc is not None:
                 n, secs, ack = q.get()
                 proc.join()
-                acks.extend(ack)
-                pushed[0] += n * a.batch
-                pushed[1] += secs
+                if phase == "updates":
+                    acks.extend(ack)
+                    pushed[0] += n * a.batch
+                    pushed[1] += secs
 
         for k in range(a.rounds):
-            clients("quiet", a.phase_s, 2 * k)
-            clients("updates", a.phase_s, 2 * k + 1)
+            for j, phase in enumerate(("quiet", "rejected", "updates")):
+                clients(phase, a.phase_s, 3 * k + j)
         version = c.get("/v1/catalog").json()["version"]
-    for phase in ("quiet", "updates"):
+    for phase in ("quiet", "rejected", "updates"):
         xs = lat[phase]
         rows.append({"phase": phase, "n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99)})
     rows.append({"rate": pushed[0] / max(pushed[1], 1e-9), "ack_p50": pct(acks, 0.5), "ack_p99": pct(acks, 0.99),
@@ -145,14 +149,16 @@ def bench_traffic(work: str, a) -> list[dict]:
 
 
 def report_traffic(rows: list[dict], a) -> None:
-    q, u, up = rows
+    q, rej, u, up = rows
     print(f"\n## 1. Retrieve on the demo server, {a.clients} clients, BW 16: quiet vs {a.rate} item updates/s "
           f"(batches of {a.batch}), {a.rounds} x {a.phase_s:.0f} s each, alternating")
     print(md_table(["phase", "requests", "P50 ms", "P99 ms"],
-                   [[r["phase"], r["n"], f"{r['p50'] * 1e3:.1f}", f"{r['p99'] * 1e3:.1f}"] for r in (q, u)]))
+                   [[r["phase"], r["n"], f"{r['p50'] * 1e3:.1f}", f"{r['p99'] * 1e3:.1f}"] for r in (q, rej, u)]))
     ratio = u["p99"] / q["p99"]
     print(f"\nP99 with updates / quiet: {ratio:.2f}x (target <= 1.2x: {verdict(ratio <= 1.2)}); "
           f"P50 {u['p50'] / q['p50']:.2f}x")
+    print(f"control, the same POSTs rejected after parsing (HTTP, body, validation; no new version): "
+          f"P99 {rej['p99'] / q['p99']:.2f}x, P50 {rej['p50'] / q['p50']:.2f}x of quiet")
     print(f"updates: {up['rate']:.0f} items/s acknowledged ({up['versions']} versions), acknowledgement "
           f"P50 {up['ack_p50'] * 1e3:.1f} ms, P99 {up['ack_p99'] * 1e3:.1f} ms")
 

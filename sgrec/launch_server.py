@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -135,6 +136,8 @@ async def serve(args: ServerArgs, in_addrs: list[str], out_addr: str, launch: di
     if args.enable_metrics:
         tm.metrics = Metrics(args.served_model_name)
     app = _tag_responses(create_app(tm, args, launch), f"{args.host}:{args.port}")
+    gc.collect()
+    gc.freeze()  # start-up's objects out of the cyclic GC's scans (see sgrec.scheduler.process.freeze_startup_objects)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
     server = _Server(config)

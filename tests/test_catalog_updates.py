@@ -57,6 +57,12 @@ def test_updates_equal_the_catalog_built_from_the_expected_items(seed):
         cat = res.catalog
         items = expected_after(expected_after(items, upserts, []), [], delete)
         same_items(cat, items)
+        again = [Item(i, *_body(it)) for i, it in zip(rng.sample([it.id for it in items], 5),
+                                                         mixed_items(random.Random(rng.random()), 5))]
+        res = apply_update(cat, Catalog(again))  # replacements only (Catalog.replace_rows)
+        assert res.catalog.index is cat.index and res.replaced == 5
+        cat, items = res.catalog, expected_after(items, again, [])
+        same_items(cat, items)
         ref = Catalog(items)  # filters see the new rows
         for _ in range(10):
             spec = {k: v for k, v in random_filter(rng).items() if k in ref.attrs.columns}

@@ -119,6 +119,40 @@ class Catalog:
                                     np.concatenate([self.id_tokens, other.id_tokens]), sem,
                                     np.concatenate([self.has_semantic, other.has_semantic]), attrs, meta, index)
 
+    def replace_rows(self, rows, other: "Catalog") -> "Catalog":
+        """This catalog with rows[j] replaced by other's row j (the same ids, so the id list and
+        index are shared with this catalog, which stays as it is)."""
+        if self.semantic_id_len and other.semantic_id_len and self.semantic_id_len != other.semantic_id_len:
+            raise CatalogError(f"semantic_id has {other.semantic_id_len} tokens here but {self.semantic_id_len} "
+                               "in the catalog")
+        rows = np.asarray(rows, dtype=np.int64)
+        n = len(self)
+        perm = np.arange(n, dtype=np.int64)
+        perm[rows] = n + np.arange(len(rows), dtype=np.int64)  # row r of the result: self's or other's
+        flat = np.concatenate([self.token_flat, other.token_flat])
+        ptr = np.concatenate([self.token_ptr, other.token_ptr[1:] + self.token_ptr[-1]])
+        token_ptr, token_flat = take_ragged(ptr, flat, perm)
+        id_tokens = self.id_tokens.copy()
+        id_tokens[rows] = other.id_tokens
+        has = self.has_semantic.copy()
+        has[rows] = other.has_semantic
+        nd = self.semantic_id_len or other.semantic_id_len
+        sem = None
+        if nd:
+            sem = np.full((n, nd), -1, dtype=np.int32) if self.semantic_ids is None else self.semantic_ids.copy()
+            sem[rows] = -1 if other.semantic_ids is None else other.semantic_ids
+        try:
+            attrs = self.attrs.concat(other.attrs).take(perm)
+        except ValueError as e:
+            raise CatalogError(str(e)) from None
+        meta = dict(self.meta)
+        for j, r in enumerate(rows.tolist()):
+            if j in other.meta:
+                meta[r] = other.meta[j]
+            else:
+                meta.pop(r, None)
+        return Catalog.from_columns(self.ids, token_flat, token_ptr, id_tokens, sem, has, attrs, meta, self.index)
+
     def same_paths(self, other: "Catalog") -> bool:
         """Whether both catalogs hold the same semantic IDs on the same rows (then one trie and its
         row map serve both)."""

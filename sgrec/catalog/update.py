@@ -110,6 +110,12 @@ def apply_update(catalog: Catalog, upserts: Catalog | None = None, delete: Seque
     n = len(catalog)
     if len(gone) == n and not new_pos:
         raise UpdateError("the update would delete every item of the catalog")
+    if not gone and not new_pos:  # replacements only: the rows, ids and index stay
+        try:
+            out.catalog = catalog.replace_rows(np.asarray(rep_rows, dtype=np.int64)[np.argsort(rep_pos)], upserts)
+        except CatalogError as e:
+            raise UpdateError(str(e)) from None
+        return out
     alive = np.ones(n, dtype=bool)
     alive[np.asarray(gone, dtype=np.int64)] = False
     kept = alive.copy()

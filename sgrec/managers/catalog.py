@@ -86,7 +86,10 @@ class CatalogAdmin:
                 raise CatalogRequestError(503 if isinstance(e, CatalogError) else 500,
                                           f"the update could not be made durable: {e}") from None
             committed = await self._round(uid, "committed", io.CatalogCommitReq(uid))
-            self.facts = committed[0].info
+            served = [r for r in committed.values() if r.stage == "committed"]
+            self.facts = served[0].info if served else {**self.facts, "version": rec["version"]}
+            if len(served) < len(committed):  # journaled, so it is the version after a restart
+                raise CatalogRequestError(500, next(r.message for r in committed.values() if r.stage == "failed"))
         counts = prepared[0].info or {}
         out = {"version": rec["version"], **counts}
         if op == "rollback":

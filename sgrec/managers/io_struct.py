@@ -148,7 +148,8 @@ _TYPES: dict[str, type] = {
 
 
 def encode(msg: Any) -> bytes:
-    return orjson.dumps({"type": type(msg).__name__, **dataclasses.asdict(msg)})
+    """orjson serializes nested dataclasses itself: no deep copy (dataclasses.asdict) of big payloads."""
+    return orjson.dumps({"type": type(msg).__name__, **{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}})
 
 
 _CHECKS = {
