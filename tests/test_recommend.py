@@ -137,3 +137,13 @@ def test_an_update_that_keeps_every_path_keeps_the_trie_and_filters_see_it(model
         {"id": "fresh", "token_ids": [3], "semantic_id": [1, 2, 0]}]})
     assert trie[0] is not sched.retriever.trie
     e.check_memory()
+
+
+def test_the_rank_stage_reuses_the_users_kv_from_the_retrieve_stage(engine):
+    """One request, a user never seen: with user-as-prefix, the rank stage reads the user's KV that
+    the retrieve stage of the same request put in the radix cache (computed once)."""
+    user = {"id": "fresh-user", "token_ids": [301, 302, 303, 304, 305, 306]}
+    got = engine.recommend(user, {"beam_width": 8, "num_candidates": 5}, {"prefix": "user"})
+    assert got["meta_info"]["retrieve"]["cached_tokens"] == 0
+    assert got["meta_info"]["rank"]["prefix"] == "user"
+    assert got["meta_info"]["rank"]["cached_tokens"] == len(user["token_ids"])
