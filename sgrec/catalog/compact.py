@@ -42,7 +42,7 @@ def finish(catalog_path: str, journal_path: str) -> str | None:
         if os.path.exists(cat_tmp):
             os.replace(cat_tmp, catalog_path)
         os.replace(jr_tmp, journal_path)
-        journal._fsync_dir(journal_path)
+        journal.fsync_dir(journal_path)
         return f"finished an interrupted compaction of {catalog_path}"
     dropped = [p for p in (cat_tmp, jr_tmp) if os.path.exists(p)]
     for p in dropped:
@@ -67,7 +67,7 @@ def compact(catalog_path: str, journal_path: str | None = None, tokenizer=None, 
     (version, items). CatalogError when a server holds the journal (stop it first) or it is corrupt."""
     journal_path = journal_path or journal.default_path(catalog_path)
     lock = journal.Journal(journal_path)
-    lock._open()  # held until the end: no server appends meanwhile
+    lock.hold()  # until the end: no server appends meanwhile
     try:
         if (done := finish(catalog_path, journal_path)) is not None:
             logger.warning("%s", done)
@@ -81,9 +81,9 @@ def compact(catalog_path: str, journal_path: str | None = None, tokenizer=None, 
         _write_synced(_tmp(journal_path), lambda p: _write_bytes(p, orjson.dumps({"version": version, "op": "base"})
                                                                  + b"\n"))
         os.replace(_tmp(catalog_path), catalog_path)
-        journal._fsync_dir(catalog_path)
+        journal.fsync_dir(catalog_path)
         os.replace(_tmp(journal_path), journal_path)
-        journal._fsync_dir(journal_path)
+        journal.fsync_dir(journal_path)
         return version, len(cat)
     finally:
         lock.close()

@@ -113,7 +113,8 @@ class Journal:
         self.path = path
         self._f = None
 
-    def _open(self):
+    def hold(self):
+        """Opens the journal for appending and takes its lock (CatalogError when another process has it)."""
         if self._f is None:
             f = open(self.path, "ab")
             try:
@@ -122,12 +123,12 @@ class Journal:
                 f.close()
                 raise CatalogError(f"the catalog journal {self.path!r} is held by another process "
                                    "(another server on the same catalog, or a compaction)") from None
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             self._f = f
         return self._f
 
     def append(self, record: dict) -> None:
-        f = self._open()
+        f = self.hold()
         f.write(orjson.dumps(record) + b"\n")
         f.flush()
         os.fsync(f.fileno())
@@ -138,7 +139,7 @@ class Journal:
             self._f = None
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(fd)
