@@ -37,6 +37,7 @@ def test_triton_backend_is_refused_on_cpu_without_the_interpreter(monkeypatch):
         make_backend("triton", "cpu")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_decode_attention_compiled_on_cuda(monkeypatch, dtype, tol):
@@ -47,6 +48,7 @@ def test_decode_attention_compiled_on_cuda(monkeypatch, dtype, tol):
     assert (out.double().cpu() - ref).abs().max() <= tol
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_staged_attention_compiled_on_cuda(monkeypatch, dtype, tol):

@@ -218,6 +218,7 @@ def test_cuda_backend_refuses_without_cuda():
     assert isinstance(make_backend("auto"), InlineStreams)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams need a CUDA device (none here)")
 def test_cuda_streams_match_serial_results_and_pool_waits():
     torch.manual_seed(0)

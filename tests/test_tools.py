@@ -138,3 +138,41 @@ def test_qwen3_shapes_have_the_published_sizes(shape, total, non_embedding):
     assert round(n / 1e9, 1) == total and round((n - emb) / 1e9, digits) == non_embedding
     with pytest.raises(ValueError, match="shape must be one of"):
         shape_config("qwen3-8b")
+
+
+def test_gpu_bundle_plans_what_the_gpu_image_lacks(tmp_path):
+    """sgrec.tools.gpu_bundle (issue 24): sgrec's requirements closed over theirs, as installed here,
+    less what the GPU machine has; the download itself (pip, the registry) is not run in CI."""
+    from sgrec.tools import gpu_bundle as gb
+
+    needed = gb.closure(gb.ROOTS)
+    for name in ("pyzmq", "orjson", "fastapi", "uvicorn", "lightgbm", "torch", "numpy", "pytest", "starlette"):
+        assert name in needed, name
+    wants = gb.missing(needed, gb.read_have(None))
+    assert {"pyzmq", "orjson", "fastapi", "uvicorn", "lightgbm", "starlette"} <= set(wants)
+    assert not {"torch", "numpy", "transformers", "pytest", "triton", "sgrec"} & set(wants)
+    assert all(wants[n] == needed[n] for n in wants)  # the versions installed here
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("torch==2.11.0\nPyZMQ==26.0\norjson @ file:///x\n")
+    assert gb.read_have(str(freeze)) == {"torch", "pyzmq", "orjson"}
+    wants = gb.missing(needed, gb.read_have(str(freeze)))
+    assert "pyzmq" not in wants and "numpy" in wants and "fastapi" in wants
+
+
+def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
+    """benchmarks/bench_gpu.py (what scripts/gpu_suite.sh runs on a lent GPU), tiny and on CPU: every
+    field of its results file is there and sane (a smoke run of the code, not a measurement)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_gpu.py"), "--device", "cpu", "--quick",
+                        "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0
+    assert [x["tokens"] for x in r["prefill"]] == [64, 128] and all(0 < x["mfu"] for x in r["prefill"])
+    assert r["retrieve"]["requests"] == 2 and r["retrieve"]["median_s"] > 0

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU suite (issue 24), on a CUDA + PyTorch machine without a package registry, from the
+# repository root:
+#   here:        python -m sgrec.tools.gpu_bundle .whl          # the wheels that machine lacks (~7 MiB)
+#   over there:  bash scripts/gpu_suite.sh                       # WHEELS=.whl SITE=/tmp/site OUT=$OUT
+# Installs the wheels into a target folder (not the machine's site-packages), records the device,
+# runs the CUDA tests (pytest -m cuda) and the GPU benchmark (benchmarks/bench_gpu.py), and writes
+# logs, a JUnit XML and results.json into $OUT (default ./gpu-out). Exits non-zero if a step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./gpu-out}
+WHEELS=${WHEELS:-.whl}
+SITE=${SITE:-/tmp/site}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
+    || { echo "gpu_suite: installing the wheels failed" >&2; exit 2; }
+fi
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+rc=0
+{ nvidia-smi || true; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"; } \
+  > "$OUT/device.txt" 2>&1
+python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml "$OUT/cuda-tests.xml" tests 2>&1 | tee "$OUT/cuda-tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+python3 benchmarks/bench_gpu.py --out "$OUT/results.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+echo "gpu_suite: done (rc=$rc); logs and results in $OUT"
+exit $rc
