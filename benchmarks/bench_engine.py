@@ -107,7 +107,7 @@ class SgrecSide:
 
         self.engine = Engine(
             path, device="cpu", dtype="float32", max_total_tokens=max_tokens, disable_radix_cache=True,
-            enable_weight_packing=packed,
+            disable_weight_packing=not packed,
         )
         if packed:
             self.name = "sgrec+packing"
@@ -267,7 +267,7 @@ def bench_model(label: str, path: str, args, prompt_len: int, repeats: int) -> l
     max_b = max(args.batch_sizes)
     k = args.decode_tokens
     t0 = time.perf_counter()
-    sides = [SgrecSide(path, max_tokens=max_b * (prompt_len + k) * 2 + 64, packed=args.enable_weight_packing),
+    sides = [SgrecSide(path, max_tokens=max_b * (prompt_len + k) * 2 + 64, packed=not args.disable_weight_packing),
              HFSide(path)]
     print(f"  loaded both sides in {time.perf_counter() - t0:.1f}s (HF attention: {sides[1].attn_impl})", flush=True)
     rows = []
@@ -358,8 +358,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--models", default="tiny,smollm2", help="comma list of: tiny, smollm2")
-    ap.add_argument("--enable-weight-packing", action="store_true",
-                    help="run sgrec with --enable-weight-packing (oneDNN-prepacked float32 weights)")
+    ap.add_argument("--disable-weight-packing", action="store_true",
+                    help="run sgrec with --disable-weight-packing (plain float32 weights, HF's summation order)")
     ap.add_argument("--prompt-len", type=int, default=None,
                     help=f"prompt tokens per sequence (default: {DEFAULT_PROMPT_LEN})")
     ap.add_argument("--decode-tokens", type=int, default=64, help="new tokens per sequence in the decode run")

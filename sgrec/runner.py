@@ -58,7 +58,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
         torch.manual_seed(args.random_seed)
-        self.packed = args.enable_weight_packing and packing_available(self.device, self.dtype)
+        self.packed = not args.disable_weight_packing and packing_available(self.device, self.dtype)
         self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed)
         self.backend = make_backend(args.attention_backend, self.device)
         self.max_input_len = min(args.max_input_len or self.context_len - 1, self.context_len - 1)

@@ -325,7 +325,7 @@ def test_logits_of_some_columns_equal_those_of_all_columns(tiny_model_dir, pack,
         pytest.skip("oneDNN weight packing is not available in this torch build")
     path = tiny_model_dir("llama", vocab_size=4500, tie_word_embeddings=tied)
     runner = ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32", max_total_tokens=64,
-                                                enable_weight_packing=pack))
+                                                disable_weight_packing=not pack))
     model = runner.model
     assert isinstance(model.lm_head, PackedLinear) == pack
     g = torch.Generator().manual_seed(1)
