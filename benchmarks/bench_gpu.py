@@ -59,6 +59,12 @@ def gemm_peak(device: str, dtype: torch.dtype, n: int, repeats: int) -> float:
     return 2 * n**3 / timed(lambda: a @ b, device, repeats)
 
 
+def non_embedding_params(cfg) -> int:
+    """The matmul weights of the layers (from the config: packed CPU weights are not parameters)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+
+
 def prefill_flops(cfg, n_params: int, tokens: int) -> float:
     attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens / 2
     return 2 * n_params * tokens + attn
@@ -70,8 +76,7 @@ def bench_prefill(model_dir: str, a, dtype: str) -> list[dict]:
                                                 max_total_tokens=longest + 16, chunked_prefill_size=-1,
                                                 context_length=longest + 16))
     cfg = runner.config
-    emb = cfg.vocab_size * cfg.hidden_size
-    n_params = sum(p.numel() for p in runner.model.parameters()) - emb * (1 if cfg.tie_word_embeddings else 2)
+    n_params = non_embedding_params(cfg)
     rows = []
     for n in a.lengths:
         ids = np.random.default_rng(n).integers(0, cfg.vocab_size, n).tolist()
