@@ -109,8 +109,7 @@ class SgrecSide:
             path, device="cpu", dtype="float32", max_total_tokens=max_tokens, disable_radix_cache=True,
             disable_weight_packing=not packed,
         )
-        if packed:
-            self.name = "sgrec+packing"
+        self.packed = self.engine.runner.packed  # oneDNN-prepacked weights (the CPU default)
         # Record the end of every scheduler step and how many requests got a token in it (wraps
         # the instance attribute; sgrec's source is untouched). step() returns the requests that
         # got a new token (or finished) in that step.
@@ -269,7 +268,8 @@ def bench_model(label: str, path: str, args, prompt_len: int, repeats: int) -> l
     t0 = time.perf_counter()
     sides = [SgrecSide(path, max_tokens=max_b * (prompt_len + k) * 2 + 64, packed=not args.disable_weight_packing),
              HFSide(path)]
-    print(f"  loaded both sides in {time.perf_counter() - t0:.1f}s (HF attention: {sides[1].attn_impl})", flush=True)
+    print(f"  loaded both sides in {time.perf_counter() - t0:.1f}s (HF attention: {sides[1].attn_impl}; sgrec weights "
+          f"{'packed' if sides[0].packed else 'plain'})", flush=True)
     rows = []
     for b in args.batch_sizes:
         g = torch.Generator().manual_seed(args.seed + 1000 * b + prompt_len)
