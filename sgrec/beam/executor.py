@@ -116,6 +116,11 @@ class RetrieveExecutor:
             return None, None
         return SemanticIdTrie.from_catalog(catalog, self.vocab_size, self.device)
 
+    @property
+    def built(self) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
+        """The served trie and its row map, as build_trie returns them."""
+        return self.trie, self._trie_rows
+
     def use_catalog(self, catalog: Catalog | None, built) -> None:
         """Serves a catalog version (between scheduler steps): its trie from `build_trie`."""
         self.catalog = catalog

@@ -94,9 +94,7 @@ class Catalog:
     def concat(self, other: "Catalog") -> "Catalog":
         """This catalog's rows, then `other`'s. CatalogError when semantic IDs differ in length, an
         attribute's kind differs, or an id is in both."""
-        if self.semantic_id_len and other.semantic_id_len and self.semantic_id_len != other.semantic_id_len:
-            raise CatalogError(f"semantic_id has {other.semantic_id_len} tokens here but {self.semantic_id_len} "
-                               "in the catalog")
+        self._check_nd(other)
         nd = self.semantic_id_len or other.semantic_id_len
         try:
             attrs = self.attrs.concat(other.attrs)
@@ -119,12 +117,20 @@ class Catalog:
                                     np.concatenate([self.id_tokens, other.id_tokens]), sem,
                                     np.concatenate([self.has_semantic, other.has_semantic]), attrs, meta, index)
 
-    def replace_rows(self, rows, other: "Catalog") -> "Catalog":
-        """This catalog with rows[j] replaced by other's row j (the same ids, so the id list and
-        index are shared with this catalog, which stays as it is)."""
+    def _check_nd(self, other: "Catalog") -> None:
+        """CatalogError when both catalogs have semantic IDs of different lengths."""
         if self.semantic_id_len and other.semantic_id_len and self.semantic_id_len != other.semantic_id_len:
             raise CatalogError(f"semantic_id has {other.semantic_id_len} tokens here but {self.semantic_id_len} "
                                "in the catalog")
+
+    def token_ids(self, row: int) -> np.ndarray:
+        """Row's item token ids (a view of the column)."""
+        return self.token_flat[self.token_ptr[row] : self.token_ptr[row + 1]]
+
+    def replace_rows(self, rows, other: "Catalog") -> "Catalog":
+        """This catalog with rows[j] replaced by other's row j (the same ids, so the id list and
+        index are shared with this catalog, which stays as it is)."""
+        self._check_nd(other)
         rows = np.asarray(rows, dtype=np.int64)
         n = len(self)
         perm = np.arange(n, dtype=np.int64)

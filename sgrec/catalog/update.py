@@ -93,7 +93,6 @@ def apply_update(catalog: Catalog, upserts: Catalog | None = None, delete: Seque
     out.deleted = len(gone)
     rep_rows, rep_pos, new_pos = [], [], []  # replaced rows and their batch positions; new items' positions
     if upserts is not None:
-        old_ptr, old_flat, ptr, flat = catalog.token_ptr, catalog.token_flat, upserts.token_ptr, upserts.token_flat
         for j, i in enumerate(upserts.ids):
             r = index.get(i)
             if r is None:
@@ -102,7 +101,7 @@ def apply_update(catalog: Catalog, upserts: Catalog | None = None, delete: Seque
                 continue
             rep_rows.append(r)
             rep_pos.append(j)
-            if old_flat[old_ptr[r]:old_ptr[r + 1]].tobytes() != flat[ptr[j]:ptr[j + 1]].tobytes():
+            if not np.array_equal(catalog.token_ids(r), upserts.token_ids(j)):
                 out.changed.add(i)  # new tokens: its item KV is stale
         out.replaced, out.inserted = len(rep_rows), len(new_pos)
     if not gone and upserts is None:

@@ -229,7 +229,7 @@ def retrieve_schema(lim: SchemaLimits) -> dict:
 
 def recommend_schema(lim: SchemaLimits) -> dict:
     """/v1/recommend: retrieve's and rank's fields, each stage's in its own object."""
-    rank = rank_schema(lim)["properties"]
+    rank, ret = rank_schema(lim)["properties"], retrieve_schema(lim)["properties"]
     return {
         "type": "object",
         "additionalProperties": False,
@@ -237,10 +237,9 @@ def recommend_schema(lim: SchemaLimits) -> dict:
         "properties": {
             "user": {"$ref": "#/components/schemas/RecUser"},
             "retrieve": _nullable({"type": "object", "additionalProperties": False, "properties": {
-                "beam_width": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
+                "beam_width": ret["beam_width"], "top_k": ret["top_k"],
                 "num_candidates": {"type": "integer", "minimum": 1,
-                                   "maximum": min(lim.max_beam_width, lim.max_rank_candidates)},
-                "top_k": {"type": "integer", "minimum": 1}}}),
+                                   "maximum": min(lim.max_beam_width, lim.max_rank_candidates)}}}),
             "rank": _nullable({"type": "object", "additionalProperties": False, "properties": {
                 name: rank[name] for name in ("instruction", "prefix", "score_by")}}),
             "top_k": rank["top_k"],

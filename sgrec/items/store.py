@@ -158,8 +158,9 @@ class ItemStore:
                 if self._colder_room(mine) < short:
                     return False
                 self._evict(short, colder_than=mine)
+            cat = self.catalog
             self.entries[item_id] = _Entry(slots.to(torch.int64).clone(), 0, next(self._ticks),
-                                           fingerprint(self.catalog.get(item_id).token_ids))
+                                           fingerprint(cat.token_ids(cat.index[item_id])))
             self.item_tokens += n
         return True
 

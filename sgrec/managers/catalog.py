@@ -69,9 +69,6 @@ class CatalogAdmin:
         rec = self.record(op, body)
         async with self.lock:
             rec = {"version": self.version + 1, **rec}
-            if op == "rollback" and rec["to"] not in self.facts["kept_versions"]:
-                raise CatalogRequestError(404, f"catalog version {rec['to']} is not kept "
-                                               f"(kept: {self.facts['kept_versions']})")
             uid = uuid.uuid4().hex
             prepared = await self._round(uid, "prepared", io.CatalogUpdateReq(uid, rec))
             failed = [r for r in prepared.values() if r.stage == "failed"]

@@ -228,7 +228,7 @@ class Scheduler:
         prepared = self.versions.prepare(record, self.runner.config.vocab_size)
         new = prepared.applied.catalog
         if new.same_paths(self.versions.current):  # texts, tokens or attributes only: the trie stays
-            return prepared, (self.retriever.trie, self.retriever._trie_rows)
+            return prepared, self.retriever.built
         return prepared, self.retriever.build_trie(new)
 
     def commit_catalog(self, prepared: Prepared, trie) -> None:
