@@ -103,9 +103,11 @@ class ServerArgs:
     max_n: int = _arg(64, "Largest n (samples per prompt) of a generate request (more: 400).")
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg(
-        "torch", "Attention implementation: torch (SDPA, CPU and CUDA) or triton (Triton kernels for decode, "
-        "reading the KV pool by slot index, and for beam steps' staged attention; CUDA, or CPU under "
-        "TRITON_INTERPRET=1 for tests).", ["torch", "triton"])
+        "auto", "Attention implementation. auto: native on CPU (when sgrec's C kernels build there, else "
+        "torch), torch on CUDA. torch: SDPA over gathered K/V (CPU and CUDA); native: decode through "
+        "sgrec's C kernel reading the KV pool by slot index (CPU; built with the machine's C compiler "
+        "on first use), otherwise as torch; triton: Triton kernels for decode and beam steps' staged "
+        "attention (CUDA, or CPU under TRITON_INTERPRET=1 for tests).", ["auto", "torch", "native", "triton"])
     disable_weight_packing: bool = _arg(
         False, "On CPU, do not prepack float32 weights for oneDNN matmuls (packing is the default: faster "
         "decode; logprobs differ from HF transformers by up to ~1e-3, within the 2e-3 agreement of DESIGN.md).")

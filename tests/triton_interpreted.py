@@ -20,7 +20,7 @@ from sgrec.model.kernels.staged_attention import staged_attention  # noqa: E402
 from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
-from tests.kernel_refs import case, reference  # noqa: E402
+from tests.kernel_refs import case, decode_logits, reference  # noqa: E402
 from tests.test_beam import assert_same, random_catalog  # noqa: E402
 
 
@@ -77,27 +77,7 @@ def test_runner_with_the_triton_backend_decodes_like_torch(tiny_model_dir):
     runners = [ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32", max_total_tokens=256,
                                                   attention_backend=name)) for name in ("torch", "triton")]
     assert isinstance(runners[1].backend, TritonBackend)
-    prompts = [[5, 9, 33, 2, 8, 41, 7], [17, 3]]
-    logits = []
-    for r in runners:
-        alloc, got = r.kv_pool.allocator, []
-        slots = [alloc.alloc(len(p) + 4) for p in prompts]
-        ids, pos, seqs, last = [], [], [], []
-        for p, s in zip(prompts, slots):
-            seqs.append(SeqLayout(len(ids), len(p), s[: len(p)]))
-            ids += p
-            pos += range(len(p))
-            last.append(len(ids) - 1)
-        out = r.forward(r.make_batch(ids, pos, torch.cat([s[: len(p)] for p, s in zip(prompts, slots)]), seqs), last)
-        toks = out.argmax(-1).tolist()
-        for step in range(4):
-            lens = [len(p) + step + 1 for p in prompts]
-            seqs = [SeqLayout(i, 1, s[:n]) for i, (s, n) in enumerate(zip(slots, lens))]
-            out = r.forward(r.make_batch(toks, [n - 1 for n in lens], torch.stack([s[n - 1] for s, n in zip(slots, lens)]),
-                                         seqs), [0, 1])
-            got.append(out)
-            toks = out.argmax(-1).tolist()
-        logits.append(torch.stack(got))
+    logits = [decode_logits(r) for r in runners]
     assert (logits[0] - logits[1]).abs().max() <= 1e-4
 
 

@@ -161,13 +161,18 @@ class _SlotMeta:
     ptr: torch.Tensor  # [B + 1] offsets into idx
 
 
-class TritonBackend(TorchBackend):
-    """Decode through the Triton kernel that reads the KV pool by slot index (no gathered copy of
-    any sequence's K/V, sgrec.model.kernels.decode_attention); extend batches as TorchBackend. Runs
-    on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+class _SlotDecodeBackend(TorchBackend):
+    """Decode through a kernel that reads the KV pool by slot index (no gathered copy of any
+    sequence's K/V); extend batches as TorchBackend. Subclasses name the kernel."""
+
+    def decode(self, q, k_buf, v_buf, idx, ptr, scale) -> torch.Tensor:
+        raise NotImplementedError
+
+    def takes_decode(self, batch: ForwardBatch) -> bool:
+        return batch.is_decode
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if not batch.is_decode:
+        if not self.takes_decode(batch):
             return super().prepare(batch)
         dev = batch.out_cache_loc.device
         lens = torch.tensor([0] + [s.kv_len for s in batch.seqs], dtype=torch.int64)
@@ -178,23 +183,62 @@ class TritonBackend(TorchBackend):
         meta = batch.attn_meta
         if not isinstance(meta, _SlotMeta):
             return super().forward(q, k, v, layer, batch, scale)
-        from sgrec.model.kernels.decode_attention import decode_attention
-
         batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
         k_buf, v_buf = batch.kv_pool.get_kv(layer)
-        return decode_attention(q, k_buf, v_buf, meta.idx, meta.ptr, scale)
+        return self.decode(q, k_buf, v_buf, meta.idx, meta.ptr, scale)
 
 
-BACKENDS = ("torch", "triton")
+class TritonBackend(_SlotDecodeBackend):
+    """Decode through the Triton kernel (sgrec.model.kernels.decode_attention); extend batches as
+    TorchBackend. Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+
+    def decode(self, q, k_buf, v_buf, idx, ptr, scale):
+        from sgrec.model.kernels.decode_attention import decode_attention
+
+        return decode_attention(q, k_buf, v_buf, idx, ptr, scale)
+
+
+class NativeBackend(_SlotDecodeBackend):
+    """Decode through sgrec's C kernel on CPU (sgrec.model.native: OpenMP over (sequence, KV head),
+    each K/V row read once from the pool in place); extend batches, and pools of a dtype the kernel
+    lacks, as TorchBackend."""
+
+    def takes_decode(self, batch: ForwardBatch) -> bool:
+        from sgrec.model import native
+
+        return batch.is_decode and batch.kv_pool.dtype in native.DTYPES and batch.kv_pool.device.type == "cpu"
+
+    def decode(self, q, k_buf, v_buf, idx, ptr, scale):
+        from sgrec.model import native
+
+        return native.decode_attention(q, k_buf, v_buf, idx, ptr, scale)
+
+
+BACKENDS = ("auto", "torch", "native", "triton")
 
 
 def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """auto: native on CPU when sgrec's C kernels build there (else torch, warned once), torch on CUDA."""
+    device = torch.device(device)
+    if name == "auto":
+        from sgrec.model import native
+
+        name = "native" if device.type == "cpu" and native.load() is not None else "torch"
     if name == "torch":
         return TorchBackend()
+    if name == "native":
+        from sgrec.model import native
+
+        if device.type != "cpu":
+            raise ValueError("--attention-backend native runs on CPU (sgrec's C kernels)")
+        if native.load() is None:
+            raise ValueError("--attention-backend native needs a C compiler to build sgrec's CPU kernels "
+                             "(see the warning above); --attention-backend torch needs none")
+        return NativeBackend()
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ValueError("--attention-backend triton needs the triton package")
-        if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--attention-backend triton runs on CUDA, or on CPU only under TRITON_INTERPRET=1 "
                              "(Triton's interpreter: slow, for tests)")
         return TritonBackend()
