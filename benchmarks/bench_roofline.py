@@ -1,0 +1,312 @@
+"""Roofline of sgrec's paths on this CPU (issue 23): the machine's limits and each path's efficiency.
+
+    python benchmarks/bench_roofline.py                  # SmolLM2-135M, float32, the issue's sizes
+    python benchmarks/bench_roofline.py --quick          # small sizes (a smoke run)
+
+Measured in the same run, before the paths:
+* GEMM peak: the best GFLOP/s of torch.mm at 2048^3 (float32; bfloat16 too where the CPU reports
+  avx512_bf16 or amx_bf16) and of the model's own (packed) projection at 16 and 1024 rows; the
+  float32 peak of the table is the best of the 2048^3 GEMM and the 1024-row projection.
+* memory bandwidth: the best GB/s of a 256 MiB tensor copy (bytes read + written).
+
+Each path runs through `sgrec.Engine` on one catalog of --num-items random items (16 token ids, an
+id token and a 3-token semantic ID each). Its useful work is counted from what the engine ran, by
+wrapping the model (tokens through the projections), the attention backends (query-key pairs: the
+sum of every query's attended keys, masks and causality applied) and compute_logits (rows x
+columns), in one counted run; the timed runs (best of --repeats) are not wrapped. FLOPs =
+2 x non-embedding parameters x tokens + 4 x heads x head_dim x layers x pairs + 2 x hidden x
+logits; bytes = the weights read once per forward + the KV read by decode steps. The roofline limit
+is min(GEMM peak, bandwidth x FLOPs / bytes); efficiency = achieved GFLOP/s / limit.
+
+Paths: prefill of --prefill-len tokens (cache flushed); decode at batch 1 and 16 (--decode-prompt
+tokens, --decode-tokens new, decode steps only: the time of K new tokens minus the time of one);
+rank of 100 candidates x 16 tokens for a 512-token user, item-as-prefix, cold (cache flushed: items
+and user computed) and warm (items' KV cached, a new user); retrieve with a --retrieve-prompt prompt
+at BW 128 and 512, ND 3 (cache flushed: the prompt computed). Results: BENCHMARKS.md, "bench_roofline".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+
+import numpy as np
+import orjson
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from bench_catalog import header, md_table  # noqa: E402
+from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend  # noqa: E402
+from sgrec.model.attention import TorchBackend  # noqa: E402
+from sgrec.model.llama import CausalLM  # noqa: E402
+
+ND, CODES, ITEM_TOKENS = 3, 1024, 16
+TARGETS = {"prefill": 0.70, "rank cold": 0.60, "retrieve": 0.50}
+
+
+def best(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def cpu_has(*flags: str) -> bool:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        have = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+        return any(x in have for x in flags)
+    return False
+
+
+def machine_limits(repeats: int, cfg) -> dict:
+    out = {}
+    n = 2048
+    for dtype in [torch.float32] + ([torch.bfloat16] if cpu_has("avx512_bf16", "amx_bf16") else []):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        out[f"gemm_{str(dtype)[6:]}"] = 2 * n ** 3 / best(lambda: torch.mm(a, b), max(repeats, 5)) / 1e9
+    w = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+    from sgrec.model.cpu_linear import pack_linears
+
+    holder = torch.nn.Sequential(w)
+    pack_linears(holder)  # as the engine's projections (oneDNN-packed by default)
+    w = holder[0]
+    for rows in (16, 1024):
+        x = torch.randn(rows, cfg.hidden_size)
+        with torch.inference_mode():
+            t = best(lambda: w(x), max(repeats, 5) * 4)
+        out[f"proj_{rows}_rows"] = 2 * rows * cfg.hidden_size * 2 * cfg.intermediate_size / t / 1e9
+    src = torch.empty(64 << 20)  # 256 MiB of float32
+    dst = torch.empty_like(src)
+    src.fill_(1.0)
+    out["membw_gbs"] = 2 * src.numel() * 4 / best(lambda: dst.copy_(src), repeats) / 1e9
+    return out
+
+
+class Counter:
+    """Counts what the model runs while active: projection tokens, attention pairs, logit cells."""
+
+    def __init__(self):
+        self.tokens = self.pairs = self.logits = self.kv_read = 0
+        self.active = False
+
+    @contextlib.contextmanager
+    def counting(self):
+        orig_fwd, orig_logits = CausalLM.forward, CausalLM.compute_logits
+        orig_prep, orig_staged = TorchBackend.prepare, StagedBeamBackend.prepare
+        counter = self
+
+        def forward(model, batch, backend):
+            counter.tokens += int(batch.input_ids.numel())
+            return orig_fwd(model, batch, backend)
+
+        def logits(model, hidden, columns=None):
+            counter.logits += hidden.shape[0] * (model.cfg.vocab_size if columns is None else int(columns.numel()))
+            return orig_logits(model, hidden, columns)
+
+        def prep(backend, batch):  # TorchBackend and its subclasses (native, triton)
+            for s in batch.seqs:
+                if s.mask is not None:
+                    counter.pairs += int(s.mask.sum())
+                else:  # causal, the new tokens last
+                    prefix = s.kv_len - s.q_len
+                    counter.pairs += s.q_len * prefix + s.q_len * (s.q_len + 1) // 2
+                    if batch.is_decode:
+                        counter.kv_read += s.kv_len
+            return orig_prep(backend, batch)
+
+        def staged(backend, batch):
+            meta = batch.attn_meta
+            for g in (meta.groups if isinstance(meta, BeamBatchMeta) else [meta]) if isinstance(
+                    meta, (BeamStepMeta, BeamBatchMeta)) else []:
+                n = g.unshared_idx.shape[0]
+                counter.pairs += n * (g.shared_idx.numel() + g.unshared_idx.shape[1])
+                counter.kv_read += g.shared_idx.numel() + n * g.unshared_idx.shape[1]
+            return orig_staged(backend, batch)
+
+        CausalLM.forward, CausalLM.compute_logits = forward, logits
+        TorchBackend.prepare, StagedBeamBackend.prepare = prep, staged
+        try:
+            yield self
+        finally:
+            CausalLM.forward, CausalLM.compute_logits = orig_fwd, orig_logits
+            TorchBackend.prepare, StagedBeamBackend.prepare = orig_prep, orig_staged
+
+
+def work(fn, cfg, nonembed: int, forwards_fn=None) -> tuple[float, float]:
+    """(GFLOP, GB) of one call of fn, counted."""
+    c = Counter()
+    with c.counting():
+        fn()
+    attn = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * c.pairs
+    flops = 2 * nonembed * c.tokens + attn + 2 * cfg.hidden_size * c.logits
+    kv = c.kv_read * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
+    forwards = forwards_fn() if forwards_fn else 1
+    return flops / 1e9, (forwards * nonembed * 4 + kv) / 1e9
+
+
+def write_catalog(path: str, n: int, base: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(3, base, (n, ITEM_TOKENS)).tolist()
+    idt = rng.integers(3, base, n).tolist()
+    sem = (base + np.arange(ND) * CODES + rng.integers(0, CODES, (n, ND))).tolist()
+    with open(path, "wb") as f:
+        f.write(b"".join(orjson.dumps({"id": f"i{k}", "token_ids": toks[k], "id_token": idt[k],
+                                       "semantic_id": sem[k]}) + b"\n" for k in range(n)))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="~/.cache/sgrec/SmolLM2-135M-Instruct")
+    ap.add_argument("--num-items", type=int, default=100_000)
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--decode-prompt", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--retrieve-prompt", type=int, default=1024)
+    ap.add_argument("--beam-widths", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--user-len", type=int, default=512)
+    ap.add_argument("--candidates", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.num_items, args.prefill_len, args.decode_prompt, args.decode_tokens = 2000, 128, 32, 8
+        args.retrieve_prompt, args.beam_widths, args.user_len, args.candidates, args.repeats = 64, [16], 32, 10, 1
+    torch.set_num_threads(args.threads)
+    cmd = ("python benchmarks/bench_roofline.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
+    print(header(cmd, "bench_roofline"), flush=True)
+
+    from sgrec import Engine
+    from sgrec.model.config import ModelConfig
+
+    model = os.path.expanduser(args.model_path)
+    cfg = ModelConfig.from_dir(model)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    nonembed = cfg.num_layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+    limits = machine_limits(args.repeats, cfg)
+    # the float32 peak: the best GEMM rate seen (torch.mm or the packed projections at 1024 rows)
+    peak, bw = max(limits["gemm_float32"], limits["proj_1024_rows"]), limits["membw_gbs"]
+    print("machine: " + ", ".join(f"{k} {v:.1f}" for k, v in limits.items()), flush=True)
+
+    tmp = tempfile.mkdtemp()
+    base = cfg.vocab_size - ND * CODES
+    catalog = os.path.join(tmp, "items.jsonl")
+    write_catalog(catalog, args.num_items, base)
+    eng = Engine(model, device="cpu", dtype="float32", item_catalog=catalog, attention_backend=args.attention_backend,
+                 max_beam_width=max(args.beam_widths), log_level="warning")
+    print(f"engine: attention backend {type(eng.runner.backend).__name__}, weights "
+          f"{'packed' if eng.runner.packed else 'plain'}; {args.num_items} items", flush=True)
+    rng = np.random.default_rng(1)
+
+    def ids(n):
+        return rng.integers(3, base, n).tolist()
+
+    rows, results = [], {"limits": limits, "paths": {}}
+
+    def record(name, fn, t, forwards=1, target=None, ratio_of=None):
+        gflop, gb = work(fn, cfg, nonembed, lambda: forwards)
+        limit = min(peak, bw * gflop / gb)
+        achieved = gflop / t
+        eff = achieved / limit
+        bound = "compute" if limit == peak else "memory"
+        results["paths"][name] = {"s": t, "gflop": gflop, "gb": gb, "gflops": achieved, "limit": limit,
+                                  "bound": bound, "efficiency": eff, "target": target}
+        rows.append([name, f"{t * 1e3:.1f}", f"{gflop:.2f}", f"{achieved:.1f}", f"{limit:.1f} ({bound})",
+                     f"{eff:.0%}", "" if target is None else f">= {target:.0%} of peak: "
+                     + ("met" if achieved / peak >= target else f"MISSED ({achieved / peak:.0%} of peak)")])
+        print(f"  {name}: {t * 1e3:.1f} ms, {achieved:.1f} GFLOP/s, {eff:.0%} of its limit", flush=True)
+
+    # prefill
+    prompt = ids(args.prefill_len)
+
+    def prefill():
+        eng.flush_cache()
+        eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})
+
+    record(f"prefill {args.prefill_len}", prefill, best(prefill, args.repeats), target=TARGETS["prefill"])
+
+    # decode: K new tokens minus one, per batch size
+    for b in (1, 16):
+        prompts = [ids(args.decode_prompt) for _ in range(b)]
+
+        def gen(k, prompts=prompts):
+            eng.flush_cache()
+            eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": k, "temperature": 0,
+                                                             "ignore_eos": True})
+
+        k = args.decode_tokens
+        t = best(lambda: gen(k), args.repeats) - best(lambda: gen(1), args.repeats)
+        c = Counter()
+        with c.counting():
+            gen(k)
+        full = (c.tokens, c.pairs, c.logits, c.kv_read)
+        c1 = Counter()
+        with c1.counting():
+            gen(1)
+        tokens, pairs, logit_cells, kv_read = (x - y for x, y in zip(full, (c1.tokens, c1.pairs, c1.logits, c1.kv_read)))
+        gflop = (2 * nonembed * tokens + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs
+                 + 2 * cfg.hidden_size * logit_cells) / 1e9
+        gb = ((k - 1) * (nonembed + cfg.vocab_size * cfg.hidden_size) * 4
+              + kv_read * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers) / 1e9
+        limit = min(peak, bw * gflop / gb)
+        bound = "compute" if limit == peak else "memory"
+        name = f"decode batch {b}"
+        results["paths"][name] = {"s": t, "gflop": gflop, "gb": gb, "gflops": gflop / t, "limit": limit,
+                                  "bound": bound, "efficiency": gflop / t / limit, "tok_s": b * (k - 1) / t}
+        rows.append([name, f"{t * 1e3:.1f}", f"{gflop:.2f}", f"{gflop / t:.1f}", f"{limit:.1f} ({bound})",
+                     f"{gflop / t / limit:.0%}", f"{b * (k - 1) / t:.1f} tok/s (HF ratio: bench_engine)"])
+        print(f"  {name}: {b * (k - 1) / t:.1f} tok/s, {gflop / t / limit:.0%} of its limit", flush=True)
+
+    # rank, item-as-prefix, cold and warm
+    cands = [f"i{k}" for k in rng.choice(args.num_items, args.candidates, replace=False).tolist()]
+
+    def rank_cold():
+        eng.flush_cache()
+        return eng.rank({"token_ids": ids(args.user_len)}, cands, prefix="item", score_by="id_token")
+
+    def rank_warm():
+        return eng.rank({"token_ids": ids(args.user_len)}, cands, prefix="item", score_by="id_token")
+
+    record(f"rank {args.candidates}x{ITEM_TOKENS}, item-prefix, cold", rank_cold, best(rank_cold, args.repeats),
+           target=TARGETS["rank cold"])
+    rank_warm()
+    record(f"rank {args.candidates}x{ITEM_TOKENS}, item-prefix, warm", rank_warm, best(rank_warm, args.repeats))
+
+    # retrieve, prompt computed each time
+    user = ids(args.retrieve_prompt)
+    for bw_ in args.beam_widths:
+        def retrieve(bw_=bw_):
+            eng.flush_cache()
+            return eng.retrieve({"token_ids": user}, beam_width=bw_, num_items=10)
+
+        record(f"retrieve {args.retrieve_prompt} tok, BW {bw_}", retrieve, best(retrieve, args.repeats),
+               forwards=1 + ND, target=TARGETS["retrieve"])
+    eng.shutdown()
+
+    print()
+    print(md_table(["path", "time ms", "GFLOP", "GFLOP/s", "limit GFLOP/s", "efficiency", "note / target"], rows))
+    print(f"\nfloat32 GEMM peak {peak:.1f} GFLOP/s (the best of 2048^3 torch.mm and the packed projection at 1024 rows), memory {bw:.1f} GB/s (256 MiB copy); "
+          f"model projections {limits['proj_16_rows']:.1f} GFLOP/s at 16 rows, {limits['proj_1024_rows']:.1f} at 1024"
+          + (f"; bfloat16 GEMM {limits['gemm_bfloat16']:.1f} GFLOP/s" if "gemm_bfloat16" in limits else ""))
+    print(f"rerun: {cmd}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
