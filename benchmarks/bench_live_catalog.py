@@ -53,7 +53,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def demo_server(work: str, name: str) -> LocalServer:
-    flags = ["--device", "cpu", "--item-catalog", demo.catalog_path(), "--catalog-journal",
+    flags = ["--device", "cpu", "--dtype", "float32", "--item-catalog", demo.catalog_path(), "--catalog-journal",
              os.path.join(work, f"{name}.journal"), "--max-beam-width", "64"]
     return LocalServer(flags, log_path=os.path.join(work, f"{name}.log"))
 
@@ -169,7 +169,7 @@ def bench_visibility(work: str, a) -> list[dict]:
     model = make_tiny_model(os.path.join(work, "tiny"), vocab_size=3 * codes + base, seed=0)
     cat = os.path.join(work, f"catalog_{a.items}.jsonl")
     write_jsonl(cat, a.items, codes, base, seed=0)
-    flags = ["--model-path", model, "--device", "cpu", "--item-catalog", cat, "--catalog-journal",
+    flags = ["--model-path", model, "--device", "cpu", "--dtype", "float32", "--item-catalog", cat, "--catalog-journal",
              os.path.join(work, "visibility.journal"), "--max-total-tokens", "65536", "--item-cache-tokens", "4096"]
     rows = []
     t = time.perf_counter()

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from sgrec.tools.local_server import LocalServer  # noqa: E402
 from sgrec.tools.probe import alive, kv_after_drain, proc_tree  # noqa: E402
 
-SERVER_FLAGS = ["--device", "cpu", "--context-length", "256", "--max-total-tokens", "8192", "--max-n", "4",
+SERVER_FLAGS = ["--device", "cpu", "--dtype", "float32", "--context-length", "256", "--max-total-tokens", "8192", "--max-n", "4",
                 "--max-batch-size", "8", "--max-rank-candidates", "50", "--max-beam-width", "16",
                 "--max-queued-requests", "64", "--max-request-bytes", "262144"]
 CHECKS = ["not_a_server_error", "negative_data_rejection", "status_code_conformance", "content_type_conformance"]

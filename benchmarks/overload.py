@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     log = os.path.join(tempfile.mkdtemp(prefix="sgrec-overload-"), "server.log")
-    flags = ["--device", "cpu", "--max-total-tokens", "16384", "--max-running-requests", str(a.running)]
+    flags = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "16384", "--max-running-requests", str(a.running)]
     if not a.no_limit:
         flags += ["--max-queued-requests", str(a.queued)]
     with LocalServer(flags, log_path=log) as srv:

@@ -43,7 +43,7 @@ from sgrec import demo  # noqa: E402
 from sgrec.tools.local_server import LocalServer  # noqa: E402
 from sgrec.tools.probe import alive, kv_after_drain, kv_state, percentile_ms, proc_tree  # noqa: E402
 
-SERVER_FLAGS = ["--device", "cpu", "--max-total-tokens", "32768", "--max-beam-width", "64"]
+SERVER_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "32768", "--max-beam-width", "64"]
 MIX = {"generate": 20, "generate_stream": 10, "completions": 15, "chat": 10, "score": 15, "rank": 15,
        "retrieve": 15}  # weights
 USERS = 300

@@ -66,7 +66,8 @@ class ModelRunner:
         self.kv_pool = self._new_pool(1)
         reserve = self.profile_peak_bytes(self.max_input_len) if args.max_input_len else 0
         self.kv_pool = self._new_pool(self._pool_size(reserve))
-        logger.info("KV pool: %d tokens, dtype %s, device %s", self.kv_pool.size, self.dtype, self.device)
+        logger.info("KV pool: %d tokens, dtype %s, device %s%s", self.kv_pool.size, self.dtype, self.device,
+                    ", oneDNN weight packing on" if self.packed else "")
 
     def _new_pool(self, size: int) -> KVPool:
         cfg = self.config

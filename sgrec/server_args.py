@@ -21,8 +21,11 @@ class ServerArgs:
     port: int = _arg(30000, "HTTP port.")
     device: str = _arg("auto", "Device to run on: auto picks cuda when available.", ["auto", "cpu", "cuda"])
     dtype: str = _arg(
-        "auto", "Weights, activations and KV dtype. auto: float32 on CPU; on CUDA the checkpoint's "
-        "dtype (bfloat16 for float32 checkpoints).", ["auto", "float32", "bfloat16", "float16"])
+        "auto", "Weights, activations and KV dtype. auto: on CPU bfloat16 where the CPU multiplies it "
+        "natively (avx512_bf16 or amx_bf16 in its flags), else float32 (the choice and the flags are logged "
+        "at start-up); on CUDA the checkpoint's dtype (bfloat16 for float32 checkpoints). bfloat16 or "
+        "float16 on a CPU without native matmuls for it logs a warning: about 100x slower matmul than "
+        "float32 was measured for bf16 on an AVX2-only CPU.", ["auto", "float32", "bfloat16", "float16"])
     context_length: int | None = _arg(None, "Longest prompt + output (default: the model's max_position_embeddings).")
     max_total_tokens: int | None = _arg(None, "KV pool size in tokens (default: from --mem-fraction-static).")
     mem_fraction_static: float | None = _arg(
@@ -109,8 +112,9 @@ class ServerArgs:
         "on first use), otherwise as torch; triton: Triton kernels for decode and beam steps' staged "
         "attention (CUDA, or CPU under TRITON_INTERPRET=1 for tests).", ["auto", "torch", "native", "triton"])
     disable_weight_packing: bool = _arg(
-        False, "On CPU, do not prepack float32 weights for oneDNN matmuls (packing is the default: faster "
-        "decode; logprobs differ from HF transformers by up to ~1e-3, within the 2e-3 agreement of DESIGN.md).")
+        False, "On CPU, do not prepack float32 (or natively multiplied bfloat16) weights for oneDNN "
+        "matmuls (packing is the default: faster decode; float32 logprobs differ from HF transformers by up "
+        "to ~1e-3, within the 2e-3 agreement of DESIGN.md).")
     random_seed: int = _arg(0, "Seed of the shared sampling generator.")
     dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.")
     item_kv_port: int | None = _arg(

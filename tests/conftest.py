@@ -50,11 +50,14 @@ from sgrec.tools.local_server import LocalServer  # noqa: E402
 
 
 class ServerProcess(LocalServer):
-    """`python -m sgrec.launch_server --device cpu` as a subprocess; .url, .client (httpx), .stop()."""
+    """`python -m sgrec.launch_server --device cpu --dtype float32` as a subprocess; .url, .client
+    (httpx), .stop(). float32 unless `extra` names a --dtype: `--dtype auto` picks bfloat16 on CPUs
+    with native bf16 matmuls, and the tests' verdicts must not depend on the machine."""
 
     def __init__(self, model_path: str, *extra: str, log_path: str, timeout: float = 600.0):
         # timeout: until /ready, a bound on a hung start-up only (a slow machine takes minutes)
-        super().__init__(["--model-path", model_path, "--device", "cpu", *extra], log_path=log_path,
+        dtype = [] if "--dtype" in extra else ["--dtype", "float32"]
+        super().__init__(["--model-path", model_path, "--device", "cpu", *dtype, *extra], log_path=log_path,
                          ready_timeout=timeout)
         self.client = httpx.Client(base_url=self.url, timeout=60)
 

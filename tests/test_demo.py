@@ -78,7 +78,7 @@ def test_artifacts_small_and_catalog_consistent():
 
 def test_loads_offline():
     code = ("import sgrec, sgrec.demo as d; e = sgrec.Engine(model_path=d.model_path(), item_catalog=d.catalog_path(), "
-            "device='cpu'); print(len(e.scheduler.catalog), e.runner.config.vocab_size)")
+            "device='cpu', dtype='float32'); print(len(e.scheduler.catalog), e.runner.config.vocab_size)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": "/nonexistent-hf-home",
            "SGREC_CACHE_DIR": "/nonexistent-sgrec-cache"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

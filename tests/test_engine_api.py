@@ -23,7 +23,7 @@ def path(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(path):
-    return Engine(path, device="cpu", max_total_tokens=4096)
+    return Engine(path, device="cpu", dtype="float32", max_total_tokens=4096)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ BAD = [
 
 
 def test_bad_input_raises_value_error_and_engine_keeps_serving(path):
-    engine = Engine(path, device="cpu", max_total_tokens=512, context_length=64)
+    engine = Engine(path, device="cpu", dtype="float32", max_total_tokens=512, context_length=64)
     for kwargs, needle in BAD:
         with pytest.raises(ValueError, match=None) as info:
             engine.generate(**kwargs)
@@ -256,11 +256,11 @@ def test_bad_input_raises_value_error_and_engine_keeps_serving(path):
     assert out["meta_info"]["completion_tokens"] == 3
     engine.check_memory()
     with pytest.raises(ValueError, match="Unknown server argument"):
-        Engine(path, device="cpu", max_total_tokens=512, no_such_flag=1)
+        Engine(path, device="cpu", dtype="float32", max_total_tokens=512, no_such_flag=1)
 
 
 def test_max_new_tokens_capped_by_context(path):
-    engine = Engine(path, device="cpu", max_total_tokens=512, context_length=32)
+    engine = Engine(path, device="cpu", dtype="float32", max_total_tokens=512, context_length=32)
     out = engine.generate(input_ids=random_ids(28, 512, 70), sampling_params={"max_new_tokens": 100, **GREEDY})
     assert out["meta_info"]["completion_tokens"] == 4
 
@@ -276,9 +276,9 @@ def _workload(n, seed):
 
 def test_retraction_under_memory_pressure_keeps_results(path):
     prompts, params = _workload(10, seed=7)
-    big = Engine(path, device="cpu", max_total_tokens=4096)
+    big = Engine(path, device="cpu", dtype="float32", max_total_tokens=4096)
     want = [big.generate(input_ids=p, sampling_params=sp)["output_ids"] for p, sp in zip(prompts, params)]
-    small = Engine(path, device="cpu", max_total_tokens=64)
+    small = Engine(path, device="cpu", dtype="float32", max_total_tokens=64)
     outs = small.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == want
     assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0
@@ -295,9 +295,9 @@ def test_retraction_under_memory_pressure_keeps_results(path):
 ])
 def test_scheduler_variants_give_identical_results(path, kw):
     prompts, params = _workload(8, seed=11)
-    ref = Engine(path, device="cpu", max_total_tokens=4096)
+    ref = Engine(path, device="cpu", dtype="float32", max_total_tokens=4096)
     want = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=params)]
-    eng = Engine(path, device="cpu", max_total_tokens=4096, **kw)
+    eng = Engine(path, device="cpu", dtype="float32", max_total_tokens=4096, **kw)
     outs = eng.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == want
     if kw.get("disable_radix_cache"):
@@ -308,7 +308,7 @@ def test_scheduler_variants_give_identical_results(path, kw):
 
 
 def test_cached_tokens_reported_and_all_slots_free_after_flush(path):
-    eng = Engine(path, device="cpu", max_total_tokens=1024)
+    eng = Engine(path, device="cpu", dtype="float32", max_total_tokens=1024)
     ids = random_ids(20, 512, 80)
     assert eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 3})["meta_info"]["cached_tokens"] == 0
     assert eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 3})["meta_info"]["cached_tokens"] == 19
@@ -321,7 +321,7 @@ def test_cached_tokens_reported_and_all_slots_free_after_flush(path):
 
 
 def test_abort_frees_kv(path):
-    eng = Engine(path, device="cpu", max_total_tokens=1024)
+    eng = Engine(path, device="cpu", dtype="float32", max_total_tokens=1024)
     sched = eng.scheduler
     msgs, _, _ = eng.builder.build(input_ids=[random_ids(9, 512, 90), random_ids(12, 512, 91)],
                                    sampling_params={"max_new_tokens": 50, **GREEDY})
@@ -355,7 +355,7 @@ def test_concurrent_callers_are_batched_and_correct(engine):
 
 
 def test_closing_a_stream_early_aborts_and_frees(path):
-    eng = Engine(path, device="cpu", max_total_tokens=1024)
+    eng = Engine(path, device="cpu", dtype="float32", max_total_tokens=1024)
     it = eng.generate(input_ids=random_ids(9, 512, 92), sampling_params={"max_new_tokens": 100, **GREEDY}, stream=True)
     first = next(it)
     assert len(first["output_ids"]) == 1

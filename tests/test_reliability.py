@@ -196,7 +196,7 @@ class SchedulerHarness:
         in_addr, out_addr = f"ipc://{tmp_path}/sched-in", f"ipc://{tmp_path}/sched-out"
         self.push.bind(in_addr)
         self.pull.bind(out_addr)
-        args = ServerArgs(model_path=model_path, device="cpu", max_total_tokens=1024, **kw)
+        args = ServerArgs(model_path=model_path, device="cpu", dtype="float32", max_total_tokens=1024, **kw)
         self.proc = mp.get_context("spawn").Process(target=run_scheduler_process,
                                                     args=(args.to_dict(), 0, in_addr, out_addr, None), daemon=True)
         self.proc.start()
@@ -282,7 +282,7 @@ def test_failed_batch_ends_every_request_and_returns_its_kv(model, tmp_path, mon
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     push.bind(f"ipc://{tmp_path}/in")
     pull.bind(f"ipc://{tmp_path}/out")
-    loop = SchedulerLoop(ServerArgs(model_path=model, device="cpu", max_total_tokens=1024), 0,
+    loop = SchedulerLoop(ServerArgs(model_path=model, device="cpu", dtype="float32", max_total_tokens=1024), 0,
                          f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
     try:
         alloc = loop.runner.kv_pool.allocator
@@ -515,6 +515,7 @@ def test_catalog_with_a_bad_line_is_a_clear_startup_error(model, tmp_path):
     cat.write_text('{"id": "a", "token_ids": [5], "id_token": 7}\n{"id": "b", "token_ids": [6], "id_token": 8}\n'
                    '{"id": "c", "token_ids": "oops", "id_token": 9}\n')
     proc = subprocess.run([sys.executable, "-m", "sgrec.launch_server", "--model-path", model, "--device", "cpu",
+                           "--dtype", "float32",
                            "--max-total-tokens", "1024", "--item-catalog", str(cat), "--port", "0"],
                           capture_output=True, text=True, timeout=180)
     out = proc.stdout + proc.stderr

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
+
+from sgrec.model import cpu_caps
+from sgrec.model.cpu_caps import NativeSupport
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -99,16 +105,41 @@ class ModelConfig:
         )
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """SGLang's --dtype: 'auto' is the checkpoint's dtype, except float32 on CPU
-    (fast and exact there) and half precision instead of float32 on CUDA."""
+def resolve_dtype(
+    dtype: str | torch.dtype, config: ModelConfig, device: torch.device,
+    bf16: NativeSupport | None = None, fp16: NativeSupport | None = None,
+) -> torch.dtype:
+    """SGLang's --dtype: 'auto' is the checkpoint's dtype on CUDA (bfloat16 for float32 checkpoints);
+    on CPU, bfloat16 where the CPU multiplies it natively (AVX-512-BF16 or AMX), else float32.
+    The CPU choice and its reason are logged; an explicit bfloat16/float16 on a CPU without native
+    matmuls for it logs a warning. `bf16`/`fp16`: the CPU's support (default: detected, cpu_caps)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        cd = config.config_dtype or torch.float32
-        return torch.bfloat16 if cd == torch.float32 else cd
-    if dtype not in _DTYPES:
+    if dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"Unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
-    return _DTYPES[dtype]
+    if device.type != "cpu":
+        if dtype == "auto":
+            cd = config.config_dtype or torch.float32
+            return torch.bfloat16 if cd == torch.float32 else cd
+        return _DTYPES[dtype]
+    if dtype == "auto":
+        bf16 = bf16 or cpu_caps.cpu_bf16_support()
+        chosen = torch.bfloat16 if bf16.native else torch.float32
+        logger.info("--dtype auto on CPU: %s (%s: %s)", _name(chosen),
+                    "native bf16 matmul" if bf16.native else "no native bf16 matmul", bf16.reason)
+        return chosen
+    chosen = _DTYPES[dtype]
+    if chosen == torch.bfloat16:
+        support = bf16 or cpu_caps.cpu_bf16_support()
+    elif chosen == torch.float16:
+        support = fp16 or cpu_caps.cpu_fp16_support()
+    else:
+        return chosen
+    if not support.native:
+        logger.warning("--dtype %s on a CPU without native %s matmul (%s): risk of %s (--dtype auto "
+                       "or float32 avoids it)", dtype, _name(chosen), support.reason, cpu_caps.SLOW_RISK[chosen])
+    return chosen
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,4 +1,4 @@
-"""float32 Linear layers with weights prepacked for oneDNN on CPU.
+"""float32 (and native-bf16) Linear layers with weights prepacked for oneDNN on CPU.
 
 Packing reorders each weight once into oneDNN's blocked layout, so every matmul skips that
 reorder; on a 2-core CPU it roughly halves decode-step matmul time (BENCHMARKS.md). These are
@@ -6,12 +6,17 @@ the same private aten ops torch.compile uses for frozen CPU weights. The summati
 from plain F.linear, so logits differ by float32 rounding, amplified by large activations (up to
 ~1e-3 in logprob, inside DESIGN.md's 2e-3 agreement with HF): the default on CPU since issue 23
 (--disable-weight-packing turns it off), measured against the plain path in tests.
+bfloat16 weights are packed too where the CPU multiplies bf16 natively (cpu_caps; --dtype auto picks
+bf16 there): plain bf16 F.linear is no faster than packed float32 at 1-16 rows, packed bf16 is
+1.2-1.7x packed float32 (AVX-512-BF16 EPYC, 576x1536); oneDNN refuses packed bf16 on AVX2-only CPUs.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from sgrec.model.cpu_caps import cpu_bf16_support
 
 BATCH_HINT = 16  # rows the packing is tuned for; any row count is correct
 MIN_PACKED_NUMEL = 1 << 18  # smaller matrices run faster unpacked (oneDNN's per-call overhead wins)
@@ -20,7 +25,7 @@ MIN_PACKED_NUMEL = 1 << 18  # smaller matrices run faster unpacked (oneDNN's per
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
-        and dtype == torch.float32
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_support().native))
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
