@@ -49,7 +49,7 @@ from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend 
 from sgrec.model.attention import TorchBackend  # noqa: E402
 from sgrec.model.llama import CausalLM  # noqa: E402
 
-ND, CODES, ITEM_TOKENS = 3, 1024, 16
+ND, ITEM_TOKENS = 3, 16
 TARGETS = {"prefill": 0.70, "rank cold": 0.60, "retrieve": 0.50}
 
 
@@ -70,20 +70,20 @@ def cpu_has(*flags: str) -> bool:
     return False
 
 
-def machine_limits(repeats: int, cfg) -> dict:
+def machine_limits(repeats: int, cfg, dtype: torch.dtype) -> dict:
     out = {}
     n = 2048
     for dtype in [torch.float32] + ([torch.bfloat16] if cpu_has("avx512_bf16", "amx_bf16") else []):
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         out[f"gemm_{str(dtype)[6:]}"] = 2 * n ** 3 / best(lambda: torch.mm(a, b), max(repeats, 5)) / 1e9
-    w = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+    w = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False).to(dtype)
     from sgrec.model.cpu_linear import pack_linears
 
     holder = torch.nn.Sequential(w)
     pack_linears(holder)  # as the engine's projections (oneDNN-packed by default)
     w = holder[0]
     for rows in (16, 1024):
-        x = torch.randn(rows, cfg.hidden_size)
+        x = torch.randn(rows, cfg.hidden_size).to(dtype)
         with torch.inference_mode():
             t = best(lambda: w(x), max(repeats, 5) * 4)
         out[f"proj_{rows}_rows"] = 2 * rows * cfg.hidden_size * 2 * cfg.intermediate_size / t / 1e9
@@ -144,23 +144,23 @@ class Counter:
             TorchBackend.prepare, StagedBeamBackend.prepare = orig_prep, orig_staged
 
 
-def work(fn, cfg, nonembed: int, forwards_fn=None) -> tuple[float, float]:
+def work(fn, cfg, nonembed: int, esize: int, forwards_fn=None) -> tuple[float, float]:
     """(GFLOP, GB) of one call of fn, counted."""
     c = Counter()
     with c.counting():
         fn()
     attn = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * c.pairs
     flops = 2 * nonembed * c.tokens + attn + 2 * cfg.hidden_size * c.logits
-    kv = c.kv_read * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
+    kv = c.kv_read * 2 * cfg.num_kv_heads * cfg.head_dim * esize * cfg.num_layers
     forwards = forwards_fn() if forwards_fn else 1
-    return flops / 1e9, (forwards * nonembed * 4 + kv) / 1e9
+    return flops / 1e9, (forwards * nonembed * esize + kv) / 1e9
 
 
-def write_catalog(path: str, n: int, base: int, seed: int = 0) -> None:
+def write_catalog(path: str, n: int, base: int, codes: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     toks = rng.integers(3, base, (n, ITEM_TOKENS)).tolist()
     idt = rng.integers(3, base, n).tolist()
-    sem = (base + np.arange(ND) * CODES + rng.integers(0, CODES, (n, ND))).tolist()
+    sem = (base + np.arange(ND) * codes + rng.integers(0, codes, (n, ND))).tolist()
     with open(path, "wb") as f:
         f.write(b"".join(orjson.dumps({"id": f"i{k}", "token_ids": toks[k], "id_token": idt[k],
                                        "semantic_id": sem[k]}) + b"\n" for k in range(n)))
@@ -170,6 +170,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="~/.cache/sgrec/SmolLM2-135M-Instruct")
     ap.add_argument("--num-items", type=int, default=100_000)
+    ap.add_argument("--codes", type=int, default=1024, help="semantic-ID codes per level (top of the vocabulary)")
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--decode-prompt", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -180,6 +181,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the engine's dtype; the table's peak is this dtype's (bfloat16: where native)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
@@ -197,16 +200,20 @@ def main(argv=None) -> None:
     cfg = ModelConfig.from_dir(model)
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     nonembed = cfg.num_layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
-    limits = machine_limits(args.repeats, cfg)
-    # the float32 peak: the best GEMM rate seen (torch.mm or the packed projections at 1024 rows)
-    peak, bw = max(limits["gemm_float32"], limits["proj_1024_rows"]), limits["membw_gbs"]
+    dtype = getattr(torch, args.dtype)
+    limits = machine_limits(args.repeats, cfg, dtype)
+    if f"gemm_{args.dtype}" not in limits:
+        sys.exit(f"--dtype {args.dtype}: this CPU reports no native bf16 matmul (avx512_bf16 / amx_bf16)")
+    # the peak: the best GEMM rate of the dtype seen (torch.mm or the packed projection at 1024 rows)
+    peak, bw = max(limits[f"gemm_{args.dtype}"], limits["proj_1024_rows"]), limits["membw_gbs"]
+    esize = torch.empty((), dtype=dtype).element_size()
     print("machine: " + ", ".join(f"{k} {v:.1f}" for k, v in limits.items()), flush=True)
 
     tmp = tempfile.mkdtemp()
-    base = cfg.vocab_size - ND * CODES
+    base = cfg.vocab_size - ND * args.codes
     catalog = os.path.join(tmp, "items.jsonl")
-    write_catalog(catalog, args.num_items, base)
-    eng = Engine(model, device="cpu", dtype="float32", item_catalog=catalog, attention_backend=args.attention_backend,
+    write_catalog(catalog, args.num_items, base, args.codes)
+    eng = Engine(model, device="cpu", dtype=args.dtype, item_catalog=catalog, attention_backend=args.attention_backend,
                  max_beam_width=max(args.beam_widths), log_level="warning")
     print(f"engine: attention backend {type(eng.runner.backend).__name__}, weights "
           f"{'packed' if eng.runner.packed else 'plain'}; {args.num_items} items", flush=True)
@@ -218,7 +225,7 @@ def main(argv=None) -> None:
     rows, results = [], {"limits": limits, "paths": {}}
 
     def record(name, fn, t, forwards=1, target=None, ratio_of=None):
-        gflop, gb = work(fn, cfg, nonembed, lambda: forwards)
+        gflop, gb = work(fn, cfg, nonembed, esize, lambda: forwards)
         limit = min(peak, bw * gflop / gb)
         achieved = gflop / t
         eff = achieved / limit
@@ -260,8 +267,8 @@ def main(argv=None) -> None:
         tokens, pairs, logit_cells, kv_read = (x - y for x, y in zip(full, (c1.tokens, c1.pairs, c1.logits, c1.kv_read)))
         gflop = (2 * nonembed * tokens + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs
                  + 2 * cfg.hidden_size * logit_cells) / 1e9
-        gb = ((k - 1) * (nonembed + cfg.vocab_size * cfg.hidden_size) * 4
-              + kv_read * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers) / 1e9
+        gb = ((k - 1) * (nonembed + cfg.vocab_size * cfg.hidden_size) * esize
+              + kv_read * 2 * cfg.num_kv_heads * cfg.head_dim * esize * cfg.num_layers) / 1e9
         limit = min(peak, bw * gflop / gb)
         bound = "compute" if limit == peak else "memory"
         name = f"decode batch {b}"
@@ -299,9 +306,9 @@ def main(argv=None) -> None:
 
     print()
     print(md_table(["path", "time ms", "GFLOP", "GFLOP/s", "limit GFLOP/s", "efficiency", "note / target"], rows))
-    print(f"\nfloat32 GEMM peak {peak:.1f} GFLOP/s (the best of 2048^3 torch.mm and the packed projection at 1024 rows), memory {bw:.1f} GB/s (256 MiB copy); "
+    print(f"\n{args.dtype} GEMM peak {peak:.1f} GFLOP/s (the best of 2048^3 torch.mm and the packed projection at 1024 rows), memory {bw:.1f} GB/s (256 MiB copy); "
           f"model projections {limits['proj_16_rows']:.1f} GFLOP/s at 16 rows, {limits['proj_1024_rows']:.1f} at 1024"
-          + (f"; bfloat16 GEMM {limits['gemm_bfloat16']:.1f} GFLOP/s" if "gemm_bfloat16" in limits else ""))
+          + "".join(f"; {k} {v:.1f} GFLOP/s" for k, v in limits.items() if k.startswith("gemm_")))
     print(f"rerun: {cmd}")
     if args.json:
         with open(args.json, "w") as f:

@@ -177,3 +177,34 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0
     assert [x["tokens"] for x in r["prefill"]] == [64, 128] and all(0 < x["mfu"] for x in r["prefill"])
     assert r["retrieve"]["requests"] == 2 and r["retrieve"]["median_s"] > 0
+
+
+def test_bench_roofline_counts_the_work_it_ran(tmp_path, tiny_model_dir):
+    """benchmarks/bench_roofline.py --quick on a tiny model: the counted work of its prefill equals the
+    arithmetic (N tokens through the projections, N(N+1)/2 causal pairs, one row of logits), every
+    path is there with positive work, rate and limit, and a cold rank counts more work than a warm one
+    (a smoke run of the timing code, not a measurement)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sgrec.model.config import ModelConfig
+
+    model = tiny_model_dir("llama", vocab_size=1024)
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_roofline.py"), "--quick", "--model-path", model,
+                        "--codes", "16", "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    cfg = ModelConfig.from_dir(model)
+    q, kv, n = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, 128
+    nonembed = cfg.num_layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+    want = (2 * nonembed * n + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * n * (n + 1) // 2
+            + 2 * cfg.hidden_size * cfg.vocab_size) / 1e9
+    assert abs(r["paths"][f"prefill {n}"]["gflop"] - want) <= 1e-12
+    assert set(r["paths"]) == {"prefill 128", "decode batch 1", "decode batch 16", "rank 10x16, item-prefix, cold",
+                               "rank 10x16, item-prefix, warm", "retrieve 64 tok, BW 16"}
+    assert all(x["gflops"] > 0 and x["limit"] > 0 and x["gflop"] > 0 for x in r["paths"].values())
+    assert r["paths"]["rank 10x16, item-prefix, cold"]["gflop"] > r["paths"]["rank 10x16, item-prefix, warm"]["gflop"]
