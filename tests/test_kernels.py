@@ -65,3 +65,29 @@ def test_staged_attention_compiled_on_cuda(monkeypatch, dtype, tol):
     out = staged_attention(q, k_buf, v_buf, sh, un, 0.125)
     want = torch_staged(q.float(), k_buf.float(), v_buf.float(), sh, un, 0.125)
     assert (out.float() - want).abs().max() <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_bipartite_attention_compiled_on_cuda(monkeypatch, dtype, tol):
+    from sgrec.model.attention import ForwardBatch, _BipartiteMeta
+    from sgrec.model.kernels.bipartite_attention import bipartite_attention
+    from sgrec.rank import layout as L
+    from tests.kernel_refs import bipartite_reference, rank_case
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    items = [list(range(5 + j % 7)) for j in range(40)]
+    user = L.user_as_prefix(list(range(300)), items, [1, 2, 3])
+    item = L.item_as_prefix([7] * 5, items, list(range(200)), [1, 2])
+    cached = [c for j, s in enumerate(item.items()) if j % 3 == 0 for c in range(s.start, s.stop)]
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(16, 4, 80, [(user, list(range(250))), (item, [0, 1, 2, 3, 4] + cached)],
+                                                  dtype, seed=7)
+    T = q.shape[0]
+    batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs.cuda(), seqs, None)
+    meta = _BipartiteMeta.of(batch, 16)
+    out = bipartite_attention(q.cuda(), k.cuda(), v.cuda(), k_buf.cuda(), v_buf.cuda(), meta.q_start, meta.q_end,
+                              meta.q_order, meta.q_block, meta.c_idx, meta.c_ptr, meta.c_order, meta.c_block, 80 ** -0.5,
+                              grid_tiles=meta.tiles)
+    want = bipartite_reference(q, k, v, k_buf, v_buf, seqs, 80 ** -0.5)
+    assert (out.double().cpu() - want).abs().max() <= tol

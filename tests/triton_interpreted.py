@@ -12,7 +12,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by tests/test_kernels.py with TRITON_INTERPRET=1", allow_module_level=True)
 
 from sgrec.mem.kv_pool import KVPool  # noqa: E402
-from sgrec.model.attention import ForwardBatch, SeqLayout, TorchBackend, TritonBackend  # noqa: E402
+from sgrec.model.attention import ForwardBatch, SeqLayout, TorchBackend, TritonBackend, _BipartiteMeta  # noqa: E402
+from sgrec.model.kernels.bipartite_attention import bipartite_attention  # noqa: E402
 from sgrec.beam import RetrieveExecutor, naive_retrieve  # noqa: E402
 from sgrec.beam.attention import staged_attention as torch_staged  # noqa: E402
 from sgrec.model.kernels.decode_attention import decode_attention  # noqa: E402
@@ -20,7 +21,8 @@ from sgrec.model.kernels.staged_attention import staged_attention  # noqa: E402
 from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
-from tests.kernel_refs import case, reference  # noqa: E402
+from sgrec.rank import layout as L  # noqa: E402
+from tests.kernel_refs import bipartite_reference, case, rank_case, reference  # noqa: E402
 from tests.test_beam import assert_same, random_catalog  # noqa: E402
 
 
@@ -151,3 +153,110 @@ def test_retrieve_with_the_triton_backend_equals_naive_and_torch(tiny_model_dir,
            for name, r in runners.items()}
     assert_same(got["triton"], naive_retrieve(runners["triton"], cat, ids, bw, top_k, 6))
     assert_same(got["triton"], got["torch"])
+
+
+# ---- bipartite (rank) attention -------------------------------------------------------------------
+def rank_layouts():
+    """Rank layouts as the rank executor computes them: (layout, cached layout offsets)."""
+    user = L.user_as_prefix(list(range(1, 12)), [[20, 21, 22], [23], [24, 25, 26, 27, 28], [29, 30]], [40, 41])
+    item = L.item_as_prefix([5, 6, 7], [[20, 21], [22, 23, 24, 25], [26], [27, 28, 29]], list(range(50, 59)), [40])
+    segs = item.items()
+    item_cached = list(range(3)) + list(range(segs[0].start, segs[0].stop)) + list(range(segs[2].start, segs[2].stop))
+    return [
+        (user, list(range(7))),  # part of the user cached (a radix hit)
+        (item, item_cached),  # header and items 0 and 2 from the item store: columns not in layout order
+        (L.item_as_prefix([], [[3, 4, 5], [6]], [7, 8], [9]), []),  # nothing cached, no header
+        (L.user_as_prefix([1, 2], [list(range(10, 31))], [9]), [0, 1]),  # one long item: several tiles
+    ]
+
+
+def pack(seqs, locs, T, block_m):
+    batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs, seqs, None)
+    meta = _BipartiteMeta.of(batch, block_m)
+    assert meta is not None
+    return meta
+
+
+def run_bipartite(q, k, v, k_buf, v_buf, meta, scale, block_m, block_n):
+    return bipartite_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end, meta.q_order, meta.q_block,
+                               meta.c_idx, meta.c_ptr, meta.c_order, meta.c_block, scale, block_m=block_m,
+                               block_n=block_n)
+
+
+@pytest.mark.parametrize("hq,hkv,d,block_m,block_n", [(4, 4, 16, 16, 32), (6, 2, 24, 4, 16), (8, 2, 16, 8, 16),
+                                                      (3, 1, 40, 16, 16)])
+def test_bipartite_attention_equals_reference(hq, hkv, d, block_m, block_n):
+    """One batch of four rank sequences (user and item as prefix, cached columns in and out of layout
+    order, a partial user prefix, no cache, an item longer than a tile) == float64 attention under
+    each sequence's dense mask; GQA 1, 3, 4, 3; head dims 16, 24, 40 (not powers of two)."""
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(hq, hkv, d, rank_layouts(), torch.float32, seed=hq + d)
+    meta = pack(seqs, locs, q.shape[0], block_m)
+    out = run_bipartite(q, k, v, k_buf, v_buf, meta, d ** -0.5, block_m, block_n)
+    assert out.shape == (q.shape[0], hq * d) and out.dtype == torch.float32
+    assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, seqs, d ** -0.5)).abs().max() <= 1e-5
+
+
+def test_bipartite_attention_bfloat16_and_a_wrong_mask_is_caught():
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(6, 2, 16, rank_layouts(), torch.bfloat16, seed=11)
+    meta = pack(seqs, locs, q.shape[0], 16)
+    want = bipartite_reference(q, k, v, k_buf, v_buf, seqs, 0.25)
+    out = run_bipartite(q, k, v, k_buf, v_buf, meta, 0.25, 16, 32)
+    assert out.dtype == torch.bfloat16 and (out.double() - want).abs().max() <= 2e-2
+    meta.q_block.fill_(-1)  # causal only: an item's tokens see the candidates before it
+    meta.c_block.fill_(-1)
+    wrong = run_bipartite(q.float(), k.float(), v.float(), k_buf.float(), v_buf.float(), meta, 0.25, 16, 32)
+    assert (wrong.double() - want).abs().max() > 1e-1
+
+
+def test_triton_backend_extend_with_bipartite_masks_equals_torch_backend():
+    """The backend: a rank batch goes through the kernel (K/V of the new tokens written to the pool
+    first, the cached read by slot), a batch with a sequence lacking a BipartiteMask through the
+    torch path; both equal TorchBackend."""
+    hq, hkv, d = 6, 2, 16
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(hq, hkv, d, rank_layouts(), torch.float32, seed=3)
+    pool = KVPool(k_buf.shape[0] - 1, 1, hkv, d, torch.float32)  # slot 0 + the rest
+    plain = SeqLayout(seqs[0].q_start, seqs[0].q_len, seqs[0].kv_indices, seqs[0].mask)
+    for batch_seqs, kernel in ((seqs, True), ([plain, *seqs[1:]], False)):
+        outs = []
+        for backend in (TorchBackend(), TritonBackend()):
+            pool.k_buffer[0].copy_(k_buf)
+            pool.v_buffer[0].copy_(v_buf)
+            T = q.shape[0]
+            batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs,
+                                 batch_seqs, pool)
+            backend.prepare(batch)
+            outs.append(backend.forward(q, k, v, 0, batch, d ** -0.5))
+        assert isinstance(batch.attn_meta, _BipartiteMeta) == kernel
+        assert (outs[0] - outs[1]).abs().max() <= 1e-5
+
+
+def test_rank_with_the_triton_backend_equals_torch(tiny_model_dir, monkeypatch):
+    """RankExecutor on --attention-backend triton (rank forwards and the item store's item KV through
+    the bipartite kernel) == on the torch backend: a batch of user- and item-as-prefix requests with
+    cold caches, then the same again reading the cached user prefixes and item KV (scores <= 1e-5,
+    same rankings and meta)."""
+    import sgrec.model.kernels.bipartite_attention as kernel_module
+    from tests.test_rank import INSTR, Setup, ids, make_catalog
+
+    calls = []
+    real = kernel_module.bipartite_attention
+    monkeypatch.setattr(kernel_module, "bipartite_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cat = make_catalog(12)
+    setups = {name: Setup(tiny_model_dir("qwen3"), cat, pool=1024, item_cache_tokens=16, attention_backend=name)
+              for name in ("torch", "triton")}
+    assert isinstance(setups["triton"].runner.backend, TritonBackend)
+    reqs = [dict(user_key="a", user_ids=ids(19, 1), item_ids=["i3", "i1", "i7", "i0"], instruction_ids=INSTR,
+                 prefix="user"),
+            dict(user_key="b", user_ids=ids(6, 2), item_ids=["i2", "i5", "i9", "i4", "i11"], instruction_ids=INSTR,
+                 prefix="item")]
+    for rep in range(2):
+        got = {name: s.ex.run_batch(reqs) for name, s in setups.items()}
+        for a, b in zip(got["triton"], got["torch"]):
+            assert a["meta_info"] == b["meta_info"]
+            assert [r["item"] for r in a["ranking"]] == [r["item"] for r in b["ranking"]]
+            assert max(abs(x["score"] - y["score"]) for x, y in zip(a["ranking"], b["ranking"])) <= 1e-5
+        cached = [r["meta_info"]["cached_tokens"] for r in got["triton"]]
+        assert cached == [0, 4] if rep == 0 else (cached[0] == 19 and cached[1] > 4)  # user prefix, then items
+    assert calls
+    for s in setups.values():
+        s.check_accounting()
