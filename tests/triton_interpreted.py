@@ -155,6 +155,39 @@ def test_retrieve_with_the_triton_backend_equals_naive_and_torch(tiny_model_dir,
     assert_same(got["triton"], got["torch"])
 
 
+def test_retrieve_batch_with_filters_on_the_triton_backend_equals_torch(tiny_model_dir, monkeypatch):
+    """A round of retrieve requests with exclusions, an include list, an attribute filter and none,
+    on --attention-backend triton (every level's selection of the round in one trie step; staged
+    attention) == the same round on the torch backend: same items, paths and scores."""
+    import random
+
+    import sgrec.beam.kernel_step as kernel_step
+    from tests.test_retrieve_filters import make_catalog
+
+    calls = []
+    real = kernel_step.trie_step
+    monkeypatch.setattr(kernel_step, "trie_step", lambda *a, **kw: calls.append(len(a[5]) - 1) or real(*a, **kw))
+    path = tiny_model_dir("qwen3")
+    runners = {name: ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32",
+                                                        max_total_tokens=3000, attention_backend=name))
+               for name in ("torch", "triton")}
+    V = runners["torch"].config.vocab_size
+    rng = random.Random(5)
+    cat = make_catalog(rng, 200, 3, V, codes=14, dup=0.1)
+    ids = [it.id for it in cat.items]
+    prompt = [rng.randrange(V) for _ in range(12)]
+    reqs = [dict(input_ids=prompt, beam_width=12, top_k=4, num_items=8, exclude_items=rng.sample(ids, 50)),
+            dict(input_ids=prompt[:7], beam_width=8, top_k=8, num_items=8, include_items=rng.sample(ids, 30)),
+            dict(input_ids=[3, 1, 4], beam_width=10, top_k=3, num_items=5, filter={"year": {"gte": 1994}}),
+            dict(input_ids=prompt[3:], beam_width=6, top_k=6, num_items=6)]
+    got = {name: RetrieveExecutor(r, RadixCache(r.kv_pool.allocator), cat).run_batch(reqs)
+           for name, r in runners.items()}
+    for a, b in zip(got["triton"], got["torch"]):
+        assert a.items and a.meta["exhausted"] == b.meta["exhausted"]
+        assert_same(a, b)
+    assert calls == [4, 4, 4]  # one trie step per level for the round's four requests
+
+
 # ---- bipartite (rank) attention -------------------------------------------------------------------
 def rank_layouts():
     """Rank layouts as the rank executor computes them: (layout, cached layout offsets)."""
@@ -260,3 +293,133 @@ def test_rank_with_the_triton_backend_equals_torch(tiny_model_dir, monkeypatch):
     assert calls
     for s in setups.values():
         s.check_accounting()
+
+
+# ---- the trie step (a beam level's selection) -----------------------------------------------------
+def allowed_nodes(trie, depth, filt):
+    nodes = torch.arange(trie.num_nodes[depth])
+    return nodes if filt is None or depth == 0 else nodes[filt.keep(depth, nodes)]
+
+
+def level_requests(rng, trie, depth, filters, widths, restricted, tie_rows=False):
+    """Per request: beams at `depth` (distinct allowed nodes, ascending, as beam search keeps them),
+    their scores and logits rows. tie_rows: every beam twice over (same node's twin rows get the
+    same score and logits: exact ties across beams), scores around -1000 (float32 steps of 6e-5, so
+    nearby log-probs round to one score) and logits on a 1/4 grid (ties inside a beam)."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    cols = trie.logit_columns(depth).numel() if restricted else trie.vocab_size
+    nodes, scores, logits = [], [], []
+    for filt, n in zip(filters, widths):
+        pool = allowed_nodes(trie, depth, filt).tolist()
+        pick = torch.tensor(sorted(rng.sample(pool, min(n, len(pool)))))
+        s = torch.round(torch.randn(pick.numel(), generator=g) * 8) / 8 - 3
+        x = torch.randn(pick.numel(), cols, generator=g) * 2
+        if tie_rows:
+            s = s - 1000 + torch.randn(pick.numel(), generator=g) * 1e-4
+            x = torch.round(x * 4) / 4
+        nodes.append(pick)
+        scores.append(s.float())
+        logits.append(x)
+    return nodes, scores, logits
+
+
+def check_level(trie, depth, nodes, scores, logits, filters, top_k, m, restricted, global_min_k=256):
+    """The kernel's selection of every request at once == select_level (torch) of each alone."""
+    from sgrec.beam import executor, kernel_step
+
+    got = kernel_step.select_levels(trie, depth, torch.cat(logits), nodes, scores, filters, top_k, m, restricted,
+                                    global_min_k)
+    kept = 0
+    for r in range(len(nodes)):
+        want = executor.select_level(logits[r], trie, depth, nodes[r], scores[r], filters[r], top_k[r], m[r],
+                                     restricted)
+        p, t, s, nd = got[r]
+        assert p.tolist() == want[0].tolist() and t.tolist() == want[1].tolist() and nd.tolist() == want[3].tolist()
+        assert s.dtype == torch.float32 and (s - want[2]).abs().max().item() <= 1e-5 if s.numel() else True
+        kept += p.numel()
+    assert kept > 0
+    return got
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_trie_step_equals_the_torch_selection_with_filters(seed):
+    """Every level of a trie (repeated paths, up to 12 children per node, full or the level's
+    columns) for three requests in one launch, unfiltered, with exclusions, with an include list
+    and with an attribute filter, different widths, top-k and kept counts (a per-beam cap that
+    binds, one that does not, one that leaves the pool short so every valid child competes)."""
+    import random
+
+    from sgrec.beam.filters import FilterCache, build_filter
+    from sgrec.beam.trie import SemanticIdTrie
+    from tests.test_retrieve_filters import make_catalog
+
+    rng = random.Random(seed)
+    V = 64
+    cat = make_catalog(rng, 160, 3, V, codes=12, dup=0.1)
+    trie, rows = SemanticIdTrie.from_catalog(cat, V)
+    ids = [it.id for it in cat.items]
+    cache = FilterCache()
+    kinds = [dict(exclude=rng.sample(ids, 60)), dict(include=rng.sample(ids, 40)),
+             dict(attr_filter={"year": {"gte": 1993}}), {}]
+    for depth in range(trie.depth):
+        for restricted in {False, depth > 0 and trie.logit_columns(depth) is not None}:
+            reqs = rng.sample(kinds, 3)
+            filters = [build_filter(trie, rows, cat, cache, **kw) for kw in reqs]
+            widths = [rng.choice([1, 5, 16]) for _ in reqs] if depth else [1, 1, 1]
+            nodes, scores, logits = level_requests(rng, trie, depth, filters, widths, restricted)
+            top_k = [rng.choice([1, 3, 12]) for _ in reqs]
+            m = [rng.choice([1, 4, 16, 40]) for _ in reqs]
+            check_level(trie, depth, nodes, scores, logits, filters, top_k, m, restricted)
+
+
+@pytest.mark.parametrize("global_min_k", [256, 2])
+def test_trie_step_ties_equal_the_torch_selection(global_min_k, monkeypatch):
+    """Exact ties everywhere: beams that are twins (same node, score and logits: ties across beams,
+    broken by beam), log-probs tied inside a beam across its k-th place (broken by token), and
+    different log-probs that round to one score (broken by token within a beam). With global_min_k
+    2 the torch path takes its one-pass global selection (no per-beam cap), the kernel the same."""
+    import random
+
+    from sgrec.beam import executor
+    from sgrec.beam.trie import SemanticIdTrie
+    from sgrec.catalog import Catalog, Item
+
+    monkeypatch.setattr(executor, "GLOBAL_SELECT_MIN_K", global_min_k)
+    V = 40
+    paths = [(a, b) for a in range(30, 36) for b in range(20, 30)]  # every depth-1 node: the same 10 children
+    cat = Catalog([Item(f"i{i}", (1,), 1, p) for i, p in enumerate(paths)])
+    trie, _ = SemanticIdTrie.from_catalog(cat, V)
+    rng = random.Random(global_min_k)
+    ties = 0
+    for top_k, m in [(2, 5), (3, 12), (10, 4), (4, 30)]:
+        nodes, scores, logits = level_requests(rng, trie, 1, [None, None], [3, 4], False, tie_rows=True)
+        twin = [torch.cat([x, x]).sort().values for x in nodes]  # every node twice: twin beams
+        order = [torch.cat([x, x]).argsort(stable=True) for x in nodes]
+        scores = [torch.cat([s, s])[o] for s, o in zip(scores, order)]
+        logits = [torch.cat([x, x])[o] for x, o in zip(logits, order)]
+        check_level(trie, 1, twin, scores, logits, [None, None], [top_k] * 2, [m] * 2, False, global_min_k)
+        for s, x in zip(scores, logits):
+            full = s[:, None] + torch.log_softmax(x[:, 20:30], -1)
+            ties += int((full[:, :, None] == full[:, None, :]).sum() - full.numel())
+    assert ties > 0
+
+
+@pytest.mark.parametrize("global_min_k", [256, 2])
+def test_trie_step_takes_the_torch_paths_regime_on_rounding_ties(global_min_k, monkeypatch):
+    """Three children whose log-probs differ by 1e-5 but round to one score next to -1000: the
+    per-beam pool (the 2 best by log-prob) and the one-pass global selection (no cap: by score,
+    then token) keep different pairs; the kernel keeps what the torch path keeps in either regime."""
+    from sgrec.beam import executor
+    from sgrec.beam.trie import SemanticIdTrie
+    from sgrec.catalog import Catalog, Item
+
+    monkeypatch.setattr(executor, "GLOBAL_SELECT_MIN_K", global_min_k)
+    paths = [(a, b) for a in range(30, 33) for b in range(20, 30)]
+    trie, _ = SemanticIdTrie.from_catalog(Catalog([Item(f"i{i}", (1,), 1, p) for i, p in enumerate(paths)]), 40)
+    x = torch.zeros(2, 40)
+    x[0, [21, 23, 25]] = torch.tensor([5.0, 5.0 + 1e-5, 5.0 + 2e-5])
+    scores = torch.tensor([-1000.0, -1001.0])
+    s = scores[0] + torch.log_softmax(x[0, 20:30], -1)
+    assert s[1] == s[3] == s[5] and len({torch.log_softmax(x[0, 20:30], -1)[j].item() for j in (1, 3, 5)}) == 3
+    got = check_level(trie, 1, [torch.tensor([0, 1])], [scores], [x], [None], [2], [2], False, global_min_k)
+    assert got[0][1].tolist() == ([21, 23] if global_min_k == 2 else [23, 25])
