@@ -104,8 +104,9 @@ class ServerArgs:
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg(
         "torch", "Attention implementation: torch (SDPA, CPU and CUDA) or triton (Triton kernels for decode, "
-        "reading the KV pool by slot index, and for beam steps' staged attention; CUDA, or CPU under "
-        "TRITON_INTERPRET=1 for tests).", ["torch", "triton"])
+        "reading the KV pool by slot index, for beam steps' staged attention, for rank forwards' bipartite "
+        "masks and for retrieve levels' selection; CUDA, or CPU under TRITON_INTERPRET=1 for tests).",
+        ["torch", "triton"])
     disable_weight_packing: bool = _arg(
         False, "On CPU, do not prepack float32 weights for oneDNN matmuls (packing is the default: faster "
         "decode; logprobs differ from HF transformers by up to ~1e-3, within the 2e-3 agreement of DESIGN.md).")

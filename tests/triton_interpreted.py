@@ -186,6 +186,13 @@ def test_retrieve_batch_with_filters_on_the_triton_backend_equals_torch(tiny_mod
         assert a.items and a.meta["exhausted"] == b.meta["exhausted"]
         assert_same(a, b)
     assert calls == [4, 4, 4]  # one trie step per level for the round's four requests
+    ex = RetrieveExecutor(runners["triton"], RadixCache(runners["triton"].kv_pool.allocator), cat)
+    monkeypatch.setattr(kernel_step, "MAX_CHILDREN", max(ex.trie.max_children) - 1)  # the widest: torch
+    calls.clear()
+    for a, b in zip(ex.run_batch(reqs[2:]), got["torch"][2:]):
+        assert_same(a, b)
+    narrow = sum(w <= kernel_step.MAX_CHILDREN for w in ex.trie.max_children)
+    assert 0 < narrow < ex.trie.depth and len(calls) == narrow
 
 
 # ---- bipartite (rank) attention -------------------------------------------------------------------

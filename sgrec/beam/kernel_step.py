@@ -12,7 +12,7 @@ from sgrec.beam.filters import TrieFilter
 from sgrec.beam.trie import SemanticIdTrie
 from sgrec.model.kernels.trie_step import trie_step
 
-MAX_CHILDREN = 16384  # a wider level (one program sorts a beam's children) takes the torch path
+MAX_CHILDREN = 4096  # a wider level (one program holds and sorts a beam's children) takes the torch path
 
 
 def fits(trie: SemanticIdTrie, depth: int) -> bool:
