@@ -109,8 +109,9 @@ class ServerArgs:
         "auto", "Attention implementation. auto: native on CPU (when sgrec's C kernels build there, else "
         "torch), torch on CUDA. torch: SDPA over gathered K/V (CPU and CUDA); native: decode through "
         "sgrec's C kernel reading the KV pool by slot index (CPU; built with the machine's C compiler "
-        "on first use), otherwise as torch; triton: Triton kernels for decode and beam steps' staged "
-        "attention (CUDA, or CPU under TRITON_INTERPRET=1 for tests).", ["auto", "torch", "native", "triton"])
+        "on first use), otherwise as torch; triton: Triton kernels for decode (reading the KV pool by "
+        "slot index), beam steps' staged attention, rank forwards' bipartite masks and retrieve levels' "
+        "selection (CUDA, or CPU under TRITON_INTERPRET=1 for tests).", ["auto", "torch", "native", "triton"])
     disable_weight_packing: bool = _arg(
         False, "On CPU, do not prepack float32 (or natively multiplied bfloat16) weights for oneDNN "
         "matmuls (packing is the default: faster decode; float32 logprobs differ from HF transformers by up "

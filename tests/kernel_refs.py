@@ -52,3 +52,42 @@ def decode_logits(runner, prompts=([5, 9, 33, 2, 8, 41, 7], [17, 3]), steps=4) -
         got.append(out)
         toks = out.argmax(-1).tolist()
     return torch.stack(got)
+
+
+def bipartite_reference(q, k, v, k_buf, v_buf, seqs, scale):
+    """float64 attention of each sequence's new tokens (rows q_start .. q_start + q_len of the flat
+    q, k, v) over its cached slots (kv_indices but the last q_len) then its new tokens, under the
+    sequence's dense bool mask (SeqLayout.mask)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    out = torch.zeros(q.shape[0], hq * q.shape[2], dtype=torch.float64)
+    for s in seqs:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        cached = s.kv_indices[: s.kv_len - s.q_len]
+        kk = torch.cat([k_buf[cached], k[rows]]).double().repeat_interleave(hq // hkv, dim=1)
+        vv = torch.cat([v_buf[cached], v[rows]]).double().repeat_interleave(hq // hkv, dim=1)
+        sc = torch.einsum("qhd,khd->hqk", q[rows].double(), kk) * scale
+        p = torch.softmax(sc.masked_fill(~s.mask, float("-inf")), dim=-1)
+        out[rows] = torch.einsum("hqk,khd->qhd", p, vv).reshape(s.q_len, -1)
+    return out
+
+
+def rank_case(hq, hkv, d, layouts, dtype, seed, pool_extra=7):
+    """Sequences of rank layouts, each a (RankLayout, cached layout offsets): the cached ones read
+    from the pool (scattered slots), the rest new, in layout order. -> q, k, v, k_buf, v_buf, seqs
+    (SeqLayouts with the dense mask and its BipartiteMask), out_cache_loc."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(len(lay) for lay, _ in layouts)
+    k_buf, v_buf = (torch.randn(total + pool_extra, hkv, d, generator=g).to(dtype) for _ in range(2))
+    perm = torch.randperm(total + pool_extra - 1, generator=g) + 1  # slot 0: the padding slot
+    seqs, locs, used, T = [], [], 0, 0
+    for lay, cached in layouts:
+        fresh = [r for r in range(len(lay)) if r not in set(cached)]
+        cols = list(cached) + fresh
+        slots = perm[used : used + len(cols)]
+        used += len(cols)
+        seqs.append(SeqLayout(T, len(fresh), slots, lay.mask(fresh, cols), lay.bipartite(cols)))
+        locs.append(slots[len(cached):])
+        T += len(fresh)
+    q = torch.randn(T, hq, d, generator=g).to(dtype)
+    k, v = (torch.randn(T, hkv, d, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, k_buf, v_buf, seqs, torch.cat(locs)

@@ -65,3 +65,67 @@ def test_staged_attention_compiled_on_cuda(monkeypatch, dtype, tol):
     out = staged_attention(q, k_buf, v_buf, sh, un, 0.125)
     want = torch_staged(q.float(), k_buf.float(), v_buf.float(), sh, un, 0.125)
     assert (out.float() - want).abs().max() <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_bipartite_attention_compiled_on_cuda(monkeypatch, dtype, tol):
+    from sgrec.model.attention import ForwardBatch, _BipartiteMeta
+    from sgrec.model.kernels.bipartite_attention import bipartite_attention
+    from sgrec.rank import layout as L
+    from tests.kernel_refs import bipartite_reference, rank_case
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    items = [list(range(5 + j % 7)) for j in range(40)]
+    user = L.user_as_prefix(list(range(300)), items, [1, 2, 3])
+    item = L.item_as_prefix([7] * 5, items, list(range(200)), [1, 2])
+    cached = [c for j, s in enumerate(item.items()) if j % 3 == 0 for c in range(s.start, s.stop)]
+    layouts = [(user, list(range(250))), (item, [0, 1, 2, 3, 4] + cached)]
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(16, 4, 80, layouts, dtype, seed=7)
+    T = q.shape[0]
+    batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs.cuda(), seqs, None)
+    meta = _BipartiteMeta.of(batch, 16)
+    out = bipartite_attention(q.cuda(), k.cuda(), v.cuda(), k_buf.cuda(), v_buf.cuda(), meta.q_start, meta.q_end,
+                              meta.q_order, meta.q_block, meta.c_idx, meta.c_ptr, meta.c_order, meta.c_block,
+                              80 ** -0.5, grid_tiles=meta.tiles)
+    want = bipartite_reference(q, k, v, k_buf, v_buf, seqs, 80 ** -0.5)
+    assert (out.double().cpu() - want).abs().max() <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
+def test_trie_step_compiled_on_cuda(monkeypatch):
+    """Every level of a 3-level trie over 3000 items (256 codes per level), 64 beams of three
+    requests (one excluding 500 items) in one launch: the compiled kernel keeps the torch path's beams."""
+    import random
+
+    from sgrec.beam import kernel_step
+    from sgrec.beam.executor import select_level
+    from sgrec.beam.filters import FilterCache, build_filter
+    from sgrec.beam.trie import SemanticIdTrie
+    from tests.test_beam import random_catalog
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rng = random.Random(0)
+    V = 1024
+    cat = random_catalog(rng, 3000, 3, V, codes=256)
+    trie, rows = SemanticIdTrie.from_catalog(cat, V)
+    gpu, _ = SemanticIdTrie.from_catalog(cat, V, "cuda")
+    filters = [None, build_filter(trie, rows, cat, FilterCache(), exclude=rng.sample([it.id for it in cat.items], 500)),
+               None]
+    g = torch.Generator().manual_seed(1)
+    for depth in range(trie.depth):
+        widths = [1, 1, 1] if depth == 0 else [64, 40, 7]
+        nodes = [torch.tensor(sorted(rng.sample(range(trie.num_nodes[depth]), w))) for w in widths]
+        nodes = [x[f.keep(depth, x)] if f is not None and depth else x for x, f in zip(nodes, filters)]
+        scores = [torch.randn(x.numel(), generator=g) - 5 for x in nodes]
+        logits = [torch.randn(x.numel(), V, generator=g) * 3 for x in nodes]
+        top_k, m = [8, 64, 300], [64, 32, 20]
+        got = kernel_step.select_levels(gpu, depth, torch.cat(logits).cuda(), [x.cuda() for x in nodes],
+                                        [s.cuda() for s in scores], filters, top_k, m, False, 256)
+        for r in range(3):
+            want = select_level(logits[r], trie, depth, nodes[r], scores[r], filters[r], top_k[r], m[r], False)
+            p, t, s, nd = (x.cpu() for x in got[r])
+            assert p.tolist() == want[0].tolist() and t.tolist() == want[1].tolist() and nd.tolist() == want[3].tolist()
+            assert (s - want[2]).abs().max() <= 1e-5

@@ -107,6 +107,24 @@ def test_item_as_prefix_layout_hand_computed():
     assert no_header.positions == [0, 0, 1, 2, 3]  # items reset to position 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_bipartite_mask_equals_the_dense_mask(seed):
+    """RankLayout.bipartite(cols) (two integers per column: what the triton backend's kernel reads)
+    stands for exactly RankLayout.mask(rows, cols) when the rows are the last columns, whatever the
+    cached columns before them (any subset, in any order); and it is not always causal."""
+    rng = random.Random(seed)
+    items = [ids(rng.randint(1, 5), seed * 10 + j) for j in range(rng.randint(1, 5))]
+    for lay in (L.user_as_prefix(ids(6, seed), items, INSTR), L.item_as_prefix(HEADER, items, ids(5, seed), INSTR)):
+        T = len(lay)
+        cached = rng.sample(range(T - 1), rng.randint(0, T - 1))  # any subset, shuffled
+        rows = [r for r in range(T) if r not in cached]
+        cols = cached + rows
+        bm = lay.bipartite(cols)
+        assert bm.order.tolist() == cols
+        assert torch.equal(bm.dense(len(rows)), lay.mask(rows, cols))
+    assert not torch.equal(lay.mask(), torch.ones(T, T, dtype=torch.bool).tril()) or len(items) == 1
+
+
 # ---- exactness -----------------------------------------------------------------------------
 @pytest.mark.parametrize("arch,seed", MODELS)
 def test_cached_user_kv_equals_scratch(tiny_model_dir, catalog, arch, seed):

@@ -12,7 +12,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by tests/test_kernels.py with TRITON_INTERPRET=1", allow_module_level=True)
 
 from sgrec.mem.kv_pool import KVPool  # noqa: E402
-from sgrec.model.attention import ForwardBatch, SeqLayout, TorchBackend, TritonBackend  # noqa: E402
+from sgrec.model.attention import ForwardBatch, SeqLayout, TorchBackend, TritonBackend, _BipartiteMeta  # noqa: E402
+from sgrec.model.kernels.bipartite_attention import bipartite_attention  # noqa: E402
 from sgrec.beam import RetrieveExecutor, naive_retrieve  # noqa: E402
 from sgrec.beam.attention import staged_attention as torch_staged  # noqa: E402
 from sgrec.model.kernels.decode_attention import decode_attention  # noqa: E402
@@ -20,7 +21,8 @@ from sgrec.model.kernels.staged_attention import staged_attention  # noqa: E402
 from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
-from tests.kernel_refs import case, decode_logits, reference  # noqa: E402
+from sgrec.rank import layout as L  # noqa: E402
+from tests.kernel_refs import bipartite_reference, case, decode_logits, rank_case, reference  # noqa: E402
 from tests.test_beam import assert_same, random_catalog  # noqa: E402
 
 
@@ -131,3 +133,280 @@ def test_retrieve_with_the_triton_backend_equals_naive_and_torch(tiny_model_dir,
            for name, r in runners.items()}
     assert_same(got["triton"], naive_retrieve(runners["triton"], cat, ids, bw, top_k, 6))
     assert_same(got["triton"], got["torch"])
+
+
+def test_retrieve_batch_with_filters_on_the_triton_backend_equals_torch(tiny_model_dir, monkeypatch):
+    """A round of retrieve requests with exclusions, an include list, an attribute filter and none,
+    on --attention-backend triton (every level's selection of the round in one trie step; staged
+    attention) == the same round on the torch backend: same items, paths and scores."""
+    import random
+
+    import sgrec.beam.kernel_step as kernel_step
+    from tests.test_retrieve_filters import make_catalog
+
+    calls = []
+    real = kernel_step.trie_step
+    monkeypatch.setattr(kernel_step, "trie_step", lambda *a, **kw: calls.append(len(a[5]) - 1) or real(*a, **kw))
+    path = tiny_model_dir("qwen3")
+    runners = {name: ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32",
+                                                        max_total_tokens=3000, attention_backend=name))
+               for name in ("torch", "triton")}
+    V = runners["torch"].config.vocab_size
+    rng = random.Random(5)
+    cat = make_catalog(rng, 200, 3, V, codes=14, dup=0.1)
+    ids = [it.id for it in cat.items]
+    prompt = [rng.randrange(V) for _ in range(12)]
+    reqs = [dict(input_ids=prompt, beam_width=12, top_k=4, num_items=8, exclude_items=rng.sample(ids, 50)),
+            dict(input_ids=prompt[:7], beam_width=8, top_k=8, num_items=8, include_items=rng.sample(ids, 30)),
+            dict(input_ids=[3, 1, 4], beam_width=10, top_k=3, num_items=5, filter={"year": {"gte": 1994}}),
+            dict(input_ids=prompt[3:], beam_width=6, top_k=6, num_items=6)]
+    got = {name: RetrieveExecutor(r, RadixCache(r.kv_pool.allocator), cat).run_batch(reqs)
+           for name, r in runners.items()}
+    for a, b in zip(got["triton"], got["torch"]):
+        assert a.items and a.meta["exhausted"] == b.meta["exhausted"]
+        assert_same(a, b)
+    assert calls == [4, 4, 4]  # one trie step per level for the round's four requests
+    ex = RetrieveExecutor(runners["triton"], RadixCache(runners["triton"].kv_pool.allocator), cat)
+    monkeypatch.setattr(kernel_step, "MAX_CHILDREN", max(ex.trie.max_children) - 1)  # the widest: torch
+    calls.clear()
+    for a, b in zip(ex.run_batch(reqs[2:]), got["torch"][2:]):
+        assert_same(a, b)
+    narrow = sum(w <= kernel_step.MAX_CHILDREN for w in ex.trie.max_children)
+    assert 0 < narrow < ex.trie.depth and len(calls) == narrow
+
+
+# ---- bipartite (rank) attention -------------------------------------------------------------------
+def rank_layouts():
+    """Rank layouts as the rank executor computes them: (layout, cached layout offsets)."""
+    user = L.user_as_prefix(list(range(1, 12)), [[20, 21, 22], [23], [24, 25, 26, 27, 28], [29, 30]], [40, 41])
+    item = L.item_as_prefix([5, 6, 7], [[20, 21], [22, 23, 24, 25], [26], [27, 28, 29]], list(range(50, 59)), [40])
+    segs = item.items()
+    item_cached = list(range(3)) + list(range(segs[0].start, segs[0].stop)) + list(range(segs[2].start, segs[2].stop))
+    return [
+        (user, list(range(7))),  # part of the user cached (a radix hit)
+        (item, item_cached),  # header and items 0 and 2 from the item store: columns not in layout order
+        (L.item_as_prefix([], [[3, 4, 5], [6]], [7, 8], [9]), []),  # nothing cached, no header
+        (L.user_as_prefix([1, 2], [list(range(10, 31))], [9]), [0, 1]),  # one long item: several tiles
+    ]
+
+
+def pack(seqs, locs, T, block_m):
+    batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs, seqs, None)
+    meta = _BipartiteMeta.of(batch, block_m)
+    assert meta is not None
+    return meta
+
+
+def run_bipartite(q, k, v, k_buf, v_buf, meta, scale, block_m, block_n):
+    return bipartite_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end, meta.q_order, meta.q_block,
+                               meta.c_idx, meta.c_ptr, meta.c_order, meta.c_block, scale, block_m=block_m,
+                               block_n=block_n)
+
+
+@pytest.mark.parametrize("hq,hkv,d,block_m,block_n", [(4, 4, 16, 16, 32), (6, 2, 24, 4, 16), (8, 2, 16, 8, 16),
+                                                      (3, 1, 40, 16, 16)])
+def test_bipartite_attention_equals_reference(hq, hkv, d, block_m, block_n):
+    """One batch of four rank sequences (user and item as prefix, cached columns in and out of layout
+    order, a partial user prefix, no cache, an item longer than a tile) == float64 attention under
+    each sequence's dense mask; GQA 1, 3, 4, 3; head dims 16, 24, 40 (not powers of two)."""
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(hq, hkv, d, rank_layouts(), torch.float32, seed=hq + d)
+    meta = pack(seqs, locs, q.shape[0], block_m)
+    out = run_bipartite(q, k, v, k_buf, v_buf, meta, d ** -0.5, block_m, block_n)
+    assert out.shape == (q.shape[0], hq * d) and out.dtype == torch.float32
+    assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, seqs, d ** -0.5)).abs().max() <= 1e-5
+
+
+def test_bipartite_attention_bfloat16_and_a_wrong_mask_is_caught():
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(6, 2, 16, rank_layouts(), torch.bfloat16, seed=11)
+    meta = pack(seqs, locs, q.shape[0], 16)
+    want = bipartite_reference(q, k, v, k_buf, v_buf, seqs, 0.25)
+    out = run_bipartite(q, k, v, k_buf, v_buf, meta, 0.25, 16, 32)
+    assert out.dtype == torch.bfloat16 and (out.double() - want).abs().max() <= 2e-2
+    meta.q_block.fill_(-1)  # causal only: an item's tokens see the candidates before it
+    meta.c_block.fill_(-1)
+    wrong = run_bipartite(q.float(), k.float(), v.float(), k_buf.float(), v_buf.float(), meta, 0.25, 16, 32)
+    assert (wrong.double() - want).abs().max() > 1e-1
+
+
+def test_triton_backend_extend_with_bipartite_masks_equals_torch_backend():
+    """The backend: a rank batch goes through the kernel (K/V of the new tokens written to the pool
+    first, the cached read by slot), a batch with a sequence lacking a BipartiteMask through the
+    torch path; both equal TorchBackend."""
+    hq, hkv, d = 6, 2, 16
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(hq, hkv, d, rank_layouts(), torch.float32, seed=3)
+    pool = KVPool(k_buf.shape[0] - 1, 1, hkv, d, torch.float32)  # slot 0 + the rest
+    plain = SeqLayout(seqs[0].q_start, seqs[0].q_len, seqs[0].kv_indices, seqs[0].mask)
+    for batch_seqs, kernel in ((seqs, True), ([plain, *seqs[1:]], False)):
+        outs = []
+        for backend in (TorchBackend(), TritonBackend()):
+            pool.k_buffer[0].copy_(k_buf)
+            pool.v_buffer[0].copy_(v_buf)
+            T = q.shape[0]
+            batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs,
+                                 batch_seqs, pool)
+            backend.prepare(batch)
+            outs.append(backend.forward(q, k, v, 0, batch, d ** -0.5))
+        assert isinstance(batch.attn_meta, _BipartiteMeta) == kernel
+        assert (outs[0] - outs[1]).abs().max() <= 1e-5
+
+
+def test_rank_with_the_triton_backend_equals_torch(tiny_model_dir, monkeypatch):
+    """RankExecutor on --attention-backend triton (rank forwards and the item store's item KV through
+    the bipartite kernel) == on the torch backend: a batch of user- and item-as-prefix requests with
+    cold caches, then the same again reading the cached user prefixes and item KV (scores <= 1e-5,
+    same rankings and meta)."""
+    import sgrec.model.kernels.bipartite_attention as kernel_module
+    from tests.test_rank import INSTR, Setup, ids, make_catalog
+
+    calls = []
+    real = kernel_module.bipartite_attention
+    monkeypatch.setattr(kernel_module, "bipartite_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cat = make_catalog(12)
+    setups = {name: Setup(tiny_model_dir("qwen3"), cat, pool=1024, item_cache_tokens=16, attention_backend=name)
+              for name in ("torch", "triton")}
+    assert isinstance(setups["triton"].runner.backend, TritonBackend)
+    reqs = [dict(user_key="a", user_ids=ids(19, 1), item_ids=["i3", "i1", "i7", "i0"], instruction_ids=INSTR,
+                 prefix="user"),
+            dict(user_key="b", user_ids=ids(6, 2), item_ids=["i2", "i5", "i9", "i4", "i11"], instruction_ids=INSTR,
+                 prefix="item")]
+    for rep in range(2):
+        got = {name: s.ex.run_batch(reqs) for name, s in setups.items()}
+        for a, b in zip(got["triton"], got["torch"]):
+            assert a["meta_info"] == b["meta_info"]
+            assert [r["item"] for r in a["ranking"]] == [r["item"] for r in b["ranking"]]
+            assert max(abs(x["score"] - y["score"]) for x, y in zip(a["ranking"], b["ranking"])) <= 1e-5
+        cached = [r["meta_info"]["cached_tokens"] for r in got["triton"]]
+        assert cached == [0, 4] if rep == 0 else (cached[0] == 19 and cached[1] > 4)  # user prefix, then items
+    assert calls
+    for s in setups.values():
+        s.check_accounting()
+
+
+# ---- the trie step (a beam level's selection) -----------------------------------------------------
+def allowed_nodes(trie, depth, filt):
+    nodes = torch.arange(trie.num_nodes[depth])
+    return nodes if filt is None or depth == 0 else nodes[filt.keep(depth, nodes)]
+
+
+def level_requests(rng, trie, depth, filters, widths, restricted, tie_rows=False):
+    """Per request: beams at `depth` (distinct allowed nodes, ascending, as beam search keeps them),
+    their scores and logits rows. tie_rows: every beam twice over (same node's twin rows get the
+    same score and logits: exact ties across beams), scores around -1000 (float32 steps of 6e-5, so
+    nearby log-probs round to one score) and logits on a 1/4 grid (ties inside a beam)."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    cols = trie.logit_columns(depth).numel() if restricted else trie.vocab_size
+    nodes, scores, logits = [], [], []
+    for filt, n in zip(filters, widths):
+        pool = allowed_nodes(trie, depth, filt).tolist()
+        pick = torch.tensor(sorted(rng.sample(pool, min(n, len(pool)))))
+        s = torch.round(torch.randn(pick.numel(), generator=g) * 8) / 8 - 3
+        x = torch.randn(pick.numel(), cols, generator=g) * 2
+        if tie_rows:
+            s = s - 1000 + torch.randn(pick.numel(), generator=g) * 1e-4
+            x = torch.round(x * 4) / 4
+        nodes.append(pick)
+        scores.append(s.float())
+        logits.append(x)
+    return nodes, scores, logits
+
+
+def check_level(trie, depth, nodes, scores, logits, filters, top_k, m, restricted, global_min_k=256):
+    """The kernel's selection of every request at once == select_level (torch) of each alone."""
+    from sgrec.beam import executor, kernel_step
+
+    got = kernel_step.select_levels(trie, depth, torch.cat(logits), nodes, scores, filters, top_k, m, restricted,
+                                    global_min_k)
+    kept = 0
+    for r in range(len(nodes)):
+        want = executor.select_level(logits[r], trie, depth, nodes[r], scores[r], filters[r], top_k[r], m[r],
+                                     restricted)
+        p, t, s, nd = got[r]
+        assert p.tolist() == want[0].tolist() and t.tolist() == want[1].tolist() and nd.tolist() == want[3].tolist()
+        assert s.dtype == torch.float32 and (s - want[2]).abs().max().item() <= 1e-5 if s.numel() else True
+        kept += p.numel()
+    assert kept > 0
+    return got
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_trie_step_equals_the_torch_selection_with_filters(seed):
+    """Every level of a trie (repeated paths, up to 12 children per node, full or the level's
+    columns) for three requests in one launch, unfiltered, with exclusions, with an include list
+    and with an attribute filter, different widths, top-k and kept counts (a per-beam cap that
+    binds, one that does not, one that leaves the pool short so every valid child competes)."""
+    import random
+
+    from sgrec.beam.filters import FilterCache, build_filter
+    from sgrec.beam.trie import SemanticIdTrie
+    from tests.test_retrieve_filters import make_catalog
+
+    rng = random.Random(seed)
+    V = 64
+    cat = make_catalog(rng, 160, 3, V, codes=12, dup=0.1)
+    trie, rows = SemanticIdTrie.from_catalog(cat, V)
+    ids = [it.id for it in cat.items]
+    cache = FilterCache()
+    kinds = [dict(exclude=rng.sample(ids, 60)), dict(include=rng.sample(ids, 40)),
+             dict(attr_filter={"year": {"gte": 1993}}), {}]
+    for depth in range(trie.depth):
+        for restricted in {False, depth > 0 and trie.logit_columns(depth) is not None}:
+            reqs = rng.sample(kinds, 3)
+            filters = [build_filter(trie, rows, cat, cache, **kw) for kw in reqs]
+            widths = [rng.choice([1, 5, 16]) for _ in reqs] if depth else [1, 1, 1]
+            nodes, scores, logits = level_requests(rng, trie, depth, filters, widths, restricted)
+            top_k = [rng.choice([1, 3, 12]) for _ in reqs]
+            m = [rng.choice([1, 4, 16, 40]) for _ in reqs]
+            check_level(trie, depth, nodes, scores, logits, filters, top_k, m, restricted)
+
+
+@pytest.mark.parametrize("global_min_k", [256, 2])
+def test_trie_step_ties_equal_the_torch_selection(global_min_k, monkeypatch):
+    """Exact ties everywhere: beams that are twins (same node, score and logits: ties across beams,
+    broken by beam), log-probs tied inside a beam across its k-th place (broken by token), and
+    different log-probs that round to one score (broken by token within a beam). With global_min_k
+    2 the torch path takes its one-pass global selection (no per-beam cap), the kernel the same."""
+    import random
+
+    from sgrec.beam import executor
+    from sgrec.beam.trie import SemanticIdTrie
+    from sgrec.catalog import Catalog, Item
+
+    monkeypatch.setattr(executor, "GLOBAL_SELECT_MIN_K", global_min_k)
+    V = 40
+    paths = [(a, b) for a in range(30, 36) for b in range(20, 30)]  # every depth-1 node: the same 10 children
+    cat = Catalog([Item(f"i{i}", (1,), 1, p) for i, p in enumerate(paths)])
+    trie, _ = SemanticIdTrie.from_catalog(cat, V)
+    rng = random.Random(global_min_k)
+    ties = 0
+    for top_k, m in [(2, 5), (3, 12), (10, 4), (4, 30)]:
+        nodes, scores, logits = level_requests(rng, trie, 1, [None, None], [3, 4], False, tie_rows=True)
+        twin = [torch.cat([x, x]).sort().values for x in nodes]  # every node twice: twin beams
+        order = [torch.cat([x, x]).argsort(stable=True) for x in nodes]
+        scores = [torch.cat([s, s])[o] for s, o in zip(scores, order)]
+        logits = [torch.cat([x, x])[o] for x, o in zip(logits, order)]
+        check_level(trie, 1, twin, scores, logits, [None, None], [top_k] * 2, [m] * 2, False, global_min_k)
+        for s, x in zip(scores, logits):
+            full = s[:, None] + torch.log_softmax(x[:, 20:30], -1)
+            ties += int((full[:, :, None] == full[:, None, :]).sum() - full.numel())
+    assert ties > 0
+
+
+@pytest.mark.parametrize("global_min_k", [256, 2])
+def test_trie_step_takes_the_torch_paths_regime_on_rounding_ties(global_min_k, monkeypatch):
+    """Three children whose log-probs differ by 1e-5 but round to one score next to -1000: the
+    per-beam pool (the 2 best by log-prob) and the one-pass global selection (no cap: by score,
+    then token) keep different pairs; the kernel keeps what the torch path keeps in either regime."""
+    from sgrec.beam import executor
+    from sgrec.beam.trie import SemanticIdTrie
+    from sgrec.catalog import Catalog, Item
+
+    monkeypatch.setattr(executor, "GLOBAL_SELECT_MIN_K", global_min_k)
+    paths = [(a, b) for a in range(30, 33) for b in range(20, 30)]
+    trie, _ = SemanticIdTrie.from_catalog(Catalog([Item(f"i{i}", (1,), 1, p) for i, p in enumerate(paths)]), 40)
+    x = torch.zeros(2, 40)
+    x[0, [21, 23, 25]] = torch.tensor([5.0, 5.0 + 1e-5, 5.0 + 2e-5])
+    scores = torch.tensor([-1000.0, -1001.0])
+    s = scores[0] + torch.log_softmax(x[0, 20:30], -1)
+    assert s[1] == s[3] == s[5] and len({torch.log_softmax(x[0, 20:30], -1)[j].item() for j in (1, 3, 5)}) == 3
+    got = check_level(trie, 1, [torch.tensor([0, 1])], [scores], [x], [None], [2], [2], False, global_min_k)
+    assert got[0][1].tolist() == ([21, 23] if global_min_k == 2 else [23, 25])

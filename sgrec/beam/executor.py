@@ -12,6 +12,10 @@ min(beam_width, most beams the catalog allows): the last step's tokens are never
 they need no KV. When run() returns, every slot it took is free again or owned by the tree, and
 lock refs are back where they were.
 
+A level's selection (children_logp, per-beam top-K, global top-BW: `select_level`) runs per request
+in torch, or, under --attention-backend triton, for every request of the round in one Triton trie
+step (`kernel_step`), which keeps the same beams, ties included.
+
 `naive_retrieve` is the obviously-right reference (prompt KV copied into every beam, plain
 attention, dense masks built from the catalog, full sorts): tests compare against it, the
 benchmark times it.
@@ -25,12 +29,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sgrec.beam import kernel_step
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, UnsharedKV
 from sgrec.beam.filters import FilterCache, TrieFilter, build_filter
 from sgrec.beam.search import BeamBuffers, inplace_schedule, per_beam_topk, select_beams, select_global
 from sgrec.beam.trie import SemanticIdTrie, children_logp
 from sgrec.catalog import Catalog, check_token_ids
-from sgrec.model.attention import ForwardBatch, SeqLayout
+from sgrec.model.attention import ForwardBatch, SeqLayout, TritonBackend
 
 
 # per-beam top-k at or above this k (and >= the beams kept) is replaced by one global selection; both
@@ -106,7 +111,10 @@ class RetrieveExecutor:
         self.reorder_chunk = reorder_chunk
         self.use_catalog(catalog, self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
-        self.backend = StagedBeamBackend(units, triton=runner.args.attention_backend == "triton")
+        triton = isinstance(runner.backend, TritonBackend)  # --attention-backend triton
+        self.backend = StagedBeamBackend(units, triton=triton)
+        # each level's selection for all of a round's requests in the Triton trie step (kernel_step)
+        self.triton_select = triton
 
     def build_trie(self, catalog: Catalog | None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """The valid-path trie of a catalog and the catalog row of each trie row ((None, None) when
@@ -344,26 +352,51 @@ class RetrieveExecutor:
         model = self.runner.model
         return model.compute_logits(model(batch, self.backend), columns)
 
+    def _level(self, r: _Request, step: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Level `step` of request r: how many beams it keeps, its beams' scores and trie nodes."""
+        m = min(r.beam_width, r.num_items) if step == self.trie.depth - 1 else r.beam_width
+        if step == 0:  # the root: one beam
+            return m, torch.zeros(1, device=self.device), torch.zeros(1, dtype=torch.int64, device=self.device)
+        n = r.bufs.n
+        return m, r.bufs.scores[:n], r.bufs.nodes[:n]
+
     def _select(self, r: _Request, step: int, logits: torch.Tensor | None) -> None:
         """Level `step` of request r: mask, per-beam top-k, global top-BW, in-place reorders."""
-        trie, V = self.trie, self.vocab_size
-        last = step == trie.depth - 1
-        m = min(r.beam_width, r.num_items) if last else r.beam_width
-        if step == 0:  # the root: one beam
-            parent_scores = torch.zeros(1, device=self.device)
-            parent_nodes = torch.zeros(1, dtype=torch.int64, device=self.device)
-            logits = r.logits0
-        else:
-            n = r.bufs.n
-            parent_scores, parent_nodes = r.bufs.scores[:n], r.bufs.nodes[:n]
-        restricted = step > 0 and trie.logit_columns(step) is not None  # see _RoundHooks.launch
-        logp, toks = children_logp(logits, trie, step, parent_nodes, r.filt, restricted)
-        parents, tokens, scores = select_step(logp, toks, parent_scores, r.top_k, m, V)
-        nodes = trie.child_nodes(step, parent_nodes[parents], tokens)
+        m, parent_scores, parent_nodes = self._level(r, step)
+        restricted = step > 0 and self.trie.logit_columns(step) is not None  # see _RoundHooks.launch
+        logits = r.logits0 if step == 0 else logits
+        self._advance(r, step, *select_level(logits, self.trie, step, parent_nodes, parent_scores, r.filt, r.top_k, m,
+                                             restricted))
+
+    def _select_all(self, reqs: list[_Request], step: int, logits: torch.Tensor | None) -> None:
+        """Level `step` of every request of a round in one Triton trie step (kernel_step); `logits`:
+        the round's beam forward (None at step 0: the prompts' logits)."""
+        levels = [self._level(r, step) for r in reqs]
+        restricted = step > 0 and self.trie.logit_columns(step) is not None
+        logits = torch.cat([r.logits0 for r in reqs]) if step == 0 else logits
+        sels = kernel_step.select_levels(self.trie, step, logits, [lv[2] for lv in levels], [lv[1] for lv in levels],
+                                         [r.filt for r in reqs], [r.top_k for r in reqs], [lv[0] for lv in levels],
+                                         restricted, GLOBAL_SELECT_MIN_K)
+        for r, sel in zip(reqs, sels):
+            self._advance(r, step, *sel)
+
+    def _advance(self, r: _Request, step: int, parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor,
+                 nodes: torch.Tensor) -> None:
+        """r's beams become the kept (parent, token, score, node) of level `step` (in path order):
+        the unshared KV and the token rows reordered in place."""
         schedule = inplace_schedule(parents)[:2] if step > 0 else None  # shared by KV and tokens
-        if schedule is not None and not last:
+        if schedule is not None and step < self.trie.depth - 1:
             r.kv.reorder_(parents, step, schedule)
         r.bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk, schedule)
+
+
+def select_level(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, parent_nodes: torch.Tensor,
+                 parent_scores: torch.Tensor, filt: TrieFilter | None, top_k: int, m: int, restricted: bool):
+    """Level `depth` of one request, in torch: its kept (parents, tokens, scores, child nodes), in
+    (parent, token) order (children_logp, select_step, the children's node ids)."""
+    logp, toks = children_logp(logits, trie, depth, parent_nodes, filt, restricted)
+    parents, tokens, scores = select_step(logp, toks, parent_scores, top_k, m, trie.vocab_size)
+    return parents, tokens, scores, trie.child_nodes(depth, parent_nodes[parents], tokens)
 
 
 def select_step(logp: torch.Tensor, toks: torch.Tensor, parent_scores: torch.Tensor, top_k: int, m: int,
@@ -424,6 +457,9 @@ class _RoundHooks:
 
     @torch.inference_mode()
     def finish(self, step: int, phase: str, handle: object) -> None:
+        if self.ex.triton_select and kernel_step.fits(self.ex.trie, step):
+            self.ex._select_all(self.reqs, step, handle)
+            return
         a = 0
         for r in self.reqs:
             n = r.bufs.n

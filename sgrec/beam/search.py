@@ -5,9 +5,8 @@ Ordering contract (shared with the naive reference in executor.py, so results co
 a step keeps the m best candidates by accumulated log-probability, ties going to the
 lexicographically smaller path; the kept beams are stored in lexicographic path order (sorted by
 (parent row, token)), which makes parent indices non-decreasing: the property the in-place reorder
-below relies on. Final results are sorted by score, ties by path. (One tie is left to torch.topk:
-two tokens of one beam tied exactly at that beam's K-th place.)
-"""
+below relies on. Final results are sorted by score, ties by path. A beam's per-beam top-K breaks a
+tie at its K-th place the same way: the smaller token (`per_beam_topk`)."""
 
 from __future__ import annotations
 
@@ -19,10 +18,20 @@ NEG_INF = float("-inf")
 
 
 def per_beam_topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's k best (log-prob, token), sorted descending; -inf where a row has fewer than k
-    valid tokens."""
+    """Each row's k best (log-prob, column), sorted descending; -inf where a row has fewer than k
+    valid tokens. Values tied across the k-th place go to the lower columns (torch.topk alone
+    leaves that choice open): a row where more than k entries are >= its k-th value is redone with
+    a stable sort, as the naive reference and the Triton trie step (which rank by (value, column))
+    do."""
     k = min(k, logp.shape[-1])
     vals, toks = torch.topk(logp, k, dim=-1, largest=True, sorted=True)
+    if 0 < k < logp.shape[-1]:
+        kth = vals[:, -1:]
+        split = ((logp >= kth).sum(-1) > k) & torch.isfinite(kth[:, 0])
+        if bool(split.any()):
+            rows = split.nonzero().flatten()
+            srt = torch.sort(logp[rows], dim=-1, descending=True, stable=True)
+            vals[rows], toks[rows] = srt.values[:, :k], srt.indices[:, :k]
     return vals, toks
 
 

@@ -24,11 +24,31 @@ from sgrec.mem.kv_pool import KVPool
 
 
 @dataclass
+class BipartiteMask:
+    """A sequence's mask as two integers per KV column (a rank layout's bipartite mask, BAT §4.2):
+    column j is the token at offset order[j] of the sequence's layout, in block block[j] (-1: in no
+    block). The new tokens are the last q_len columns, in ascending order. A new token may attend to
+    column j iff order[j] <= its own order and not (both are in blocks, different ones): the rule of
+    sgrec.rank.layout.RankLayout.mask, O(kv_len) instead of O(q_len * kv_len)."""
+
+    order: torch.Tensor  # int64 [kv_len]
+    block: torch.Tensor  # int64 [kv_len]
+
+    def dense(self, q_len: int) -> torch.Tensor:
+        """The bool [q_len, kv_len] mask it stands for."""
+        first = self.order.numel() - q_len
+        ro, rb = self.order[first:, None], self.block[first:, None]
+        o, b = self.order[None, :], self.block[None, :]
+        return (o <= ro) & ((rb < 0) | (b < 0) | (rb == b))
+
+
+@dataclass
 class SeqLayout:
     q_start: int  # offset of this sequence's new tokens in the flat batch
     q_len: int
     kv_indices: torch.Tensor  # int64 slots attended, new tokens' slots included
     mask: torch.Tensor | None = None  # bool [q_len, kv_len], True = may attend
+    bipartite: BipartiteMask | None = None  # the same mask as `mask`, compactly (the triton backend reads it)
 
     @property
     def kv_len(self) -> int:
@@ -161,6 +181,56 @@ class _SlotMeta:
     ptr: torch.Tensor  # [B + 1] offsets into idx
 
 
+@dataclass
+class _BipartiteMeta:
+    """bipartite_attention's inputs for a batch whose every sequence has a BipartiteMask."""
+
+    q_start: torch.Tensor  # [B]
+    q_end: torch.Tensor  # [B]
+    q_order: torch.Tensor  # [T] order and block of every new token
+    q_block: torch.Tensor
+    c_idx: torch.Tensor  # every sequence's cached slots, concatenated, and their order and block
+    c_ptr: torch.Tensor  # [B + 1]
+    c_order: torch.Tensor
+    c_block: torch.Tensor
+    tiles: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, block_m: int) -> "_BipartiteMeta | None":
+        """None unless every sequence has a BipartiteMask whose new tokens come in ascending order."""
+        from sgrec.model.kernels.bipartite_attention import tiles
+
+        seqs = batch.seqs
+        if not seqs or any(s.bipartite is None for s in seqs):
+            return None
+        T = batch.input_ids.numel()
+        q_order = torch.full((T,), -1, dtype=torch.int64)
+        q_block = torch.full((T,), -1, dtype=torch.int64)
+        c_idx, c_order, c_block, c_len = [], [], [], [0]
+        for s in seqs:
+            first = s.kv_len - s.q_len
+            order, block = s.bipartite.order.cpu(), s.bipartite.block.cpu()
+            new = order[first:]
+            if new.numel() > 1 and not bool((new[1:] > new[:-1]).all()):
+                return None
+            q_order[s.q_start : s.q_start + s.q_len] = new
+            q_block[s.q_start : s.q_start + s.q_len] = block[first:]
+            c_idx.append(s.kv_indices[:first].cpu())
+            c_order.append(order[:first])
+            c_block.append(block[:first])
+            c_len.append(first)
+        dev = batch.out_cache_loc.device
+        starts = torch.tensor([s.q_start for s in seqs], dtype=torch.int64)
+        ends = starts + torch.tensor([s.q_len for s in seqs], dtype=torch.int64)
+
+        def on(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dev, torch.int64)
+
+        return cls(on(starts), on(ends), on(q_order), on(q_block), on(torch.cat(c_idx)),
+                   on(torch.cumsum(torch.tensor(c_len), 0)), on(torch.cat(c_order)), on(torch.cat(c_block)),
+                   tuple(on(t) for t in tiles([s.q_len for s in seqs], block_m)))
+
+
 class _SlotDecodeBackend(TorchBackend):
     """Decode through a kernel that reads the KV pool by slot index (no gathered copy of any
     sequence's K/V); extend batches as TorchBackend. Subclasses name the kernel."""
@@ -189,8 +259,32 @@ class _SlotDecodeBackend(TorchBackend):
 
 
 class TritonBackend(_SlotDecodeBackend):
-    """Decode through the Triton kernel (sgrec.model.kernels.decode_attention); extend batches as
-    TorchBackend. Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+    """Decode through the Triton kernel (sgrec.model.kernels.decode_attention); an extend batch whose
+    sequences all carry a BipartiteMask (rank layouts) through the bipartite-mask kernel (cached K/V
+    read by slot, the mask from two integers per column, sgrec.model.kernels.bipartite_attention);
+    any other extend batch as TorchBackend. Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+
+    BLOCK_M = 16  # new tokens per program of the bipartite kernel
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if not batch.is_decode:
+            meta = _BipartiteMeta.of(batch, self.BLOCK_M)
+            if meta is not None:
+                batch.attn_meta = meta
+                return
+        super().prepare(batch)
+
+    def forward(self, q, k, v, layer, batch, scale):
+        meta = batch.attn_meta
+        if not isinstance(meta, _BipartiteMeta):
+            return super().forward(q, k, v, layer, batch, scale)
+        from sgrec.model.kernels.bipartite_attention import bipartite_attention
+
+        batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer)
+        return bipartite_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end, meta.q_order, meta.q_block,
+                                   meta.c_idx, meta.c_ptr, meta.c_order, meta.c_block, scale,
+                                   block_m=self.BLOCK_M, grid_tiles=meta.tiles)
 
     def decode(self, q, k_buf, v_buf, idx, ptr, scale):
         from sgrec.model.kernels.decode_attention import decode_attention

@@ -537,6 +537,7 @@ class RankExecutor:
                 n, lay = len(fresh_rows), spec.lay
                 kv = torch.cat([*cached_slots, slots[off : off + size]])
                 mask = lay.mask(fresh_rows, cached_cols + fresh_rows)
+                bipartite = lay.bipartite(cached_cols + fresh_rows) if trie is None else None  # path rows: mask only
                 ids += [lay.token_ids[r] for r in fresh_rows]
                 pos += [lay.positions[r] for r in fresh_rows]
                 if trie is not None:
@@ -544,7 +545,7 @@ class RankExecutor:
                     mask = torch.cat([torch.cat([mask, torch.zeros(n, len(p_ids), dtype=torch.bool)], 1), p_mask])
                     ids += p_ids
                     pos += p_pos
-                seqs.append(SeqLayout(off, size, kv, mask))
+                seqs.append(SeqLayout(off, size, kv, mask, bipartite))
                 rows += range(off + n - 1, off + size)  # the layout's last token, then the path rows
                 off += size
             t0 = time.perf_counter()

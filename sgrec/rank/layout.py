@@ -14,7 +14,8 @@ same positions wherever it sits, so scores do not depend on candidate order, and
 an item's KV depends only on H and the item itself: it can be computed once and shared.
 
 Every path, cached or not, builds its positions and masks here: a forward computes some rows of
-the layout against the KV of all its tokens, with `RankLayout.mask(rows, cols)`.
+the layout against the KV of all its tokens, with `RankLayout.mask(rows, cols)` (and the same mask
+in O(columns), `RankLayout.bipartite(cols)`, for the triton backend's bipartite-attention kernel).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from sgrec.model.attention import BipartiteMask
 
 USER_PREFIX = "user"
 ITEM_PREFIX = "item"
@@ -68,6 +71,13 @@ class RankLayout:
         ir, ic = self.item_of[r][:, None], self.item_of[c][None, :]
         other_item = (ir >= 0) & (ic >= 0) & (ir != ic)
         return (c[None, :] <= r[:, None]) & ~other_item
+
+    def bipartite(self, cols: torch.Tensor | Sequence[int] | None = None) -> BipartiteMask:
+        """mask(rows, cols) as two integers per column (what the triton backend's kernel reads), for
+        rows that are the last columns, ascending (a forward's new tokens): each column's layout
+        offset and its candidate (-1 for tokens of no item)."""
+        c = torch.arange(len(self.token_ids)) if cols is None else torch.as_tensor(cols, dtype=torch.int64)
+        return BipartiteMask(c, self.item_of[c])
 
 
 def _build(kind: str, parts: list[tuple[str, Sequence[int], int, int]]) -> RankLayout:

@@ -1,0 +1,261 @@
+"""One beam-search level on the semantic-ID trie in Triton (xGR §6.1-6.3): each beam's log-probabilities
+over its valid children, per-beam top-k, and the global top-m of every request of a round.
+
+Inputs are plain tensors (the trie level in CSR form, the requests' filters as node lists):
+
+    logits      [N, L]    each beam's logits: the whole vocabulary, or (level_col given) only the
+                          level's columns, level_col[token] being a token's column
+    child_ptr   [nodes_d + 1], child_tok [nodes_d+1]: node x's children are nodes child_ptr[x] ..
+                          child_ptr[x + 1] - 1 at the next depth, in token order, child_tok their tokens
+    nodes       [N]       each beam's node; parent_scores [N] float32, its running score
+    row_ptr     request r owns beams row_ptr[r] .. row_ptr[r + 1] - 1, keeps m[r] beams with per-beam top_k[r]
+    filters[r]  None or (dense, allowed, blocked) at the next depth: a bool per node (an attribute
+                filter's count > 0), the sorted nodes an include list allows, the sorted nodes whose
+                allowed count fell to 0 (exclusions); each may be None. A child is valid when it passes all.
+
+What it computes is sgrec.beam.trie.children_logp followed by sgrec.beam.executor.select_step:
+
+  1. logp = log_softmax over each beam's valid children ((x - max) - log(sum exp(x - max)), float32);
+  2. k = min(top_k, C), C the most children of any of the request's beams; the pool is each beam's k
+     best children by (logp descending, token ascending); when k >= m and k >= global_min_k, or the
+     pool holds fewer than m valid children while k < C, the pool is every valid child;
+  3. score = parent_score + logp (float32); the kept beams are the pool's m best by (score
+     descending, parent ascending, token ascending), returned in (parent, token) order with their
+     score and child node.
+
+Three kernels: `children` (one program per beam: the log-softmax, the filters by binary search, and
+the beam's children sorted by (logp, token) with one tl.sort of (ordinal of logp, column) keys);
+`select` (one program per request: the m-th best score by bisection over float ordinals, each count
+a binary search per beam, whose sorted scores never increase; then how many of each beam's entries
+above it and of the entries tied with it, in path order, are kept); `emit` (one program per beam:
+its kept children in token order, written at the request's running offset). Under TRITON_INTERPRET=1
+it runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgrec.model.kernels import built, pow2
+
+_KERNELS: dict[bool, object] = {}
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def children(LOGITS, s_l, LCOL, NODES, PSC, CPTR, CTOK, ROWREQ, FILT, DENSE, ALLOWED, BLOCKED, n_iter_f,
+                 SORT_S, SORT_C, S_COL, NVALID, NCHILD, BLOCK_C: tl.constexpr, RESTRICTED: tl.constexpr):
+        b = tl.program_id(0)
+        node = tl.load(NODES + b)
+        start = tl.load(CPTR + node)
+        cnt = tl.load(CPTR + node + 1) - start
+        c = tl.arange(0, BLOCK_C)
+        inr = c < cnt
+        pos = start + c  # the children's node ids at the next depth
+        tok = tl.load(CTOK + pos, mask=inr, other=0)
+        if RESTRICTED:
+            col = tl.load(LCOL + tok, mask=inr, other=0)
+        else:
+            col = tok
+        x = tl.load(LOGITS + b * s_l + col, mask=inr, other=0.0).to(tl.float32)
+        f = FILT + tl.load(ROWREQ + b) * 5  # (dense offset or -1, allowed lo, hi or -1, -1, blocked lo, hi)
+        valid = inr
+        dense_off = tl.load(f)
+        if dense_off >= 0:
+            valid = valid & (tl.load(DENSE + dense_off + pos, mask=inr, other=0) != 0)
+        for part in tl.static_range(2):  # an include list's nodes (kept), an exclusion's (struck)
+            lo = tl.load(f + 1 + 2 * part)
+            hi = tl.load(f + 2 + 2 * part)
+            if part == 0:
+                ARR = ALLOWED
+            else:
+                ARR = BLOCKED
+            left = tl.zeros([BLOCK_C], tl.int64) + lo  # lower bound of pos in ARR[lo:hi]
+            right = tl.zeros([BLOCK_C], tl.int64) + hi
+            for _ in range(n_iter_f):
+                act = left < right
+                mid = (left + right) >> 1
+                below = act & (tl.load(ARR + mid, mask=act, other=0) < pos)
+                left = tl.where(below, mid + 1, left)
+                right = tl.where(act & ~below, mid, right)
+            found = (left < hi) & (tl.load(ARR + left, mask=left < hi, other=-1) == pos)
+            if part == 0:
+                valid = valid & (found | (lo < 0))  # lo -1: no include list
+            else:
+                valid = valid & ~found
+        n_valid = tl.sum(valid.to(tl.int32), 0)
+        xm = tl.where(valid, x, float("-inf"))
+        mx = tl.where(n_valid > 0, tl.max(xm, 0), 0.0)
+        total = tl.sum(tl.where(valid, tl.exp(xm - mx), 0.0), 0)
+        logp = (xm - mx) - tl.log(total)  # -inf off the valid children
+        score = tl.load(PSC + b) + logp
+        tl.store(S_COL + b * BLOCK_C + c, score)
+        bits = logp.to(tl.int32, bitcast=True)
+        o = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # a float's order as an int (no NaN here)
+        key = (o.to(tl.int64) << 32) | (BLOCK_C - 1 - c).to(tl.int64)  # ties: the lower column first
+        key = tl.sort(key, descending=True)
+        hi_bits = (key >> 32).to(tl.int32)
+        best = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        tl.store(SORT_C + b * BLOCK_C + c, (BLOCK_C - 1 - (key & (BLOCK_C - 1))).to(tl.int32))
+        tl.store(SORT_S + b * BLOCK_C + c, tl.where(c < n_valid, tl.load(PSC + b) + best, float("-inf")))
+        tl.store(NVALID + b, n_valid)
+        tl.store(NCHILD + b, cnt.to(tl.int32))
+
+    @triton.jit
+    def select(RP, MM, TOPK, NVALID, NCHILD, SORT_S, OUTOFF, P_ROW, E_ROW, T_ROW, OFF_ROW, TOTAL, global_min_k,
+               n_iter_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = tl.program_id(0)
+        a = tl.load(RP + r)
+        i = tl.arange(0, BLOCK_R)
+        row = a + i
+        rok = i < tl.load(RP + r + 1) - a
+        m = tl.load(MM + r)
+        nv = tl.load(NVALID + row, mask=rok, other=0).to(tl.int64)
+        C = tl.max(tl.load(NCHILD + row, mask=rok, other=0), 0).to(tl.int64)
+        k = tl.minimum(tl.load(TOPK + r), C)
+        every = ((k >= m) & (k >= global_min_k)) | ((tl.sum(tl.minimum(nv, k), 0) < m) & (k < C))
+        lim = tl.minimum(nv, tl.where(every, C, k))  # each beam's pool: its first lim sorted children
+        lo = tl.full([], -2147483648, tl.int64)  # the m-th best score's ordinal lies in [lo, hi]
+        hi = tl.full([], 2147483647, tl.int64)
+        above = tl.zeros([BLOCK_R], tl.int64)
+        upto = tl.zeros([BLOCK_R], tl.int64)
+        for it in range(34):  # 32 bisection steps, then the counts above the m-th score and up to it
+            mid = (lo + hi + 1) >> 1
+            t = tl.where(it < 32, mid, tl.where(it == 32, lo + 1, lo))
+            left = tl.zeros([BLOCK_R], tl.int64)  # per beam: how many pool entries have ordinal >= t
+            right = lim
+            for _ in range(n_iter_c):
+                act = left < right
+                j = (left + right) >> 1
+                s = tl.load(SORT_S + row * BLOCK_C + j, mask=rok & act, other=0.0)
+                bits = s.to(tl.int32, bitcast=True)
+                o = tl.where(s == 0.0, 0, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF))
+                ge = act & (o.to(tl.int64) >= t)
+                left = tl.where(ge, j + 1, left)
+                right = tl.where(act & ~ge, j, right)
+            enough = tl.sum(left, 0) >= m
+            lo = tl.where((it < 32) & enough, mid, lo)
+            hi = tl.where((it < 32) & ~enough, mid - 1, hi)
+            above = tl.where(it == 32, left, above)
+            upto = tl.where(it == 33, left, upto)
+        few = tl.sum(lim, 0) <= m  # the whole pool is kept
+        above = tl.where(few, lim, above)
+        tied = tl.where(few, 0, upto - above)
+        want = m - tl.sum(above, 0)  # ties with the m-th score: in path order, beam by beam
+        take = tl.minimum(tl.maximum(want - (tl.cumsum(tied, 0) - tied), 0), tied)
+        kept = above + take
+        off = tl.load(OUTOFF + r) + tl.cumsum(kept, 0) - kept
+        tl.store(P_ROW + row, above, mask=rok)
+        tl.store(E_ROW + row, above + tied, mask=rok)
+        tl.store(T_ROW + row, take, mask=rok)
+        tl.store(OFF_ROW + row, off, mask=rok)
+        tl.store(TOTAL + r, tl.sum(kept, 0))
+
+    @triton.jit
+    def emit(SORT_C, S_COL, NODES, CPTR, CTOK, ROWREQ, RP, P_ROW, E_ROW, T_ROW, OFF_ROW,
+             OUT_P, OUT_T, OUT_S, OUT_N, BLOCK_C: tl.constexpr):
+        b = tl.program_id(0)
+        above = tl.load(P_ROW + b)
+        upto = tl.load(E_ROW + b)
+        take = tl.load(T_ROW + b)
+        off = tl.load(OFF_ROW + b)
+        j = tl.arange(0, BLOCK_C)
+        c = tl.load(SORT_C + b * BLOCK_C + j)
+        tied = (j >= above) & (j < upto)
+        ties = tl.sort(tl.where(tied, c, BLOCK_C))  # the tied entries' columns, ascending
+        last = tl.where(take > 0, tl.sum(tl.where(j == take - 1, ties, 0), 0), -1)
+        kept = (j < above) | (tied & (c <= last))
+        cols = tl.sort(tl.where(kept, c, BLOCK_C))  # the kept children in token order
+        ok = j < above + take
+        col = tl.where(ok, cols, 0)
+        pos = tl.load(CPTR + tl.load(NODES + b)) + col
+        first = tl.load(RP + tl.load(ROWREQ + b))
+        tl.store(OUT_P + off + j, tl.zeros([BLOCK_C], tl.int64) + (b - first), mask=ok)
+        tl.store(OUT_T + off + j, tl.load(CTOK + pos, mask=ok, other=0), mask=ok)
+        tl.store(OUT_S + off + j, tl.load(S_COL + b * BLOCK_C + col, mask=ok, other=0.0), mask=ok)
+        tl.store(OUT_N + off + j, pos, mask=ok)
+
+    return children, select, emit
+
+
+Filter = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _pack_filters(filters: list[Filter | None], device) -> tuple[torch.Tensor, ...]:
+    """FILT [R, 5] (dense offset or -1, allowed lo, hi (-1, -1: no include list), blocked lo, hi)
+    and the concatenated dense, allowed and blocked arrays; the most binary-search steps needed."""
+    table, dense, allowed, blocked = [], [], [], []
+    lens = {"dense": 0, "allowed": 0, "blocked": 0}
+    longest = 0
+    for f in filters:
+        d, a, x = f if f is not None else (None, None, None)
+        row = [-1, -1, -1, lens["blocked"], lens["blocked"]]
+        if d is not None:
+            row[0] = lens["dense"]
+            dense.append(d.to(device, torch.int8))
+            lens["dense"] += d.numel()
+        if a is not None:
+            row[1:3] = [lens["allowed"], lens["allowed"] + a.numel()]
+            allowed.append(a.to(device, torch.int64))
+            lens["allowed"] += a.numel()
+            longest = max(longest, a.numel())
+        if x is not None:
+            row[4] = lens["blocked"] + x.numel()
+            blocked.append(x.to(device, torch.int64))
+            lens["blocked"] += x.numel()
+            longest = max(longest, x.numel())
+        table.append(row)
+
+    def cat(parts, dtype):
+        return torch.cat(parts) if parts else torch.zeros(1, dtype=dtype, device=device)
+
+    return (torch.tensor(table, dtype=torch.int64, device=device), cat(dense, torch.int8), cat(allowed, torch.int64),
+            cat(blocked, torch.int64), longest.bit_length())
+
+
+def trie_step(logits: torch.Tensor, child_ptr: torch.Tensor, child_tok: torch.Tensor, nodes: torch.Tensor,
+              parent_scores: torch.Tensor, row_ptr: list[int], top_k: list[int], m: list[int], max_children: int,
+              level_col: torch.Tensor | None = None, filters: list[Filter | None] | None = None,
+              global_min_k: int = 256) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """See the module doc. `max_children`: a bound on any beam's number of children (the level's
+    most). Returns per request (parents (its beam indices), tokens, scores, child nodes), in
+    (parent, token) order; min(m, its pool) of them."""
+    n, dev = nodes.numel(), nodes.device
+    R = len(row_ptr) - 1
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    block_c = pow2(max(2, max_children))
+    children, select, emit = built(_KERNELS, _build)
+    filt, dense, allowed, blocked, n_iter_f = _pack_filters(filters or [None] * R, dev)
+    counts = [row_ptr[r + 1] - row_ptr[r] for r in range(R)]
+    rowreq = torch.repeat_interleave(torch.arange(R), torch.tensor(counts)).to(dev)
+    sort_s = torch.empty(n, block_c, dtype=torch.float32, device=dev)
+    s_col = torch.empty_like(sort_s)
+    sort_c = torch.empty(n, block_c, dtype=torch.int32, device=dev)
+    n_valid = torch.empty(n, dtype=torch.int32, device=dev)
+    n_child = torch.empty_like(n_valid)
+    warps = 4 if block_c <= 1024 else 8
+    lcol = level_col if level_col is not None else child_ptr  # unread when not restricted
+    children[(n,)](logits, logits.stride(0), lcol, nodes, parent_scores.float().contiguous(), child_ptr, child_tok,
+                   rowreq, filt, dense, allowed, blocked, n_iter_f, sort_s, sort_c, s_col, n_valid, n_child,
+                   BLOCK_C=block_c, RESTRICTED=level_col is not None, num_warps=warps)
+    out_off = [0]
+    for x in m:
+        out_off.append(out_off[-1] + x)
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
+    p_row, e_row, t_row, off_row = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(4))
+    total = torch.empty(R, dtype=torch.int64, device=dev)
+    select[(R,)](ints(row_ptr), ints(m), ints(top_k), n_valid, n_child, sort_s, ints(out_off[:-1]), p_row, e_row, t_row,
+                 off_row, total, global_min_k, block_c.bit_length(), BLOCK_R=pow2(max(2, *counts)), BLOCK_C=block_c)
+    out_p, out_t, out_n = (torch.empty(out_off[-1], dtype=torch.int64, device=dev) for _ in range(3))
+    out_s = torch.empty(out_off[-1], dtype=torch.float32, device=dev)
+    emit[(n,)](sort_c, s_col, nodes, child_ptr, child_tok, rowreq, ints(row_ptr), p_row, e_row, t_row, off_row,
+               out_p, out_t, out_s, out_n, BLOCK_C=block_c, num_warps=warps)
+    out = []
+    for r, kept in enumerate(total.tolist()):
+        sl = slice(out_off[r], out_off[r] + kept)
+        out.append((out_p[sl], out_t[sl], out_s[sl], out_n[sl]))
+    return out
