@@ -35,7 +35,7 @@ def model(tiny_model_dir):
 def cluster(model, catalog, tmp_path_factory):
     # item_fetch "always": the fetch tests below need fetches, whatever the cost model would pick on
     # a loaded machine (the cost model is tested in process: tests/test_item_fetch.py)
-    c = LocalCluster(["--model-path", model, "--device", "cpu", "--max-total-tokens", "4096",
+    c = LocalCluster(["--model-path", model, "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096",
                       "--item-catalog", catalog], workdir=str(tmp_path_factory.mktemp("cluster")),
                      item_fetch="always")
     try:
