@@ -89,19 +89,18 @@ def test_native_backend_decode_equals_torch_backend(dtype, tol):
 @needs_kernels
 def test_runner_with_the_native_backend_decodes_like_torch(tiny_model_dir):
     """A tiny qwen3 (GQA, q/k norms): prefill, then 4 decode steps of two sequences of different
-    lengths; the native-backend runner's logits == the torch-backend runner's within 1e-5, and
-    auto picks native on CPU."""
+    lengths; the native-backend runner's logits == the torch-backend runner's within 1e-5."""
     path = tiny_model_dir("qwen3")
     runners = [ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32", max_total_tokens=256,
-                                                  attention_backend=name)) for name in ("torch", "auto")]
+                                                  attention_backend=name)) for name in ("torch", "native")]
     assert type(runners[0].backend) is TorchBackend and isinstance(runners[1].backend, NativeBackend)
     logits = [decode_logits(r) for r in runners]
     assert (logits[0] - logits[1]).abs().max() <= 1e-5
 
 
-def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path, caplog):
-    """No compiler on PATH and none in CC: one warning, auto is the torch backend, native is a clear
-    error, and nothing is cached."""
+def test_without_a_compiler_native_is_a_clear_error(monkeypatch, tmp_path, caplog):
+    """No compiler on PATH and none in CC: one warning, auto is still the torch backend, native is a
+    clear error, and nothing is cached."""
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))

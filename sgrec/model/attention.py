@@ -312,12 +312,12 @@ BACKENDS = ("auto", "torch", "native", "triton")
 
 
 def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """auto: native on CPU when sgrec's C kernels build there (else torch, warned once), torch on CUDA."""
+    """auto: torch, on CPU and CUDA. The native C decode kernel is opt-in: on the AVX-512 machine it
+    was measured on, the torch path's gathered SDPA was faster (BENCHMARKS.md, bench_engine with
+    --attention-backend native)."""
     device = torch.device(device)
     if name == "auto":
-        from sgrec.model import native
-
-        name = "native" if device.type == "cpu" and native.load() is not None else "torch"
+        name = "torch"
     if name == "torch":
         return TorchBackend()
     if name == "native":

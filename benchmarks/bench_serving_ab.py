@@ -1,0 +1,83 @@
+"""Saturated serving throughput of several server configurations, one after another in one run
+(issue 23: "bench_serving saturated output tok/s (256 in / 64 out) >= 2x today's, same machine").
+
+    python benchmarks/bench_serving_ab.py                 # SmolLM2-135M, the three configurations below
+    python benchmarks/bench_serving_ab.py --num-prompts 16 --model-path DIR
+
+Each configuration is a real server (`python -m sgrec.launch_server` on loopback, SmolLM2 by
+default) driven by `python -m sgrec.bench_serving` at request rate inf: --num-prompts random
+prompts of exactly 256 tokens, exactly 64 output tokens (ignore_eos), greedy, after 8 warm-up
+requests. Configurations (flags added to the server's):
+
+* before (issue 23 part 2): `--attention-backend torch --dtype float32`: the defaults of the
+  commit before this change (decode attention over gathered K/V, float32, packed weights);
+* native float32: `--attention-backend native --dtype float32`: the opt-in C decode kernel alone;
+* defaults: no flag: `--attention-backend auto --dtype auto` (torch attention, and bfloat16 where
+  the CPU multiplies it natively, float32 elsewhere).
+
+The table gives each one's output tok/s, req/s, mean TTFT and mean ITL, and its ratio to the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from bench_catalog import header, md_table  # noqa: E402
+from sgrec.tools.local_server import LocalServer  # noqa: E402
+
+CONFIGS = {
+    "before (torch, float32)": ["--attention-backend", "torch", "--dtype", "float32"],
+    "native, float32": ["--attention-backend", "native", "--dtype", "float32"],
+    "defaults (auto, auto)": [],
+}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="~/.cache/sgrec/SmolLM2-135M-Instruct")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), help="names of the configurations to run")
+    args = ap.parse_args(argv)
+    cmd = ("python benchmarks/bench_serving_ab.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
+    print(header(cmd, "bench_serving_ab"), flush=True)
+    tmp = tempfile.mkdtemp()
+    rows, first = [], None
+    for name in args.configs:
+        flags = ["--model-path", os.path.expanduser(args.model_path), "--device", "cpu", "--max-total-tokens", "65536",
+                 *CONFIGS[name]]
+        out = os.path.join(tmp, f"{len(rows)}.json")
+        with LocalServer(flags, os.path.join(tmp, f"{len(rows)}.log")) as srv:
+            subprocess.run([sys.executable, "-m", "sgrec.bench_serving", "--base-url", srv.url, "--backend", "sgrec",
+                            "--dataset", "random", "--num-prompts", str(args.num_prompts), "--random-input-len",
+                            str(args.input_len), "--random-output-len", str(args.output_len), "--random-range-ratio",
+                            "1.0", "--request-rate", "inf", "--warmup-requests", "8", "--seed", "1", "--timeout",
+                            "1800", "--output-file", out, "--disable-tqdm"], check=True, cwd=ROOT,
+                           stdout=subprocess.DEVNULL)
+            startup = [ln for ln in srv.read_log().splitlines() if "--dtype auto" in ln or "KV pool:" in ln]
+        with open(out) as f:
+            r = json.load(f)["results"][0]
+        first = first or r
+        rows.append([name, r["completed"], r["failed"], f"{r['output_throughput']:.1f}",
+                     f"{r['output_throughput'] / first['output_throughput']:.2f}", f"{r['request_throughput']:.2f}",
+                     f"{r['mean_ttft_ms']:.0f}", f"{r['mean_itl_ms']:.0f}"])
+        print(f"  {name}: {r['output_throughput']:.1f} out tok/s; " + " | ".join(s.split("] ")[-1] for s in startup),
+              flush=True)
+    print()
+    print(md_table(["server", "done", "failed", "out tok/s", "ratio", "req/s", "TTFT mean ms", "ITL mean ms"], rows))
+    print(f"rerun: {cmd}")
+
+
+if __name__ == "__main__":
+    main()
