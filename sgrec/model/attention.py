@@ -313,8 +313,7 @@ BACKENDS = ("auto", "torch", "native", "triton")
 
 def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
     """auto: torch, on CPU and CUDA. The native C decode kernel is opt-in: on the AVX-512 machine it
-    was measured on, the torch path's gathered SDPA was faster (BENCHMARKS.md, bench_engine with
-    --attention-backend native)."""
+    was measured on, the torch path's gathered SDPA was faster (BENCHMARKS.md, "Issue 23 (session 9 ...)")."""
     device = torch.device(device)
     if name == "auto":
         name = "torch"

@@ -4,8 +4,8 @@ so a build takes about a second. OpenMP pragmas bind to the OpenMP runtime torch
 (libgomp.so.1 by soname), so a kernel's threads are torch's own intra-op threads.
 
 A build is cached under $SGREC_CACHE_DIR (default ~/.cache/sgrec)/native, keyed by the source, the
-compiler's version and the flags. Where no compiler works, `load()` answers None once with a
-warning and callers keep their pure-torch path. Run `python -m sgrec.model.native` to build now and
+compiler's version and the flags. Where no compiler works, `load()` answers None with one warning;
+`--attention-backend native` is then a start-up error naming why (the default, torch, needs none). Run `python -m sgrec.model.native` to build now and
 see where the library is.
 """
 
