@@ -73,9 +73,10 @@ def cpu_has(*flags: str) -> bool:
 def machine_limits(repeats: int, cfg, dtype: torch.dtype) -> dict:
     out = {}
     n = 2048
-    for dtype in [torch.float32] + ([torch.bfloat16] if cpu_has("avx512_bf16", "amx_bf16") else []):
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        out[f"gemm_{str(dtype)[6:]}"] = 2 * n ** 3 / best(lambda: torch.mm(a, b), max(repeats, 5)) / 1e9
+    # (the loop's own name: the projection below is measured in the engine's dtype, not the last one here)
+    for mm_dtype in [torch.float32] + ([torch.bfloat16] if cpu_has("avx512_bf16", "amx_bf16") else []):
+        a, b = torch.randn(n, n).to(mm_dtype), torch.randn(n, n).to(mm_dtype)
+        out[f"gemm_{str(mm_dtype)[6:]}"] = 2 * n ** 3 / best(lambda: torch.mm(a, b), max(repeats, 5)) / 1e9
     w = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False).to(dtype)
     from sgrec.model.cpu_linear import pack_linears
 

@@ -3,7 +3,8 @@ their test inputs."""
 
 import torch
 
-from sgrec.model.attention import SeqLayout
+from sgrec.model.attention import ForwardBatch, SeqLayout, _BipartiteMeta
+from sgrec.rank import layout as L
 
 
 def reference(q, k_buf, v_buf, idx, ptr, scale):
@@ -91,3 +92,25 @@ def rank_case(hq, hkv, d, layouts, dtype, seed, pool_extra=7):
     q = torch.randn(T, hq, d, generator=g).to(dtype)
     k, v = (torch.randn(T, hkv, d, generator=g).to(dtype) for _ in range(2))
     return q, k, v, k_buf, v_buf, seqs, torch.cat(locs)
+
+
+def rank_layouts():
+    """Rank layouts as the rank executor computes them: (layout, cached layout offsets)."""
+    user = L.user_as_prefix(list(range(1, 12)), [[20, 21, 22], [23], [24, 25, 26, 27, 28], [29, 30]], [40, 41])
+    item = L.item_as_prefix([5, 6, 7], [[20, 21], [22, 23, 24, 25], [26], [27, 28, 29]], list(range(50, 59)), [40])
+    segs = item.items()
+    item_cached = list(range(3)) + list(range(segs[0].start, segs[0].stop)) + list(range(segs[2].start, segs[2].stop))
+    return [
+        (user, list(range(7))),  # part of the user cached (a radix hit)
+        (item, item_cached),  # header and items 0 and 2 from the item store: columns not in layout order
+        (L.item_as_prefix([], [[3, 4, 5], [6]], [7, 8], [9]), []),  # nothing cached, no header
+        (L.user_as_prefix([1, 2], [list(range(10, 31))], [9]), [0, 1]),  # one long item: several tiles
+    ]
+
+
+def pack(seqs, locs, T, block_m=None, causal=False):
+    """The kernels' integer inputs (_BipartiteMeta) of a batch of these sequences."""
+    batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs, seqs, None)
+    meta = _BipartiteMeta.of(batch, block_m, causal)
+    assert meta is not None
+    return meta

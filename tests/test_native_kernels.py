@@ -1,5 +1,6 @@
-"""sgrec's C kernels for CPU (sgrec.model.native): the decode attention kernel against the float64
-reference, the backend that uses it against the torch backend, and the build's fallback."""
+"""sgrec's C kernels for CPU (sgrec.model.native): the decode and extend attention kernels against the
+float64 references (the extend kernel in every ISA build this CPU runs), the backends that use them
+against the torch backend, auto's choice, and the build's fallback."""
 
 import logging
 import os
@@ -11,10 +12,13 @@ import torch
 
 from sgrec.mem.kv_pool import KVPool
 from sgrec.model import native
-from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, TorchBackend, make_backend
+from sgrec.model.attention import (ForwardBatch, NativeBackend, NativeExtendBackend, SeqLayout, TorchBackend,
+                                   _BipartiteMeta, make_backend)
+from sgrec.model.cpu_caps import cpu_flags
+from sgrec.rank import layout as L
 from sgrec.runner import ModelRunner
 from sgrec.server_args import ServerArgs
-from tests.kernel_refs import case, decode_logits, reference
+from tests.kernel_refs import bipartite_reference, case, decode_logits, pack, rank_case, rank_layouts, reference
 
 needs_kernels = pytest.mark.skipif(native.compiler() is None and not os.environ.get("CI"),
                                    reason="no C compiler on this machine")
@@ -132,8 +136,166 @@ def test_the_build_command_caches_the_library(tmp_path):
     env = {**os.environ, "SGREC_CACHE_DIR": str(tmp_path)}
     first = subprocess.run([sys.executable, "-m", "sgrec.model.native"], env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
-    path = first.stdout.strip()
-    assert os.path.dirname(path) == str(tmp_path / "native") and os.path.exists(path)
-    mtime = os.stat(path).st_mtime_ns
+    paths = first.stdout.split()
+    assert [os.path.basename(p).split("-")[0] for p in paths] == ["decode_attention", "extend_attention"]
+    assert all(os.path.dirname(p) == str(tmp_path / "native") and os.path.exists(p) for p in paths)
+    mtimes = [os.stat(p).st_mtime_ns for p in paths]
     second = subprocess.run([sys.executable, "-m", "sgrec.model.native"], env=env, capture_output=True, text=True)
-    assert second.stdout.strip() == path and os.stat(path).st_mtime_ns == mtime
+    assert second.stdout.split() == paths and [os.stat(p).st_mtime_ns for p in paths] == mtimes
+
+
+# ---- extend (prefill) attention -------------------------------------------------------------------
+def isa_builds():
+    """Every -march this CPU can run the extend kernel under, its best first (x86-64-v4 implies v3)."""
+    order = [["-march=x86-64-v4"], ["-march=x86-64-v3"], []]
+    return order[order.index(native.march_flags(cpu_flags())):]
+
+
+def big_rank_layouts():
+    """Layouts larger than the kernel's tiles (64 tokens x 32 columns): 40 items of 1-20 tokens, users
+    of 100 and 70 tokens, cold, with items cached out of layout order, with the user cached."""
+    items = [[100 + j] * (1 + (7 * j) % 20) for j in range(40)]
+    item = L.item_as_prefix([5, 6], items, list(range(200, 300)), [9, 8])
+    cached = [0, 1] + [c for s in item.items()[::3] for c in range(s.start, s.stop)]
+    user = L.user_as_prefix(list(range(300, 370)), items[:25], [9])
+    return [(item, []), (item, cached), (user, list(range(50)))]
+
+
+def causal_case(hq, hkv, d, specs, dtype, seed):
+    """Plain causal sequences, (cached prefix length, new tokens) each: the kernel's SeqLayouts (no
+    mask) and the reference's (the dense causal mask), q/k/v of the new tokens and the pool."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(p + n for p, n in specs)
+    k_buf, v_buf = (torch.randn(total + 5, hkv, d, generator=g).to(dtype) for _ in range(2))
+    perm = torch.randperm(total + 4, generator=g) + 1
+    seqs, refs, locs, T, used = [], [], [], 0, 0
+    for p, n in specs:
+        slots = perm[used : used + p + n]
+        used += p + n
+        seqs.append(SeqLayout(T, n, slots))
+        refs.append(SeqLayout(T, n, slots, torch.ones(n, p + n, dtype=torch.bool).tril(p)))
+        locs.append(slots[p:])
+        T += n
+    q = torch.randn(T, hq, d, generator=g).to(dtype)
+    k, v = (torch.randn(T, hkv, d, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, k_buf, v_buf, seqs, refs, torch.cat(locs)
+
+
+def run_extend(q, k, v, k_buf, v_buf, meta, scale, lib=None):
+    return native.extend_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end - meta.q_start, meta.q_order,
+                                   meta.q_block, meta.c_idx, meta.c_order, meta.c_block, meta.c_ptr, scale, lib=lib)
+
+
+@needs_kernels
+@pytest.mark.parametrize("march", isa_builds(), ids=lambda m: m[0][7:] if m else "default")
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (6, 2, 24), (9, 3, 64), (8, 1, 40), (16, 8, 128)])
+def test_extend_attention_equals_reference_under_rank_masks(march, hq, hkv, d):
+    """Rank layouts (user and item as prefix; cached columns in and out of layout order; partial user
+    prefixes; items longer than a tile; many items per tile) == float64 attention under each dense
+    mask, 1e-5; GQA 1, 3, 8, 2; head dims that are and are not multiples of the vector width; every
+    ISA build this CPU runs (AVX-512, AVX2, the compiler's default)."""
+    lib = native.extend_library(march)
+    for layouts in (rank_layouts(), big_rank_layouts()):
+        q, k, v, k_buf, v_buf, seqs, locs = rank_case(hq, hkv, d, layouts, torch.float32, seed=hq + d)
+        out = run_extend(q, k, v, k_buf, v_buf, pack(seqs, locs, q.shape[0]), d ** -0.5, lib)
+        assert out.shape == (q.shape[0], hq * d) and out.dtype == torch.float32
+        assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, seqs, d ** -0.5)).abs().max() <= 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("march", isa_builds(), ids=lambda m: m[0][7:] if m else "default")
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (6, 2, 24), (2, 2, 96)])
+def test_extend_attention_equals_reference_causal(march, hq, hkv, d):
+    """Causal sequences in one batch: a fresh prefill of 300 tokens (several row and column tiles), one
+    token after a 70-token prefix, 40 after 129, 1 fresh, 33 after 1; 1e-5 against float64."""
+    specs = [(0, 300), (70, 1), (129, 40), (0, 1), (1, 33)]
+    q, k, v, k_buf, v_buf, seqs, refs, locs = causal_case(hq, hkv, d, specs, torch.float32, seed=d)
+    out = run_extend(q, k, v, k_buf, v_buf, pack(seqs, locs, q.shape[0], causal=True), 0.3,
+                     native.extend_library(march))
+    assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, refs, 0.3)).abs().max() <= 1e-5
+
+
+@needs_kernels
+def test_extend_attention_bfloat16_and_a_wrong_mask_is_caught():
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(6, 2, 16, big_rank_layouts(), torch.bfloat16, seed=11)
+    meta = pack(seqs, locs, q.shape[0])
+    want = bipartite_reference(q, k, v, k_buf, v_buf, seqs, 0.25)
+    out = run_extend(q, k, v, k_buf, v_buf, meta, 0.25)
+    assert out.dtype == torch.bfloat16 and (out.double() - want).abs().max() <= 2e-2
+    meta.q_block.fill_(-1)  # causal only: an item's tokens see the candidates before it
+    meta.c_block.fill_(-1)
+    wrong = run_extend(q.float(), k.float(), v.float(), k_buf.float(), v_buf.float(), meta, 0.25)
+    assert (wrong.double() - want).abs().max() > 1e-1
+
+
+@needs_kernels
+def test_extend_attention_rejects_what_it_cannot_run():
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(6, 2, 16, rank_layouts(), torch.float32, seed=1)
+    meta = pack(seqs, locs, q.shape[0])
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        run_extend(q.double(), k, v, k_buf, v_buf, meta, 0.25)
+    with pytest.raises(ValueError, match="shapes"):
+        run_extend(q[:, :5], k, v, k_buf, v_buf, meta, 0.25)  # 5 query heads over 2 KV heads
+
+
+@needs_kernels
+def test_native_extend_backend_equals_torch_backend():
+    """The backend: a rank batch and a causal batch through the kernel (new K/V written to the pool,
+    cached K/V read by slot), a batch with a sequence that has only a dense mask through torch; each
+    equals TorchBackend within 1e-5."""
+    hq, hkv, d = 6, 2, 16
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(hq, hkv, d, big_rank_layouts(), torch.float32, seed=3)
+    dense = SeqLayout(seqs[0].q_start, seqs[0].q_len, seqs[0].kv_indices, seqs[0].mask)
+    cq, ck, cv, ck_buf, cv_buf, cseqs, _, clocs = causal_case(hq, hkv, d, [(0, 70), (30, 5)], torch.float32, seed=4)
+    cases = [(q, k, v, k_buf, v_buf, seqs, locs, True), (q, k, v, k_buf, v_buf, [dense, *seqs[1:]], locs, False),
+             (cq, ck, cv, ck_buf, cv_buf, cseqs, clocs, True)]
+    for q, k, v, k_buf, v_buf, batch_seqs, locs, kernel in cases:
+        pool = KVPool(k_buf.shape[0] - 1, 1, hkv, d, torch.float32)  # slot 0 + the rest
+        outs = []
+        for backend in (TorchBackend(), NativeExtendBackend(), NativeBackend()):
+            pool.k_buffer[0].copy_(k_buf)
+            pool.v_buffer[0].copy_(v_buf)
+            T = q.shape[0]
+            batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs,
+                                 batch_seqs, pool)
+            backend.prepare(batch)
+            outs.append(backend.forward(q, k, v, 0, batch, d ** -0.5))
+            assert isinstance(batch.attn_meta, _BipartiteMeta) == (kernel and type(backend) is not TorchBackend)
+        assert (outs[0] - outs[1]).abs().max() <= 1e-5 and (outs[0] - outs[2]).abs().max() <= 1e-5
+
+
+@needs_kernels
+def test_runner_with_the_native_extend_backend_matches_torch(tiny_model_dir):
+    """A prefill of prompts of different lengths and greedy decode steps: the runner on
+    NativeExtendBackend (prefill through the C kernel) == on torch within 1e-5."""
+    runners = [ModelRunner(ServerArgs(model_path=tiny_model_dir("llama"), max_total_tokens=256, dtype="float32",
+                                      attention_backend=name)) for name in ("torch", "native")]
+    runners[1].backend = NativeExtendBackend()
+    logits = [decode_logits(r, prompts=([5, 9, 33, 2, 8, 41, 7] * 11, [17, 3], list(range(3, 40)))) for r in runners]
+    assert (logits[0] - logits[1]).abs().max() <= 1e-5
+
+
+def test_march_by_cpu_flags():
+    v3 = ["avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"]
+    assert native.march_flags(v3 + ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]) == ["-march=x86-64-v4"]
+    assert native.march_flags(v3 + ["avx512f"]) == ["-march=x86-64-v3"]  # AVX-512 without BW/DQ/VL
+    assert native.march_flags(v3) == ["-march=x86-64-v3"]
+    assert native.march_flags(["sse2", "avx"]) == []
+    assert native.march_flags(["fp", "asimd"]) == []  # ARM
+
+
+@needs_kernels
+def test_auto_picks_the_extend_kernel_only_with_avx512(monkeypatch):
+    """auto on CPU: NativeExtendBackend for float32 pools where the CPU reports AVX-512 (flags injected
+    both ways), torch without it; on CUDA always torch."""
+    import sgrec.model.cpu_caps as caps
+
+    v3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
+    monkeypatch.setattr(caps, "cpu_flags", lambda: frozenset(v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq",
+                                                                    "avx512vl"}))
+    monkeypatch.setattr(native, "load_extend", lambda: object())  # built (whatever this CPU is)
+    auto = make_backend("auto", "cpu")
+    assert type(auto) is NativeExtendBackend and auto.extend_dtypes == (torch.float32,)  # bf16: torch's SDPA
+    assert type(make_backend("auto", "cuda")) is TorchBackend
+    monkeypatch.setattr(caps, "cpu_flags", lambda: frozenset(v3))
+    assert type(make_backend("auto", "cpu")) is TorchBackend

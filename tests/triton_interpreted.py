@@ -22,7 +22,7 @@ from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
 from sgrec.rank import layout as L  # noqa: E402
-from tests.kernel_refs import bipartite_reference, case, decode_logits, rank_case, reference  # noqa: E402
+from tests.kernel_refs import bipartite_reference, case, decode_logits, pack, rank_case, rank_layouts, reference  # noqa: E402
 from tests.test_beam import assert_same, random_catalog  # noqa: E402
 
 
@@ -176,27 +176,6 @@ def test_retrieve_batch_with_filters_on_the_triton_backend_equals_torch(tiny_mod
 
 
 # ---- bipartite (rank) attention -------------------------------------------------------------------
-def rank_layouts():
-    """Rank layouts as the rank executor computes them: (layout, cached layout offsets)."""
-    user = L.user_as_prefix(list(range(1, 12)), [[20, 21, 22], [23], [24, 25, 26, 27, 28], [29, 30]], [40, 41])
-    item = L.item_as_prefix([5, 6, 7], [[20, 21], [22, 23, 24, 25], [26], [27, 28, 29]], list(range(50, 59)), [40])
-    segs = item.items()
-    item_cached = list(range(3)) + list(range(segs[0].start, segs[0].stop)) + list(range(segs[2].start, segs[2].stop))
-    return [
-        (user, list(range(7))),  # part of the user cached (a radix hit)
-        (item, item_cached),  # header and items 0 and 2 from the item store: columns not in layout order
-        (L.item_as_prefix([], [[3, 4, 5], [6]], [7, 8], [9]), []),  # nothing cached, no header
-        (L.user_as_prefix([1, 2], [list(range(10, 31))], [9]), [0, 1]),  # one long item: several tiles
-    ]
-
-
-def pack(seqs, locs, T, block_m):
-    batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs, seqs, None)
-    meta = _BipartiteMeta.of(batch, block_m)
-    assert meta is not None
-    return meta
-
-
 def run_bipartite(q, k, v, k_buf, v_buf, meta, scale, block_m, block_n):
     return bipartite_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end, meta.q_order, meta.q_block,
                                meta.c_idx, meta.c_ptr, meta.c_order, meta.c_block, scale, block_m=block_m,

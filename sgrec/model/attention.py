@@ -183,7 +183,8 @@ class _SlotMeta:
 
 @dataclass
 class _BipartiteMeta:
-    """bipartite_attention's inputs for a batch whose every sequence has a BipartiteMask."""
+    """bipartite_attention's (and the native extend kernel's) inputs: every sequence's new tokens'
+    order and block, and its cached columns' slots, order and block."""
 
     q_start: torch.Tensor  # [B]
     q_end: torch.Tensor  # [B]
@@ -193,15 +194,16 @@ class _BipartiteMeta:
     c_ptr: torch.Tensor  # [B + 1]
     c_order: torch.Tensor
     c_block: torch.Tensor
-    tiles: tuple[torch.Tensor, torch.Tensor]
+    tiles: tuple[torch.Tensor, torch.Tensor] | None  # the Triton grid's (block_m given)
 
     @classmethod
-    def of(cls, batch: ForwardBatch, block_m: int) -> "_BipartiteMeta | None":
-        """None unless every sequence has a BipartiteMask whose new tokens come in ascending order."""
+    def of(cls, batch: ForwardBatch, block_m: int | None = None, causal: bool = False) -> "_BipartiteMeta | None":
+        """None unless every sequence has a BipartiteMask whose new tokens come in ascending order, or
+        (causal=True) no mask at all: a causal sequence is the case of orders 0 .. kv_len - 1, no blocks."""
         from sgrec.model.kernels.bipartite_attention import tiles
 
         seqs = batch.seqs
-        if not seqs or any(s.bipartite is None for s in seqs):
+        if not seqs or any(s.bipartite is None and not (causal and s.mask is None) for s in seqs):
             return None
         T = batch.input_ids.numel()
         q_order = torch.full((T,), -1, dtype=torch.int64)
@@ -209,7 +211,10 @@ class _BipartiteMeta:
         c_idx, c_order, c_block, c_len = [], [], [], [0]
         for s in seqs:
             first = s.kv_len - s.q_len
-            order, block = s.bipartite.order.cpu(), s.bipartite.block.cpu()
+            if s.bipartite is None:
+                order, block = torch.arange(s.kv_len), torch.full((s.kv_len,), -1, dtype=torch.int64)
+            else:
+                order, block = s.bipartite.order.cpu(), s.bipartite.block.cpu()
             new = order[first:]
             if new.numel() > 1 and not bool((new[1:] > new[:-1]).all()):
                 return None
@@ -226,9 +231,43 @@ class _BipartiteMeta:
         def on(t: torch.Tensor) -> torch.Tensor:
             return t.to(dev, torch.int64)
 
+        grid = None if block_m is None else tuple(on(t) for t in tiles([s.q_len for s in seqs], block_m))
         return cls(on(starts), on(ends), on(q_order), on(q_block), on(torch.cat(c_idx)),
-                   on(torch.cumsum(torch.tensor(c_len), 0)), on(torch.cat(c_order)), on(torch.cat(c_block)),
-                   tuple(on(t) for t in tiles([s.q_len for s in seqs], block_m)))
+                   on(torch.cumsum(torch.tensor(c_len), 0)), on(torch.cat(c_order)), on(torch.cat(c_block)), grid)
+
+
+class NativeExtendBackend(TorchBackend):
+    """Extend (prefill) batches through sgrec's C kernel on CPU (sgrec.model.native.extend_attention:
+    causal sequences and rank layouts' bipartite masks, from two integers per KV column; cached K/V
+    read from the pool by slot; column tiles nobody sees skipped); decode, sequences with only a dense
+    mask, and pools of other dtypes than `dtypes` (default: those the kernel has), as TorchBackend.
+    auto takes float32 only: in bfloat16 the kernel keeps the probabilities in float32 where torch's
+    SDPA rounds them to bfloat16, so its logprobs differ from HF's bfloat16 by bfloat16's amplified
+    rounding (up to 0.2 on the tiny test models, as far from float32 as HF's own), not bit for bit."""
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...] | None = None):
+        from sgrec.model import native
+
+        self.extend_dtypes = tuple(native.DTYPES) if dtypes is None else dtypes
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if not batch.is_decode and batch.kv_pool.dtype in self.extend_dtypes and batch.kv_pool.device.type == "cpu":
+            meta = _BipartiteMeta.of(batch, causal=True)
+            if meta is not None:
+                batch.attn_meta = meta
+                return
+        super().prepare(batch)
+
+    def forward(self, q, k, v, layer, batch, scale):
+        meta = batch.attn_meta
+        if not isinstance(meta, _BipartiteMeta):
+            return super().forward(q, k, v, layer, batch, scale)
+        from sgrec.model import native
+
+        batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer)
+        return native.extend_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end - meta.q_start, meta.q_order,
+                                       meta.q_block, meta.c_idx, meta.c_order, meta.c_block, meta.c_ptr, scale)
 
 
 class _SlotDecodeBackend(TorchBackend):
@@ -292,10 +331,10 @@ class TritonBackend(_SlotDecodeBackend):
         return decode_attention(q, k_buf, v_buf, idx, ptr, scale)
 
 
-class NativeBackend(_SlotDecodeBackend):
+class NativeBackend(_SlotDecodeBackend, NativeExtendBackend):
     """Decode through sgrec's C kernel on CPU (sgrec.model.native: OpenMP over (sequence, KV head),
-    each K/V row read once from the pool in place); extend batches, and pools of a dtype the kernel
-    lacks, as TorchBackend."""
+    each K/V row read once from the pool in place), extend batches as NativeExtendBackend; pools of
+    a dtype the kernels lack as TorchBackend."""
 
     def takes_decode(self, batch: ForwardBatch) -> bool:
         from sgrec.model import native
@@ -311,11 +350,23 @@ class NativeBackend(_SlotDecodeBackend):
 BACKENDS = ("auto", "torch", "native", "triton")
 
 
+def native_extend_by_default() -> bool:
+    """auto's choice on CPU: the C extend kernel where the CPU reports AVX-512 (the ISA it was measured
+    faster than torch's SDPA on, BENCHMARKS.md) and the kernel builds; else torch."""
+    from sgrec.model import native
+    from sgrec.model.cpu_caps import cpu_flags
+
+    return all(f in cpu_flags() for f in native.X86_64_V4) and native.load_extend() is not None
+
+
 def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """auto: torch, on CPU and CUDA. The native C decode kernel is opt-in: on the AVX-512 machine it
+    """auto: on CPU with AVX-512, NativeExtendBackend (torch decode, the C extend kernel for float32 pools)
+    where it builds; otherwise torch, on CPU and CUDA. The native C decode kernel is opt-in: on the AVX-512 machine it
     was measured on, the torch path's gathered SDPA was faster (BENCHMARKS.md, "Issue 23 (session 9 ...)")."""
     device = torch.device(device)
     if name == "auto":
+        if device.type == "cpu" and native_extend_by_default():
+            return NativeExtendBackend((torch.float32,))
         name = "torch"
     if name == "torch":
         return TorchBackend()
@@ -324,7 +375,7 @@ def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBack
 
         if device.type != "cpu":
             raise ValueError("--attention-backend native runs on CPU (sgrec's C kernels)")
-        if native.load() is None:
+        if native.load() is None or native.load_extend() is None:
             raise ValueError("--attention-backend native needs a C compiler to build sgrec's CPU kernels "
                              "(see the warning above); --attention-backend torch needs none")
         return NativeBackend()

@@ -1,12 +1,19 @@
 """sgrec's C kernels for CPU, compiled on first use with the machine's C compiler and loaded with
-ctypes (issue 23, part 2). No torch headers: each kernel is a plain C function over data pointers,
-so a build takes about a second. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
+ctypes (issue 23). No torch headers: each kernel is a plain C function over data pointers, so a
+build takes about a second. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
 (libgomp.so.1 by soname), so a kernel's threads are torch's own intra-op threads.
 
+Two libraries:
+* decode_attention.c: one query token per sequence, K/V read from the pool by slot; multi-versioned
+  by GCC's target_clones (AVX-512 / AVX2 / baseline, picked at load time).
+* extend_attention.c: prefill/extend attention under a causal or bipartite (rank) mask given by two
+  integers per KV column; built for the vector ISA the CPU reports (`march_flags`: x86-64-v4 with
+  AVX-512, x86-64-v3 with AVX2 and FMA, else the compiler's default).
+
 A build is cached under $SGREC_CACHE_DIR (default ~/.cache/sgrec)/native, keyed by the source, the
-compiler's version and the flags. Where no compiler works, `load()` answers None with one warning;
-`--attention-backend native` is then a start-up error naming why (the default, torch, needs none). Run `python -m sgrec.model.native` to build now and
-see where the library is.
+compiler's version and the flags. Where no compiler works, `load()` / `load_extend()` answer None with
+one warning; `--attention-backend native` is then a start-up error naming why (the default falls back
+to torch). Run `python -m sgrec.model.native` to build now and see where the libraries are.
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
-FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared"]
+EXTEND_SOURCE = Path(__file__).with_name("extend_attention.c")
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib" -> ctypes.CDLL | None once load() has run
+_state: dict[str, object] = {}  # "lib" / "extend" -> ctypes.CDLL | None once loaded, "path" / "extend_path"
 
 
 def cache_dir() -> Path:
@@ -44,53 +52,104 @@ def compiler() -> str | None:
     return None
 
 
-def _build(cc: str) -> Path:
+X86_64_V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave")
+
+
+def march_flags(flags) -> list[str]:
+    """The -march of the extend kernel for a CPU with these /proc/cpuinfo flags: x86-64-v4 where
+    AVX-512 (F, BW, CD, DQ, VL) is reported, x86-64-v3 with AVX2 and FMA, else none (the compiler's
+    default target, e.g. SSE2 or another architecture's baseline)."""
+    if all(f in flags for f in X86_64_V4 + X86_64_V3):
+        return ["-march=x86-64-v4"]
+    if all(f in flags for f in X86_64_V3):
+        return ["-march=x86-64-v3"]
+    return []
+
+
+def _build(cc: str, source: Path = SOURCE, variants: tuple[list[str], ...] = ([], ["-DSGREC_NO_CLONES"])) -> Path:
+    """The cached library of `source`, built with the first variant of extra flags that compiles."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    src = SOURCE.read_bytes()
+    src = source.read_bytes()
     last_error = ""
-    # Multi-versioned (AVX-512 / AVX2 / baseline clones picked at load time from the CPU's own
-    # report); a compiler without target_clones gets one baseline build.
-    for extra in ([], ["-DSGREC_NO_CLONES"]):
+    for extra in variants:
         key = hashlib.sha256(src + version.encode() + " ".join(FLAGS + extra).encode()).hexdigest()[:16]
-        path = cache_dir() / f"decode_attention-{key}.so"
+        path = cache_dir() / f"{source.stem}-{key}.so"
         if path.exists():
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        proc = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+        proc = subprocess.run([cc, *FLAGS, *extra, str(source), "-o", tmp, "-lm"], capture_output=True,
                               text=True, timeout=300)
         if proc.returncode == 0:
             os.replace(tmp, path)  # atomic: concurrent builders (ranks starting together) agree
             return path
         os.unlink(tmp)
         last_error = proc.stderr.strip()[-2000:]
-    raise RuntimeError(f"{cc} could not build {SOURCE.name}: {last_error}")
+    raise RuntimeError(f"{cc} could not build {source.name}: {last_error}")
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernels' library, built if needed; None (warned once) where it cannot be built."""
+def _load(key: str, build, bind) -> ctypes.CDLL | None:
     with _lock:
-        if "lib" in _state:
-            return _state["lib"]  # type: ignore[return-value]
+        if key in _state:
+            return _state[key]  # type: ignore[return-value]
         lib = None
         cc = compiler()
         try:
             if cc is None:
                 raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-            path = _build(cc)
+            path = build(cc)
             lib = ctypes.CDLL(str(path))
-            for name in ("sgrec_decode_attention_f32", "sgrec_decode_attention_bf16"):
-                fn = getattr(lib, name)
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4 + [ctypes.c_float]
-            _state["path"] = path
+            bind(lib)
+            _state[f"{key}_path" if key != "lib" else "path"] = path
             logger.info("CPU kernels loaded from %s", path)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            logger.warning("CPU kernels unavailable, using the pure-torch paths: %s", exc)
+            warned = _state.setdefault("warned", set())
+            if str(exc) not in warned:  # no compiler: one warning for both libraries
+                warned.add(str(exc))
+                logger.warning("CPU kernels unavailable, using the pure-torch paths: %s", exc)
             lib = None
-        _state["lib"] = lib
+        _state[key] = lib
         return lib
+
+
+def _bind_decode(lib: ctypes.CDLL) -> None:
+    for name in ("sgrec_decode_attention_f32", "sgrec_decode_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4 + [ctypes.c_float]
+
+
+def _bind_extend(lib: ctypes.CDLL) -> None:
+    fn = lib.sgrec_extend_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4
+                   + [ctypes.c_float, ctypes.c_int])
+
+
+def load() -> ctypes.CDLL | None:
+    """The decode kernel's library, built if needed; None (warned once) where it cannot be built."""
+    return _load("lib", _build, _bind_decode)
+
+
+def load_extend() -> ctypes.CDLL | None:
+    """The extend kernel's library, built for this CPU's vector ISA if needed; None (warned once)
+    where it cannot be built."""
+    from sgrec.model.cpu_caps import cpu_flags
+
+    return _load("extend", lambda cc: _build(cc, EXTEND_SOURCE, (march_flags(cpu_flags()),)), _bind_extend)
+
+
+def extend_library(march: list[str]) -> ctypes.CDLL:
+    """The extend kernel built for another -march than this CPU's best (tests run every ISA build
+    this CPU can execute); raises where it cannot be built."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found")
+    lib = ctypes.CDLL(str(_build(cc, EXTEND_SOURCE, (list(march),))))
+    _bind_extend(lib)
+    return lib
 
 
 DTYPES = {torch.float32: "sgrec_decode_attention_f32", torch.bfloat16: "sgrec_decode_attention_bf16"}
@@ -121,3 +180,40 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
           out.data_ptr(), B, Hq, Hkv, D, scale):
         raise MemoryError("decode_attention: scratch allocation failed")
     return out.view(B, Hq * D)
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     q_start: torch.Tensor, q_len: torch.Tensor, q_order: torch.Tensor, q_block: torch.Tensor,
+                     c_idx: torch.Tensor, c_order: torch.Tensor, c_block: torch.Tensor, c_ptr: torch.Tensor,
+                     scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Extend attention under a causal or bipartite mask (extend_attention.c's doc; the contract of
+    sgrec.model.kernels.bipartite_attention): q [T, Hq, D], k/v [T, Hkv, D] the new tokens (any
+    token stride, the last two dimensions contiguous), k_buf/v_buf one pool layer; sequence b's new
+    tokens are rows q_start[b] .. q_start[b] + q_len[b] - 1, its cached columns c_idx[c_ptr[b] ..
+    c_ptr[b + 1]) (slots) with their c_order/c_block; q_order/q_block per new token. Integer tensors
+    int64 on CPU. -> [T, Hq * D] in q's dtype. `lib`: a build of extend_library (else load_extend's)."""
+    lib = lib or load_extend()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not built (see the warning above)")
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if q.dtype not in DTYPES or len({t.dtype for t in (q, k, v, k_buf, v_buf)}) != 1:
+        raise TypeError(f"extend_attention: float32 or bfloat16 q/k/v/k_buf/v_buf of one dtype, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}, {k_buf.dtype}, {v_buf.dtype}")
+    if Hq % Hkv or tuple(k_buf.shape[1:]) != (Hkv, D) or v_buf.shape != k_buf.shape or k.shape != v.shape \
+            or k.shape[::2] != (T, D) or c_ptr.numel() != q_start.numel() + 1:
+        raise ValueError(f"extend_attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"k_buf {tuple(k_buf.shape)}, c_ptr {tuple(c_ptr.shape)}")
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [T, H, D] with heads and dims packed, any token stride
+        return t if t.stride(2) == 1 and t.stride(1) == D else t.contiguous()
+
+    q, k, v = rows(q), rows(k), rows(v)
+    k_buf, v_buf = k_buf.contiguous(), v_buf.contiguous()
+    ints = [t.to(torch.int64).contiguous() for t in (q_start, q_len, q_order, q_block, c_idx, c_order, c_block, c_ptr)]
+    out = torch.empty((T, Hq, D), dtype=q.dtype)
+    if lib.sgrec_extend_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
+                                  q.stride(0), k.stride(0), v.stride(0), *(t.data_ptr() for t in ints),
+                                  out.data_ptr(), q_start.numel(), Hq, Hkv, D, scale, int(q.dtype == torch.bfloat16)):
+        raise MemoryError("extend_attention: scratch allocation failed")
+    return out.view(T, Hq * D)

@@ -1,0 +1,355 @@
+/* Extend (prefill) attention on CPU under a causal or bipartite mask given by two integers per KV
+ * column (sgrec, issue 23): the contract of the Triton kernel sgrec.model.kernels.bipartite_attention.
+ *
+ *   q        [T, Hq, D]    the batch's new tokens (token stride s_q elements, heads contiguous)
+ *   k, v     [T, Hkv, D]   their K/V as computed (token strides s_k, s_v)
+ *   kb, vb   [slots, Hkv, D]   one layer of the KV pool (cached columns are read from it by slot)
+ *   q_start, q_len [B]     sequence b's new tokens are rows q_start[b] .. q_start[b] + q_len[b] - 1
+ *   q_order, q_block [T]   every new token's order (offset in its layout) and block (-1: none)
+ *   c_idx, c_order, c_block   every sequence's cached columns (slot, order, block), concatenated;
+ *   c_ptr [B + 1]          sequence b's are c_ptr[b] .. c_ptr[b + 1] - 1
+ *   out      [T, Hq, D]
+ *
+ * A new token (order o, block b) attends to a column (order o', block b') iff o' <= o and not
+ * (b >= 0 and b' >= 0 and b != b'). A plain causal sequence is the case every block is -1 and the
+ * orders are positions. New tokens come in ascending order, so a row never sees a new column after
+ * its tile's last row.
+ *
+ * One task per (tile of new tokens of one sequence, KV head) holds the tile's rows for the G = Hq/Hkv
+ * query heads of that KV head (GQA), walks the cached columns then the new ones BN at a time, and
+ * keeps a running max, sum and output (online softmax). A column tile that no row may see is
+ * skipped from its integers alone; one every row sees whole needs no mask. Scores are kept in
+ * base 2 (q is scaled by scale * log2 e) and exponentiated by a degree-7 polynomial (relative error
+ * about 1e-7); products accumulate in float32 whatever the storage type, and bfloat16 output rounds
+ * to nearest even. The two products are register-blocked GEMM micro-kernels over GCC vector types,
+ * which the compiler lowers to the vector ISA of the -march this file is built for (AVX-512 zmm,
+ * AVX2 ymm pairs, or SSE), chosen by the loader from the CPU's own report. Tasks run under OpenMP,
+ * on the runtime torch has already loaded.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16 /* floats per vector value: one zmm */
+#define NR 4  /* query rows per micro-kernel step (register blocking) */
+#define DV 4  /* output vectors per row in the P V micro-kernel */
+#elif defined(__AVX__)
+#define VW 8 /* one ymm */
+#define NR 2
+#define DV 4
+#else
+#define VW 4 /* SSE, NEON */
+#define NR 2
+#define DV 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+#define BN 32 /* KV columns per step */
+#define NB (BN / VW) /* vectors of scores per row */
+#define ROWS_PER_TASK 192 /* query rows (tokens x G heads) per task, about */
+#define LOG2E 1.4426950408889634f
+
+static inline vf vload(const float *p) { return *(const vfu *)p; }
+static inline void vstore(float *p, vf x) { *(vfu *)p = x; }
+static inline vf vset(float s) {
+    vf r = {0};
+    return r + s;
+}
+
+/* 2^x, for x <= 0 (exactly 0 below -126, so a masked -inf score weighs nothing). */
+static inline vf vexp2(vf x) {
+    const vf lo = vset(-126.f), magic = vset(12582912.f); /* 1.5 * 2^23: round to integer */
+    vi under = x < lo;
+    vf xc = (vf)(((vi)x & ~under) | ((vi)lo & under));
+    vf t = xc + magic;
+    vf n = t - magic;
+    vf f = xc - n; /* in [-0.5, 0.5] */
+    vf p = vset(1.525273380405984e-05f);
+    p = p * f + 1.5403530393381608e-04f;
+    p = p * f + 1.3333558146428443e-03f;
+    p = p * f + 9.618129107628477e-03f;
+    p = p * f + 5.550410866482158e-02f;
+    p = p * f + 2.402265069591007e-01f;
+    p = p * f + 6.931471805599453e-01f;
+    p = p * f + 1.0f;
+    vi e = ((vi)t - 0x4b400000) << 23;
+    return (vf)(((vi)p + e) & ~under);
+}
+
+static inline float bf16_load(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline float load1(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_load(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* S[Mp][BN] = Qf[Mp][Dp] . Kt[Dp][BN] */
+static inline void qk_kernel(const float *Qf, const float *Kt, float *S, int Mp, int Dp) {
+    for (int i = 0; i < Mp; i += NR) {
+        vf acc[NR][NB];
+        for (int r = 0; r < NR; r++)
+            for (int u = 0; u < NB; u++) acc[r][u] = vset(0.f);
+        for (int d = 0; d < Dp; d++) {
+            vf kv[NB];
+            for (int u = 0; u < NB; u++) kv[u] = vload(Kt + (int64_t)d * BN + u * VW);
+            for (int r = 0; r < NR; r++) {
+                vf qb = vset(Qf[(int64_t)(i + r) * Dp + d]);
+                for (int u = 0; u < NB; u++) acc[r][u] += qb * kv[u];
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int u = 0; u < NB; u++) vstore(S + (int64_t)(i + r) * BN + u * VW, acc[r][u]);
+    }
+}
+
+/* O[i .. i+NR)[d0 .. d0 + nv*VW) += P[rows][BN] . V[BN][those columns], nv a constant once inlined */
+static inline __attribute__((always_inline)) void pv_chunk(const float *P, const float *V, float *O, int i,
+                                                           int d0, int Dp, const int nv) {
+    vf acc[NR][DV];
+    for (int r = 0; r < NR; r++)
+        for (int u = 0; u < nv; u++) acc[r][u] = vload(O + (int64_t)(i + r) * Dp + d0 + u * VW);
+    for (int j = 0; j < BN; j++) {
+        vf vv[DV];
+        for (int u = 0; u < nv; u++) vv[u] = vload(V + (int64_t)j * Dp + d0 + u * VW);
+        for (int r = 0; r < NR; r++) {
+            vf p = vset(P[(int64_t)(i + r) * BN + j]);
+            for (int u = 0; u < nv; u++) acc[r][u] += p * vv[u];
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int u = 0; u < nv; u++) vstore(O + (int64_t)(i + r) * Dp + d0 + u * VW, acc[r][u]);
+}
+
+static inline void pv_kernel(const float *P, const float *V, float *O, int Mp, int Dp) {
+    for (int i = 0; i < Mp; i += NR) {
+        int d0 = 0;
+        for (; d0 + DV * VW <= Dp; d0 += DV * VW) pv_chunk(P, V, O, i, d0, Dp, DV);
+        for (; d0 < Dp; d0 += VW) pv_chunk(P, V, O, i, d0, Dp, 1);
+    }
+}
+
+typedef struct {
+    int64_t b, m0;
+    int h;
+} task_t;
+
+typedef struct {
+    const void *q, *k, *v, *kb, *vb;
+    int64_t s_q, s_k, s_v;
+    const int64_t *q_start, *q_len, *q_order, *q_block, *c_idx, *c_order, *c_block, *c_ptr;
+    void *out;
+    int Hq, Hkv, D, G, bm, bf16;
+    float scale;
+} args_t;
+
+typedef struct {
+    float *Qf, *S, *Kt, *V, *O, *m, *l;
+    int64_t *ro, *rb;
+} scratch_t;
+
+/* One (sequence, tile, KV head). */
+static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
+    const int G = a->G, D = a->D, Dp = (a->D + VW - 1) / VW * VW, bf = a->bf16;
+    const int64_t qs = a->q_start[t->b], qn = a->q_len[t->b];
+    const int nrows = (int)(qn - t->m0 < a->bm ? qn - t->m0 : a->bm);
+    const int M = nrows * G, Mp = (M + NR - 1) / NR * NR;
+    float *Qf = w->Qf, *S = w->S, *Kt = w->Kt, *V = w->V, *O = w->O, *mrow = w->m, *lrow = w->l;
+    int64_t *ro = w->ro, *rb = w->rb;
+
+    /* the tile's rows (token-major: row i is token i / G, head h * G + i % G), scaled for base 2 */
+    const float qscale = a->scale * LOG2E;
+    int64_t r_omin = INT64_MAX, r_omax = INT64_MIN, r_bmin = INT64_MAX, r_bmax = INT64_MIN;
+    int r_any_free = 0; /* a row in no block (it sees every earlier column) */
+    memset(Qf, 0, sizeof(float) * (size_t)Mp * Dp);
+    for (int i = 0; i < Mp; i++) {
+        int tok = i < M ? i / G : nrows - 1; /* padding rows repeat the last token's integers */
+        int64_t row = qs + t->m0 + tok;
+        ro[i] = a->q_order[row];
+        rb[i] = a->q_block[row];
+        if (i >= M) continue;
+        int64_t base = row * a->s_q + (int64_t)(t->h * G + i % G) * D;
+        for (int d = 0; d < D; d++) Qf[(int64_t)i * Dp + d] = load1(a->q, base + d, bf) * qscale;
+        r_omin = ro[i] < r_omin ? ro[i] : r_omin;
+        r_omax = ro[i] > r_omax ? ro[i] : r_omax;
+        if (rb[i] < 0) r_any_free = 1;
+        else {
+            r_bmin = rb[i] < r_bmin ? rb[i] : r_bmin;
+            r_bmax = rb[i] > r_bmax ? rb[i] : r_bmax;
+        }
+    }
+    for (int i = 0; i < Mp; i++) {
+        mrow[i] = -INFINITY;
+        lrow[i] = 0.f;
+    }
+    memset(O, 0, sizeof(float) * (size_t)Mp * Dp);
+
+    for (int part = 0; part < 2; part++) {
+        int64_t lo, hi;
+        const int64_t *ord, *blk, *slot;
+        const void *ks, *vs;
+        int64_t sk, sv;
+        if (part == 0) { /* cached columns, from the pool by slot */
+            lo = a->c_ptr[t->b];
+            hi = a->c_ptr[t->b + 1];
+            ord = a->c_order, blk = a->c_block, slot = a->c_idx;
+            ks = a->kb, vs = a->vb, sk = sv = (int64_t)a->Hkv * D;
+        } else { /* new columns, as computed, up to the tile's last row */
+            lo = qs;
+            hi = qs + t->m0 + nrows;
+            ord = a->q_order, blk = a->q_block, slot = NULL;
+            ks = a->k, vs = a->v, sk = a->s_k, sv = a->s_v;
+        }
+        for (int64_t n0 = lo; n0 < hi; n0 += BN) {
+            int nc = (int)(hi - n0 < BN ? hi - n0 : BN);
+            int64_t c_omin = INT64_MAX, c_omax = INT64_MIN, c_bmin = INT64_MAX, c_bmax = INT64_MIN;
+            int c_free = 0; /* columns in no block */
+            for (int j = 0; j < nc; j++) {
+                int64_t o = ord[n0 + j], bl = blk[n0 + j];
+                c_omin = o < c_omin ? o : c_omin;
+                c_omax = o > c_omax ? o : c_omax;
+                if (bl < 0) c_free++;
+                else {
+                    c_bmin = bl < c_bmin ? bl : c_bmin;
+                    c_bmax = bl > c_bmax ? bl : c_bmax;
+                }
+            }
+            if (c_omin > r_omax) continue; /* every column comes after every row */
+            if (!r_any_free && c_free == 0 && (c_bmax < r_bmin || c_bmin > r_bmax))
+                continue; /* only candidates' tokens, none of the rows' candidates */
+            /* a block row against a column of another block, possible here? else only order masks */
+            int conflict = r_bmin <= r_bmax && c_free < nc && !(r_bmin == r_bmax && c_bmin == r_bmin && c_bmax == r_bmin);
+            int full = nc == BN && c_omax <= r_omin && !conflict;
+
+            /* K^T [Dp][BN] and V [BN][Dp], zero-padded */
+            memset(Kt, 0, sizeof(float) * (size_t)Dp * BN);
+            memset(V, 0, sizeof(float) * (size_t)BN * Dp);
+            for (int j = 0; j < nc; j++) {
+                int64_t src = slot ? slot[n0 + j] : n0 + j;
+                int64_t kbase = src * sk + (int64_t)t->h * D, vbase = src * sv + (int64_t)t->h * D;
+                if (!bf) {
+                    const float *kr = (const float *)ks + kbase;
+                    for (int d = 0; d < D; d++) Kt[(int64_t)d * BN + j] = kr[d];
+                    memcpy(V + (int64_t)j * Dp, (const float *)vs + vbase, sizeof(float) * (size_t)D);
+                } else {
+                    const uint16_t *kr = (const uint16_t *)ks + kbase, *vr = (const uint16_t *)vs + vbase;
+                    for (int d = 0; d < D; d++) {
+                        Kt[(int64_t)d * BN + j] = bf16_load(kr[d]);
+                        V[(int64_t)j * Dp + d] = bf16_load(vr[d]);
+                    }
+                }
+            }
+            qk_kernel(Qf, Kt, S, Mp, Dp);
+            if (!full) {
+                for (int i = 0; i < Mp; i++) {
+                    float *s = S + (int64_t)i * BN;
+                    for (int j = 0; j < BN; j++) {
+                        int ok = j < nc;
+                        if (ok) {
+                            int64_t o = ord[n0 + j], bl = blk[n0 + j];
+                            ok = o <= ro[i] && (rb[i] < 0 || bl < 0 || bl == rb[i]);
+                        }
+                        if (!ok) s[j] = -INFINITY;
+                    }
+                }
+            }
+            /* online softmax: P = 2^(S - m), rescale what came before */
+            for (int i = 0; i < Mp; i++) {
+                float *s = S + (int64_t)i * BN, mx = mrow[i];
+                for (int j = 0; j < BN; j++) mx = s[j] > mx ? s[j] : mx;
+                if (mx == -INFINITY) { /* this row has seen nothing yet: nothing to add */
+                    memset(s, 0, sizeof(float) * BN);
+                    continue;
+                }
+                vf mv = vset(mx), ps = vset(0.f);
+                for (int u = 0; u < NB; u++) {
+                    vf p = vexp2(vload(s + u * VW) - mv);
+                    vstore(s + u * VW, p);
+                    ps += p;
+                }
+                float sum = 0.f;
+                for (int u = 0; u < VW; u++) sum += ps[u];
+                if (mx != mrow[i]) {
+                    float alpha = mrow[i] == -INFINITY ? 0.f : exp2f(mrow[i] - mx);
+                    lrow[i] *= alpha;
+                    float *o = O + (int64_t)i * Dp;
+                    vf av = vset(alpha);
+                    for (int d = 0; d < Dp; d += VW) vstore(o + d, vload(o + d) * av);
+                    mrow[i] = mx;
+                }
+                lrow[i] += sum;
+            }
+            pv_kernel(S, V, O, Mp, Dp);
+        }
+    }
+    for (int i = 0; i < M; i++) {
+        int64_t row = qs + t->m0 + i / G;
+        int64_t base = row * (int64_t)a->Hq * D + (int64_t)(t->h * G + i % G) * D;
+        float inv = 1.f / lrow[i];
+        const float *o = O + (int64_t)i * Dp;
+        if (bf)
+            for (int d = 0; d < D; d++) ((uint16_t *)a->out)[base + d] = bf16_store(o[d] * inv);
+        else
+            for (int d = 0; d < D; d++) ((float *)a->out)[base + d] = o[d] * inv;
+    }
+}
+
+int sgrec_extend_attention(const void *q, const void *k, const void *v, const void *kb, const void *vb,
+                           int64_t s_q, int64_t s_k, int64_t s_v, const int64_t *q_start, const int64_t *q_len,
+                           const int64_t *q_order, const int64_t *q_block, const int64_t *c_idx,
+                           const int64_t *c_order, const int64_t *c_block, const int64_t *c_ptr, void *out, int B,
+                           int Hq, int Hkv, int D, float scale, int bf16) {
+    args_t a = {q, k, v, kb, vb, s_q, s_k, s_v, q_start, q_len, q_order, q_block, c_idx, c_order, c_block,
+                c_ptr, out, Hq, Hkv, D, Hq / Hkv, 0, bf16, scale};
+    a.bm = ROWS_PER_TASK / a.G;
+    a.bm = a.bm < 4 ? 4 : (a.bm > 64 ? 64 : a.bm);
+    int64_t ntasks = 0;
+    for (int b = 0; b < B; b++) ntasks += (q_len[b] + a.bm - 1) / a.bm * Hkv;
+    task_t *tasks = malloc(sizeof(task_t) * (size_t)(ntasks ? ntasks : 1));
+    if (!tasks) return 1;
+    int64_t n = 0;
+    for (int b = 0; b < B; b++) /* the last tiles of a sequence see the most columns: hand them out first */
+        for (int64_t m0 = (q_len[b] - 1) / a.bm * a.bm; m0 >= 0; m0 -= a.bm)
+            for (int h = 0; h < Hkv; h++) tasks[n++] = (task_t){b, m0, h};
+    const int Dp = (D + VW - 1) / VW * VW, Mp = (a.bm * a.G + NR - 1) / NR * NR;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        size_t floats = (size_t)Mp * Dp * 2 + (size_t)Mp * BN + (size_t)Dp * BN * 2 + (size_t)Mp * 2;
+        float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
+        int64_t *ints = malloc(sizeof(int64_t) * (size_t)Mp * 2);
+        scratch_t w = {0};
+        if (!buf || !ints) failed = 1;
+        else {
+            w.Qf = buf;
+            w.O = w.Qf + (size_t)Mp * Dp;
+            w.S = w.O + (size_t)Mp * Dp;
+            w.Kt = w.S + (size_t)Mp * BN;
+            w.V = w.Kt + (size_t)Dp * BN;
+            w.m = w.V + (size_t)Dp * BN;
+            w.l = w.m + Mp;
+            w.ro = ints;
+            w.rb = ints + Mp;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < ntasks; i++)
+            if (buf && ints) run_task(&a, &tasks[i], &w);
+        free(buf);
+        free(ints);
+    }
+    free(tasks);
+    return failed;
+}
