@@ -46,7 +46,6 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend  # noqa: E402
-from sgrec.model.attention import TorchBackend  # noqa: E402
 from sgrec.model.llama import CausalLM  # noqa: E402
 
 ND, ITEM_TOKENS = 3, 16
@@ -105,27 +104,25 @@ class Counter:
     @contextlib.contextmanager
     def counting(self):
         orig_fwd, orig_logits = CausalLM.forward, CausalLM.compute_logits
-        orig_prep, orig_staged = TorchBackend.prepare, StagedBeamBackend.prepare
+        orig_staged = StagedBeamBackend.prepare
         counter = self
 
         def forward(model, batch, backend):
             counter.tokens += int(batch.input_ids.numel())
+            if not isinstance(backend, StagedBeamBackend):  # beam steps: counted by staged() below
+                for s in batch.seqs:
+                    if s.mask is not None:
+                        counter.pairs += int(s.mask.sum())
+                    else:  # causal, the new tokens last
+                        prefix = s.kv_len - s.q_len
+                        counter.pairs += s.q_len * prefix + s.q_len * (s.q_len + 1) // 2
+                        if batch.is_decode:
+                            counter.kv_read += s.kv_len
             return orig_fwd(model, batch, backend)
 
         def logits(model, hidden, columns=None):
             counter.logits += hidden.shape[0] * (model.cfg.vocab_size if columns is None else int(columns.numel()))
             return orig_logits(model, hidden, columns)
-
-        def prep(backend, batch):  # TorchBackend and its subclasses (native, triton)
-            for s in batch.seqs:
-                if s.mask is not None:
-                    counter.pairs += int(s.mask.sum())
-                else:  # causal, the new tokens last
-                    prefix = s.kv_len - s.q_len
-                    counter.pairs += s.q_len * prefix + s.q_len * (s.q_len + 1) // 2
-                    if batch.is_decode:
-                        counter.kv_read += s.kv_len
-            return orig_prep(backend, batch)
 
         def staged(backend, batch):
             meta = batch.attn_meta
@@ -137,12 +134,12 @@ class Counter:
             return orig_staged(backend, batch)
 
         CausalLM.forward, CausalLM.compute_logits = forward, logits
-        TorchBackend.prepare, StagedBeamBackend.prepare = prep, staged
+        StagedBeamBackend.prepare = staged
         try:
             yield self
         finally:
             CausalLM.forward, CausalLM.compute_logits = orig_fwd, orig_logits
-            TorchBackend.prepare, StagedBeamBackend.prepare = orig_prep, orig_staged
+            StagedBeamBackend.prepare = orig_staged
 
 
 def work(fn, cfg, nonembed: int, esize: int, forwards_fn=None) -> tuple[float, float]:

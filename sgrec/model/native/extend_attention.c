@@ -197,28 +197,34 @@ static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
     }
     memset(O, 0, sizeof(float) * (size_t)Mp * Dp);
 
-    for (int part = 0; part < 2; part++) {
-        int64_t lo, hi;
-        const int64_t *ord, *blk, *slot;
-        const void *ks, *vs;
-        int64_t sk, sv;
-        if (part == 0) { /* cached columns, from the pool by slot */
-            lo = a->c_ptr[t->b];
-            hi = a->c_ptr[t->b + 1];
-            ord = a->c_order, blk = a->c_block, slot = a->c_idx;
-            ks = a->kb, vs = a->vb, sk = sv = (int64_t)a->Hkv * D;
-        } else { /* new columns, as computed, up to the tile's last row */
-            lo = qs;
-            hi = qs + t->m0 + nrows;
-            ord = a->q_order, blk = a->q_block, slot = NULL;
-            ks = a->k, vs = a->v, sk = a->s_k, sv = a->s_v;
-        }
-        for (int64_t n0 = lo; n0 < hi; n0 += BN) {
-            int nc = (int)(hi - n0 < BN ? hi - n0 : BN);
+    /* The columns as one stream: the cached ones (from the pool by slot), then the new ones (as
+     * computed) up to the tile's last row; tiles cut the stream the same way whatever part of it is
+     * cached, so a radix hit sums in the same order as the cold forward. */
+    const int64_t c_lo = a->c_ptr[t->b], n_cached = a->c_ptr[t->b + 1] - c_lo, total = n_cached + t->m0 + nrows;
+    const int64_t hstep = (int64_t)a->Hkv * D;
+    int64_t co[BN], cb[BN];
+    const void *kr[BN], *vr[BN];
+    {
+        for (int64_t n0 = 0; n0 < total; n0 += BN) {
+            int nc = (int)(total - n0 < BN ? total - n0 : BN);
             int64_t c_omin = INT64_MAX, c_omax = INT64_MIN, c_bmin = INT64_MAX, c_bmax = INT64_MIN;
             int c_free = 0; /* columns in no block */
             for (int j = 0; j < nc; j++) {
-                int64_t o = ord[n0 + j], bl = blk[n0 + j];
+                int64_t c = n0 + j, o, bl, koff, voff;
+                const void *kbase, *vbase;
+                if (c < n_cached) {
+                    int64_t slot = a->c_idx[c_lo + c];
+                    o = a->c_order[c_lo + c], bl = a->c_block[c_lo + c];
+                    kbase = a->kb, vbase = a->vb, koff = voff = slot * hstep + (int64_t)t->h * D;
+                } else {
+                    int64_t row = qs + c - n_cached;
+                    o = a->q_order[row], bl = a->q_block[row];
+                    kbase = a->k, vbase = a->v;
+                    koff = row * a->s_k + (int64_t)t->h * D, voff = row * a->s_v + (int64_t)t->h * D;
+                }
+                co[j] = o, cb[j] = bl;
+                kr[j] = bf ? (const void *)((const uint16_t *)kbase + koff) : (const void *)((const float *)kbase + koff);
+                vr[j] = bf ? (const void *)((const uint16_t *)vbase + voff) : (const void *)((const float *)vbase + voff);
                 c_omin = o < c_omin ? o : c_omin;
                 c_omax = o > c_omax ? o : c_omax;
                 if (bl < 0) c_free++;
@@ -238,17 +244,15 @@ static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
             memset(Kt, 0, sizeof(float) * (size_t)Dp * BN);
             memset(V, 0, sizeof(float) * (size_t)BN * Dp);
             for (int j = 0; j < nc; j++) {
-                int64_t src = slot ? slot[n0 + j] : n0 + j;
-                int64_t kbase = src * sk + (int64_t)t->h * D, vbase = src * sv + (int64_t)t->h * D;
                 if (!bf) {
-                    const float *kr = (const float *)ks + kbase;
-                    for (int d = 0; d < D; d++) Kt[(int64_t)d * BN + j] = kr[d];
-                    memcpy(V + (int64_t)j * Dp, (const float *)vs + vbase, sizeof(float) * (size_t)D);
+                    const float *k = kr[j];
+                    for (int d = 0; d < D; d++) Kt[(int64_t)d * BN + j] = k[d];
+                    memcpy(V + (int64_t)j * Dp, vr[j], sizeof(float) * (size_t)D);
                 } else {
-                    const uint16_t *kr = (const uint16_t *)ks + kbase, *vr = (const uint16_t *)vs + vbase;
+                    const uint16_t *k = kr[j], *v = vr[j];
                     for (int d = 0; d < D; d++) {
-                        Kt[(int64_t)d * BN + j] = bf16_load(kr[d]);
-                        V[(int64_t)j * Dp + d] = bf16_load(vr[d]);
+                        Kt[(int64_t)d * BN + j] = bf16_load(k[d]);
+                        V[(int64_t)j * Dp + d] = bf16_load(v[d]);
                     }
                 }
             }
@@ -258,10 +262,7 @@ static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
                     float *s = S + (int64_t)i * BN;
                     for (int j = 0; j < BN; j++) {
                         int ok = j < nc;
-                        if (ok) {
-                            int64_t o = ord[n0 + j], bl = blk[n0 + j];
-                            ok = o <= ro[i] && (rb[i] < 0 || bl < 0 || bl == rb[i]);
-                        }
+                        if (ok) ok = co[j] <= ro[i] && (rb[i] < 0 || cb[j] < 0 || cb[j] == rb[i]);
                         if (!ok) s[j] = -INFINITY;
                     }
                 }
