@@ -236,40 +236,6 @@ class _BipartiteMeta:
                    on(torch.cumsum(torch.tensor(c_len), 0)), on(torch.cat(c_order)), on(torch.cat(c_block)), grid)
 
 
-class NativeExtendBackend(TorchBackend):
-    """Extend (prefill) batches through sgrec's C kernel on CPU (sgrec.model.native.extend_attention:
-    causal sequences and rank layouts' bipartite masks, from two integers per KV column; cached K/V
-    read from the pool by slot; column tiles nobody sees skipped); decode, sequences with only a dense
-    mask, and pools of other dtypes than `dtypes` (default: those the kernel has), as TorchBackend.
-    auto takes float32 only: in bfloat16 the kernel keeps the probabilities in float32 where torch's
-    SDPA rounds them to bfloat16, so its logprobs differ from HF's bfloat16 by bfloat16's amplified
-    rounding (up to 0.2 on the tiny test models, as far from float32 as HF's own), not bit for bit."""
-
-    def __init__(self, dtypes: tuple[torch.dtype, ...] | None = None):
-        from sgrec.model import native
-
-        self.extend_dtypes = tuple(native.DTYPES) if dtypes is None else dtypes
-
-    def prepare(self, batch: ForwardBatch) -> None:
-        if not batch.is_decode and batch.kv_pool.dtype in self.extend_dtypes and batch.kv_pool.device.type == "cpu":
-            meta = _BipartiteMeta.of(batch, causal=True)
-            if meta is not None:
-                batch.attn_meta = meta
-                return
-        super().prepare(batch)
-
-    def forward(self, q, k, v, layer, batch, scale):
-        meta = batch.attn_meta
-        if not isinstance(meta, _BipartiteMeta):
-            return super().forward(q, k, v, layer, batch, scale)
-        from sgrec.model import native
-
-        batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
-        k_buf, v_buf = batch.kv_pool.get_kv(layer)
-        return native.extend_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end - meta.q_start, meta.q_order,
-                                       meta.q_block, meta.c_idx, meta.c_order, meta.c_block, meta.c_ptr, scale)
-
-
 class _SlotDecodeBackend(TorchBackend):
     """Decode through a kernel that reads the KV pool by slot index (no gathered copy of any
     sequence's K/V); extend batches as TorchBackend. Subclasses name the kernel."""
@@ -331,15 +297,45 @@ class TritonBackend(_SlotDecodeBackend):
         return decode_attention(q, k_buf, v_buf, idx, ptr, scale)
 
 
-class NativeBackend(_SlotDecodeBackend, NativeExtendBackend):
-    """Decode through sgrec's C kernel on CPU (sgrec.model.native: OpenMP over (sequence, KV head),
-    each K/V row read once from the pool in place), extend batches as NativeExtendBackend; pools of
-    a dtype the kernels lack as TorchBackend."""
+class NativeBackend(_SlotDecodeBackend):
+    """sgrec's C kernels on CPU (sgrec.model.native, attention.c): decode reading the KV pool by slot
+    (no gathered copy), and extend batches (causal sequences and rank layouts' bipartite masks, from
+    two integers per KV column; cached K/V read by slot; column tiles nobody sees skipped).
+    Sequences with only a dense mask, and pools of other dtypes than `dtypes` (default: both the
+    kernels have), go as TorchBackend. auto takes float32 only: in bfloat16 the kernels keep the
+    probabilities in float32 where torch's SDPA rounds them to bfloat16, so logprobs differ from HF's
+    bfloat16 by bfloat16's amplified rounding (up to 0.2 on the tiny test models, about as far from
+    float32 as HF's own), not bit for bit as the torch path does."""
 
-    def takes_decode(self, batch: ForwardBatch) -> bool:
+    def __init__(self, dtypes: tuple[torch.dtype, ...] | None = None):
         from sgrec.model import native
 
-        return batch.is_decode and batch.kv_pool.dtype in native.DTYPES and batch.kv_pool.device.type == "cpu"
+        self.dtypes = tuple(native.DTYPES) if dtypes is None else tuple(dtypes)
+
+    def _takes(self, batch: ForwardBatch) -> bool:
+        return batch.kv_pool.dtype in self.dtypes and batch.kv_pool.device.type == "cpu"
+
+    def takes_decode(self, batch: ForwardBatch) -> bool:
+        return batch.is_decode and self._takes(batch)
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if not batch.is_decode and self._takes(batch):
+            meta = _BipartiteMeta.of(batch, causal=True)
+            if meta is not None:
+                batch.attn_meta = meta
+                return
+        super().prepare(batch)
+
+    def forward(self, q, k, v, layer, batch, scale):
+        meta = batch.attn_meta
+        if not isinstance(meta, _BipartiteMeta):
+            return super().forward(q, k, v, layer, batch, scale)
+        from sgrec.model import native
+
+        batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer)
+        return native.extend_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end - meta.q_start, meta.q_order,
+                                       meta.q_block, meta.c_idx, meta.c_order, meta.c_block, meta.c_ptr, scale)
 
     def decode(self, q, k_buf, v_buf, idx, ptr, scale):
         from sgrec.model import native
@@ -350,23 +346,22 @@ class NativeBackend(_SlotDecodeBackend, NativeExtendBackend):
 BACKENDS = ("auto", "torch", "native", "triton")
 
 
-def native_extend_by_default() -> bool:
-    """auto's choice on CPU: the C extend kernel where the CPU reports AVX-512 (the ISA it was measured
-    faster than torch's SDPA on, BENCHMARKS.md) and the kernel builds; else torch."""
+def native_by_default() -> bool:
+    """auto's choice on CPU: sgrec's C kernels where the CPU reports AVX-512 (the ISA they were
+    measured faster than torch on, BENCHMARKS.md) and they build; else torch."""
     from sgrec.model import native
     from sgrec.model.cpu_caps import cpu_flags
 
-    return all(f in cpu_flags() for f in native.X86_64_V4) and native.load_extend() is not None
+    return all(f in cpu_flags() for f in native.X86_64_V4) and native.load() is not None
 
 
 def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """auto: on CPU with AVX-512, NativeExtendBackend (torch decode, the C extend kernel for float32 pools)
-    where it builds; otherwise torch, on CPU and CUDA. The native C decode kernel is opt-in: on the AVX-512 machine it
-    was measured on, the torch path's gathered SDPA was faster (BENCHMARKS.md, "Issue 23 (session 9 ...)")."""
+    """auto: on CPU with AVX-512, NativeBackend for float32 pools (C decode and extend kernels) where
+    they build; otherwise torch, on CPU and CUDA."""
     device = torch.device(device)
     if name == "auto":
-        if device.type == "cpu" and native_extend_by_default():
-            return NativeExtendBackend((torch.float32,))
+        if device.type == "cpu" and native_by_default():
+            return NativeBackend((torch.float32,))
         name = "torch"
     if name == "torch":
         return TorchBackend()
@@ -375,7 +370,7 @@ def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBack
 
         if device.type != "cpu":
             raise ValueError("--attention-backend native runs on CPU (sgrec's C kernels)")
-        if native.load() is None or native.load_extend() is None:
+        if native.load() is None:
             raise ValueError("--attention-backend native needs a C compiler to build sgrec's CPU kernels "
                              "(see the warning above); --attention-backend torch needs none")
         return NativeBackend()

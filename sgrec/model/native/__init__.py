@@ -1,19 +1,15 @@
-"""sgrec's C kernels for CPU, compiled on first use with the machine's C compiler and loaded with
-ctypes (issue 23). No torch headers: each kernel is a plain C function over data pointers, so a
-build takes about a second. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
-(libgomp.so.1 by soname), so a kernel's threads are torch's own intra-op threads.
+"""sgrec's C kernels for CPU (attention.c: extend and decode attention), compiled on first use with
+the machine's C compiler and loaded with ctypes (issue 23). No torch headers: each kernel is a plain
+C function over data pointers, so a build takes about a second. OpenMP pragmas bind to the OpenMP
+runtime torch has already loaded (libgomp.so.1 by soname), so a kernel's threads are torch's own
+intra-op threads.
 
-Two libraries:
-* decode_attention.c: one query token per sequence, K/V read from the pool by slot; multi-versioned
-  by GCC's target_clones (AVX-512 / AVX2 / baseline, picked at load time).
-* extend_attention.c: prefill/extend attention under a causal or bipartite (rank) mask given by two
-  integers per KV column; built for the vector ISA the CPU reports (`march_flags`: x86-64-v4 with
-  AVX-512, x86-64-v3 with AVX2 and FMA, else the compiler's default).
-
-A build is cached under $SGREC_CACHE_DIR (default ~/.cache/sgrec)/native, keyed by the source, the
-compiler's version and the flags. Where no compiler works, `load()` / `load_extend()` answer None with
-one warning; `--attention-backend native` is then a start-up error naming why (the default falls back
-to torch). Run `python -m sgrec.model.native` to build now and see where the libraries are.
+The library is built for the vector ISA the CPU reports (`march_flags`: x86-64-v4 with AVX-512,
+x86-64-v3 with AVX2 and FMA, else the compiler's default target) and cached under $SGREC_CACHE_DIR
+(default ~/.cache/sgrec)/native, keyed by the source, the compiler's version and the flags. Where no
+compiler works, `load()` answers None with one warning; `--attention-backend native` is then a
+start-up error naming why, and auto uses torch. Run `python -m sgrec.model.native` to build now and
+see where the library is.
 """
 
 from __future__ import annotations
@@ -32,11 +28,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
-EXTEND_SOURCE = Path(__file__).with_name("extend_attention.c")
+SOURCE = Path(__file__).with_name("attention.c")
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write (they compute in float32)
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib" / "extend" -> ctypes.CDLL | None once loaded, "path" / "extend_path"
+_state: dict[str, object] = {}  # "lib" -> ctypes.CDLL | None once load() has run; "path"; "warned"
 
 
 def cache_dir() -> Path:
@@ -57,9 +53,9 @@ X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave")
 
 
 def march_flags(flags) -> list[str]:
-    """The -march of the extend kernel for a CPU with these /proc/cpuinfo flags: x86-64-v4 where
-    AVX-512 (F, BW, CD, DQ, VL) is reported, x86-64-v3 with AVX2 and FMA, else none (the compiler's
-    default target, e.g. SSE2 or another architecture's baseline)."""
+    """The -march of the kernels for a CPU with these /proc/cpuinfo flags: x86-64-v4 where AVX-512
+    (F, BW, CD, DQ, VL) is reported, x86-64-v3 with AVX2 and FMA, else none (the compiler's default
+    target, e.g. SSE2 or another architecture's baseline)."""
     if all(f in flags for f in X86_64_V4 + X86_64_V3):
         return ["-march=x86-64-v4"]
     if all(f in flags for f in X86_64_V3):
@@ -67,102 +63,83 @@ def march_flags(flags) -> list[str]:
     return []
 
 
-def _build(cc: str, source: Path = SOURCE, variants: tuple[list[str], ...] = ([], ["-DSGREC_NO_CLONES"])) -> Path:
-    """The cached library of `source`, built with the first variant of extra flags that compiles."""
+def _build(cc: str, march: list[str]) -> Path:
+    """The cached library built with these -march flags."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    src = source.read_bytes()
-    last_error = ""
-    for extra in variants:
-        key = hashlib.sha256(src + version.encode() + " ".join(FLAGS + extra).encode()).hexdigest()[:16]
-        path = cache_dir() / f"{source.stem}-{key}.so"
-        if path.exists():
-            return path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        proc = subprocess.run([cc, *FLAGS, *extra, str(source), "-o", tmp, "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if proc.returncode == 0:
-            os.replace(tmp, path)  # atomic: concurrent builders (ranks starting together) agree
-            return path
+    flags = FLAGS + list(march)
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{SOURCE.stem}-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
         os.unlink(tmp)
-        last_error = proc.stderr.strip()[-2000:]
-    raise RuntimeError(f"{cc} could not build {source.name}: {last_error}")
+        raise RuntimeError(f"{cc} could not build {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, path)  # atomic: concurrent builders (ranks starting together) agree
+    return path
 
 
-def _load(key: str, build, bind) -> ctypes.CDLL | None:
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.sgrec_decode_attention.restype = ctypes.c_int
+    lib.sgrec_decode_attention.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 4
+                                           + [ctypes.c_float, ctypes.c_int])
+    lib.sgrec_extend_attention.restype = ctypes.c_int
+    lib.sgrec_extend_attention.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9
+                                           + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int])
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernels' library, built for this CPU's vector ISA if needed; None (warned once) where it
+    cannot be built."""
+    from sgrec.model.cpu_caps import cpu_flags
+
     with _lock:
-        if key in _state:
-            return _state[key]  # type: ignore[return-value]
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
         lib = None
         cc = compiler()
         try:
             if cc is None:
                 raise RuntimeError("no C compiler found (set CC, or install cc/gcc/clang)")
-            path = build(cc)
-            lib = ctypes.CDLL(str(path))
-            bind(lib)
-            _state[f"{key}_path" if key != "lib" else "path"] = path
+            path = _build(cc, march_flags(cpu_flags()))
+            lib = _open(path)
+            _state["path"] = path
             logger.info("CPU kernels loaded from %s", path)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            warned = _state.setdefault("warned", set())
-            if str(exc) not in warned:  # no compiler: one warning for both libraries
-                warned.add(str(exc))
-                logger.warning("CPU kernels unavailable, using the pure-torch paths: %s", exc)
+            logger.warning("CPU kernels unavailable, using the pure-torch paths: %s", exc)
             lib = None
-        _state[key] = lib
+        _state["lib"] = lib
         return lib
 
 
-def _bind_decode(lib: ctypes.CDLL) -> None:
-    for name in ("sgrec_decode_attention_f32", "sgrec_decode_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4 + [ctypes.c_float]
-
-
-def _bind_extend(lib: ctypes.CDLL) -> None:
-    fn = lib.sgrec_extend_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4
-                   + [ctypes.c_float, ctypes.c_int])
-
-
-def load() -> ctypes.CDLL | None:
-    """The decode kernel's library, built if needed; None (warned once) where it cannot be built."""
-    return _load("lib", _build, _bind_decode)
-
-
-def load_extend() -> ctypes.CDLL | None:
-    """The extend kernel's library, built for this CPU's vector ISA if needed; None (warned once)
-    where it cannot be built."""
-    from sgrec.model.cpu_caps import cpu_flags
-
-    return _load("extend", lambda cc: _build(cc, EXTEND_SOURCE, (march_flags(cpu_flags()),)), _bind_extend)
-
-
-def extend_library(march: list[str]) -> ctypes.CDLL:
-    """The extend kernel built for another -march than this CPU's best (tests run every ISA build
-    this CPU can execute); raises where it cannot be built."""
+def library(march: list[str]) -> ctypes.CDLL:
+    """The kernels built for another -march than this CPU's best (tests run every ISA build this CPU
+    can execute); raises where they cannot be built."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found")
-    lib = ctypes.CDLL(str(_build(cc, EXTEND_SOURCE, (list(march),))))
-    _bind_extend(lib)
+    return _open(_build(cc, list(march)))
+
+
+def _loaded(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    lib = lib or load()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not built (see the warning above)")
     return lib
 
 
-DTYPES = {torch.float32: "sgrec_decode_attention_f32", torch.bfloat16: "sgrec_decode_attention_bf16"}
-
-
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_idx: torch.Tensor,
-                     kv_ptr: torch.Tensor, scale: float) -> torch.Tensor:
+                     kv_ptr: torch.Tensor, scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k_buf/v_buf [slots, Hkv, D] (one pool layer); sequence b attends to the slots
     kv_idx[kv_ptr[b] : kv_ptr[b + 1]] (int64, at least one each) -> [B, Hq * D] in q's dtype. The same
-    contract as the Triton kernel (sgrec.model.kernels.decode_attention), on CPU tensors."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError("the CPU kernels are not built (see the warning above)")
+    contract as the Triton kernel (sgrec.model.kernels.decode_attention), on CPU tensors. `lib`: a
+    build of `library` (else load()'s)."""
+    lib = _loaded(lib)
     B, Hq, D = q.shape
     Hkv = k_buf.shape[1]
     if q.dtype not in DTYPES or not (q.dtype == k_buf.dtype == v_buf.dtype):
@@ -175,9 +152,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     kv_idx = kv_idx.to(torch.int64).contiguous()
     kv_ptr = kv_ptr.to(torch.int64).contiguous()
     out = torch.empty((B, Hq, D), dtype=q.dtype)
-    fn = getattr(lib, DTYPES[q.dtype])
-    if fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_idx.data_ptr(), kv_ptr.data_ptr(),
-          out.data_ptr(), B, Hq, Hkv, D, scale):
+    if lib.sgrec_decode_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_idx.data_ptr(),
+                                  kv_ptr.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, scale,
+                                  int(q.dtype == torch.bfloat16)):
         raise MemoryError("decode_attention: scratch allocation failed")
     return out.view(B, Hq * D)
 
@@ -191,10 +168,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
     token stride, the last two dimensions contiguous), k_buf/v_buf one pool layer; sequence b's new
     tokens are rows q_start[b] .. q_start[b] + q_len[b] - 1, its cached columns c_idx[c_ptr[b] ..
     c_ptr[b + 1]) (slots) with their c_order/c_block; q_order/q_block per new token. Integer tensors
-    int64 on CPU. -> [T, Hq * D] in q's dtype. `lib`: a build of extend_library (else load_extend's)."""
-    lib = lib or load_extend()
-    if lib is None:
-        raise RuntimeError("the CPU kernels are not built (see the warning above)")
+    int64 on CPU. -> [T, Hq * D] in q's dtype. `lib`: a build of `library` (else load()'s)."""
+    lib = _loaded(lib)
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     if q.dtype not in DTYPES or len({t.dtype for t in (q, k, v, k_buf, v_buf)}) != 1:

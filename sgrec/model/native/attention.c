@@ -1,5 +1,7 @@
-/* Extend (prefill) attention on CPU under a causal or bipartite mask given by two integers per KV
- * column (sgrec, issue 23): the contract of the Triton kernel sgrec.model.kernels.bipartite_attention.
+/* Attention on CPU for sgrec (issue 23): extend (prefill) attention under causal or bipartite (rank)
+ * masks, and decode attention, both reading cached K/V from the KV pool through slot indices.
+ *
+ * Extend: the contract of the Triton kernel sgrec.model.kernels.bipartite_attention.
  *
  *   q        [T, Hq, D]    the batch's new tokens (token stride s_q elements, heads contiguous)
  *   k, v     [T, Hkv, D]   their K/V as computed (token strides s_k, s_v)
@@ -23,10 +25,13 @@
  * about 1e-7); products accumulate in float32 whatever the storage type, and bfloat16 output rounds
  * to nearest even. The two products are register-blocked GEMM micro-kernels over GCC vector types,
  * which the compiler lowers to the vector ISA of the -march this file is built for (AVX-512 zmm,
- * AVX2 ymm pairs, or SSE), chosen by the loader from the CPU's own report. Tasks run under OpenMP,
+ * AVX2 ymm, or SSE/NEON), chosen by the loader from the CPU's own report. Tasks run under OpenMP,
  * on the runtime torch has already loaded.
+ *
+ * Decode: see sgrec_decode_attention below.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -352,5 +357,167 @@ int sgrec_extend_attention(const void *q, const void *k, const void *v, const vo
         free(ints);
     }
     free(tasks);
+    return failed;
+}
+
+/* ---- decode: one new token per sequence, its keys read from the pool by slot ------------------
+ *
+ *   q        [B, Hq, D]    one new token per sequence
+ *   kb, vb   [slots, Hkv, D]   one layer of the pool
+ *   idx      [sum of lengths]  every sequence's slots, concatenated; sequence b's are
+ *   ptr      [B + 1]       idx[ptr[b] .. ptr[b + 1]) (at least one each)
+ *   out      [B, Hq, D]
+ *
+ * One task per (sequence, KV head) handles its G query heads. Scores: VW keys at a time, each key's
+ * dot product accumulated across its row (a vector per key), then the VW vectors summed lane-wise
+ * into one vector of VW scores by a shuffle tree (no transposed copy of K, no per-key horizontal
+ * sum); an exact softmax (max, then 2^(s - max), sum) per head; the output sums V rows weighted four
+ * keys at a time. K and V rows are read in place (float32, head dims a multiple of the vector width)
+ * or through a converted, zero-padded copy (bfloat16, other head dims). */
+
+/* the shuffle masks of the lane-sum tree: level t takes vectors holding VW >> t keys' partial sums,
+ * w = VW >> t lanes... see reduce_lanes */
+static void tree_masks(vi *m) {
+    int level = 0;
+    for (int w = VW; w > 1; w /= 2, level++) {
+        int keys_in = VW / w, half = w / 2;
+        for (int p = 0; p < VW; p++) {
+            int kk = p / half, l = p % half;
+            int src = kk < keys_in ? kk * w + l : VW + (kk - keys_in) * w + l;
+            m[2 * level][p] = src;
+            m[2 * level + 1][p] = src + half;
+        }
+    }
+}
+
+/* r[j] = the sum of acc[j]'s lanes, for the VW vectors acc[0 .. VW) (overwritten) */
+static inline vf reduce_lanes(vf *acc, const vi *m) {
+    int n = VW, level = 0;
+    for (int w = VW; w > 1; w /= 2, level++, n /= 2)
+        for (int i = 0; i < n / 2; i++)
+            acc[i] = __builtin_shuffle(acc[2 * i], acc[2 * i + 1], m[2 * level]) +
+                     __builtin_shuffle(acc[2 * i], acc[2 * i + 1], m[2 * level + 1]);
+    return acc[0];
+}
+
+typedef struct {
+    const void *q, *kb, *vb;
+    const int64_t *idx, *ptr;
+    void *out;
+    int Hq, Hkv, D, G, Dp, bf16;
+    float scale;
+} dargs_t;
+
+/* the row of `slot`'s head h in a pool buffer, as Dp floats: in place when it can be read so, else
+ * converted into buf */
+static inline const float *pool_row(const dargs_t *a, const void *pool, int64_t slot, int h, float *buf) {
+    int64_t off = (slot * a->Hkv + h) * (int64_t)a->D;
+    if (!a->bf16 && a->D == a->Dp) return (const float *)pool + off;
+    for (int d = 0; d < a->D; d++) buf[d] = load1(pool, off + d, a->bf16);
+    for (int d = a->D; d < a->Dp; d++) buf[d] = 0.f;
+    return buf;
+}
+
+static void decode_task(const dargs_t *a, int64_t b, int h, float *qf, float *s, float *o, float *rows_buf,
+                        const float *zero, const vi *masks, int64_t Lp) {
+    const int64_t SL = Lp + VW; /* a head's row of scores, then its 1 / sum */
+    const int G = a->G, D = a->D, Dp = a->Dp, nvd = Dp / VW;
+    const int64_t *slots = a->idx + a->ptr[b], L = a->ptr[b + 1] - a->ptr[b];
+    const float qscale = a->scale * LOG2E;
+    const int64_t esize = a->bf16 ? 2 : 4;
+    for (int g = 0; g < G; g++) {
+        int64_t base = (b * a->Hq + (int64_t)h * G + g) * D;
+        for (int d = 0; d < Dp; d++) qf[g * Dp + d] = d < D ? load1(a->q, base + d, a->bf16) * qscale : 0.f;
+    }
+    const float *rows[VW];
+    for (int64_t j0 = 0; j0 < L; j0 += VW) {
+        int nk = (int)(L - j0 < VW ? L - j0 : VW);
+        for (int jj = 0; jj < VW; jj++)
+            rows[jj] = jj < nk ? pool_row(a, a->kb, slots[j0 + jj], h, rows_buf + (int64_t)jj * Dp) : zero;
+        for (int64_t j = j0 + VW; j < j0 + 2 * VW && j < L; j++) /* the next block's K rows */
+            for (int64_t off = 0; off < (int64_t)D * esize; off += 64)
+                __builtin_prefetch((const char *)a->kb + (slots[j] * a->Hkv + h) * (int64_t)D * esize + off);
+        for (int g = 0; g < G; g++) {
+            vf acc[VW];
+            for (int jj = 0; jj < VW; jj++) acc[jj] = vset(0.f);
+            for (int u = 0; u < nvd; u++) {
+                vf qv = vload(qf + g * Dp + u * VW);
+                for (int jj = 0; jj < VW; jj++) acc[jj] += vload(rows[jj] + u * VW) * qv;
+            }
+            vstore(s + g * SL + j0, reduce_lanes(acc, masks));
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * SL, mx = -INFINITY, sum = 0.f;
+        for (int64_t j = L; j < Lp; j++) sg[j] = -INFINITY;
+        for (int64_t j = 0; j < L; j++) mx = sg[j] > mx ? sg[j] : mx;
+        vf mv = vset(mx), ps = vset(0.f);
+        for (int64_t j = 0; j < Lp; j += VW) {
+            vf p = vexp2(vload(sg + j) - mv);
+            vstore(sg + j, p);
+            ps += p;
+        }
+        for (int u = 0; u < VW; u++) sum += ps[u];
+        sg[Lp] = 1.f / sum;
+    }
+    memset(o, 0, sizeof(float) * (size_t)G * Dp);
+    for (int64_t j0 = 0; j0 < L; j0 += 4) {
+        const float *vrow[4];
+        for (int jj = 0; jj < 4; jj++)
+            vrow[jj] = j0 + jj < L ? pool_row(a, a->vb, slots[j0 + jj], h, rows_buf + (int64_t)jj * Dp) : zero;
+        for (int64_t j = j0 + 8; j < j0 + 12 && j < L; j++) /* V rows two blocks ahead */
+            for (int64_t off = 0; off < (int64_t)D * esize; off += 64)
+                __builtin_prefetch((const char *)a->vb + (slots[j] * a->Hkv + h) * (int64_t)D * esize + off);
+        for (int g = 0; g < G; g++) {
+            const float *p = s + g * SL + j0; /* zero past L */
+            vf p0 = vset(p[0]), p1 = vset(p[1]), p2 = vset(p[2]), p3 = vset(p[3]);
+            float *og = o + g * Dp;
+            for (int u = 0; u < nvd; u++) {
+                vf acc = vload(og + u * VW);
+                acc += p0 * vload(vrow[0] + u * VW);
+                acc += p1 * vload(vrow[1] + u * VW);
+                acc += p2 * vload(vrow[2] + u * VW);
+                acc += p3 * vload(vrow[3] + u * VW);
+                vstore(og + u * VW, acc);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        int64_t base = (b * a->Hq + (int64_t)h * G + g) * D;
+        float inv = s[g * SL + Lp];
+        for (int d = 0; d < D; d++) {
+            float x = o[g * Dp + d] * inv;
+            if (a->bf16) ((uint16_t *)a->out)[base + d] = bf16_store(x);
+            else ((float *)a->out)[base + d] = x;
+        }
+    }
+}
+
+int sgrec_decode_attention(const void *q, const void *kb, const void *vb, const int64_t *idx, const int64_t *ptr,
+                           void *out, int B, int Hq, int Hkv, int D, float scale, int bf16) {
+    dargs_t a = {q, kb, vb, idx, ptr, out, Hq, Hkv, D, Hq / Hkv, (D + VW - 1) / VW * VW, bf16, scale};
+    int64_t Lmax = 0;
+    for (int b = 0; b < B; b++) Lmax = ptr[b + 1] - ptr[b] > Lmax ? ptr[b + 1] - ptr[b] : Lmax;
+    const int64_t Lp = (Lmax + 4 + VW - 1) / VW * VW; /* room for the PV step's 4-key blocks past L */
+    vi masks[64];
+    tree_masks(masks);
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        size_t floats = (size_t)a.G * (Lp + VW + 2 * (size_t)a.Dp) + (size_t)(VW + 1) * a.Dp;
+        float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
+        if (!buf) failed = 1;
+        else memset(buf, 0, sizeof(float) * floats);
+        float *qf = buf, *o = buf + (size_t)a.G * a.Dp, *s = o + (size_t)a.G * a.Dp;
+        float *rows_buf = s + (size_t)a.G * (Lp + VW), *zero = rows_buf + (size_t)VW * a.Dp;
+        /* a task: one sequence's KV heads one after another (its rows come into this core's cache
+         * once), or one (sequence, KV head) when there are too few sequences to keep threads busy */
+        int per = B >= 4 * omp_get_num_threads() ? Hkv : 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < (int64_t)B * Hkv / per; t++)
+            for (int h = (int)(t * per % Hkv); buf && h < (int)(t * per % Hkv) + per; h++)
+                decode_task(&a, t * per / Hkv, h, qf, s, o, rows_buf, zero, masks, Lp);
+        free(buf);
+    }
     return failed;
 }
