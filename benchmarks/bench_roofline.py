@@ -18,6 +18,9 @@ columns), in one counted run; the timed runs (best of --repeats) are not wrapped
 logits; bytes = the weights read once per forward + the KV read by decode steps. The roofline limit
 is min(GEMM peak, bandwidth x FLOPs / bytes); efficiency = achieved GFLOP/s / limit.
 
+Each path is timed again with --baseline-backend (default torch: the engine's attention backend
+swapped for it, nothing else changed), for the "vs" column: baseline time / this time.
+
 Paths: prefill of --prefill-len tokens (cache flushed); decode at batch 1 and 16 (--decode-prompt
 tokens, --decode-tokens new, decode steps only: the time of K new tokens minus the time of one);
 rank of 100 candidates x 16 tokens for a 512-token user, item-as-prefix, cold (cache flushed: items
@@ -46,6 +49,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend  # noqa: E402
+from sgrec.model.attention import make_backend  # noqa: E402
 from sgrec.model.llama import CausalLM  # noqa: E402
 
 ND, ITEM_TOKENS = 3, 16
@@ -179,6 +183,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--baseline-backend", default="torch",
+                    help="also time every path with this attention backend (same engine, backend swapped), "
+                         "for the 'vs baseline' column; 'none' skips it")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the engine's dtype; the table's peak is this dtype's (bfloat16: where native)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
@@ -213,8 +220,22 @@ def main(argv=None) -> None:
     write_catalog(catalog, args.num_items, base, args.codes)
     eng = Engine(model, device="cpu", dtype=args.dtype, item_catalog=catalog, attention_backend=args.attention_backend,
                  max_beam_width=max(args.beam_widths), log_level="warning")
-    print(f"engine: attention backend {type(eng.runner.backend).__name__}, weights "
-          f"{'packed' if eng.runner.packed else 'plain'}; {args.num_items} items", flush=True)
+    main_backend = eng.runner.backend
+    base_backend = None if args.baseline_backend == "none" else make_backend(args.baseline_backend, "cpu")
+    print(f"engine: attention backend {type(main_backend).__name__}, weights "
+          f"{'packed' if eng.runner.packed else 'plain'}; {args.num_items} items; baseline backend "
+          f"{type(base_backend).__name__ if base_backend else 'none'}", flush=True)
+
+    def timed(measure) -> tuple[float, float | None]:
+        """measure() (seconds) with the engine's backend, then with the baseline's (None without one)."""
+        t = measure()
+        if base_backend is None:
+            return t, None
+        eng.runner.backend = base_backend
+        try:
+            return t, measure()
+        finally:
+            eng.runner.backend = main_backend
     rng = np.random.default_rng(1)
 
     def ids(n):
@@ -222,16 +243,18 @@ def main(argv=None) -> None:
 
     rows, results = [], {"limits": limits, "paths": {}}
 
-    def record(name, fn, t, forwards=1, target=None, ratio_of=None):
+    def record(name, fn, times, forwards=1, target=None):
+        t, t_base = times
         gflop, gb = work(fn, cfg, nonembed, esize, lambda: forwards)
         limit = min(peak, bw * gflop / gb)
         achieved = gflop / t
         eff = achieved / limit
         bound = "compute" if limit == peak else "memory"
         results["paths"][name] = {"s": t, "gflop": gflop, "gb": gb, "gflops": achieved, "limit": limit,
-                                  "bound": bound, "efficiency": eff, "target": target}
-        rows.append([name, f"{t * 1e3:.1f}", f"{gflop:.2f}", f"{achieved:.1f}", f"{limit:.1f} ({bound})",
-                     f"{eff:.0%}", "" if target is None else f">= {target:.0%} of peak: "
+                                  "bound": bound, "efficiency": eff, "target": target, "baseline_s": t_base}
+        rows.append([name, f"{t * 1e3:.1f}", "-" if t_base is None else f"{t_base * 1e3:.1f}",
+                     "-" if t_base is None else f"{t_base / t:.2f}", f"{gflop:.2f}", f"{achieved:.1f}",
+                     f"{limit:.1f} ({bound})", f"{eff:.0%}", "" if target is None else f">= {target:.0%} of peak: "
                      + ("met" if achieved / peak >= target else f"MISSED ({achieved / peak:.0%} of peak)")])
         print(f"  {name}: {t * 1e3:.1f} ms, {achieved:.1f} GFLOP/s, {eff:.0%} of its limit", flush=True)
 
@@ -242,7 +265,7 @@ def main(argv=None) -> None:
         eng.flush_cache()
         eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})
 
-    record(f"prefill {args.prefill_len}", prefill, best(prefill, args.repeats), target=TARGETS["prefill"])
+    record(f"prefill {args.prefill_len}", prefill, timed(lambda: best(prefill, args.repeats)), target=TARGETS["prefill"])
 
     # decode: K new tokens minus one, per batch size
     for b in (1, 16):
@@ -254,7 +277,7 @@ def main(argv=None) -> None:
                                                              "ignore_eos": True})
 
         k = args.decode_tokens
-        t = best(lambda: gen(k), args.repeats) - best(lambda: gen(1), args.repeats)
+        t, t_base = timed(lambda: best(lambda: gen(k), args.repeats) - best(lambda: gen(1), args.repeats))
         c = Counter()
         with c.counting():
             gen(k)
@@ -271,8 +294,11 @@ def main(argv=None) -> None:
         bound = "compute" if limit == peak else "memory"
         name = f"decode batch {b}"
         results["paths"][name] = {"s": t, "gflop": gflop, "gb": gb, "gflops": gflop / t, "limit": limit,
-                                  "bound": bound, "efficiency": gflop / t / limit, "tok_s": b * (k - 1) / t}
-        rows.append([name, f"{t * 1e3:.1f}", f"{gflop:.2f}", f"{gflop / t:.1f}", f"{limit:.1f} ({bound})",
+                                  "bound": bound, "efficiency": gflop / t / limit, "tok_s": b * (k - 1) / t,
+                                  "baseline_s": t_base}
+        rows.append([name, f"{t * 1e3:.1f}", "-" if t_base is None else f"{t_base * 1e3:.1f}",
+                     "-" if t_base is None else f"{t_base / t:.2f}", f"{gflop:.2f}", f"{gflop / t:.1f}",
+                     f"{limit:.1f} ({bound})",
                      f"{gflop / t / limit:.0%}", f"{b * (k - 1) / t:.1f} tok/s (HF ratio: bench_engine)"])
         print(f"  {name}: {b * (k - 1) / t:.1f} tok/s, {gflop / t / limit:.0%} of its limit", flush=True)
 
@@ -286,10 +312,10 @@ def main(argv=None) -> None:
     def rank_warm():
         return eng.rank({"token_ids": ids(args.user_len)}, cands, prefix="item", score_by="id_token")
 
-    record(f"rank {args.candidates}x{ITEM_TOKENS}, item-prefix, cold", rank_cold, best(rank_cold, args.repeats),
+    record(f"rank {args.candidates}x{ITEM_TOKENS}, item-prefix, cold", rank_cold, timed(lambda: best(rank_cold, args.repeats)),
            target=TARGETS["rank cold"])
     rank_warm()
-    record(f"rank {args.candidates}x{ITEM_TOKENS}, item-prefix, warm", rank_warm, best(rank_warm, args.repeats))
+    record(f"rank {args.candidates}x{ITEM_TOKENS}, item-prefix, warm", rank_warm, timed(lambda: best(rank_warm, args.repeats)))
 
     # retrieve, prompt computed each time
     user = ids(args.retrieve_prompt)
@@ -298,12 +324,13 @@ def main(argv=None) -> None:
             eng.flush_cache()
             return eng.retrieve({"token_ids": user}, beam_width=bw_, num_items=10)
 
-        record(f"retrieve {args.retrieve_prompt} tok, BW {bw_}", retrieve, best(retrieve, args.repeats),
+        record(f"retrieve {args.retrieve_prompt} tok, BW {bw_}", retrieve, timed(lambda: best(retrieve, args.repeats)),
                forwards=1 + ND, target=TARGETS["retrieve"])
     eng.shutdown()
 
     print()
-    print(md_table(["path", "time ms", "GFLOP", "GFLOP/s", "limit GFLOP/s", "efficiency", "note / target"], rows))
+    print(md_table(["path", "time ms", f"{args.baseline_backend} ms", f"vs {args.baseline_backend}", "GFLOP", "GFLOP/s",
+                    "limit GFLOP/s", "efficiency", "note / target"], rows))
     print(f"\n{args.dtype} GEMM peak {peak:.1f} GFLOP/s (the best of 2048^3 torch.mm and the packed projection at 1024 rows), memory {bw:.1f} GB/s (256 MiB copy); "
           f"model projections {limits['proj_16_rows']:.1f} GFLOP/s at 16 rows, {limits['proj_1024_rows']:.1f} at 1024"
           + "".join(f"; {k} {v:.1f} GFLOP/s" for k, v in limits.items() if k.startswith("gemm_")))

@@ -9,11 +9,12 @@ default) driven by `python -m sgrec.bench_serving` at request rate inf: --num-pr
 prompts of exactly 256 tokens, exactly 64 output tokens (ignore_eos), greedy, after 8 warm-up
 requests. Configurations (flags added to the server's):
 
-* before (issue 23 part 2): `--attention-backend torch --dtype float32`: the defaults of the
-  commit before this change (decode attention over gathered K/V, float32, packed weights);
-* native float32: `--attention-backend native --dtype float32`: the opt-in C decode kernel alone;
-* defaults: no flag: `--attention-backend auto --dtype auto` (torch attention, and bfloat16 where
-  the CPU multiplies it natively, float32 elsewhere).
+* torch, float32: `--attention-backend torch --dtype float32`: attention over gathered K/V (torch's
+  SDPA), float32, packed weights (the float32 defaults before sgrec's C attention kernels);
+* native, float32: `--attention-backend native --dtype float32`: sgrec's C decode and extend
+  kernels (what `--attention-backend auto` picks for float32 on an AVX-512 CPU);
+* defaults: no flag: `--attention-backend auto --dtype auto` (bfloat16 where the CPU multiplies it
+  natively, with torch attention, since auto keeps bfloat16 on torch's SDPA; float32 elsewhere).
 
 The table gives each one's output tok/s, req/s, mean TTFT and mean ITL, and its ratio to the first.
 """
@@ -36,7 +37,7 @@ from bench_catalog import header, md_table  # noqa: E402
 from sgrec.tools.local_server import LocalServer  # noqa: E402
 
 CONFIGS = {
-    "before (torch, float32)": ["--attention-backend", "torch", "--dtype", "float32"],
+    "torch, float32": ["--attention-backend", "torch", "--dtype", "float32"],
     "native, float32": ["--attention-backend", "native", "--dtype", "float32"],
     "defaults (auto, auto)": [],
 }

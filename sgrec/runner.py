@@ -8,7 +8,7 @@ import os
 import torch
 
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import ForwardBatch, SeqLayout, make_backend
+from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, make_backend
 from sgrec.model.config import ModelConfig, resolve_dtype
 from sgrec.model.cpu_linear import packing_available
 from sgrec.model.hybrid import hybrid_forward
@@ -61,6 +61,8 @@ class ModelRunner:
         self.packed = not args.disable_weight_packing and packing_available(self.device, self.dtype)
         self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed)
         self.backend = make_backend(args.attention_backend, self.device)
+        if isinstance(self.backend, NativeBackend):  # sgrec's C kernels: attention, and the float32 glue
+            self.model.use_native_glue()
         self.max_input_len = min(args.max_input_len or self.context_len - 1, self.context_len - 1)
         cfg = self.config
         self.kv_pool = self._new_pool(1)

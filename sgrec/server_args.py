@@ -106,10 +106,12 @@ class ServerArgs:
     max_n: int = _arg(64, "Largest n (samples per prompt) of a generate request (more: 400).")
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg(
-        "auto", "Attention implementation. auto: torch. torch: SDPA over gathered K/V (CPU and CUDA); "
-        "native: decode through sgrec's C kernel reading the KV pool by slot index (CPU; built with the "
-        "machine's C compiler on first use; measured slower than torch on an AVX-512 CPU, so opt-in), "
-        "otherwise as torch; triton: Triton kernels for decode (reading the KV pool by "
+        "auto", "Attention implementation. auto: native for float32 on a CPU that reports AVX-512 (where "
+        "it was measured faster) and a C compiler builds it, else torch. torch: SDPA over gathered K/V "
+        "(CPU and CUDA); native: sgrec's C kernels on CPU (built with the machine's C compiler on first "
+        "use for the CPU's vector ISA): decode and prefill/extend attention reading cached K/V from the "
+        "KV pool by slot index, causal and rank (bipartite) masks from two integers per KV column, "
+        "tiles nobody sees skipped; other masks as torch; triton: Triton kernels for decode (reading the KV pool by "
         "slot index), beam steps' staged attention, rank forwards' bipartite masks and retrieve levels' "
         "selection (CUDA, or CPU under TRITON_INTERPRET=1 for tests).", ["auto", "torch", "native", "triton"])
     disable_weight_packing: bool = _arg(

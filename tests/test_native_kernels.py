@@ -309,3 +309,95 @@ def test_auto_picks_the_native_kernels_only_with_avx512(monkeypatch):
     assert type(make_backend("auto", "cuda")) is TorchBackend
     monkeypatch.setattr(caps, "cpu_flags", lambda: frozenset(v3))
     assert type(make_backend("auto", "cpu")) is TorchBackend
+
+
+# ---- fused glue (RMSNorm, RoPE, SiLU * up) --------------------------------------------------------
+@needs_kernels
+@every_isa
+@pytest.mark.parametrize("n", [576, 40, 7])
+def test_fused_rmsnorm_equals_torch(march, n):
+    """Rows of a strided view (every other row of a buffer), dims that are and are not multiples of the
+    vector width, values over several magnitudes; with a residual, x += residual in place first. Equal
+    to the float64 reference within 1e-5 (relative to the output's scale), and a row's bits do not
+    depend on how many rows come with it."""
+    from sgrec.model.llama import RMSNorm
+
+    lib = native.library(march)
+    g = torch.Generator().manual_seed(n)
+    buf = torch.randn(2 * 33, n, generator=g) * torch.logspace(-2, 2, 2 * 33)[:, None]
+    x = buf[::2]  # row stride 2n
+    w = torch.randn(n, generator=g)
+    norm = RMSNorm(n, 1e-6)
+    norm.weight.data.copy_(w)
+
+    def ref(t):
+        t = t.double()
+        return (w.double() * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)).float()
+
+    out = native.rmsnorm(x, w, 1e-6, lib=lib)
+    want = ref(x)
+    assert ((out - want).abs() / want.abs().amax(-1, keepdim=True)).max() <= 1e-5
+    assert ((norm(x) - want).abs() / want.abs().amax(-1, keepdim=True)).max() <= 1e-5  # torch's own, as sanity
+    assert torch.equal(native.rmsnorm(x[5:6], w, 1e-6, lib=lib), out[5:6])
+    res = torch.randn(33, n, generator=g)
+    x2, before = x.clone(), x.clone()
+    out2 = native.rmsnorm(x2, w, 1e-6, residual=res, lib=lib)
+    assert torch.equal(x2, before + res) and ((out2 - ref(before + res)).abs().max() <= 1e-5 * ref(before + res).abs().max())
+
+
+@needs_kernels
+@every_isa
+@pytest.mark.parametrize("D", [64, 24, 6])
+def test_fused_rope_equals_apply_rope(march, D):
+    """q and k as views of one fused qkv output (token stride q + 2 kv), rotated in place == apply_rope
+    within 1e-6; positions beyond the table's start; the v columns untouched."""
+    from sgrec.model.rope import RotaryEmbedding, apply_rope
+
+    lib = native.library(march)
+    T, hq, hk = 21, 6, 2
+    g = torch.Generator().manual_seed(D)
+    qkv = torch.randn(T, (hq + 2 * hk) * D, generator=g) * 3
+    q, k, v = qkv.split([hq * D, hk * D, hk * D], dim=-1)
+    q, k = q.view(T, hq, D), k.view(T, hk, D)
+    cos, sin = RotaryEmbedding(D, 10000.0, None, 64, torch.device("cpu")).cos_sin(torch.arange(40, 40 + T),
+                                                                                 torch.float32)
+    want_q, want_k, v_before = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.clone()
+    assert native.rope_(q, k, cos, sin, lib=lib)
+    assert (q - want_q).abs().max() <= 1e-6 * 3 and (k - want_k).abs().max() <= 1e-6 * 3
+    assert torch.equal(v, v_before)
+    assert not native.rope_(q.bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16(), lib=lib)  # torch's then
+
+
+@needs_kernels
+@every_isa
+@pytest.mark.parametrize("inter", [1536, 40, 5])
+def test_fused_silu_mul_equals_torch(march, inter):
+    """silu(gate) * up over gates from -200 to 200 (e^-g overflowing float32 at the low end) == torch
+    within 1e-6 relative; a row's bits do not depend on the batch."""
+    import torch.nn.functional as F
+
+    lib = native.library(march)
+    g = torch.Generator().manual_seed(inter)
+    gu = torch.randn(17, 2 * inter, generator=g) * 4
+    gu[0, :inter] = torch.linspace(-200, 200, inter)
+    out = native.silu_mul(gu, inter, lib=lib)
+    want = (F.silu(gu[:, :inter].double()) * gu[:, inter:].double()).float()
+    assert ((out - want).abs() <= 1e-6 * (1 + want.abs())).all()
+    assert torch.equal(native.silu_mul(gu[3:4], inter, lib=lib), out[3:4])
+    assert native.silu_mul(gu.bfloat16(), inter, lib=lib) is None
+
+
+@needs_kernels
+def test_the_native_backend_turns_the_glue_on_for_float32(tiny_model_dir):
+    """A runner on the native backend routes RMSNorm, RoPE and the MLP's activation through the fused
+    kernels (float32), one on torch does not; their prefill logits agree within 5e-5 (other summation
+    orders) with the same greedy tokens (the runner test above covers decode)."""
+    from sgrec.model.llama import MLP, RMSNorm
+
+    runners = [ModelRunner(ServerArgs(model_path=tiny_model_dir("qwen3"), max_total_tokens=128, dtype="float32",
+                                      attention_backend=name)) for name in ("torch", "native")]
+    mods = [[m for m in r.model.modules() if isinstance(m, (RMSNorm, MLP))] for r in runners]
+    assert all(m.glue is None for m in mods[0]) and all(m.glue is native for m in mods[1])
+    logits = [decode_logits(r, prompts=(list(range(3, 60)), [9, 8, 7]), steps=2) for r in runners]
+    assert (logits[0] - logits[1]).abs().max() <= 5e-5
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))

@@ -20,12 +20,18 @@ from sgrec.model.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
+    glue = None  # sgrec.model.native once use_native_glue() ran: fused float32 CPU ops
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.glue is not None:
+            out = self.glue.rmsnorm(x, self.weight, self.eps)
+            if out is not None:
+                return out
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -33,6 +39,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    glue = None  # as RMSNorm.glue
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -57,6 +65,8 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.glue is not None and self.glue.rope_(q, k, cos, sin):  # in place (q, k: views of a fresh tensor)
+            return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
@@ -65,6 +75,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    glue = None  # as RMSNorm.glue
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
@@ -72,8 +84,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = None if self.glue is None else self.glue.silu_mul(gate_up, self.inter)
+        if act is None:
+            gate, up = gate_up.split([self.inter, self.inter], dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -128,6 +144,15 @@ class CausalLM(nn.Module):
         if plain is not None:
             return plain
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def use_native_glue(self) -> None:
+        """RMSNorm, RoPE and SiLU-times-up through sgrec's fused C kernels (sgrec.model.native, glue.c)
+        wherever the tensors are float32 on CPU; the torch ops elsewhere."""
+        from sgrec.model import native
+
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.glue = native
 
     def pack_for_cpu(self) -> None:
         """Prepacks every projection (and the output layer) for oneDNN; see cpu_linear.py."""

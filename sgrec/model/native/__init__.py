@@ -1,4 +1,5 @@
-"""sgrec's C kernels for CPU (attention.c: extend and decode attention), compiled on first use with
+"""sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
+SiLU-times-up fused, float32), compiled on first use with
 the machine's C compiler and loaded with ctypes (issue 23). No torch headers: each kernel is a plain
 C function over data pointers, so a build takes about a second. OpenMP pragmas bind to the OpenMP
 runtime torch has already loaded (libgomp.so.1 by soname), so a kernel's threads are torch's own
@@ -29,6 +30,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention.c")
+SOURCES = (SOURCE, SOURCE.with_name("glue.c"))
+HEADERS = (SOURCE.with_name("vec.h"),)
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write (they compute in float32)
 _lock = threading.Lock()
@@ -67,14 +70,16 @@ def _build(cc: str, march: list[str]) -> Path:
     """The cached library built with these -march flags."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     flags = FLAGS + list(march)
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    key = hashlib.sha256(text + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
     path = cache_dir() / f"{SOURCE.stem}-{key}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([cc, *flags, f"-I{SOURCE.parent}", *map(str, SOURCES), "-o", tmp, "-lm"],
+                          capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"{cc} could not build {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
@@ -90,6 +95,13 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.sgrec_extend_attention.restype = ctypes.c_int
     lib.sgrec_extend_attention.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9
                                            + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int])
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for name, args in (("sgrec_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float]),
+                       ("sgrec_rope", [p, i64, i32, p, i64, i32, p, p, i64, i32]),
+                       ("sgrec_silu_mul", [p, i64, p, i64, i64, i32])):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = args
     return lib
 
 
@@ -163,7 +175,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
                      q_start: torch.Tensor, q_len: torch.Tensor, q_order: torch.Tensor, q_block: torch.Tensor,
                      c_idx: torch.Tensor, c_order: torch.Tensor, c_block: torch.Tensor, c_ptr: torch.Tensor,
                      scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """Extend attention under a causal or bipartite mask (extend_attention.c's doc; the contract of
+    """Extend attention under a causal or bipartite mask (attention.c's doc; the contract of
     sgrec.model.kernels.bipartite_attention): q [T, Hq, D], k/v [T, Hkv, D] the new tokens (any
     token stride, the last two dimensions contiguous), k_buf/v_buf one pool layer; sequence b's new
     tokens are rows q_start[b] .. q_start[b] + q_len[b] - 1, its cached columns c_idx[c_ptr[b] ..
@@ -192,3 +204,57 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
                                   out.data_ptr(), q_start.numel(), Hq, Hkv, D, scale, int(q.dtype == torch.bfloat16)):
         raise MemoryError("extend_attention: scratch allocation failed")
     return out.view(T, Hq * D)
+
+
+# ---- fused glue (float32, CPU; see glue.c) ---------------------------------------------------------
+def _rows(t: torch.Tensor) -> torch.Tensor | None:
+    """t as 2-D rows whose last dimension is contiguous (a view), or None where no such view exists."""
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t
+    return t.view(-1, t.shape[-1]) if t.is_contiguous() else None
+
+
+def glue_takes(*tensors: torch.Tensor) -> bool:
+    """Whether the fused glue runs on these tensors (float32 on CPU): the callers' fallback test."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, as a new tensor; with `residual`,
+    x += residual in place first. None where x is not float32 rows (the caller uses torch)."""
+    rows = _rows(x)
+    res = None if residual is None else _rows(residual)
+    if rows is None or (residual is not None and (res is None or res.shape != rows.shape)) or not glue_takes(x, weight):
+        return None
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _loaded(lib).sgrec_rmsnorm(rows.data_ptr(), rows.stride(0), None if res is None else res.data_ptr(),
+                               0 if res is None else res.stride(0), weight.contiguous().data_ptr(), out.data_ptr(),
+                               rows.shape[1], rows.shape[0], rows.shape[1], eps)
+    return out
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          lib: ctypes.CDLL | None = None) -> bool:
+    """HF's rotate-half RoPE on q [T, Hq, D] and k [T, Hk, D] in place (heads and dims contiguous, any
+    token stride), cos/sin [T, D]; False (nothing done) where the layout or dtype does not fit."""
+    T, Hq, D = q.shape
+    ok = (glue_takes(q, k, cos, sin) and D % 2 == 0 and q.stride()[1:] == (D, 1) and k.stride()[1:] == (D, 1)
+          and cos.shape == sin.shape == (T, D) and k.shape[0] == T and k.shape[2] == D)
+    if not ok:
+        return False
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _loaded(lib).sgrec_rope(q.data_ptr(), q.stride(0), Hq, k.data_ptr(), k.stride(0), k.shape[1], cos.data_ptr(),
+                            sin.data_ptr(), T, D)
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+    """silu(gate_up[:, :inter]) * gate_up[:, inter:] as a new [T, inter] tensor; None where gate_up is
+    not float32 rows of 2 * inter."""
+    rows = _rows(gate_up)
+    if rows is None or rows.shape[1] != 2 * inter or not glue_takes(gate_up):
+        return None
+    out = torch.empty(rows.shape[0], inter, dtype=torch.float32)
+    _loaded(lib).sgrec_silu_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), inter, rows.shape[0], inter)
+    return out.view(*gate_up.shape[:-1], inter)

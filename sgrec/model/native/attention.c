@@ -36,67 +36,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define VW 16 /* floats per vector value: one zmm */
-#define NR 4  /* query rows per micro-kernel step (register blocking) */
-#define DV 4  /* output vectors per row in the P V micro-kernel */
-#elif defined(__AVX__)
-#define VW 8 /* one ymm */
-#define NR 2
-#define DV 4
-#else
-#define VW 4 /* SSE, NEON */
-#define NR 2
-#define DV 4
-#endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
+#include "vec.h"
 
+#if defined(__AVX512F__)
+#define NR 4 /* query rows per micro-kernel step (register blocking) */
+#else
+#define NR 2
+#endif
+#define DV 4 /* output vectors per row in the P V micro-kernel */
 #define BN 32 /* KV columns per step */
 #define NB (BN / VW) /* vectors of scores per row */
 #define ROWS_PER_TASK 192 /* query rows (tokens x G heads) per task, about */
-#define LOG2E 1.4426950408889634f
-
-static inline vf vload(const float *p) { return *(const vfu *)p; }
-static inline void vstore(float *p, vf x) { *(vfu *)p = x; }
-static inline vf vset(float s) {
-    vf r = {0};
-    return r + s;
-}
-
-/* 2^x, for x <= 0 (exactly 0 below -126, so a masked -inf score weighs nothing). */
-static inline vf vexp2(vf x) {
-    const vf lo = vset(-126.f), magic = vset(12582912.f); /* 1.5 * 2^23: round to integer */
-    vi under = x < lo;
-    vf xc = (vf)(((vi)x & ~under) | ((vi)lo & under));
-    vf t = xc + magic;
-    vf n = t - magic;
-    vf f = xc - n; /* in [-0.5, 0.5] */
-    vf p = vset(1.525273380405984e-05f);
-    p = p * f + 1.5403530393381608e-04f;
-    p = p * f + 1.3333558146428443e-03f;
-    p = p * f + 9.618129107628477e-03f;
-    p = p * f + 5.550410866482158e-02f;
-    p = p * f + 2.402265069591007e-01f;
-    p = p * f + 6.931471805599453e-01f;
-    p = p * f + 1.0f;
-    vi e = ((vi)t - 0x4b400000) << 23;
-    return (vf)(((vi)p + e) & ~under);
-}
-
-static inline float bf16_load(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-static inline uint16_t bf16_store(float f) {
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
 
 static inline float load1(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_load(((const uint16_t *)p)[i]) : ((const float *)p)[i];

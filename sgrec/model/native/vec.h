@@ -1,0 +1,61 @@
+/* Vector helpers shared by sgrec's CPU kernels (attention.c, glue.c): GCC vector types of the width of
+ * the ISA the file is built for (-march chosen by the loader from the CPU's report), 2^x, bfloat16. */
+#ifndef SGREC_VEC_H
+#define SGREC_VEC_H
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#define VW 16 /* floats per vector value: one zmm */
+#elif defined(__AVX__)
+#define VW 8 /* one ymm */
+#else
+#define VW 4 /* SSE, NEON */
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+#define LOG2E 1.4426950408889634f
+
+static inline vf vload(const float *p) { return *(const vfu *)p; }
+static inline void vstore(float *p, vf x) { *(vfu *)p = x; }
+static inline vf vset(float s) {
+    vf r = {0};
+    return r + s;
+}
+static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); } /* m ? a : b */
+
+/* 2^x, for x <= 126 (exactly 0 below -126, so a masked -inf score weighs nothing); relative error
+ * about 1e-7 (a degree-7 polynomial on [-0.5, 0.5]). */
+static inline vf vexp2(vf x) {
+    const vf lo = vset(-126.f), magic = vset(12582912.f); /* 1.5 * 2^23: round to integer */
+    vi under = x < lo;
+    vf xc = vselect(under, lo, x);
+    vf t = xc + magic;
+    vf n = t - magic;
+    vf f = xc - n; /* in [-0.5, 0.5] */
+    vf p = vset(1.525273380405984e-05f);
+    p = p * f + 1.5403530393381608e-04f;
+    p = p * f + 1.3333558146428443e-03f;
+    p = p * f + 9.618129107628477e-03f;
+    p = p * f + 5.550410866482158e-02f;
+    p = p * f + 2.402265069591007e-01f;
+    p = p * f + 6.931471805599453e-01f;
+    p = p * f + 1.0f;
+    vi e = ((vi)t - 0x4b400000) << 23;
+    return (vf)(((vi)p + e) & ~under);
+}
+
+static inline float bf16_load(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+#endif
