@@ -3,6 +3,7 @@ their test inputs."""
 
 import torch
 
+from sgrec.mem.kv_pool import KVPool
 from sgrec.model.attention import ForwardBatch, SeqLayout, _BipartiteMeta
 from sgrec.rank import layout as L
 
@@ -114,3 +115,19 @@ def pack(seqs, locs, T, block_m=None, causal=False):
     meta = _BipartiteMeta.of(batch, block_m, causal)
     assert meta is not None
     return meta
+
+
+def run_backends(backends, q, k, v, k_buf, v_buf, seqs, locs, scale):
+    """Each backend's attention output for one extend batch of these sequences over a pool layer that
+    holds k_buf/v_buf, and whether its prepare() chose the kernel path (a _BipartiteMeta)."""
+    pool = KVPool(k_buf.shape[0] - 1, 1, k.shape[1], k.shape[2], k_buf.dtype)  # slot 0 + the rest
+    outs, kernel = [], []
+    for backend in backends:
+        pool.k_buffer[0].copy_(k_buf)
+        pool.v_buffer[0].copy_(v_buf)
+        T = q.shape[0]
+        batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs, seqs, pool)
+        backend.prepare(batch)
+        outs.append(backend.forward(q, k, v, 0, batch, scale))
+        kernel.append(isinstance(batch.attn_meta, _BipartiteMeta))
+    return outs, kernel

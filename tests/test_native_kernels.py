@@ -17,7 +17,8 @@ from sgrec.model.cpu_caps import cpu_flags
 from sgrec.rank import layout as L
 from sgrec.runner import ModelRunner
 from sgrec.server_args import ServerArgs
-from tests.kernel_refs import bipartite_reference, case, decode_logits, pack, rank_case, rank_layouts, reference
+from tests.kernel_refs import (bipartite_reference, case, decode_logits, pack, rank_case, rank_layouts, reference,
+                               run_backends)
 
 needs_kernels = pytest.mark.skipif(native.compiler() is None and not os.environ.get("CI"),
                                    reason="no C compiler on this machine")
@@ -253,17 +254,8 @@ def test_native_backend_extend_equals_torch_backend():
     cases = [(q, k, v, k_buf, v_buf, seqs, locs, True), (q, k, v, k_buf, v_buf, [dense, *seqs[1:]], locs, False),
              (cq, ck, cv, ck_buf, cv_buf, cseqs, clocs, True)]
     for q, k, v, k_buf, v_buf, batch_seqs, locs, kernel in cases:
-        pool = KVPool(k_buf.shape[0] - 1, 1, hkv, d, torch.float32)  # slot 0 + the rest
-        outs = []
-        for backend in (TorchBackend(), NativeBackend()):
-            pool.k_buffer[0].copy_(k_buf)
-            pool.v_buffer[0].copy_(v_buf)
-            T = q.shape[0]
-            batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs,
-                                 batch_seqs, pool)
-            backend.prepare(batch)
-            outs.append(backend.forward(q, k, v, 0, batch, d ** -0.5))
-            assert isinstance(batch.attn_meta, _BipartiteMeta) == (kernel and type(backend) is not TorchBackend)
+        outs, took = run_backends((TorchBackend(), NativeBackend()), q, k, v, k_buf, v_buf, batch_seqs, locs, d ** -0.5)
+        assert took == [False, kernel]
         assert (outs[0] - outs[1]).abs().max() <= 1e-5
     pool = KVPool(8, 1, hkv, d, torch.bfloat16)
     batch = ForwardBatch(torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64),

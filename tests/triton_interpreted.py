@@ -12,7 +12,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by tests/test_kernels.py with TRITON_INTERPRET=1", allow_module_level=True)
 
 from sgrec.mem.kv_pool import KVPool  # noqa: E402
-from sgrec.model.attention import ForwardBatch, SeqLayout, TorchBackend, TritonBackend, _BipartiteMeta  # noqa: E402
+from sgrec.model.attention import ForwardBatch, SeqLayout, TorchBackend, TritonBackend  # noqa: E402
 from sgrec.model.kernels.bipartite_attention import bipartite_attention  # noqa: E402
 from sgrec.beam import RetrieveExecutor, naive_retrieve  # noqa: E402
 from sgrec.beam.attention import staged_attention as torch_staged  # noqa: E402
@@ -21,8 +21,8 @@ from sgrec.model.kernels.staged_attention import staged_attention  # noqa: E402
 from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
-from sgrec.rank import layout as L  # noqa: E402
-from tests.kernel_refs import bipartite_reference, case, decode_logits, pack, rank_case, rank_layouts, reference  # noqa: E402
+from tests.kernel_refs import (bipartite_reference, case, decode_logits, pack, rank_case, rank_layouts,  # noqa: E402
+                               reference, run_backends)
 from tests.test_beam import assert_same, random_catalog  # noqa: E402
 
 
@@ -213,19 +213,10 @@ def test_triton_backend_extend_with_bipartite_masks_equals_torch_backend():
     torch path; both equal TorchBackend."""
     hq, hkv, d = 6, 2, 16
     q, k, v, k_buf, v_buf, seqs, locs = rank_case(hq, hkv, d, rank_layouts(), torch.float32, seed=3)
-    pool = KVPool(k_buf.shape[0] - 1, 1, hkv, d, torch.float32)  # slot 0 + the rest
     plain = SeqLayout(seqs[0].q_start, seqs[0].q_len, seqs[0].kv_indices, seqs[0].mask)
     for batch_seqs, kernel in ((seqs, True), ([plain, *seqs[1:]], False)):
-        outs = []
-        for backend in (TorchBackend(), TritonBackend()):
-            pool.k_buffer[0].copy_(k_buf)
-            pool.v_buffer[0].copy_(v_buf)
-            T = q.shape[0]
-            batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs,
-                                 batch_seqs, pool)
-            backend.prepare(batch)
-            outs.append(backend.forward(q, k, v, 0, batch, d ** -0.5))
-        assert isinstance(batch.attn_meta, _BipartiteMeta) == kernel
+        outs, took = run_backends((TorchBackend(), TritonBackend()), q, k, v, k_buf, v_buf, batch_seqs, locs, d ** -0.5)
+        assert took == [False, kernel]
         assert (outs[0] - outs[1]).abs().max() <= 1e-5
 
 

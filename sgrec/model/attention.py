@@ -236,34 +236,48 @@ class _BipartiteMeta:
                    on(torch.cumsum(torch.tensor(c_len), 0)), on(torch.cat(c_order)), on(torch.cat(c_block)), grid)
 
 
-class _SlotDecodeBackend(TorchBackend):
+class _KernelBackend(TorchBackend):
     """Decode through a kernel that reads the KV pool by slot index (no gathered copy of any
-    sequence's K/V); extend batches as TorchBackend. Subclasses name the kernel."""
+    sequence's K/V), and extend batches whose masks a kernel takes as two integers per KV column
+    (`extend_meta`: a _BipartiteMeta, else None) through `extend`; anything else as TorchBackend.
+    Subclasses name the kernels."""
 
     def decode(self, q, k_buf, v_buf, idx, ptr, scale) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extend(self, q, k, v, k_buf, v_buf, meta: "_BipartiteMeta", scale) -> torch.Tensor:
         raise NotImplementedError
 
     def takes_decode(self, batch: ForwardBatch) -> bool:
         return batch.is_decode
 
+    def extend_meta(self, batch: ForwardBatch) -> "_BipartiteMeta | None":
+        return None
+
     def prepare(self, batch: ForwardBatch) -> None:
-        if not self.takes_decode(batch):
+        if self.takes_decode(batch):
+            dev = batch.out_cache_loc.device
+            lens = torch.tensor([0] + [s.kv_len for s in batch.seqs], dtype=torch.int64)
+            idx = torch.cat([s.kv_indices for s in batch.seqs]).to(dev, torch.int64)
+            batch.attn_meta = _SlotMeta(idx, torch.cumsum(lens, 0).to(dev))
+            return
+        meta = None if batch.is_decode else self.extend_meta(batch)
+        if meta is None:
             return super().prepare(batch)
-        dev = batch.out_cache_loc.device
-        lens = torch.tensor([0] + [s.kv_len for s in batch.seqs], dtype=torch.int64)
-        idx = torch.cat([s.kv_indices for s in batch.seqs]).to(dev, torch.int64)
-        batch.attn_meta = _SlotMeta(idx, torch.cumsum(lens, 0).to(dev))
+        batch.attn_meta = meta
 
     def forward(self, q, k, v, layer, batch, scale):
         meta = batch.attn_meta
-        if not isinstance(meta, _SlotMeta):
+        if not isinstance(meta, (_SlotMeta, _BipartiteMeta)):
             return super().forward(q, k, v, layer, batch, scale)
         batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
         k_buf, v_buf = batch.kv_pool.get_kv(layer)
-        return self.decode(q, k_buf, v_buf, meta.idx, meta.ptr, scale)
+        if isinstance(meta, _SlotMeta):
+            return self.decode(q, k_buf, v_buf, meta.idx, meta.ptr, scale)
+        return self.extend(q, k, v, k_buf, v_buf, meta, scale)
 
 
-class TritonBackend(_SlotDecodeBackend):
+class TritonBackend(_KernelBackend):
     """Decode through the Triton kernel (sgrec.model.kernels.decode_attention); an extend batch whose
     sequences all carry a BipartiteMask (rank layouts) through the bipartite-mask kernel (cached K/V
     read by slot, the mask from two integers per column, sgrec.model.kernels.bipartite_attention);
@@ -271,22 +285,12 @@ class TritonBackend(_SlotDecodeBackend):
 
     BLOCK_M = 16  # new tokens per program of the bipartite kernel
 
-    def prepare(self, batch: ForwardBatch) -> None:
-        if not batch.is_decode:
-            meta = _BipartiteMeta.of(batch, self.BLOCK_M)
-            if meta is not None:
-                batch.attn_meta = meta
-                return
-        super().prepare(batch)
+    def extend_meta(self, batch: ForwardBatch) -> "_BipartiteMeta | None":
+        return _BipartiteMeta.of(batch, self.BLOCK_M)
 
-    def forward(self, q, k, v, layer, batch, scale):
-        meta = batch.attn_meta
-        if not isinstance(meta, _BipartiteMeta):
-            return super().forward(q, k, v, layer, batch, scale)
+    def extend(self, q, k, v, k_buf, v_buf, meta, scale):
         from sgrec.model.kernels.bipartite_attention import bipartite_attention
 
-        batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
-        k_buf, v_buf = batch.kv_pool.get_kv(layer)
         return bipartite_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end, meta.q_order, meta.q_block,
                                    meta.c_idx, meta.c_ptr, meta.c_order, meta.c_block, scale,
                                    block_m=self.BLOCK_M, grid_tiles=meta.tiles)
@@ -297,7 +301,7 @@ class TritonBackend(_SlotDecodeBackend):
         return decode_attention(q, k_buf, v_buf, idx, ptr, scale)
 
 
-class NativeBackend(_SlotDecodeBackend):
+class NativeBackend(_KernelBackend):
     """sgrec's C kernels on CPU (sgrec.model.native, attention.c): decode reading the KV pool by slot
     (no gathered copy), and extend batches (causal sequences and rank layouts' bipartite masks, from
     two integers per KV column; cached K/V read by slot; column tiles nobody sees skipped).
@@ -318,22 +322,12 @@ class NativeBackend(_SlotDecodeBackend):
     def takes_decode(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and self._takes(batch)
 
-    def prepare(self, batch: ForwardBatch) -> None:
-        if not batch.is_decode and self._takes(batch):
-            meta = _BipartiteMeta.of(batch, causal=True)
-            if meta is not None:
-                batch.attn_meta = meta
-                return
-        super().prepare(batch)
+    def extend_meta(self, batch: ForwardBatch) -> "_BipartiteMeta | None":
+        return _BipartiteMeta.of(batch, causal=True) if self._takes(batch) else None
 
-    def forward(self, q, k, v, layer, batch, scale):
-        meta = batch.attn_meta
-        if not isinstance(meta, _BipartiteMeta):
-            return super().forward(q, k, v, layer, batch, scale)
+    def extend(self, q, k, v, k_buf, v_buf, meta, scale):
         from sgrec.model import native
 
-        batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
-        k_buf, v_buf = batch.kv_pool.get_kv(layer)
         return native.extend_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end - meta.q_start, meta.q_order,
                                        meta.q_block, meta.c_idx, meta.c_order, meta.c_block, meta.c_ptr, scale)
 

@@ -1,7 +1,7 @@
 """sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
-SiLU-times-up fused, float32), compiled on first use with
-the machine's C compiler and loaded with ctypes (issue 23). No torch headers: each kernel is a plain
-C function over data pointers, so a build takes about a second. OpenMP pragmas bind to the OpenMP
+SiLU-times-up fused, float32), compiled on first use with the machine's C compiler and loaded with
+ctypes (issue 23). No torch headers: each kernel is a plain C function over data pointers, so a
+build takes a few seconds. OpenMP pragmas bind to the OpenMP
 runtime torch has already loaded (libgomp.so.1 by soname), so a kernel's threads are torch's own
 intra-op threads.
 
@@ -9,7 +9,8 @@ The library is built for the vector ISA the CPU reports (`march_flags`: x86-64-v
 x86-64-v3 with AVX2 and FMA, else the compiler's default target) and cached under $SGREC_CACHE_DIR
 (default ~/.cache/sgrec)/native, keyed by the source, the compiler's version and the flags. Where no
 compiler works, `load()` answers None with one warning; `--attention-backend native` is then a
-start-up error naming why, and auto uses torch. Run `python -m sgrec.model.native` to build now and
+start-up error naming why, and auto uses torch (a compiler that cannot build for the CPU's -march
+counts as none: a baseline build would be slower than torch there). Run `python -m sgrec.model.native` to build now and
 see where the library is.
 """
 
@@ -35,7 +36,7 @@ HEADERS = (SOURCE.with_name("vec.h"),)
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write (they compute in float32)
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib" -> ctypes.CDLL | None once load() has run; "path"; "warned"
+_state: dict[str, object] = {}  # "lib" -> ctypes.CDLL | None once load() has run; "path" -> its file
 
 
 def cache_dir() -> Path:
