@@ -62,7 +62,7 @@ def bipartite_reference(q, k, v, k_buf, v_buf, seqs, scale):
     sequence's dense bool mask (SeqLayout.mask)."""
     hq, hkv = q.shape[1], k.shape[1]
     out = torch.zeros(q.shape[0], hq * q.shape[2], dtype=torch.float64)
-    for s in seqs:
+    for s in (s for s in seqs if s.q_len):  # a sequence with no new token has no rows
         rows = slice(s.q_start, s.q_start + s.q_len)
         cached = s.kv_indices[: s.kv_len - s.q_len]
         kk = torch.cat([k_buf[cached], k[rows]]).double().repeat_interleave(hq // hkv, dim=1)

@@ -210,8 +210,8 @@ def test_extend_attention_equals_reference_under_rank_masks(march, hq, hkv, d):
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (6, 2, 24), (2, 2, 96)])
 def test_extend_attention_equals_reference_causal(march, hq, hkv, d):
     """Causal sequences in one batch: a fresh prefill of 300 tokens (several row and column tiles), one
-    token after a 70-token prefix, 40 after 129, 1 fresh, 33 after 1; 1e-5 against float64."""
-    specs = [(0, 300), (70, 1), (129, 40), (0, 1), (1, 33)]
+    token after a 70-token prefix, 40 after 129, 1 fresh, none after 5, 33 after 1; 1e-5 against float64."""
+    specs = [(0, 300), (70, 1), (129, 40), (0, 1), (5, 0), (1, 33)]  # (5, 0): nothing new, no task
     q, k, v, k_buf, v_buf, seqs, refs, locs = causal_case(hq, hkv, d, specs, torch.float32, seed=d)
     out = run_extend(q, k, v, k_buf, v_buf, pack(seqs, locs, q.shape[0], causal=True), 0.3,
                      native.library(march))

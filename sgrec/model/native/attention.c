@@ -278,7 +278,7 @@ int sgrec_extend_attention(const void *q, const void *k, const void *v, const vo
     if (!tasks) return 1;
     int64_t n = 0;
     for (int b = 0; b < B; b++) /* the last tiles of a sequence see the most columns: hand them out first */
-        for (int64_t m0 = (q_len[b] - 1) / a.bm * a.bm; m0 >= 0; m0 -= a.bm)
+        for (int64_t m0 = q_len[b] > 0 ? (q_len[b] - 1) / a.bm * a.bm : -1; m0 >= 0; m0 -= a.bm)
             for (int h = 0; h < Hkv; h++) tasks[n++] = (task_t){b, m0, h};
     const int Dp = (D + VW - 1) / VW * VW, Mp = (a.bm * a.G + NR - 1) / NR * NR;
     int failed = 0;
