@@ -47,12 +47,15 @@ def test_decode_attention_equals_reference(march, hq, hkv, d, lens):
 
 
 @needs_kernels
-def test_decode_attention_bfloat16_and_a_wrong_input_is_caught():
-    q, k_buf, v_buf, idx, ptr = case(6, 2, 16, [9, 31, 64], torch.bfloat16, seed=5)
-    out = native.decode_attention(q, k_buf, v_buf, idx, ptr, 0.25)
+@every_isa
+@pytest.mark.parametrize("d", [16, 64, 24])
+def test_decode_attention_bfloat16_and_a_wrong_input_is_caught(march, d):
+    """bfloat16 rows widened a vector at a time (head dims a multiple of the width) or one by one."""
+    q, k_buf, v_buf, idx, ptr = case(6, 2, d, [9, 31, 64], torch.bfloat16, seed=5)
+    out = native.decode_attention(q, k_buf, v_buf, idx, ptr, 0.25, native.library(march))
     want = reference(q.float(), k_buf.float(), v_buf.float(), idx, ptr, 0.25)
     assert out.dtype == torch.bfloat16 and (out.double() - want).abs().max() <= 2e-2
-    wrong = native.decode_attention(q, k_buf, v_buf, idx.flip(0), ptr, 0.25)  # other slots
+    wrong = native.decode_attention(q, k_buf, v_buf, idx.flip(0), ptr, 0.25, native.library(march))  # other slots
     assert (wrong.double() - want).abs().max() > 1e-1
 
 
@@ -260,7 +263,7 @@ def test_native_backend_extend_equals_torch_backend():
     pool = KVPool(8, 1, hkv, d, torch.bfloat16)
     batch = ForwardBatch(torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64),
                          torch.arange(1, 6), [SeqLayout(0, 5, torch.arange(1, 6))], pool)
-    NativeBackend((torch.float32,)).prepare(batch)
+    NativeBackend(extend_dtypes=(torch.float32,)).prepare(batch)
     assert not isinstance(batch.attn_meta, _BipartiteMeta) and NativeBackend().takes_decode(batch) is False
 
 
@@ -288,8 +291,8 @@ def test_march_by_cpu_flags():
 
 @needs_kernels
 def test_auto_picks_the_native_kernels_only_with_avx512(monkeypatch):
-    """auto on CPU: the native backend for float32 pools where the CPU reports AVX-512 (flags injected
-    both ways), torch without it; on CUDA always torch."""
+    """auto on CPU: the native backend (extend in float32, decode in float32 and bfloat16) where the CPU
+    reports AVX-512 (flags injected both ways), torch without it; on CUDA always torch."""
     import sgrec.model.cpu_caps as caps
 
     v3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
@@ -297,7 +300,8 @@ def test_auto_picks_the_native_kernels_only_with_avx512(monkeypatch):
                                                                     "avx512vl"}))
     monkeypatch.setattr(native, "load", lambda: object())  # built (whatever this CPU is)
     auto = make_backend("auto", "cpu")
-    assert type(auto) is NativeBackend and auto.dtypes == (torch.float32,)  # bfloat16: torch's SDPA
+    assert type(auto) is NativeBackend and auto.extend_dtypes == (torch.float32,)  # bf16 prefill: torch's SDPA
+    assert auto.decode_dtypes == (torch.float32, torch.bfloat16)
     assert type(make_backend("auto", "cuda")) is TorchBackend
     monkeypatch.setattr(caps, "cpu_flags", lambda: frozenset(v3))
     assert type(make_backend("auto", "cpu")) is TorchBackend

@@ -304,26 +304,33 @@ class TritonBackend(_KernelBackend):
 class NativeBackend(_KernelBackend):
     """sgrec's C kernels on CPU (sgrec.model.native, attention.c): decode reading the KV pool by slot
     (no gathered copy), and extend batches (causal sequences and rank layouts' bipartite masks, from
-    two integers per KV column; cached K/V read by slot; column tiles nobody sees skipped).
-    Sequences with only a dense mask, and pools of other dtypes than `dtypes` (default: both the
-    kernels have), go as TorchBackend. auto takes float32 only: in bfloat16 the kernels keep the
-    probabilities in float32 where torch's SDPA rounds them to bfloat16, so logprobs differ from HF's
-    bfloat16 by bfloat16's amplified rounding (up to 0.2 on the tiny test models, about as far from
-    float32 as HF's own), not bit for bit as the torch path does."""
+    two integers per KV column; cached K/V read by slot; column tiles nobody sees skipped), for pools
+    of `decode_dtypes` / `extend_dtypes` (default: both the kernels have). Sequences with only a
+    dense mask, and other pools, go as TorchBackend.
 
-    def __init__(self, dtypes: tuple[torch.dtype, ...] | None = None):
+    auto extends float32 only: in bfloat16 the kernels keep the probabilities in float32 where torch's
+    SDPA rounds them to bfloat16, so prompt logprobs would differ from HF's bfloat16 by bfloat16's
+    amplified rounding (up to 0.2 on the tiny test models, about as far from float32 as HF's own)
+    instead of matching it bit for bit. It decodes bfloat16 through the kernel (torch's bfloat16 SDPA
+    was 70% of a batch-16 decode step, 7x the float32 one; the kernel's float32 probabilities are
+    closer to float32 than torch's)."""
+
+    def __init__(self, decode_dtypes: tuple[torch.dtype, ...] | None = None,
+                 extend_dtypes: tuple[torch.dtype, ...] | None = None):
         from sgrec.model import native
 
-        self.dtypes = tuple(native.DTYPES) if dtypes is None else tuple(dtypes)
+        self.decode_dtypes = tuple(native.DTYPES if decode_dtypes is None else decode_dtypes)
+        self.extend_dtypes = tuple(native.DTYPES if extend_dtypes is None else extend_dtypes)
 
-    def _takes(self, batch: ForwardBatch) -> bool:
-        return batch.kv_pool.dtype in self.dtypes and batch.kv_pool.device.type == "cpu"
+    @staticmethod
+    def _takes(batch: ForwardBatch, dtypes: tuple[torch.dtype, ...]) -> bool:
+        return batch.kv_pool.dtype in dtypes and batch.kv_pool.device.type == "cpu"
 
     def takes_decode(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and self._takes(batch)
+        return batch.is_decode and self._takes(batch, self.decode_dtypes)
 
     def extend_meta(self, batch: ForwardBatch) -> "_BipartiteMeta | None":
-        return _BipartiteMeta.of(batch, causal=True) if self._takes(batch) else None
+        return _BipartiteMeta.of(batch, causal=True) if self._takes(batch, self.extend_dtypes) else None
 
     def extend(self, q, k, v, k_buf, v_buf, meta, scale):
         from sgrec.model import native
@@ -350,12 +357,12 @@ def native_by_default() -> bool:
 
 
 def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """auto: on CPU with AVX-512, NativeBackend for float32 pools (C decode and extend kernels) where
-    they build; otherwise torch, on CPU and CUDA."""
+    """auto: on CPU with AVX-512, NativeBackend where the kernels build (decode in float32 and bfloat16,
+    extend in float32; see NativeBackend); otherwise torch, on CPU and CUDA."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cpu" and native_by_default():
-            return NativeBackend((torch.float32,))
+            return NativeBackend(extend_dtypes=(torch.float32,))
         name = "torch"
     if name == "torch":
         return TorchBackend()

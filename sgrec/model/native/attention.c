@@ -363,8 +363,11 @@ typedef struct {
 static inline const float *pool_row(const dargs_t *a, const void *pool, int64_t slot, int h, float *buf) {
     int64_t off = (slot * a->Hkv + h) * (int64_t)a->D;
     if (!a->bf16 && a->D == a->Dp) return (const float *)pool + off;
-    for (int d = 0; d < a->D; d++) buf[d] = load1(pool, off + d, a->bf16);
-    for (int d = a->D; d < a->Dp; d++) buf[d] = 0.f;
+    int d = 0;
+    if (a->bf16)
+        for (; d + VW <= a->D; d += VW) vstore(buf + d, vload_bf16((const uint16_t *)pool + off + d));
+    for (; d < a->D; d++) buf[d] = load1(pool, off + d, a->bf16);
+    for (d = a->D; d < a->Dp; d++) buf[d] = 0.f;
     return buf;
 }
 

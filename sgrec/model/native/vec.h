@@ -46,6 +46,13 @@ static inline vf vexp2(vf x) {
     return (vf)(((vi)p + e) & ~under);
 }
 
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint16_t vhu __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+
+/* VW bfloat16 values widened to float32 (exact) */
+static inline vf vload_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vhu *)p, vu) << 16); }
+
 static inline float bf16_load(uint16_t x) {
     union { uint32_t u; float f; } c;
     c.u = (uint32_t)x << 16;
