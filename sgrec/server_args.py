@@ -106,8 +106,9 @@ class ServerArgs:
     max_n: int = _arg(64, "Largest n (samples per prompt) of a generate request (more: 400).")
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg(
-        "auto", "Attention implementation. auto: native for float32 on a CPU that reports AVX-512 (where "
-        "it was measured faster) and a C compiler builds it, else torch. torch: SDPA over gathered K/V "
+        "auto", "Attention implementation. auto: native on a CPU that reports AVX-512 (where it was "
+        "measured faster) and a C compiler builds it (bfloat16 prefill stays on torch's SDPA), else torch. "
+        "torch: SDPA over gathered K/V "
         "(CPU and CUDA); native: sgrec's C kernels on CPU (built with the machine's C compiler on first "
         "use for the CPU's vector ISA): decode and prefill/extend attention reading cached K/V from the "
         "KV pool by slot index, causal and rank (bipartite) masks from two integers per KV column, "
