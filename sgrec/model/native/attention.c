@@ -159,97 +159,95 @@ static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
     const int64_t hstep = (int64_t)a->Hkv * D;
     int64_t co[BN], cb[BN];
     const void *kr[BN], *vr[BN];
-    {
-        for (int64_t n0 = 0; n0 < total; n0 += BN) {
-            int nc = (int)(total - n0 < BN ? total - n0 : BN);
-            int64_t c_omin = INT64_MAX, c_omax = INT64_MIN, c_bmin = INT64_MAX, c_bmax = INT64_MIN;
-            int c_free = 0; /* columns in no block */
-            for (int j = 0; j < nc; j++) {
-                int64_t c = n0 + j, o, bl, koff, voff;
-                const void *kbase, *vbase;
-                if (c < n_cached) {
-                    int64_t slot = a->c_idx[c_lo + c];
-                    o = a->c_order[c_lo + c], bl = a->c_block[c_lo + c];
-                    kbase = a->kb, vbase = a->vb, koff = voff = slot * hstep + (int64_t)t->h * D;
-                } else {
-                    int64_t row = qs + c - n_cached;
-                    o = a->q_order[row], bl = a->q_block[row];
-                    kbase = a->k, vbase = a->v;
-                    koff = row * a->s_k + (int64_t)t->h * D, voff = row * a->s_v + (int64_t)t->h * D;
-                }
-                co[j] = o, cb[j] = bl;
-                kr[j] = bf ? (const void *)((const uint16_t *)kbase + koff) : (const void *)((const float *)kbase + koff);
-                vr[j] = bf ? (const void *)((const uint16_t *)vbase + voff) : (const void *)((const float *)vbase + voff);
-                c_omin = o < c_omin ? o : c_omin;
-                c_omax = o > c_omax ? o : c_omax;
-                if (bl < 0) c_free++;
-                else {
-                    c_bmin = bl < c_bmin ? bl : c_bmin;
-                    c_bmax = bl > c_bmax ? bl : c_bmax;
-                }
+    for (int64_t n0 = 0; n0 < total; n0 += BN) {
+        int nc = (int)(total - n0 < BN ? total - n0 : BN);
+        int64_t c_omin = INT64_MAX, c_omax = INT64_MIN, c_bmin = INT64_MAX, c_bmax = INT64_MIN;
+        int c_free = 0; /* columns in no block */
+        for (int j = 0; j < nc; j++) {
+            int64_t c = n0 + j, o, bl, koff, voff;
+            const void *kbase, *vbase;
+            if (c < n_cached) {
+                int64_t slot = a->c_idx[c_lo + c];
+                o = a->c_order[c_lo + c], bl = a->c_block[c_lo + c];
+                kbase = a->kb, vbase = a->vb, koff = voff = slot * hstep + (int64_t)t->h * D;
+            } else {
+                int64_t row = qs + c - n_cached;
+                o = a->q_order[row], bl = a->q_block[row];
+                kbase = a->k, vbase = a->v;
+                koff = row * a->s_k + (int64_t)t->h * D, voff = row * a->s_v + (int64_t)t->h * D;
             }
-            if (c_omin > r_omax) continue; /* every column comes after every row */
-            if (!r_any_free && c_free == 0 && (c_bmax < r_bmin || c_bmin > r_bmax))
-                continue; /* only candidates' tokens, none of the rows' candidates */
-            /* a block row against a column of another block, possible here? else only order masks */
-            int conflict = r_bmin <= r_bmax && c_free < nc && !(r_bmin == r_bmax && c_bmin == r_bmin && c_bmax == r_bmin);
-            int full = nc == BN && c_omax <= r_omin && !conflict;
-
-            /* K^T [Dp][BN] and V [BN][Dp], zero-padded */
-            memset(Kt, 0, sizeof(float) * (size_t)Dp * BN);
-            memset(V, 0, sizeof(float) * (size_t)BN * Dp);
-            for (int j = 0; j < nc; j++) {
-                if (!bf) {
-                    const float *k = kr[j];
-                    for (int d = 0; d < D; d++) Kt[(int64_t)d * BN + j] = k[d];
-                    memcpy(V + (int64_t)j * Dp, vr[j], sizeof(float) * (size_t)D);
-                } else {
-                    const uint16_t *k = kr[j], *v = vr[j];
-                    for (int d = 0; d < D; d++) {
-                        Kt[(int64_t)d * BN + j] = bf16_load(k[d]);
-                        V[(int64_t)j * Dp + d] = bf16_load(v[d]);
-                    }
-                }
+            co[j] = o, cb[j] = bl;
+            kr[j] = bf ? (const void *)((const uint16_t *)kbase + koff) : (const void *)((const float *)kbase + koff);
+            vr[j] = bf ? (const void *)((const uint16_t *)vbase + voff) : (const void *)((const float *)vbase + voff);
+            c_omin = o < c_omin ? o : c_omin;
+            c_omax = o > c_omax ? o : c_omax;
+            if (bl < 0) c_free++;
+            else {
+                c_bmin = bl < c_bmin ? bl : c_bmin;
+                c_bmax = bl > c_bmax ? bl : c_bmax;
             }
-            qk_kernel(Qf, Kt, S, Mp, Dp);
-            if (!full) {
-                for (int i = 0; i < Mp; i++) {
-                    float *s = S + (int64_t)i * BN;
-                    for (int j = 0; j < BN; j++) {
-                        int ok = j < nc;
-                        if (ok) ok = co[j] <= ro[i] && (rb[i] < 0 || cb[j] < 0 || cb[j] == rb[i]);
-                        if (!ok) s[j] = -INFINITY;
-                    }
-                }
-            }
-            /* online softmax: P = 2^(S - m), rescale what came before */
-            for (int i = 0; i < Mp; i++) {
-                float *s = S + (int64_t)i * BN, mx = mrow[i];
-                for (int j = 0; j < BN; j++) mx = s[j] > mx ? s[j] : mx;
-                if (mx == -INFINITY) { /* this row has seen nothing yet: nothing to add */
-                    memset(s, 0, sizeof(float) * BN);
-                    continue;
-                }
-                vf mv = vset(mx), ps = vset(0.f);
-                for (int u = 0; u < NB; u++) {
-                    vf p = vexp2(vload(s + u * VW) - mv);
-                    vstore(s + u * VW, p);
-                    ps += p;
-                }
-                float sum = 0.f;
-                for (int u = 0; u < VW; u++) sum += ps[u];
-                if (mx != mrow[i]) {
-                    float alpha = mrow[i] == -INFINITY ? 0.f : exp2f(mrow[i] - mx);
-                    lrow[i] *= alpha;
-                    float *o = O + (int64_t)i * Dp;
-                    vf av = vset(alpha);
-                    for (int d = 0; d < Dp; d += VW) vstore(o + d, vload(o + d) * av);
-                    mrow[i] = mx;
-                }
-                lrow[i] += sum;
-            }
-            pv_kernel(S, V, O, Mp, Dp);
         }
+        if (c_omin > r_omax) continue; /* every column comes after every row */
+        if (!r_any_free && c_free == 0 && (c_bmax < r_bmin || c_bmin > r_bmax))
+            continue; /* only candidates' tokens, none of the rows' candidates */
+        /* a block row against a column of another block, possible here? else only order masks */
+        int conflict = r_bmin <= r_bmax && c_free < nc && !(r_bmin == r_bmax && c_bmin == r_bmin && c_bmax == r_bmin);
+        int full = nc == BN && c_omax <= r_omin && !conflict;
+
+        /* K^T [Dp][BN] and V [BN][Dp], zero-padded */
+        memset(Kt, 0, sizeof(float) * (size_t)Dp * BN);
+        memset(V, 0, sizeof(float) * (size_t)BN * Dp);
+        for (int j = 0; j < nc; j++) {
+            if (!bf) {
+                const float *k = kr[j];
+                for (int d = 0; d < D; d++) Kt[(int64_t)d * BN + j] = k[d];
+                memcpy(V + (int64_t)j * Dp, vr[j], sizeof(float) * (size_t)D);
+            } else {
+                const uint16_t *k = kr[j], *v = vr[j];
+                for (int d = 0; d < D; d++) {
+                    Kt[(int64_t)d * BN + j] = bf16_load(k[d]);
+                    V[(int64_t)j * Dp + d] = bf16_load(v[d]);
+                }
+            }
+        }
+        qk_kernel(Qf, Kt, S, Mp, Dp);
+        if (!full) {
+            for (int i = 0; i < Mp; i++) {
+                float *s = S + (int64_t)i * BN;
+                for (int j = 0; j < BN; j++) {
+                    int ok = j < nc;
+                    if (ok) ok = co[j] <= ro[i] && (rb[i] < 0 || cb[j] < 0 || cb[j] == rb[i]);
+                    if (!ok) s[j] = -INFINITY;
+                }
+            }
+        }
+        /* online softmax: P = 2^(S - m), rescale what came before */
+        for (int i = 0; i < Mp; i++) {
+            float *s = S + (int64_t)i * BN, mx = mrow[i];
+            for (int j = 0; j < BN; j++) mx = s[j] > mx ? s[j] : mx;
+            if (mx == -INFINITY) { /* this row has seen nothing yet: nothing to add */
+                memset(s, 0, sizeof(float) * BN);
+                continue;
+            }
+            vf mv = vset(mx), ps = vset(0.f);
+            for (int u = 0; u < NB; u++) {
+                vf p = vexp2(vload(s + u * VW) - mv);
+                vstore(s + u * VW, p);
+                ps += p;
+            }
+            float sum = 0.f;
+            for (int u = 0; u < VW; u++) sum += ps[u];
+            if (mx != mrow[i]) {
+                float alpha = mrow[i] == -INFINITY ? 0.f : exp2f(mrow[i] - mx);
+                lrow[i] *= alpha;
+                float *o = O + (int64_t)i * Dp;
+                vf av = vset(alpha);
+                for (int d = 0; d < Dp; d += VW) vstore(o + d, vload(o + d) * av);
+                mrow[i] = mx;
+            }
+            lrow[i] += sum;
+        }
+        pv_kernel(S, V, O, Mp, Dp);
     }
     for (int i = 0; i < M; i++) {
         int64_t row = qs + t->m0 + i / G;
