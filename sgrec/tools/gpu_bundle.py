@@ -96,7 +96,13 @@ def download(wants: dict[str, str], out: str, python: str) -> None:
            "--implementation", "cp", "-d", out, "-q"]
     for p in PLATFORMS:
         cmd += ["--platform", p]
-    subprocess.run(cmd + [f"{n}=={v}" for n, v in wants.items()], check=True)
+    pinned = subprocess.run(cmd + [f"{n}=={v}" for n, v in wants.items()])
+    if pinned.returncode == 0:
+        return
+    for n, v in wants.items():  # one at a time: a version with no wheel for that Python takes the newest
+        if subprocess.run(cmd + [f"{n}=={v}"], capture_output=True).returncode != 0:
+            print(f"{n}=={v} has no wheel for Python {python} there; taking the newest that has", flush=True)
+            subprocess.run(cmd + [n], check=True)
 
 
 def main(argv: list[str] | None = None) -> int:
