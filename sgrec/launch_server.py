@@ -139,7 +139,8 @@ async def serve(args: ServerArgs, in_addrs: list[str], out_addr: str, launch: di
     gc.collect()
     gc.freeze()  # start-up's objects out of the cyclic GC's scans (see sgrec.scheduler.process.freeze_startup_objects)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
+                            access_log=args.log_level == "debug", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=args.timeout_keep_alive)
     server = _Server(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -133,12 +133,18 @@ class ServerArgs:
     api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")
     enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.")
     log_level: str = _arg("info", "Log level.", ["debug", "info", "warning", "error"])
+    timeout_keep_alive: float = _arg(
+        20.0, "Seconds an idle keep-alive HTTP connection stays open (uvicorn's timeout_keep_alive; SGLang's "
+        "SGLANG_TIMEOUT_KEEP_ALIVE, 5 there). Longer than the 5 s after which httpx (and the openai client) "
+        "drop an idle pooled connection, so such a client never sends on a connection the server is closing.")
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("chunked_prefill_size must be positive or -1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens must be at least 2")
+        if self.timeout_keep_alive <= 0:
+            raise ValueError("timeout_keep_alive must be positive")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

@@ -329,3 +329,18 @@ def test_command_runs(module):
 def test_old_hrcs_module_names_the_new_one():
     with pytest.raises(ImportError, match="sgrec.items.hrcs"):
         __import__("sgrec.radix.hrcs")
+
+
+def test_every_server_flag_is_in_the_readme():
+    """Each ServerArgs field is a `--flag` of launch_server and appears, spelled so, in the README."""
+    import argparse
+    import dataclasses
+
+    from sgrec.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    flags = {a for action in parser._actions for a in action.option_strings if a.startswith("--") and a != "--help"}
+    assert flags == {"--" + f.name.replace("_", "-") for f in dataclasses.fields(ServerArgs)}
+    readme = (ROOT / "README.md").read_text()
+    assert sorted(f for f in flags if f"`{f}`" not in readme) == []
