@@ -16,6 +16,11 @@ requests. Configurations (flags added to the server's):
 * defaults: no flag: `--attention-backend auto --dtype auto` (bfloat16 where the CPU multiplies it
   natively, with torch attention, since auto keeps bfloat16 on torch's SDPA; float32 elsewhere).
 
+With --baseline-rev REV (default bebe1e4, the last commit before issue 23's work: float32, plain
+weights, torch attention over gathered K/V, the "today's" of the issue), a first row runs that
+commit's server with its defaults from a `git worktree` of REV, so the ratios are against it.
+--baseline-rev none leaves it out.
+
 The table gives each one's output tok/s, req/s, mean TTFT and mean ITL, and its ratio to the first.
 """
 
@@ -41,6 +46,14 @@ CONFIGS = {
     "native, float32": ["--attention-backend", "native", "--dtype", "float32"],
     "defaults (auto, auto)": [],
 }
+BASELINE_REV = "bebe1e4"  # the parent of 639fa46, issue 23's first commit
+
+
+def worktree(rev: str, where: str) -> str:
+    """A detached checkout of rev under where (removed from git's list at exit by the caller)."""
+    path = os.path.join(where, f"sgrec-{rev}")
+    subprocess.run(["git", "worktree", "add", "--detach", path, rev], cwd=ROOT, check=True, capture_output=True)
+    return path
 
 
 def main(argv=None) -> None:
@@ -50,16 +63,34 @@ def main(argv=None) -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), help="names of the configurations to run")
+    ap.add_argument("--baseline-rev", default=BASELINE_REV,
+                    help="a commit whose server (its defaults) runs first, the ratios' base; none: no such row")
     args = ap.parse_args(argv)
     cmd = ("python benchmarks/bench_serving_ab.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
     print(header(cmd, "bench_serving_ab"), flush=True)
     tmp = tempfile.mkdtemp()
+    runs = [(name, CONFIGS[name], None) for name in args.configs]
+    tree = None
+    if args.baseline_rev != "none":
+        tree = worktree(args.baseline_rev, tmp)
+        runs.insert(0, (f"sgrec at {args.baseline_rev} (before issue 23), its defaults", [], tree))
+    try:
+        rows = run_all(args, runs, tmp)
+    finally:
+        if tree:
+            subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=ROOT, capture_output=True)
+    print()
+    print(md_table(["server", "done", "failed", "out tok/s", "ratio", "req/s", "TTFT mean ms", "ITL mean ms"], rows))
+    print(f"rerun: {cmd}")
+
+
+def run_all(args, runs, tmp: str) -> list[list]:
     rows, first = [], None
-    for name in args.configs:
+    for name, config, root in runs:
         flags = ["--model-path", os.path.expanduser(args.model_path), "--device", "cpu", "--max-total-tokens", "65536",
-                 *CONFIGS[name]]
+                 *config]
         out = os.path.join(tmp, f"{len(rows)}.json")
-        with LocalServer(flags, os.path.join(tmp, f"{len(rows)}.log")) as srv:
+        with LocalServer(flags, os.path.join(tmp, f"{len(rows)}.log"), root=root) as srv:
             subprocess.run([sys.executable, "-m", "sgrec.bench_serving", "--base-url", srv.url, "--backend", "sgrec",
                             "--dataset", "random", "--num-prompts", str(args.num_prompts), "--random-input-len",
                             str(args.input_len), "--random-output-len", str(args.output_len), "--random-range-ratio",
@@ -75,9 +106,7 @@ def main(argv=None) -> None:
                      f"{r['mean_ttft_ms']:.0f}", f"{r['mean_itl_ms']:.0f}"])
         print(f"  {name}: {r['output_throughput']:.1f} out tok/s; " + " | ".join(s.split("] ")[-1] for s in startup),
               flush=True)
-    print()
-    print(md_table(["server", "done", "failed", "out tok/s", "ratio", "req/s", "TTFT mean ms", "ITL mean ms"], rows))
-    print(f"rerun: {cmd}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ their test inputs."""
 import torch
 
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import ForwardBatch, SeqLayout, _BipartiteMeta
+from sgrec.model.attention import ForwardBatch, SeqLayout, ColumnMeta
 from sgrec.rank import layout as L
 
 
@@ -110,16 +110,16 @@ def rank_layouts():
 
 
 def pack(seqs, locs, T, block_m=None, causal=False):
-    """The kernels' integer inputs (_BipartiteMeta) of a batch of these sequences."""
+    """The kernels' integer inputs (ColumnMeta) of a batch of these sequences."""
     batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs, seqs, None)
-    meta = _BipartiteMeta.of(batch, block_m, causal)
+    meta = ColumnMeta.of(batch, block_m, causal)
     assert meta is not None
     return meta
 
 
 def run_backends(backends, q, k, v, k_buf, v_buf, seqs, locs, scale):
     """Each backend's attention output for one extend batch of these sequences over a pool layer that
-    holds k_buf/v_buf, and whether its prepare() chose the kernel path (a _BipartiteMeta)."""
+    holds k_buf/v_buf, and whether its prepare() chose the kernel path (a ColumnMeta)."""
     pool = KVPool(k_buf.shape[0] - 1, 1, k.shape[1], k.shape[2], k_buf.dtype)  # slot 0 + the rest
     outs, kernel = [], []
     for backend in backends:
@@ -129,5 +129,5 @@ def run_backends(backends, q, k, v, k_buf, v_buf, seqs, locs, scale):
         batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs, seqs, pool)
         backend.prepare(batch)
         outs.append(backend.forward(q, k, v, 0, batch, scale))
-        kernel.append(isinstance(batch.attn_meta, _BipartiteMeta))
+        kernel.append(isinstance(batch.attn_meta, ColumnMeta))
     return outs, kernel

@@ -612,6 +612,7 @@ def test_attention_stages_as_work_units_equal_in_place(new_tree, runners):
     cat = random_catalog(rng, 600, 3, V, codes=40)
     pool = StreamTensorPool(1, threshold_bytes=0)
     plain = RetrieveExecutor(runner, new_tree(runner), cat)
+    plain.backend.native = None  # the staged stages in place, not the C kernel auto may give it
     units = RetrieveExecutor(runner, new_tree(runner), cat, units=UnitRunner(InlineStreams(), pool))
     reqs = [dict(input_ids=[rng.randrange(V) for _ in range(rng.randint(5, 40))], beam_width=bw, top_k=bw, num_items=6)
             for bw in (8, 32, 16)]

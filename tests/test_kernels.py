@@ -71,7 +71,7 @@ def test_staged_attention_compiled_on_cuda(monkeypatch, dtype, tol):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_bipartite_attention_compiled_on_cuda(monkeypatch, dtype, tol):
-    from sgrec.model.attention import ForwardBatch, _BipartiteMeta
+    from sgrec.model.attention import ForwardBatch, ColumnMeta
     from sgrec.model.kernels.bipartite_attention import bipartite_attention
     from sgrec.rank import layout as L
     from tests.kernel_refs import bipartite_reference, rank_case
@@ -85,7 +85,7 @@ def test_bipartite_attention_compiled_on_cuda(monkeypatch, dtype, tol):
     q, k, v, k_buf, v_buf, seqs, locs = rank_case(16, 4, 80, layouts, dtype, seed=7)
     T = q.shape[0]
     batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs.cuda(), seqs, None)
-    meta = _BipartiteMeta.of(batch, 16)
+    meta = ColumnMeta.of(batch, 16)
     out = bipartite_attention(q.cuda(), k.cuda(), v.cuda(), k_buf.cuda(), v_buf.cuda(), meta.q_start, meta.q_end,
                               meta.q_order, meta.q_block, meta.c_idx, meta.c_ptr, meta.c_order, meta.c_block,
                               80 ** -0.5, grid_tiles=meta.tiles)

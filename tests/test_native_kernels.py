@@ -12,7 +12,7 @@ import torch
 
 from sgrec.mem.kv_pool import KVPool
 from sgrec.model import native
-from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, TorchBackend, _BipartiteMeta, make_backend
+from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, TorchBackend, ColumnMeta, make_backend
 from sgrec.model.cpu_caps import cpu_flags
 from sgrec.rank import layout as L
 from sgrec.runner import ModelRunner
@@ -264,7 +264,7 @@ def test_native_backend_extend_equals_torch_backend():
     batch = ForwardBatch(torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64),
                          torch.arange(1, 6), [SeqLayout(0, 5, torch.arange(1, 6))], pool)
     NativeBackend(extend_dtypes=(torch.float32,)).prepare(batch)
-    assert not isinstance(batch.attn_meta, _BipartiteMeta) and NativeBackend().takes_decode(batch) is False
+    assert not isinstance(batch.attn_meta, ColumnMeta) and NativeBackend().takes_decode(batch) is False
 
 
 @needs_kernels
@@ -397,3 +397,68 @@ def test_the_native_backend_turns_the_glue_on_for_float32(tiny_model_dir):
     logits = [decode_logits(r, prompts=(list(range(3, 60)), [9, 8, 7]), steps=2) for r in runners]
     assert (logits[0] - logits[1]).abs().max() <= 5e-5
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+# ---- beam steps through the extend kernel (sgrec.beam.attention.beams_as_blocks) ------------------
+@needs_kernels
+@every_isa
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (6, 1)])
+@pytest.mark.parametrize("groups", [[(37, 9, 1)], [(300, 40, 3)], [(12, 3, 2), (0, 5, 2), (129, 64, 3)],
+                                    [(1, 1, 1), (50, 17, 4)]])
+def test_beam_step_through_the_extend_kernel_equals_staged(march, hq, hkv, groups):
+    """Every beam of a request as one block of a bipartite layout (prompt in no block, beam i's own
+    tokens in block i) through the extend kernel == the staged attention (shared prompt stage, own
+    tokens stage, log-sum-exp merge) per request, float32, within 1e-5. groups: (prompt length P,
+    beams n, own tokens s, the current one included) per request of the step."""
+    from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, beams_as_blocks, staged_attention
+
+    lib = native.library(march)
+    D, slots = 16, 4000
+    g = torch.Generator().manual_seed(sum(p * 7 + n * 3 + s for p, n, s in groups))
+    k_buf, v_buf = torch.randn(slots, hkv, D, generator=g) * 2, torch.randn(slots, hkv, D, generator=g)
+    perm, used, metas = torch.randperm(slots - 1, generator=g) + 1, 0, []
+    for P, n, s in groups:
+        metas.append(BeamStepMeta(perm[used:used + P], perm[used + P:used + P + n * s].view(n, s)))
+        used += P + n * s
+    T = sum(n for _, n, _ in groups)
+    q = torch.randn(T, hq, D, generator=g) * 2
+    cur = torch.cat([m.unshared_idx[:, -1] for m in metas])  # the current tokens: in the pool and in k/v
+    k, v = k_buf[cur].clone(), v_buf[cur].clone()
+    meta = metas[0] if len(metas) == 1 else BeamBatchMeta(metas)
+    rows = [(0, T)] if len(metas) == 1 else meta.rows()
+    want = torch.cat([staged_attention(q[a:b], k_buf, v_buf, m.shared_idx, m.unshared_idx, D ** -0.5)
+                      for m, (a, b) in zip(metas, rows)])
+    c = beams_as_blocks(meta)
+    got = native.extend_attention(q, k, v, k_buf, v_buf, c.q_start, c.q_end - c.q_start, c.q_order, c.q_block,
+                                  c.c_idx, c.c_order, c.c_block, c.c_ptr, D ** -0.5, lib=lib)
+    assert (got - want).abs().max() <= 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_retrieve_with_kernel_beam_steps_equals_staged(tiny_model_dir, arch):
+    """Retrieve (a batched round of three requests, then one request alone) with the runner's backend
+    NativeBackend (beam steps through the extend kernel) == with TorchBackend (staged attention):
+    the same items, scores (the sum of ND = 3 levels' logprobs) within ND x 1e-5."""
+    import random
+
+    from sgrec.beam import RetrieveExecutor
+    from sgrec.radix.tree import RadixCache
+    from tests.test_beam import random_catalog
+
+    runner = ModelRunner(ServerArgs.from_kwargs(model_path=tiny_model_dir(arch), device="cpu", dtype="float32",
+                                                max_total_tokens=40000, attention_backend="native"))
+    V, rng = runner.config.vocab_size, random.Random(5)
+    cat = random_catalog(rng, 1500, 3, V, codes=40)
+    reqs = [dict(input_ids=[rng.randrange(V) for _ in range(rng.randint(5, 60))], beam_width=bw, top_k=bw,
+                 num_items=8) for bw in (8, 64, 32)]
+    out = {}
+    for name, backend in (("native", runner.backend), ("torch", TorchBackend())):
+        runner.backend = backend
+        ex = RetrieveExecutor(runner, RadixCache(runner.kv_pool.allocator), cat)
+        assert (ex.backend.native is not None) == (name == "native")
+        out[name] = ex.run_batch(reqs) + [ex.run(**reqs[1])]
+        ex.tree.reset()
+    for a, b in zip(out["native"], out["torch"]):
+        assert [i["item"] for i in a.items] == [i["item"] for i in b.items]
+        assert max(abs(x["score"] - y["score"]) for x, y in zip(a.items, b.items)) <= 3 * 1e-5

@@ -19,7 +19,7 @@ import torch
 
 from sgrec.beam.search import apply_schedule_, inplace_schedule
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import AttentionBackend, ForwardBatch
+from sgrec.model.attention import AttentionBackend, ForwardBatch, NativeBackend, ColumnMeta
 
 
 def _partial(scores: torch.Tensor, v: torch.Tensor, eq: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,6 +134,41 @@ class BeamBatchMeta:
         return out
 
 
+def beams_as_blocks(meta: "BeamStepMeta | BeamBatchMeta") -> ColumnMeta:
+    """A beam step as the bipartite layout the extend kernels take (BipartiteMask's rule): per
+    request one sequence whose new tokens are its beams' current tokens; its cached columns are the
+    prompt (orders 0 .. P - 1, in no block) and beam i's earlier tokens (block i, orders
+    P + i * s + t, t < s - 1), beam i's current token having order P + i * s + s - 1. So beam i sees
+    the prompt and its own tokens only, and the new tokens come in ascending order."""
+    groups = meta.groups if isinstance(meta, BeamBatchMeta) else [meta]
+    rows = meta.rows() if isinstance(meta, BeamBatchMeta) else [(0, meta.unshared_idx.shape[0])]
+    q_order, q_block, c_idx, c_order, c_block, c_len = [], [], [], [], [], [0]
+    for g in groups:
+        n, s = g.unshared_idx.shape
+        P = g.shared_idx.numel()
+        beam = torch.arange(n, dtype=torch.int64)
+        q_order.append(P + beam * s + s - 1)
+        q_block.append(beam)
+        own = g.unshared_idx[:, : s - 1].cpu()
+        c_idx += [g.shared_idx.cpu(), own.reshape(-1)]
+        c_order += [torch.arange(P, dtype=torch.int64), (P + beam[:, None] * s + torch.arange(s - 1)).reshape(-1)]
+        c_block += [torch.full((P,), -1, dtype=torch.int64), beam.repeat_interleave(s - 1)]
+        c_len.append(P + own.numel())
+    starts = torch.tensor([a for a, _ in rows], dtype=torch.int64)
+    ends = torch.tensor([b for _, b in rows], dtype=torch.int64)
+    cat = torch.cat
+    return ColumnMeta(starts, ends, cat(q_order), cat(q_block), cat(c_idx).to(torch.int64),
+                          torch.cumsum(torch.tensor(c_len), 0), cat(c_order), cat(c_block), None)
+
+
+@dataclass
+class _KernelBeams:
+    """A beam step's meta (attn_meta as the caller set it) and its bipartite form for the kernel."""
+
+    meta: "BeamStepMeta | BeamBatchMeta"
+    blocks: ColumnMeta
+
+
 class StagedBeamBackend(AttentionBackend):
     """AttentionBackend for a beam step; the caller sets batch.attn_meta to a BeamStepMeta (one
     request) or a BeamBatchMeta (several requests: the projections and MLP run on all their beams
@@ -142,21 +177,33 @@ class StagedBeamBackend(AttentionBackend):
     With `units` (a `sgrec.scheduler.streams.UnitRunner`), a batched step's attention runs as work
     units of the multi-stream executor (xGR §7): per request a shared and an unshared stage
     (independent) and a merge that depends on both; the stages' partial results go to the tensor
-    pool of the stream that made them until the merge that reads them is done."""
+    pool of the stream that made them until the merge that reads them is done.
 
-    def __init__(self, units=None, triton: bool = False):
+    With `native` (the runner's NativeBackend, CPU) and no units, a step over a pool whose dtype it extends runs
+    through sgrec's C extend kernel instead, every beam of a request one block of a bipartite layout
+    (`beams_as_blocks`): one pass over the prompt's K/V per tile of beams, the softmax fused (the
+    staged path materialises every beam's scores against the prompt); equal to the staged path
+    within float32 rounding (tests/test_beam.py)."""
+
+    def __init__(self, units=None, triton: bool = False, native: NativeBackend | None = None):
         self.units = units
         self.triton = triton  # each request's staged attention in one Triton kernel (--attention-backend triton)
+        self.native = native
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if not isinstance(batch.attn_meta, (BeamStepMeta, BeamBatchMeta)):
+        meta = batch.attn_meta
+        if not isinstance(meta, (BeamStepMeta, BeamBatchMeta)):
             raise TypeError("StagedBeamBackend needs batch.attn_meta = BeamStepMeta(...) or BeamBatchMeta(...)")
+        if self.native is not None and self.units is None and self.native.extends(batch):
+            batch.attn_meta = _KernelBeams(meta, beams_as_blocks(meta))
 
     def forward(self, q, k, v, layer, batch, scale):
         pool = batch.kv_pool
         pool.set_kv(layer, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv(layer)
         meta = batch.attn_meta
+        if isinstance(meta, _KernelBeams):
+            return self.native.extend(q, k, v, k_buf, v_buf, meta.blocks, scale)
         if self.triton:
             from sgrec.model.kernels.staged_attention import staged_attention as kernel
 

@@ -193,7 +193,7 @@ class _SlotMeta:
 
 
 @dataclass
-class _BipartiteMeta:
+class ColumnMeta:
     """bipartite_attention's (and the native extend kernel's) inputs: every sequence's new tokens'
     order and block, and its cached columns' slots, order and block."""
 
@@ -208,7 +208,7 @@ class _BipartiteMeta:
     tiles: tuple[torch.Tensor, torch.Tensor] | None  # the Triton grid's (block_m given)
 
     @classmethod
-    def of(cls, batch: ForwardBatch, block_m: int | None = None, causal: bool = False) -> "_BipartiteMeta | None":
+    def of(cls, batch: ForwardBatch, block_m: int | None = None, causal: bool = False) -> "ColumnMeta | None":
         """None unless every sequence has a BipartiteMask whose new tokens come in ascending order, or
         (causal=True) no mask at all: a causal sequence is the case of orders 0 .. kv_len - 1, no blocks."""
         from sgrec.model.kernels.bipartite_attention import tiles
@@ -250,19 +250,19 @@ class _BipartiteMeta:
 class _KernelBackend(TorchBackend):
     """Decode through a kernel that reads the KV pool by slot index (no gathered copy of any
     sequence's K/V), and extend batches whose masks a kernel takes as two integers per KV column
-    (`extend_meta`: a _BipartiteMeta, else None) through `extend`; anything else as TorchBackend.
+    (`extend_meta`: a ColumnMeta, else None) through `extend`; anything else as TorchBackend.
     Subclasses name the kernels."""
 
     def decode(self, q, k_buf, v_buf, idx, ptr, scale) -> torch.Tensor:
         raise NotImplementedError
 
-    def extend(self, q, k, v, k_buf, v_buf, meta: "_BipartiteMeta", scale) -> torch.Tensor:
+    def extend(self, q, k, v, k_buf, v_buf, meta: "ColumnMeta", scale) -> torch.Tensor:
         raise NotImplementedError
 
     def takes_decode(self, batch: ForwardBatch) -> bool:
         return batch.is_decode
 
-    def extend_meta(self, batch: ForwardBatch) -> "_BipartiteMeta | None":
+    def extend_meta(self, batch: ForwardBatch) -> "ColumnMeta | None":
         return None
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -279,7 +279,7 @@ class _KernelBackend(TorchBackend):
 
     def forward(self, q, k, v, layer, batch, scale):
         meta = batch.attn_meta
-        if not isinstance(meta, (_SlotMeta, _BipartiteMeta)):
+        if not isinstance(meta, (_SlotMeta, ColumnMeta)):
             return super().forward(q, k, v, layer, batch, scale)
         batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
         k_buf, v_buf = batch.kv_pool.get_kv(layer)
@@ -296,8 +296,8 @@ class TritonBackend(_KernelBackend):
 
     BLOCK_M = 16  # new tokens per program of the bipartite kernel
 
-    def extend_meta(self, batch: ForwardBatch) -> "_BipartiteMeta | None":
-        return _BipartiteMeta.of(batch, self.BLOCK_M)
+    def extend_meta(self, batch: ForwardBatch) -> "ColumnMeta | None":
+        return ColumnMeta.of(batch, self.BLOCK_M)
 
     def extend(self, q, k, v, k_buf, v_buf, meta, scale):
         from sgrec.model.kernels.bipartite_attention import bipartite_attention
@@ -340,8 +340,12 @@ class NativeBackend(_KernelBackend):
     def takes_decode(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and self._takes(batch, self.decode_dtypes)
 
-    def extend_meta(self, batch: ForwardBatch) -> "_BipartiteMeta | None":
-        return _BipartiteMeta.of(batch, causal=True) if self._takes(batch, self.extend_dtypes) else None
+    def extends(self, batch: ForwardBatch) -> bool:
+        """Whether extend batches over this batch's pool go through the kernel."""
+        return self._takes(batch, self.extend_dtypes)
+
+    def extend_meta(self, batch: ForwardBatch) -> "ColumnMeta | None":
+        return ColumnMeta.of(batch, causal=True) if self.extends(batch) else None
 
     def extend(self, q, k, v, k_buf, v_buf, meta, scale):
         from sgrec.model import native

@@ -27,16 +27,19 @@ def free_port(host: str = HOST) -> int:
 
 
 class LocalServer:
-    def __init__(self, flags: list[str], log_path: str, ready_timeout: float = 300.0):
+    def __init__(self, flags: list[str], log_path: str, ready_timeout: float = 300.0, root: str | None = None):
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        env = dict(os.environ)  # the sgrec this process imported, wherever it is installed
-        root = os.path.dirname(os.path.dirname(os.path.abspath(sgrec.__file__)))
+        # the sgrec this process imported, wherever it is installed; or the source tree at root (another
+        # checkout, run from there so that `-m` imports it first)
+        env = dict(os.environ)
+        cwd, root = root, root or os.path.dirname(os.path.dirname(os.path.abspath(sgrec.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", "sgrec.launch_server", "--host", HOST, "--port", str(self.port), *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                     start_new_session=True)
         self.pid = self.proc.pid
         deadline = time.monotonic() + ready_timeout
         while True:
