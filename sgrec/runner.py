@@ -133,6 +133,9 @@ class ModelRunner:
 
     def forward_prefill_only(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:
         """Like forward, through hybrid prefilling (MLP and projections chunk by chunk)."""
-        rows = torch.as_tensor(logit_rows, dtype=torch.int64, device=self.device)
-        hidden = hybrid_forward(self.model, batch, self.backend, self.args.hybrid_chunk_size, rows)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(self.hidden_prefill_only(batch, logit_rows))
+
+    def hidden_prefill_only(self, batch: ForwardBatch, rows: torch.Tensor | list[int]) -> torch.Tensor:
+        """Like hidden, through hybrid prefilling."""
+        rows = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+        return hybrid_forward(self.model, batch, self.backend, self.args.hybrid_chunk_size, rows)

@@ -156,6 +156,49 @@ def test_score_token_ids_and_per_item_labels(engine):
         assert max(abs(math.exp(r) - a) for r, a in zip(raw, row)) <= 1e-12
 
 
+def test_score_softmax_computes_only_the_label_columns(tiny_model_dir, monkeypatch):
+    """Score with apply_softmax needs only the labels' logits: the output layer runs over those
+    columns alone (issue 23, part 3), with the scores of the full-vocabulary path (which
+    return_token_logprobs keeps: the raw logprobs need the whole vocabulary) within 1e-6; a
+    prefill-only batch packing such a request with one that needs the whole distribution gives each
+    what it asked for."""
+    from sgrec.managers.io_struct import TokenizedGenerateReq
+
+    e = Engine(tiny_model_dir("llama"), device="cpu", dtype="float32", max_total_tokens=2048,
+               prefill_only_batch_tokens=256)
+    model, V = e.runner.model, e.vocab_size
+    widths, real = [], model.compute_logits
+
+    def spy(hidden, columns=None):  # records (rows, columns) of every output-layer call
+        out = real(hidden, columns)
+        widths.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(model, "compute_logits", spy)
+    q, items, labels = rand_ids(20, V, 7), [rand_ids(n, V, 8 + n) for n in (3, 9, 5)], [11, 22, 33, 44]
+    soft = e.score(query=q, items=items, label_token_ids=labels, apply_softmax=True, temperature=0.7)
+    assert {w for r, w in widths if r} == {len(labels)}
+    widths.clear()
+    full = e.score(query=q, items=items, label_token_ids=labels, apply_softmax=True, temperature=0.7,
+                   return_token_logprobs=True)
+    assert V in {w for r, w in widths if r}
+    assert max(abs(a - b) for x, y in zip(soft.scores, full.scores) for a, b in zip(x, y)) <= 1e-6
+    # one packed batch: a labels-only request and a plain one over the same prompt
+    msgs = [TokenizedGenerateReq(rid=f"r{i}", input_ids=q + items[0], sampling_params={"max_new_tokens": 0},
+                                 return_logprob=True, token_ids_logprob=labels, label_columns_only=i == 0)
+            for i in range(2)]
+    reqs = [e.scheduler.add_request(m) for m in msgs]
+    widths.clear()
+    e.scheduler.step()  # both in one prefill-only batch (46 tokens <= 256): one forward
+    assert all(r.finished for r in reqs)
+    assert sorted(w for r, w in widths if r) == [len(labels), V]  # two output-layer calls
+    only, plain = ([lp for lp, _ in r.output_token_ids_logprobs[0]] for r in reqs)
+    assert abs(sum(math.exp(x) for x in only) - 1) <= 1e-6  # normalised over the labels
+    norm = math.log(sum(math.exp(x) for x in plain))
+    assert max(abs(a - (b - norm)) for a, b in zip(only, plain)) <= 1e-5
+    e.check_memory()
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(items=["a"]), "label_token_ids is required"),
     (dict(items=None, label_token_ids=[1]), "items must be provided"),

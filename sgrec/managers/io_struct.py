@@ -27,6 +27,10 @@ class TokenizedGenerateReq:
     # prefill-only requests (max_new_tokens 0): keep KV for this many leading tokens (the part worth
     # caching, e.g. a score request's query); None = as much of the prompt as fits
     cache_prefix_len: int | None = None
+    # prefill-only requests: token_ids_logprob's logprobs normalised over those ids only, from their
+    # logits alone (the output layer's rows of those ids); what a softmax over the labels needs
+    # (score with apply_softmax), at len(token_ids_logprob) / vocabulary of the output layer's cost
+    label_columns_only: bool = False
 
 
 @dataclass

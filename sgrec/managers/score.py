@@ -42,6 +42,9 @@ class ScorePlan:
             TokenizedGenerateReq(
                 rid=rid, input_ids=ids, sampling_params={"max_new_tokens": 0},
                 return_logprob=True, logprob_start_len=-1, token_ids_logprob=labels, cache_prefix_len=keep,
+                # a softmax over the labels needs their logits only; exp(logprob) and the raw token
+                # logprobs need the whole vocabulary's normaliser
+                label_columns_only=self.apply_softmax and not self.return_token_logprobs,
             )
             for rid, ids, labels, keep in zip(self.rids, self.prompts, self.labels, self.prefix_lens)
         ]

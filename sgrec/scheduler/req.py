@@ -17,6 +17,7 @@ class LogprobSpec:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
+    label_columns_only: bool = False  # TokenizedGenerateReq.label_columns_only
 
 
 @dataclass

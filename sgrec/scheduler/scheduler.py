@@ -109,7 +109,8 @@ class Scheduler:
             rid=msg.rid,
             input_ids=msg.input_ids,
             sampling=SamplingParams.from_wire(msg.sampling_params),
-            logprob=LogprobSpec(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.token_ids_logprob),
+            logprob=LogprobSpec(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.token_ids_logprob,
+                                msg.label_columns_only),
             extra_key=msg.extra_key,
             eos_ids=self.eos_ids,
             stop_checker=self._stop_match,
@@ -344,6 +345,7 @@ class Scheduler:
     # ---- prefill ------------------------------------------------------------------------
     def _run_prefill(self, items: list[tuple[Req, int, torch.Tensor]]) -> list[Req]:
         ids, pos, seqs, rows, row_plan = [], [], [], [], []
+        label_rows: dict[int, int] = {}  # id(req) -> its last row (label_columns_only: logits of its labels only)
         for req, take, slots in items:
             start, fill = req.kv_len, req.fill_ids
             q_start = len(ids)
@@ -353,6 +355,10 @@ class Scheduler:
             final = start + take == len(fill)
             lp_from = self._input_logprob_from(req)
             first_row = max(lp_from, start) if lp_from is not None else None
+            if final and first_row is None and self._labels_only(req):
+                label_rows[id(req)] = q_start + take - 1
+                row_plan.append((req, None, None, None, final))
+                continue
             if final:  # the last position's distribution is always needed
                 first_row = start + take - 1 if first_row is None else min(first_row, start + take - 1)
             if first_row is not None and first_row < start + take:
@@ -362,10 +368,11 @@ class Scheduler:
                 row_plan.append((req, None, None, None, final))
         out_loc = torch.cat([s for _, _, s in items])
         batch = self.runner.make_batch(ids, pos, out_loc, seqs)
-        if all(req.kv_keep is not None for req, _, _ in items):
-            logits = self.runner.forward_prefill_only(batch, rows)
-        else:
-            logits = self.runner.forward(batch, rows)  # rows may be empty: a middle chunk only fills KV
+        hidden_of = self.runner.hidden_prefill_only if all(req.kv_keep is not None for req, _, _ in items) \
+            else self.runner.hidden
+        hidden = hidden_of(batch, rows + list(label_rows.values()))  # rows may be empty: a middle chunk only fills KV
+        logits = self.runner.model.compute_logits(hidden[: len(rows)])
+        label_hidden = dict(zip(label_rows, hidden[len(rows):]))
 
         progressed, to_sample, sample_rows = [], [], []
         for (req, take, slots), seq, (_, r0, p0, p1, final) in zip(items, seqs, row_plan):
@@ -378,7 +385,9 @@ class Scheduler:
                 continue
             req.input_logprobs_done = True
             if req.sampling.max_new_tokens == 0 or len(req.output_ids) >= req.sampling.max_new_tokens:
-                if req.logprob.return_logprob and not req.output_ids:
+                if id(req) in label_hidden:
+                    self._record_label_distribution(req, label_hidden[id(req)])
+                elif req.logprob.return_logprob and not req.output_ids:
                     self._record_next_token_distribution(req, logits[r0 + (p1 - p0) - 1])
                 req.finish_reason = {"type": "length", "length": req.sampling.max_new_tokens}
                 self._release(req)
@@ -422,6 +431,22 @@ class Scheduler:
         """Prefill-only requests: the distribution after the prompt (what scoring reads)."""
         logprobs = self._logprobs(row[None], [req])
         self._record_extra_logprobs(req, logprobs, req.output_top_logprobs, req.output_token_ids_logprobs)
+
+    @staticmethod
+    def _labels_only(req: Req) -> bool:
+        """A prefill-only request that reads nothing of the distribution after its prompt but its
+        token_ids_logprob, normalised over those (TokenizedGenerateReq.label_columns_only)."""
+        lp = req.logprob
+        return (lp.label_columns_only and lp.return_logprob and bool(lp.token_ids_logprob) and lp.top_logprobs_num == 0
+                and req.sampling.max_new_tokens == 0)
+
+    def _record_label_distribution(self, req: Req, hidden: torch.Tensor) -> None:
+        """The logprobs of req's token_ids_logprob normalised over those ids, from the output layer's
+        rows of those ids only: log_softmax over the labels of the full logprobs, within float32."""
+        ids = req.logprob.token_ids_logprob
+        cols = torch.tensor(ids, dtype=torch.int64, device=hidden.device)
+        vals = self._logprobs(self.runner.model.compute_logits(hidden[None], cols), [req])[0].tolist()
+        req.output_token_ids_logprobs.append(list(zip(vals, ids)))
 
     def _logprobs(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         temps = torch.tensor(
