@@ -8,7 +8,7 @@ import os
 import torch
 
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, make_backend
+from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, TritonBackend, make_backend
 from sgrec.model.config import ModelConfig, resolve_dtype
 from sgrec.model.cpu_linear import packing_available
 from sgrec.model.hybrid import hybrid_forward
@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 CPU_MEM_FRACTION = 0.1  # of available RAM, when neither max_total_tokens nor mem_fraction_static is set
 CPU_MAX_TOKENS = 1 << 17
 CUDA_MEM_FRACTION = 0.85
+CUDA_GRAPH_MAX_BS = 256  # the default largest decode batch replayed from a CUDA graph
 
 
 def resolve_device(device: str) -> torch.device:
@@ -70,6 +71,24 @@ class ModelRunner:
         self.kv_pool = self._new_pool(self._pool_size(reserve))
         logger.info("KV pool: %d tokens, dtype %s, device %s%s", self.kv_pool.size, self.dtype, self.device,
                     ", oneDNN weight packing on" if self.packed else "")
+        self.graphs = self._decode_graphs()
+
+    def _decode_graphs(self):
+        """Decode steps replayed from CUDA graphs (sgrec.model.cuda_graph) on CUDA with the triton
+        backend, unless --disable-cuda-graph. A capture that fails is logged, and decode runs eagerly."""
+        args = self.args
+        if self.device.type != "cuda" or args.disable_cuda_graph or not isinstance(self.backend, TritonBackend):
+            return None
+        from sgrec.model.cuda_graph import DecodeGraphs
+
+        max_bs = min(args.cuda_graph_max_bs or CUDA_GRAPH_MAX_BS, args.max_running_requests)
+        try:
+            return DecodeGraphs(self.model, self.backend, self.kv_pool, max_bs, 2 * self.kv_pool.size,
+                                self.context_len, capture=True)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            logger.warning("CUDA graph capture failed, decode runs without graphs: %s", e, exc_info=True)
+            torch.cuda.synchronize(self.device)
+            return None
 
     def _new_pool(self, size: int) -> KVPool:
         cfg = self.config
@@ -122,7 +141,11 @@ class ModelRunner:
         )
 
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:
-        """float32 logits [len(logit_rows), vocab] for the asked rows of the flat batch."""
+        """float32 logits [len(logit_rows), vocab] for the asked rows of the flat batch (a decode batch
+        that fits: replayed from its bucket's CUDA graph)."""
+        if self.graphs is not None and self.graphs.takes(batch):
+            rows = torch.as_tensor(logit_rows, dtype=torch.int64, device=self.device)
+            return self.graphs.run(batch).index_select(0, rows)
         return self.model.compute_logits(self.hidden(batch, logit_rows))
 
     def hidden(self, batch: ForwardBatch, rows: torch.Tensor | list[int]) -> torch.Tensor:

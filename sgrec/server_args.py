@@ -106,8 +106,9 @@ class ServerArgs:
     max_n: int = _arg(64, "Largest n (samples per prompt) of a generate request (more: 400).")
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg(
-        "auto", "Attention implementation. auto: native on a CPU that reports AVX-512 (where it was "
-        "measured faster) and a C compiler builds it (bfloat16 prefill stays on torch's SDPA), else torch. "
+        "auto", "Attention implementation. auto: on CPU native where the CPU reports AVX-512 (where it was "
+        "measured faster) and a C compiler builds it (bfloat16 prefill stays on torch's SDPA), else torch; "
+        "on CUDA triton where the triton package imports, else torch. "
         "torch: SDPA over gathered K/V "
         "(CPU and CUDA); native: sgrec's C kernels on CPU (built with the machine's C compiler on first "
         "use for the CPU's vector ISA): decode and prefill/extend attention reading cached K/V from the "
@@ -115,6 +116,12 @@ class ServerArgs:
         "tiles nobody sees skipped; other masks as torch; triton: Triton kernels for decode (reading the KV pool by "
         "slot index), beam steps' staged attention, rank forwards' bipartite masks and retrieve levels' "
         "selection (CUDA, or CPU under TRITON_INTERPRET=1 for tests).", ["auto", "torch", "native", "triton"])
+    disable_cuda_graph: bool = _arg(
+        False, "On CUDA, run decode steps without CUDA graphs (by default each batch-size bucket's step is "
+        "captured once at start-up and replayed; needs the triton attention backend).")
+    cuda_graph_max_bs: int | None = _arg(
+        None, "Largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most "
+        "256); larger batches run without one.")
     disable_weight_packing: bool = _arg(
         False, "On CPU, do not prepack float32 (or natively multiplied bfloat16) weights for oneDNN "
         "matmuls (packing is the default: faster decode; float32 logprobs differ from HF transformers by up "
@@ -143,6 +150,8 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be positive or -1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens must be at least 2")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("cuda_graph_max_bs must be at least 1")
         if self.timeout_keep_alive <= 0:
             raise ValueError("timeout_keep_alive must be positive")
         if self.max_running_requests < 1:

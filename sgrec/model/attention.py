@@ -373,11 +373,13 @@ def native_by_default() -> bool:
 
 def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
     """auto: on CPU with AVX-512, NativeBackend where the kernels build (decode in float32 and bfloat16,
-    extend in float32; see NativeBackend); otherwise torch, on CPU and CUDA."""
+    extend in float32; see NativeBackend); on CUDA, TritonBackend where triton imports; otherwise torch."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cpu" and native_by_default():
             return NativeBackend(extend_dtypes=(torch.float32,))
+        if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+            return TritonBackend()
         name = "torch"
     if name == "torch":
         return TorchBackend()

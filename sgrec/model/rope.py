@@ -47,9 +47,16 @@ class RotaryEmbedding:
         self.cos, self.sin = emb.cos(), emb.sin()
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def reserve(self, size: int) -> None:
+        """The table covers positions [0, size) from now on (a CUDA graph's step cannot grow it)."""
+        if size > self.cos.shape[0]:
+            self._build(size)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, head_dim] cos and sin for the given positions, in dtype."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+        """[T, head_dim] cos and sin for the given positions, in dtype. Inside a CUDA graph capture the
+        table is not checked (that reads the positions on the host): reserve() it first."""
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if positions.numel() and not capturing and int(positions.max()) >= self.cos.shape[0]:
             self._build(max(int(positions.max()) + 1, 2 * self.cos.shape[0]))
         if dtype not in self._cast:
             self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
