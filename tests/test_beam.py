@@ -16,7 +16,7 @@ from sgrec.beam.search import (
 from sgrec.beam.trie import children_logp
 from sgrec.catalog import Catalog, Item
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import SeqLayout
+from sgrec.model.attention import SeqLayout, TorchBackend
 from sgrec.radix.tree import RadixCache
 from sgrec.model.cpu_linear import PackedLinear, packing_available
 from sgrec.runner import ModelRunner
@@ -612,11 +612,14 @@ def test_attention_stages_as_work_units_equal_in_place(new_tree, runners):
     cat = random_catalog(rng, 600, 3, V, codes=40)
     pool = StreamTensorPool(1, threshold_bytes=0)
     plain = RetrieveExecutor(runner, new_tree(runner), cat)
-    plain.backend.native = None  # the staged stages in place, not the C kernel auto may give it
     units = RetrieveExecutor(runner, new_tree(runner), cat, units=UnitRunner(InlineStreams(), pool))
     reqs = [dict(input_ids=[rng.randrange(V) for _ in range(rng.randint(5, 40))], beam_width=bw, top_k=bw, num_items=6)
             for bw in (8, 32, 16)]
-    a, b = plain.run_batch(reqs), units.run_batch(reqs)
+    kept, runner.backend = runner.backend, TorchBackend()  # the staged stages in place, not the C kernel auto may pick
+    try:
+        a, b = plain.run_batch(reqs), units.run_batch(reqs)
+    finally:
+        runner.backend = kept
     for x, y in zip(a, b):
         assert [i["item"] for i in x.items] == [i["item"] for i in y.items]
         assert [i["score"] for i in x.items] == [i["score"] for i in y.items]  # the same operations

@@ -112,8 +112,7 @@ class RetrieveExecutor:
         self.use_catalog(catalog, self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
         triton = isinstance(runner.backend, TritonBackend)  # --attention-backend triton
-        native = runner.backend if isinstance(runner.backend, NativeBackend) else None  # CPU: sgrec's C kernels
-        self.backend = StagedBeamBackend(units, triton=triton, native=native)
+        self.backend = StagedBeamBackend(units, triton=triton)
         # each level's selection for all of a round's requests in the Triton trie step (kernel_step)
         self.triton_select = triton
 
@@ -350,6 +349,9 @@ class RetrieveExecutor:
         of just those vocabulary ids."""
         batch = ForwardBatch(input_ids=tokens, positions=positions, out_cache_loc=out_loc, seqs=[],
                              kv_pool=self.pool, attn_meta=meta)
+        # the runner's C kernels (CPU) take the beams too, as a bipartite layout (StagedBeamBackend)
+        backend = self.runner.backend
+        self.backend.native = backend if isinstance(backend, NativeBackend) else None
         model = self.runner.model
         return model.compute_logits(model(batch, self.backend), columns)
 
