@@ -12,7 +12,8 @@ import torch
 
 from sgrec.mem.kv_pool import KVPool
 from sgrec.model import native
-from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, TorchBackend, ColumnMeta, make_backend
+from sgrec.model.attention import (ColumnMeta, ForwardBatch, NativeBackend, SeqLayout, TorchBackend, TritonBackend,
+                                   make_backend)
 from sgrec.model.cpu_caps import cpu_flags
 from sgrec.rank import layout as L
 from sgrec.runner import ModelRunner
@@ -292,7 +293,8 @@ def test_march_by_cpu_flags():
 @needs_kernels
 def test_auto_picks_the_native_kernels_only_with_avx512(monkeypatch):
     """auto on CPU: the native backend (extend in float32, decode in float32 and bfloat16) where the CPU
-    reports AVX-512 (flags injected both ways), torch without it; on CUDA always torch."""
+    reports AVX-512 (flags injected both ways), torch without it; on CUDA triton where it imports (it
+    does here: torch ships it), else torch."""
     import sgrec.model.cpu_caps as caps
 
     v3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
@@ -302,6 +304,11 @@ def test_auto_picks_the_native_kernels_only_with_avx512(monkeypatch):
     auto = make_backend("auto", "cpu")
     assert type(auto) is NativeBackend and auto.extend_dtypes == (torch.float32,)  # bf16 prefill: torch's SDPA
     assert auto.decode_dtypes == (torch.float32, torch.bfloat16)
+    assert type(make_backend("auto", "cuda")) is TritonBackend
+    import importlib.util
+
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find(name, *a))
     assert type(make_backend("auto", "cuda")) is TorchBackend
     monkeypatch.setattr(caps, "cpu_flags", lambda: frozenset(v3))
     assert type(make_backend("auto", "cpu")) is TorchBackend

@@ -288,12 +288,12 @@ def test_failed_batch_ends_every_request_and_returns_its_kv(model, tmp_path, mon
         alloc = loop.runner.kv_pool.allocator
         for rid in ("a", "b"):
             loop.handle(gen(rid, list(range(10, 60)), max_new=5))
-        real_forward = loop.runner.forward
+        real_hidden = loop.runner.hidden  # every forward of a generate batch runs the model through it
 
         def broken(*a, **k):
             raise RuntimeError("injected fault")
 
-        monkeypatch.setattr(loop.runner, "forward", broken)
+        monkeypatch.setattr(loop.runner, "hidden", broken)
         loop.step()
         msg = None
         while not isinstance(msg, io.BatchReqOutput):
@@ -303,7 +303,7 @@ def test_failed_batch_ends_every_request_and_returns_its_kv(model, tmp_path, mon
                    for o in msg.outputs)
         assert loop.live == {} and not loop.scheduler.has_work()
         assert alloc.available_size() == alloc.size  # the prefill's slots were reclaimed
-        monkeypatch.setattr(loop.runner, "forward", real_forward)
+        monkeypatch.setattr(loop.runner, "hidden", real_hidden)
         loop.handle(gen("c", [5, 6, 7], max_new=3))
         for _ in range(20):
             loop.step()
