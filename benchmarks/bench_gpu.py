@@ -11,18 +11,30 @@ real shape with random weights (`make_tiny_model --shape`), written to a JSON fi
    (a bf16 GEMM of 8192^3; --quick: 512^3), so MFU is against what this device reaches.
 2. Retrieve: the Engine on a catalog of --items random 3-token semantic IDs, a --context-token
    prompt, BW --beam-width, ND 3, one request at a time: median latency of --repeats (the prompt is
-   new each time: no radix hit).
+   new each time: no radix hit). Then --concurrency threads at once (the engine batches their
+   rounds), each sending --repeats requests: median latency and requests per second (sid-gr's
+   published point: context 5000, BW 256, concurrency 4). Then one request at each of
+   --wide-beams (512, 1000): its latency, or the error (out of memory) it ended with.
+3. Rank: a --rank-user-token user and --rank-candidates candidates of 16 tokens each (id-token
+   scores), item-as-prefix and user-as-prefix, cold (cache flushed): median latency.
+4. HF transformers on the same device, same weights and dtype (skipped where transformers does not
+   import): prefill of each --lengths prompt (logits of the last row) and greedy generation of
+   --gen-tokens tokens for batches of 1 and 16 prompts of --gen-prompt tokens, against sgrec's
+   runner and Engine on the same work; rank against the naive way (every candidate its own prompt,
+   user + item, in batches of 8). Ratios are HF time / sgrec time.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -87,32 +99,144 @@ def bench_prefill(model_dir: str, a, dtype: str) -> list[dict]:
     return rows
 
 
-def bench_retrieve(model_dir: str, a, dtype: str, work: str) -> dict:
-    from sgrec import Engine
+ITEM_TOKENS = 16
 
+
+def vocab_of(model_dir: str) -> int:
     with open(os.path.join(model_dir, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+        return json.load(f)["vocab_size"]
+
+
+def write_catalog(model_dir: str, a, work: str) -> tuple[str, list[list[int]]]:
+    """--items items: 16 random tokens, an id token and a random 3-level semantic ID each. Returns the
+    file and every item's tokens."""
+    vocab = vocab_of(model_dir)
     codes = min(256, (vocab - 10) // 3)  # semantic-ID codes: three levels of token ranges from id 10 up
     rng = np.random.default_rng(0)
-    cat = os.path.join(work, "catalog.jsonl")
+    cat, tokens = os.path.join(work, "catalog.jsonl"), []
     with open(cat, "w") as f:
         for k in range(a.items):
             sem = (np.arange(3) * codes + rng.integers(0, codes, 3) + 10).tolist()
-            f.write(json.dumps({"id": f"i{k}", "token_ids": [int(rng.integers(10, vocab))], "semantic_id": sem}) + "\n")
-    e = Engine(model_dir, device=a.device, dtype=dtype, item_catalog=cat, max_beam_width=a.beam_width,
-               max_total_tokens=a.context + a.beam_width * 4 + 64, context_length=a.context + 16,
-               item_cache_tokens=0)
-    lat = []
-    for r in range(a.repeats + 1):
-        user = {"token_ids": np.random.default_rng(100 + r).integers(10, vocab, a.context).tolist()}
+            tokens.append(rng.integers(10, vocab, ITEM_TOKENS).tolist())
+            f.write(json.dumps({"id": f"i{k}", "token_ids": tokens[-1], "id_token": int(rng.integers(10, vocab)),
+                                "semantic_id": sem}) + "\n")
+    return cat, tokens
+
+
+def engine(model_dir: str, a, dtype: str, cat: str):
+    from sgrec import Engine
+
+    widest = max([a.beam_width, *a.wide_beams])
+    rank_len = a.rank_user + max(a.rank_candidates) * ITEM_TOKENS + 64
+    pool = max(a.concurrency * (a.context + a.beam_width * 4), a.context + widest * 4, rank_len) + 64
+    return Engine(model_dir, device=a.device, dtype=dtype, item_catalog=cat, max_beam_width=widest,
+                  max_total_tokens=pool, context_length=max(a.context, rank_len) + 16, item_cache_tokens=0,
+                  max_rank_candidates=max(a.rank_candidates))
+
+
+def prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, vocab, n).tolist()
+
+
+def bench_retrieve(e, a) -> dict:
+    vocab = e.vocab_size
+
+    def one(seed: int, bw: int) -> float:
         t = time.perf_counter()
-        out = e.retrieve(user, beam_width=a.beam_width, num_items=min(10, a.beam_width))
+        out = e.retrieve({"token_ids": prompt(vocab, a.context, seed)}, beam_width=bw, num_items=min(10, bw))
         sync(a.device)
-        if r:  # the first one warms up
-            lat.append(time.perf_counter() - t)
         assert out["items"], out
-    return {"context": a.context, "beam_width": a.beam_width, "items": a.items, "median_s": statistics.median(lat),
-            "requests": len(lat)}
+        return time.perf_counter() - t
+
+    one(99, a.beam_width)  # warm-up
+    lat = [one(100 + r, a.beam_width) for r in range(a.repeats)]
+    res = {"context": a.context, "beam_width": a.beam_width, "items": a.items, "median_s": statistics.median(lat),
+           "requests": len(lat)}
+    # concurrency: threads sending at once (the scheduler batches their rounds)
+    conc: list[float] = []
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(a.concurrency) as pool:
+        conc = list(pool.map(lambda i: one(1000 + i, a.beam_width), range(a.concurrency * a.repeats)))
+    wall = time.perf_counter() - t0
+    res["concurrent"] = {"concurrency": a.concurrency, "requests": len(conc), "median_s": statistics.median(conc),
+                         "req_per_s": len(conc) / wall}
+    wide = []
+    for bw in a.wide_beams:
+        try:
+            wide.append({"beam_width": bw, "seconds": one(2000 + bw, bw)})
+        except (RuntimeError, ValueError) as err:  # out of memory (torch), or the engine's 4xx / 5xx
+            wide.append({"beam_width": bw, "error": str(err)[:300]})
+    res["wide_beams"] = wide
+    return res
+
+
+def bench_rank(e, a) -> list[dict]:
+    vocab, rows = e.vocab_size, []
+    for n in a.rank_candidates:
+        cands = [f"i{k}" for k in np.random.default_rng(n).choice(a.items, n, replace=False).tolist()]
+        for prefix in ("item", "user"):
+            seeds = itertools.count(5000)
+
+            def go(prefix=prefix, cands=cands, seeds=seeds):  # a new user each call, nothing cached
+                e.flush_cache()
+                e.rank({"token_ids": prompt(vocab, a.rank_user, next(seeds))}, cands, prefix=prefix,
+                       score_by="id_token")
+            rows.append({"user_tokens": a.rank_user, "candidates": n, "prefix": prefix,
+                         "median_s": timed(go, a.device, a.repeats)})
+    return rows
+
+
+def bench_hf(model_dir: str, a, dtype: str, e, prefill: list[dict], items: list[list[int]]) -> dict | None:
+    """HF transformers against sgrec on the same work (module doc, 4); None without transformers.
+    sgrec's prefill times are bench_prefill's (the same forward: logits of the last row)."""
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    tdtype = getattr(torch, dtype)
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kw = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": tdtype}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", **kw).to(a.device).eval()
+    vocab, res = e.vocab_size, {"transformers": transformers.__version__, "prefill": [], "generate": [], "rank": []}
+    with torch.inference_mode():
+        for row in prefill:
+            n = row["tokens"]
+            ids = torch.tensor([prompt(vocab, n, n)], device=a.device)
+            hf_s = timed(lambda: hf(ids, logits_to_keep=1), a.device, a.repeats)
+            res["prefill"].append({"tokens": n, "hf_s": hf_s, "sgrec_s": row["seconds"], "ratio": hf_s / row["seconds"]})
+        k = a.gen_tokens
+        for b in (1, 16):
+            prompts = [prompt(vocab, a.gen_prompt, 300 + i) for i in range(b)]
+            ids = torch.tensor(prompts, device=a.device)
+            hf_s = timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
+                                             min_new_tokens=k, do_sample=False), a.device, max(1, a.repeats // 2))
+
+            def sg(prompts=prompts):
+                e.flush_cache()
+                e.generate(input_ids=prompts, sampling_params={"max_new_tokens": k, "temperature": 0,
+                                                               "ignore_eos": True})
+
+            sg_s = timed(sg, a.device, max(1, a.repeats // 2))
+            res["generate"].append({"batch": b, "prompt_tokens": a.gen_prompt, "new_tokens": k, "hf_s": hf_s,
+                                    "sgrec_s": sg_s, "ratio": hf_s / sg_s, "sgrec_tok_s": b * k / sg_s})
+        # rank the naive way: every candidate its own prompt (user + item), the logits after it
+        n = min(a.rank_candidates)
+        picks = np.random.default_rng(n).choice(a.items, n, replace=False).tolist()
+        user = prompt(vocab, a.rank_user, 7000)
+
+        def naive():
+            for i in range(0, n, 8):
+                hf(torch.tensor([user + items[k] for k in picks[i:i + 8]], device=a.device), logits_to_keep=1)
+
+        def ours():
+            e.flush_cache()
+            e.rank({"token_ids": user}, [f"i{k}" for k in picks], prefix="item", score_by="id_token")
+
+        hf_s, sg_s = timed(naive, a.device, 1), timed(ours, a.device, 1)
+        res["rank"].append({"user_tokens": a.rank_user, "candidates": n, "hf_s": hf_s, "sgrec_s": sg_s,
+                            "ratio": hf_s / sg_s})
+    return res
 
 
 def main(argv=None) -> int:
@@ -124,6 +248,13 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=5000)
     ap.add_argument("--beam-width", type=int, default=256)
     ap.add_argument("--items", type=int, default=100000)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--wide-beams", type=int, nargs="*", default=[512, 1000])
+    ap.add_argument("--rank-user", type=int, default=8192)
+    ap.add_argument("--rank-candidates", type=int, nargs="+", default=[100, 200])
+    ap.add_argument("--gen-prompt", type=int, default=256)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--no-hf", action="store_true", help="leave out the HF transformers comparison")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: the code path, not a measurement")
     ap.add_argument("--out", required=True, help="JSON file of the results")
@@ -131,16 +262,23 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="sgrec-gpu-")
     if a.quick:
         a.shape, a.lengths, a.context, a.beam_width, a.items, a.repeats = None, [64, 128], 64, 8, 500, 2
+        a.concurrency, a.wide_beams, a.rank_user, a.rank_candidates, a.gen_prompt, a.gen_tokens = 2, [16], 64, [4, 8], 16, 4
     dtype = a.dtype if a.device == "cuda" else "float32"
     tdtype = getattr(torch, dtype)
+    longest = max(max(a.lengths), a.context, a.rank_user + max(a.rank_candidates) * ITEM_TOKENS)
     model = make_tiny_model(os.path.join(work, "model"), shape=a.shape, dtype=dtype if a.shape else "float32",
-                            max_position_embeddings=max(max(a.lengths), a.context) + 64)
+                            max_position_embeddings=longest + 128)
     peak = gemm_peak(a.device, tdtype, 512 if a.quick else 8192, a.repeats)
     prefill = bench_prefill(model, a, dtype)
     for r in prefill:
         r["mfu"] = r["tflops"] * 1e12 / peak
     res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "shape": a.shape, "dtype": dtype,
-           "gemm_peak_tflops": peak / 1e12, "prefill": prefill, "retrieve": bench_retrieve(model, a, dtype, work)}
+           "gemm_peak_tflops": peak / 1e12, "prefill": prefill}
+    cat, items = write_catalog(model, a, work)
+    e = engine(model, a, dtype, cat)
+    res["retrieve"] = bench_retrieve(e, a)
+    res["rank"] = bench_rank(e, a)
+    res["hf"] = None if a.no_hf else bench_hf(model, a, dtype, e, prefill, items)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))

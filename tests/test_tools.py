@@ -177,6 +177,13 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0
     assert [x["tokens"] for x in r["prefill"]] == [64, 128] and all(0 < x["mfu"] for x in r["prefill"])
     assert r["retrieve"]["requests"] == 2 and r["retrieve"]["median_s"] > 0
+    conc = r["retrieve"]["concurrent"]
+    assert conc["concurrency"] == 2 and conc["requests"] == 4 and conc["req_per_s"] > 0
+    assert [(w["beam_width"], w["seconds"] > 0) for w in r["retrieve"]["wide_beams"]] == [(16, True)]
+    assert [(x["candidates"], x["prefix"]) for x in r["rank"]] == [(4, "item"), (4, "user"), (8, "item"), (8, "user")]
+    hf = r["hf"]  # transformers is a test dependency
+    assert [x["tokens"] for x in hf["prefill"]] == [64, 128] and [x["batch"] for x in hf["generate"]] == [1, 16]
+    assert all(x["hf_s"] > 0 and x["sgrec_s"] > 0 for part in ("prefill", "generate", "rank") for x in hf[part])
 
 
 def test_bench_roofline_counts_the_work_it_ran(tmp_path, tiny_model_dir):
