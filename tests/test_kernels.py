@@ -40,10 +40,13 @@ def test_triton_backend_is_refused_on_cpu_without_the_interpreter(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decode_attention_compiled_on_cuda(monkeypatch, dtype, tol):
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_decode_attention_compiled_on_cuda(monkeypatch, dtype, tol, splits):
+    """Compiled, with the automatic splits (4 sequences x 4 KV heads on a GPU of tens of SMs: several),
+    none, and 7."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k_buf, v_buf, idx, ptr = case(16, 4, 64, [1, 100, 513, 37], dtype, device="cuda", seed=9)
-    out = decode_attention(q, k_buf, v_buf, idx, ptr, 0.125)
+    out = decode_attention(q, k_buf, v_buf, idx, ptr, 0.125, splits=splits)
     ref = reference(q.cpu(), k_buf.cpu(), v_buf.cpu(), idx.cpu(), ptr.cpu(), 0.125)
     assert (out.double().cpu() - ref).abs().max() <= tol
 

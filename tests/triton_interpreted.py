@@ -28,19 +28,22 @@ from tests.test_beam import assert_same, random_catalog  # noqa: E402
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (6, 2, 16), (9, 3, 32), (8, 1, 24)])
 @pytest.mark.parametrize("lens,block_n", [([1], 16), ([5, 16, 17, 40], 16), ([3, 70, 1, 33], 32)])
-def test_decode_attention_equals_reference(hq, hkv, d, lens, block_n):
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_attention_equals_reference(hq, hkv, d, lens, block_n, splits):
     """GQA ratios 1, 3, 3, 8; head dims that are and are not powers of two; lengths below, at
-    and across block boundaries; slots scattered over the pool."""
+    and across block boundaries; slots scattered over the pool; each sequence's slots in 1, 3 or 8
+    runs merged by log-sum-exp (runs with no slot where a sequence is short)."""
     q, k_buf, v_buf, idx, ptr = case(hq, hkv, d, lens, torch.float32, seed=len(lens) + hq)
     scale = d ** -0.5
-    out = decode_attention(q, k_buf, v_buf, idx, ptr, scale, block_n=block_n)
+    out = decode_attention(q, k_buf, v_buf, idx, ptr, scale, block_n=block_n, splits=splits)
     assert out.shape == (len(lens), hq * d) and out.dtype == torch.float32
     assert (out.double() - reference(q, k_buf, v_buf, idx, ptr, scale)).abs().max() <= 1e-5
 
 
-def test_decode_attention_bfloat16():
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_bfloat16(splits):
     q, k_buf, v_buf, idx, ptr = case(6, 2, 16, [9, 31, 64], torch.bfloat16, seed=5)
-    out = decode_attention(q, k_buf, v_buf, idx, ptr, 0.25)
+    out = decode_attention(q, k_buf, v_buf, idx, ptr, 0.25, splits=splits)
     assert out.dtype == torch.bfloat16
     assert (out.double() - reference(q, k_buf, v_buf, idx, ptr, 0.25)).abs().max() <= 2e-2
 
