@@ -96,7 +96,23 @@ def bench_prefill(model_dir: str, a, dtype: str) -> list[dict]:
         batch = runner.make_batch(ids, list(range(n)), slots, [SeqLayout(0, n, slots)])
         s = timed(lambda: runner.forward(batch, [n - 1]), a.device, a.repeats)
         rows.append({"tokens": n, "seconds": s, "tflops": prefill_flops(cfg, n_params, n) / s / 1e12})
+    rows[-1]["profile"] = profile(lambda: runner.forward(batch, [n - 1]), a.device)
     return rows
+
+
+def profile(fn, device: str, top: int = 15) -> list[dict]:
+    """The operators that took most device time (CPU time off CUDA) in one call of fn: where the
+    longest prefill's time goes, for the next round of work on its MFU."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:top]
+    return [{"op": e.key, "ms": getattr(e, key, 0) / 1e3, "calls": e.count} for e in events]
 
 
 ITEM_TOKENS = 16
