@@ -4,7 +4,7 @@ their test inputs."""
 import torch
 
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import ForwardBatch, SeqLayout, ColumnMeta
+from sgrec.model.attention import ColumnMeta, ForwardBatch, SeqLayout
 from sgrec.rank import layout as L
 
 

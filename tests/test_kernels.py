@@ -74,7 +74,7 @@ def test_staged_attention_compiled_on_cuda(monkeypatch, dtype, tol):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_bipartite_attention_compiled_on_cuda(monkeypatch, dtype, tol):
-    from sgrec.model.attention import ForwardBatch, ColumnMeta
+    from sgrec.model.attention import ColumnMeta, ForwardBatch
     from sgrec.model.kernels.bipartite_attention import bipartite_attention
     from sgrec.rank import layout as L
     from tests.kernel_refs import bipartite_reference, rank_case

@@ -294,7 +294,7 @@ def test_march_by_cpu_flags():
 def test_auto_picks_the_native_kernels_only_with_avx512(monkeypatch):
     """auto on CPU: the native backend (extend in float32, decode in float32 and bfloat16) where the CPU
     reports AVX-512 (flags injected both ways), torch without it; on CUDA triton where it imports (it
-    does here: torch ships it), else torch."""
+    does here: torch ships it) and its decode kernel runs there (triton_decodes), else torch."""
     import sgrec.model.cpu_caps as caps
 
     v3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
@@ -304,9 +304,15 @@ def test_auto_picks_the_native_kernels_only_with_avx512(monkeypatch):
     auto = make_backend("auto", "cpu")
     assert type(auto) is NativeBackend and auto.extend_dtypes == (torch.float32,)  # bf16 prefill: torch's SDPA
     assert auto.decode_dtypes == (torch.float32, torch.bfloat16)
-    assert type(make_backend("auto", "cuda")) is TritonBackend
     import importlib.util
 
+    import sgrec.model.attention as attention
+
+    monkeypatch.setattr(attention, "triton_decodes", lambda device: True)  # (no CUDA device here to check on)
+    assert type(make_backend("auto", "cuda")) is TritonBackend
+    monkeypatch.setattr(attention, "triton_decodes", lambda device: False)  # Triton does not run there
+    assert type(make_backend("auto", "cuda")) is TorchBackend
+    monkeypatch.setattr(attention, "triton_decodes", lambda device: True)
     real_find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find(name, *a))
     assert type(make_backend("auto", "cuda")) is TorchBackend

@@ -383,3 +383,21 @@ def test_trie_step_takes_the_torch_paths_regime_on_rounding_ties(global_min_k, m
     assert s[1] == s[3] == s[5] and len({torch.log_softmax(x[0, 20:30], -1)[j].item() for j in (1, 3, 5)}) == 3
     got = check_level(trie, 1, [torch.tensor([0, 1])], [scores], [x], [None], [2], [2], False, global_min_k)
     assert got[0][1].tolist() == ([21, 23] if global_min_k == 2 else [23, 25])
+
+
+def test_triton_decodes_checks_the_kernel(monkeypatch):
+    """auto's check on CUDA (here on CPU, interpreted): the kernel runs and equals torch; a kernel that
+    raises (as a Triton that cannot compile for the GPU would) or returns wrong values fails it."""
+    import sgrec.model.kernels.decode_attention as da
+    from sgrec.model.attention import triton_decodes
+
+    assert triton_decodes(torch.device("cpu"))
+    real = da.decode_attention
+    monkeypatch.setattr(da, "decode_attention", lambda *a, **k: real(*a, **k) * 1.01)
+    assert not triton_decodes(torch.device("cpu"))
+
+    def broken(*a, **k):
+        raise RuntimeError("PTX: unsupported architecture")
+
+    monkeypatch.setattr(da, "decode_attention", broken)
+    assert not triton_decodes(torch.device("cpu"))

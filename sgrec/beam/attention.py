@@ -19,7 +19,7 @@ import torch
 
 from sgrec.beam.search import apply_schedule_, inplace_schedule
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import AttentionBackend, ForwardBatch, NativeBackend, ColumnMeta
+from sgrec.model.attention import AttentionBackend, ColumnMeta, ForwardBatch, NativeBackend
 
 
 def _partial(scores: torch.Tensor, v: torch.Tensor, eq: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,7 +158,7 @@ def beams_as_blocks(meta: "BeamStepMeta | BeamBatchMeta") -> ColumnMeta:
     ends = torch.tensor([b for _, b in rows], dtype=torch.int64)
     cat = torch.cat
     return ColumnMeta(starts, ends, cat(q_order), cat(q_block), cat(c_idx).to(torch.int64),
-                          torch.cumsum(torch.tensor(c_len), 0), cat(c_order), cat(c_block), None)
+                      torch.cumsum(torch.tensor(c_len), 0), cat(c_order), cat(c_block), None)
 
 
 @dataclass
@@ -179,8 +179,9 @@ class StagedBeamBackend(AttentionBackend):
     (independent) and a merge that depends on both; the stages' partial results go to the tensor
     pool of the stream that made them until the merge that reads them is done.
 
-    With `native` (the runner's NativeBackend, CPU) and no units, a step over a pool whose dtype it extends runs
-    through sgrec's C extend kernel instead, every beam of a request one block of a bipartite layout
+    With `native` (the runner's NativeBackend, CPU; the executor sets it from the runner's backend
+    at each step) and no units, a step over a pool whose dtype it extends runs through sgrec's C
+    extend kernel instead, every beam of a request one block of a bipartite layout
     (`beams_as_blocks`): one pass over the prompt's K/V per tile of beams, the softmax fused (the
     staged path materialises every beam's scores against the prompt); equal to the staged path
     within float32 rounding (tests/test_beam.py)."""
