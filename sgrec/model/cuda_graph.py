@@ -99,10 +99,11 @@ class DecodeGraphs:
         """The batch into the static buffers, padded to bs by one-token sequences on slot 0."""
         n, pad = len(batch.seqs), bs - len(batch.seqs)
         lens = torch.tensor([0] + [s.kv_len for s in batch.seqs] + [1] * pad, dtype=torch.int64)
-        idx = torch.cat([s.kv_indices.to(self.device, torch.int64) for s in batch.seqs]
-                        + [torch.zeros(pad, dtype=torch.int64, device=self.device)])
-        self.idx[: idx.numel()].copy_(idx)
-        self.ptr[: bs + 1].copy_(torch.cumsum(lens, 0).to(self.device), non_blocking=True)
+        idx = torch.cat([s.kv_indices for s in batch.seqs])  # where the allocator keeps them; one copy
+        total = idx.numel()
+        self.idx[:total].copy_(idx)
+        self.idx[total:total + pad].zero_()  # the padding sequences' slot 0
+        self.ptr[: bs + 1].copy_(torch.cumsum(lens, 0))
         for buf, src in ((self.ids, batch.input_ids), (self.pos, batch.positions), (self.loc, batch.out_cache_loc)):
             buf[:n].copy_(src.to(self.device, torch.int64))
             buf[n:bs].zero_()
