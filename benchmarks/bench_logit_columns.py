@@ -9,6 +9,11 @@ differ only in the output layer of a beam step: "all columns" computes every voc
 rows of the level's tokens only. They run alternately in one process (one call of each in turn),
 --repeats times after a warm-up; the table shows medians, their ratio, and whether both returned
 the same items with the same scores (rounded to 1e-4).
+
+Then score (`Engine.score` with apply_softmax): --score-items items of --score-item-len tokens after
+a --score-query-len-token query (cached by the warm-up), four labels; "all columns" (the label-only
+path switched off: the whole output layer, then the labels' logprobs) against "label columns" (the
+labels' rows only), alternately, medians of --repeats, and the largest difference of a score.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--score-items", type=int, default=100)
+    ap.add_argument("--score-item-len", type=int, default=4)
+    ap.add_argument("--score-query-len", type=int, default=64)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cmd = ("python benchmarks/bench_logit_columns.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
@@ -87,7 +95,39 @@ def main(argv=None) -> None:
     finally:
         SemanticIdTrie.logit_columns = level
     print(md_table(["BW", "all columns ms", "level columns ms", "speed-up", "same items and scores"], rows))
+    print(md_table(["score", "all columns ms", "label columns ms", "speed-up", "max score difference"],
+                   [score_row(model, vocab, args)]))
     print(f"rerun: {cmd}")
+
+
+def score_row(model: str, vocab: int, args) -> list:
+    from sgrec import Engine
+    from sgrec.scheduler.scheduler import Scheduler
+
+    e = Engine(model, device="cpu", dtype="float32", log_level="warning")
+    rng = np.random.default_rng(1)
+    query = rng.integers(10, vocab, args.score_query_len).tolist()
+    items = [rng.integers(10, vocab, args.score_item_len).tolist() for _ in range(args.score_items)]
+    labels = rng.choice(vocab, 4, replace=False).tolist()
+    labels_only = Scheduler.__dict__["_labels_only"]  # the staticmethod itself
+    peers = {"all columns": staticmethod(lambda req: False), "label columns": labels_only}
+    times: dict[str, list[float]] = {k: [] for k in peers}
+    scores: dict[str, list] = {}
+    try:
+        for rep in range(args.repeats + 1):  # the first round is the warm-up (and caches the query)
+            for name, fn in peers.items():
+                Scheduler._labels_only = fn
+                t = time.perf_counter()
+                scores[name] = e.score(query=query, items=items, label_token_ids=labels, apply_softmax=True).scores
+                if rep:
+                    times[name].append(time.perf_counter() - t)
+    finally:
+        Scheduler._labels_only = labels_only
+    full, part = (statistics.median(times[k]) * 1e3 for k in peers)
+    diff = max(abs(a - b) for x, y in zip(*scores.values()) for a, b in zip(x, y))
+    print(f"  score: {full:.1f} / {part:.1f} ms", flush=True)
+    return [f"{args.score_items} items x {args.score_item_len} tokens", f"{full:.1f}", f"{part:.1f}",
+            f"{full / part:.2f}", f"{diff:.1e}"]
 
 
 if __name__ == "__main__":
