@@ -63,7 +63,13 @@ class ModelRunner:
         self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed)
         self.backend = make_backend(args.attention_backend, self.device)
         if isinstance(self.backend, NativeBackend):  # sgrec's C kernels: attention, and the float32 glue
-            self.model.use_native_glue()
+            from sgrec.model import native
+
+            self.model.use_glue(native)
+        elif isinstance(self.backend, TritonBackend) and self.device.type == "cuda":  # Triton's, on CUDA
+            from sgrec.model.kernels import glue
+
+            self.model.use_glue(glue)
         self.max_input_len = min(args.max_input_len or self.context_len - 1, self.context_len - 1)
         cfg = self.config
         self.kv_pool = self._new_pool(1)

@@ -23,13 +23,15 @@ def setup(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("backend,graphs", [("torch", False), ("triton", True), ("triton", False)])
 def test_cuda_engine_agrees_with_cpu(setup, backend, graphs):
-    """triton decodes through CUDA graphs by default (sgrec.model.cuda_graph); --disable-cuda-graph
-    runs the same steps eagerly."""
+    """triton decodes through CUDA graphs by default (sgrec.model.cuda_graph) and runs the Triton glue
+    (sgrec.model.kernels.glue); --disable-cuda-graph runs the same steps eagerly."""
     from sgrec import Engine
+    from sgrec.model.kernels import glue
 
     cpu, kw, model = setup
     gpu = Engine(model, device="cuda", attention_backend=backend, disable_cuda_graph=not graphs, **kw)
     assert (gpu.runner.graphs is not None) == graphs
+    assert (gpu.runner.model.norm.glue is glue) == (backend == "triton")
     prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
     sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     want = [o["output_ids"] for o in cpu.generate(input_ids=prompts, sampling_params=sp)]

@@ -132,3 +132,36 @@ def test_trie_step_compiled_on_cuda(monkeypatch):
             p, t, s, nd = (x.cpu() for x in got[r])
             assert p.tolist() == want[0].tolist() and t.tolist() == want[1].tolist() and nd.tolist() == want[3].tolist()
             assert (s - want[2]).abs().max() <= 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glue_compiled_on_cuda(monkeypatch, dtype):
+    """The Triton glue (RMSNorm, RoPE, SiLU * up) compiled, against the torch ops: float32 within 1e-5,
+    bfloat16 within one rounding step (the GPU rounds to nearest as torch does)."""
+    import torch.nn.functional as F
+
+    from sgrec.model.kernels import glue
+    from sgrec.model.llama import RMSNorm
+    from sgrec.model.rope import RotaryEmbedding, apply_rope
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-2)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 2048, generator=g) * 3).to("cuda", dtype)
+    norm = RMSNorm(2048, 1e-6).to("cuda", dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    torch.testing.assert_close(glue.rmsnorm(x, norm.weight, 1e-6), norm(x), **tol)
+    T, hq, hk, d = 37, 16, 8, 128
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to("cuda", dtype)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(T, hq, d), k.view(T, hk, d)
+    cos, sin = RotaryEmbedding(d, 1e6, None, 4096, torch.device("cuda")).cos_sin(
+        torch.arange(3000, 3000 + T, device="cuda"), dtype)
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    assert glue.rope_(q, k, cos, sin)
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(k, want_k, **tol)
+    gu = torch.randn(T, 2 * 6144, generator=g).to("cuda", dtype) * 3
+    torch.testing.assert_close(glue.silu_mul(gu, 6144), F.silu(gu[:, :6144]) * gu[:, 6144:], **tol)

@@ -401,3 +401,90 @@ def test_triton_decodes_checks_the_kernel(monkeypatch):
 
     monkeypatch.setattr(da, "decode_attention", broken)
     assert not triton_decodes(torch.device("cpu"))
+
+
+# ---- the Triton glue (sgrec.model.kernels.glue) against the torch ops it replaces ------------------
+# float32: the same operations up to summation order; bfloat16: the interpreter truncates where torch
+# rounds to nearest (a GPU rounds too: tests/test_kernels.py holds the compiled kernels to one step)
+GLUE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -6, atol=2e-2)}
+
+def _torch_rmsnorm(x, w, eps):
+    from sgrec.model.llama import RMSNorm
+
+    m = RMSNorm(x.shape[-1], eps).to(x.dtype)
+    m.weight.data.copy_(w)
+    return m(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [576, 40, 7])
+def test_glue_rmsnorm_equals_torch(dtype, n):
+    """Rows of a strided view (every other row of a buffer); widths that are and are not powers of two."""
+    from sgrec.model.kernels import glue
+
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(10, n, generator=g) * 3).to(dtype)[::2]
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype)
+    got, want = glue.rmsnorm(x, w, 1e-6), _torch_rmsnorm(x, w, 1e-6)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **GLUE_TOL[dtype])
+    assert glue.rmsnorm(x.double(), w.double(), 1e-6) is None  # not a kernel dtype: torch's path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 16), (6, 2, 24)])
+def test_glue_rope_equals_torch(dtype, hq, hk, d):
+    """q and k as the model makes them: views of one fused projection (token stride past the heads)."""
+    from sgrec.model.kernels import glue
+    from sgrec.model.rope import RotaryEmbedding, apply_rope
+
+    T = 13
+    g = torch.Generator().manual_seed(hq + d)
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(dtype)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(T, hq, d), k.view(T, hk, d)
+    cos, sin = RotaryEmbedding(d, 10000.0, None, 64, torch.device("cpu")).cos_sin(torch.arange(5, 5 + T), dtype)
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    assert glue.rope_(q, k, cos, sin)
+    torch.testing.assert_close(q, want_q, **GLUE_TOL[dtype])
+    torch.testing.assert_close(k, want_k, **GLUE_TOL[dtype])
+    assert not glue.rope_(q[..., :-1], k[..., :-1], cos[:, :-1], sin[:, :-1])  # odd head dim: torch's path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glue_silu_mul_equals_torch(dtype):
+    import torch.nn.functional as F
+
+    from sgrec.model.kernels import glue
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(7, 2 * 1500, generator=g) * 3).to(dtype)
+    got = glue.silu_mul(x, 1500)
+    want = F.silu(x[:, :1500]) * x[:, 1500:]
+    torch.testing.assert_close(got, want, **GLUE_TOL[dtype])
+    assert glue.silu_mul(x, 1499) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_model_with_triton_glue_equals_plain(tiny_model_dir, arch):
+    """A whole prefill of the model with the Triton glue (what the runner sets on CUDA with
+    the triton backend) == without, float32: logits within 5e-5 (other summation orders; the C glue's
+    bound, tests/test_native_kernels.py), the same greedy tokens."""
+    from sgrec.model.kernels import glue
+
+    runner = ModelRunner(ServerArgs.from_kwargs(model_path=tiny_model_dir(arch), device="cpu", dtype="float32",
+                                                max_total_tokens=512, attention_backend="torch"))
+    ids = list(range(3, 40))
+    n = len(ids)
+
+    def logits():
+        slots = torch.arange(1, n + 1)
+        return runner.forward(runner.make_batch(ids, list(range(n)), slots, [SeqLayout(0, n, slots)]), list(range(n)))
+
+    plain = logits()
+    runner.model.use_glue(glue)
+    try:
+        fused = logits()
+    finally:
+        runner.model.use_glue(None)
+    assert (fused - plain).abs().max() <= 5e-5 and torch.equal(fused.argmax(-1), plain.argmax(-1))

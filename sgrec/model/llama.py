@@ -20,7 +20,7 @@ from sgrec.model.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
-    glue = None  # sgrec.model.native once use_native_glue() ran: fused float32 CPU ops
+    glue = None  # fused element-wise kernels once use_glue() ran: sgrec.model.native (CPU) or kernels.glue (CUDA)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -145,14 +145,14 @@ class CausalLM(nn.Module):
             return plain
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def use_native_glue(self) -> None:
-        """RMSNorm, RoPE and SiLU-times-up through sgrec's fused C kernels (sgrec.model.native, glue.c)
-        wherever the tensors are float32 on CPU; the torch ops elsewhere."""
-        from sgrec.model import native
-
+    def use_glue(self, glue) -> None:
+        """RMSNorm, RoPE and SiLU-times-up through fused kernels wherever `glue` takes the tensors,
+        the torch ops elsewhere: sgrec.model.native (C, float32 on CPU) or sgrec.model.kernels.glue
+        (Triton, CUDA). A glue module has rmsnorm(x, weight, eps), rope_(q, k, cos, sin) and
+        silu_mul(gate_up, inter), each returning None (False) where it does not take its tensors."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
-                m.glue = native
+                m.glue = glue
 
     def pack_for_cpu(self) -> None:
         """Prepacks every projection (and the output layer) for oneDNN; see cpu_linear.py."""
