@@ -5,7 +5,9 @@ real shape with random weights (`make_tiny_model --shape`), written to a JSON fi
     python benchmarks/bench_gpu.py --device cpu --quick --out r.json    # the code path on CPU, tiny sizes
 
 1. Prefill: one prompt of each length (1K and 8K tokens; --quick: 64, 128) through ModelRunner.forward
-   (logits of the last row only), the median of --repeats after a warm-up. MFU = useful FLOPs /
+   (logits of the last row only), the median of --repeats after a warm-up; with the auto attention
+   backend (triton on CUDA, with the fused glue; the profile of its longest prefill), and again with
+   torch's. MFU = useful FLOPs /
    time / the device's peak: useful FLOPs = 2 x non-embedding parameters x tokens + the causal
    attention's 2 x 2 x layers x heads x head_dim x tokens^2 / 2. The peak is measured in the same run
    (a bf16 GEMM of 8192^3; --quick: 512^3), so MFU is against what this device reaches.
@@ -82,11 +84,12 @@ def prefill_flops(cfg, n_params: int, tokens: int) -> float:
     return 2 * n_params * tokens + attn
 
 
-def bench_prefill(model_dir: str, a, dtype: str) -> list[dict]:
+def bench_prefill(model_dir: str, a, dtype: str, backend: str = "auto") -> list[dict]:
     longest = max(a.lengths)
     runner = ModelRunner(ServerArgs.from_kwargs(model_path=model_dir, device=a.device, dtype=dtype,
                                                 max_total_tokens=longest + 16, chunked_prefill_size=-1,
-                                                context_length=longest + 16))
+                                                context_length=longest + 16, attention_backend=backend,
+                                                disable_cuda_graph=True))
     cfg = runner.config
     n_params = non_embedding_params(cfg)
     rows = []
@@ -95,8 +98,10 @@ def bench_prefill(model_dir: str, a, dtype: str) -> list[dict]:
         slots = torch.arange(1, n + 1, device=runner.device)
         batch = runner.make_batch(ids, list(range(n)), slots, [SeqLayout(0, n, slots)])
         s = timed(lambda: runner.forward(batch, [n - 1]), a.device, a.repeats)
-        rows.append({"tokens": n, "seconds": s, "tflops": prefill_flops(cfg, n_params, n) / s / 1e12})
-    rows[-1]["profile"] = profile(lambda: runner.forward(batch, [n - 1]), a.device)
+        rows.append({"tokens": n, "seconds": s, "tflops": prefill_flops(cfg, n_params, n) / s / 1e12,
+                     "backend": type(runner.backend).__name__})
+    if backend == "auto":
+        rows[-1]["profile"] = profile(lambda: runner.forward(batch, [n - 1]), a.device)
     return rows
 
 
@@ -288,10 +293,12 @@ def main(argv=None) -> int:
                             max_position_embeddings=longest + 128)
     peak = gemm_peak(a.device, tdtype, 512 if a.quick else 8192, a.repeats)
     prefill = bench_prefill(model, a, dtype)
-    for r in prefill:
+    # the same with torch's attention and ops (no fused glue): what the auto backend's kernels add
+    prefill_torch = bench_prefill(model, a, dtype, "torch")
+    for r in prefill + prefill_torch:
         r["mfu"] = r["tflops"] * 1e12 / peak
     res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "shape": a.shape, "dtype": dtype,
-           "gemm_peak_tflops": peak / 1e12, "prefill": prefill}
+           "gemm_peak_tflops": peak / 1e12, "prefill": prefill, "prefill_torch_backend": prefill_torch}
     cat, items = write_catalog(model, a, work)
     e = engine(model, a, dtype, cat)
     res["retrieve"] = bench_retrieve(e, a)

@@ -177,6 +177,7 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0
     assert [x["tokens"] for x in r["prefill"]] == [64, 128] and all(0 < x["mfu"] for x in r["prefill"])
     assert r["prefill"][-1]["profile"] and all(x["ms"] >= 0 and x["calls"] > 0 for x in r["prefill"][-1]["profile"])
+    assert [(x["tokens"], x["backend"]) for x in r["prefill_torch_backend"]] == [(64, "TorchBackend"), (128, "TorchBackend")]
     assert r["retrieve"]["requests"] == 2 and r["retrieve"]["median_s"] > 0
     conc = r["retrieve"]["concurrent"]
     assert conc["concurrency"] == 2 and conc["requests"] == 4 and conc["req_per_s"] > 0
