@@ -299,13 +299,22 @@ def main(argv=None) -> int:
         r["mfu"] = r["tflops"] * 1e12 / peak
     res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "shape": a.shape, "dtype": dtype,
            "gemm_peak_tflops": peak / 1e12, "prefill": prefill, "prefill_torch_backend": prefill_torch}
+
+    def save(part: str) -> None:  # after each part: a run cut short by its time limit keeps what it measured
+        res["done"] = part
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"bench_gpu: {part} done", flush=True)
+
+    save("prefill")
     cat, items = write_catalog(model, a, work)
     e = engine(model, a, dtype, cat)
     res["retrieve"] = bench_retrieve(e, a)
+    save("retrieve")
     res["rank"] = bench_rank(e, a)
+    save("rank")
     res["hf"] = None if a.no_hf else bench_hf(model, a, dtype, e, prefill, items)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    save("hf")
     print(json.dumps(res, indent=1))
     return 0
 

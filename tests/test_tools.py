@@ -174,7 +174,7 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
                         "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0
+    assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0 and r["done"] == "hf"
     assert [x["tokens"] for x in r["prefill"]] == [64, 128] and all(0 < x["mfu"] for x in r["prefill"])
     assert r["prefill"][-1]["profile"] and all(x["ms"] >= 0 and x["calls"] > 0 for x in r["prefill"][-1]["profile"])
     assert [(x["tokens"], x["backend"]) for x in r["prefill_torch_backend"]] == [(64, "TorchBackend"), (128, "TorchBackend")]
