@@ -3,7 +3,8 @@ compiler and the ptxas it ships need no GPU, so CI catches what the interpreter 
 kernels' Python, not their compilation) lets through -- a type the compiler rejects, a shape it
 cannot lower -- before a lent GPU's few minutes are spent on it.
 
-Each wrapper (decode_attention, the glue, the staged beam attention) is called on small CPU tensors with its kernels swapped
+Each wrapper (decode attention, the glue, the staged beam attention, the bipartite attention, the
+trie step) is called on small CPU tensors with its kernels swapped
 for recorders; every recorded launch (its arguments' types, its constexprs and num_warps) is then
 compiled to a cubin for sm_90 from the real, uninterpreted kernel."""
 
@@ -17,7 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
-           torch.int32: "*i32"}
+           torch.int32: "*i32", torch.int8: "*i8", torch.uint8: "*u8", torch.bool: "*i1"}
 
 
 class Recorder:
@@ -117,6 +118,53 @@ def test_staged_attention_compiles_for_sm90(monkeypatch, dtype):
 
     launches = recorded(sa, run, monkeypatch)
     assert len(launches) == 1
+    for fn, a, k in launches:
+        assert compile_launch(fn, a, k).asm["cubin"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bipartite_attention_compiles_for_sm90(monkeypatch, dtype):
+    """Its mask from two integers per KV column: here a beam step's layout (beams_as_blocks), as a
+    rank layout would give it (16 query heads over 8 KV heads, head dim 128)."""
+    from sgrec.beam.attention import BeamStepMeta, beams_as_blocks
+    from sgrec.model.kernels import bipartite_attention as ba
+
+    c = beams_as_blocks(BeamStepMeta(torch.arange(1, 401), torch.arange(401, 529).view(64, 2)))
+    kv = torch.zeros(600, 8, 128, dtype=dtype)
+    new = torch.zeros(64, 8, 128, dtype=dtype)
+
+    def run():
+        ba.bipartite_attention(torch.zeros(64, 16, 128, dtype=dtype), new, new, kv, kv, c.q_start, c.q_end, c.q_order,
+                               c.q_block, c.c_idx, c.c_ptr, c.c_order, c.c_block, 0.1)
+
+    launches = recorded(ba, run, monkeypatch)
+    assert len(launches) == 1
+    for fn, a, k in launches:
+        assert compile_launch(fn, a, k).asm["cubin"]
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_trie_step_compiles_for_sm90(monkeypatch, restricted):
+    """A level's selection for two requests (children, selection, emission): over the whole
+    vocabulary's logits and over the level's columns only, with an exclusion filter on one."""
+    from sgrec.beam.filters import FilterCache, build_filter
+    from sgrec.beam.trie import SemanticIdTrie
+    from sgrec.catalog import Catalog, Item
+    from sgrec.model.kernels import trie_step as ts
+
+    paths = [(a, b) for a in range(30, 36) for b in range(20, 30)]
+    cat = Catalog([Item(f"i{i}", (1,), 1, p) for i, p in enumerate(paths)])
+    trie, rows = SemanticIdTrie.from_catalog(cat, 40)
+    filt = build_filter(trie, rows, cat, FilterCache(), exclude=["i3", "i17"])
+    cols = trie.level_col[1] if restricted else None
+    logits = torch.zeros(6, trie.level_tokens[1].numel() if restricted else 40)
+
+    def run():
+        ts.trie_step(logits, trie.child_ptr[1], trie.child_tok[1], torch.arange(6), torch.zeros(6), [0, 3, 6], [2, 3],
+                     [4, 5], trie.max_children[1], cols, [None, (filt.dense[2], filt.allowed[2], filt.blocked[2])])
+
+    launches = recorded(ts, run, monkeypatch)
+    assert [k.get("RESTRICTED") for _, _, k in launches][:1] == [restricted] and len(launches) == 3
     for fn, a, k in launches:
         assert compile_launch(fn, a, k).asm["cubin"]
 
