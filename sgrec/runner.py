@@ -71,7 +71,6 @@ class ModelRunner:
 
             self.model.use_glue(glue)
         self.max_input_len = min(args.max_input_len or self.context_len - 1, self.context_len - 1)
-        cfg = self.config
         self.kv_pool = self._new_pool(1)
         reserve = self.profile_peak_bytes(self.max_input_len) if args.max_input_len else 0
         self.kv_pool = self._new_pool(self._pool_size(reserve))
