@@ -118,7 +118,7 @@ class ItemStore:
             slots = self._alloc(h)
             if h:
                 lay = L.item_as_prefix(self.header_ids, [], [], [])
-                seq = SeqLayout(0, h, slots, lay.mask(), lay.bipartite())
+                seq = SeqLayout(0, h, slots, bipartite=lay.bipartite())
                 self.runner.forward(self.runner.make_batch(lay.token_ids, lay.positions, slots, [seq]), [h - 1])
             self.header_slots = slots
         return self.header_slots
@@ -269,10 +269,8 @@ class ItemStore:
         for it in items:
             lay = L.item_as_prefix(self.header_ids, [it.token_ids], [], [])
             seg = lay.items()[0]
-            rows = list(range(seg.start, seg.stop))
             mine = slots[off : off + seg.length]
-            seqs.append(SeqLayout(len(ids), seg.length, torch.cat([header, mine]), lay.mask(rows, None),
-                                  lay.bipartite()))
+            seqs.append(SeqLayout(len(ids), seg.length, torch.cat([header, mine]), bipartite=lay.bipartite()))
             ids += lay.token_ids[seg.start : seg.stop]
             pos += lay.positions[seg.start : seg.stop]
             off += seg.length

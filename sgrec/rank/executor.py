@@ -536,11 +536,13 @@ class RankExecutor:
             for spec, (cached_cols, cached_slots, fresh_rows, _), trie, size in zip(specs, plans, tries, sizes):
                 n, lay = len(fresh_rows), spec.lay
                 kv = torch.cat([*cached_slots, slots[off : off + size]])
-                mask = lay.mask(fresh_rows, cached_cols + fresh_rows)
-                bipartite = lay.bipartite(cached_cols + fresh_rows) if trie is None else None  # path rows: mask only
+                mask = bipartite = None
                 ids += [lay.token_ids[r] for r in fresh_rows]
                 pos += [lay.positions[r] for r in fresh_rows]
-                if trie is not None:
+                if trie is None:  # the mask as two integers per column (dense only where a backend needs it)
+                    bipartite = lay.bipartite(cached_cols + fresh_rows)
+                else:  # path rows: a dense mask
+                    mask = lay.mask(fresh_rows, cached_cols + fresh_rows)
                     p_ids, p_pos, p_mask = semantic.path_rows(trie, lay.positions[-1], mask.shape[1])
                     mask = torch.cat([torch.cat([mask, torch.zeros(n, len(p_ids), dtype=torch.bool)], 1), p_mask])
                     ids += p_ids
