@@ -161,14 +161,6 @@ def beams_as_blocks(meta: "BeamStepMeta | BeamBatchMeta") -> ColumnMeta:
                       torch.cumsum(torch.tensor(c_len), 0), cat(c_order), cat(c_block), None)
 
 
-@dataclass
-class _KernelBeams:
-    """A beam step's meta (attn_meta as the caller set it) and its bipartite form for the kernel."""
-
-    meta: "BeamStepMeta | BeamBatchMeta"
-    blocks: ColumnMeta
-
-
 class StagedBeamBackend(AttentionBackend):
     """AttentionBackend for a beam step; the caller sets batch.attn_meta to a BeamStepMeta (one
     request) or a BeamBatchMeta (several requests: the projections and MLP run on all their beams
@@ -179,32 +171,39 @@ class StagedBeamBackend(AttentionBackend):
     (independent) and a merge that depends on both; the stages' partial results go to the tensor
     pool of the stream that made them until the merge that reads them is done.
 
-    With `native` (the runner's NativeBackend, CPU; the executor sets it from the runner's backend
-    at each step) and no units, a step over a pool whose dtype it extends runs through sgrec's C
-    extend kernel instead, every beam of a request one block of a bipartite layout
+    With a `runner` whose backend is a NativeBackend (CPU; read at each step, so swapping the
+    runner's backend swaps this too) and no units, a step over a pool whose dtype it extends runs
+    through sgrec's C extend kernel instead, every beam of a request one block of a bipartite layout
     (`beams_as_blocks`): one pass over the prompt's K/V per tile of beams, the softmax fused (the
     staged path materialises every beam's scores against the prompt); equal to the staged path
     within float32 rounding (tests/test_beam.py)."""
 
-    def __init__(self, units=None, triton: bool = False, native: NativeBackend | None = None):
+    def __init__(self, units=None, triton: bool = False, runner=None):
         self.units = units
         self.triton = triton  # each request's staged attention in one Triton kernel (--attention-backend triton)
-        self.native = native
+        self.runner = runner
+
+    @property
+    def native(self) -> NativeBackend | None:
+        """The runner's backend where it is sgrec's C kernels."""
+        backend = getattr(self.runner, "backend", None)
+        return backend if isinstance(backend, NativeBackend) else None
 
     def prepare(self, batch: ForwardBatch) -> None:
         meta = batch.attn_meta
         if not isinstance(meta, (BeamStepMeta, BeamBatchMeta)):
             raise TypeError("StagedBeamBackend needs batch.attn_meta = BeamStepMeta(...) or BeamBatchMeta(...)")
-        if self.native is not None and self.units is None and self.native.extends(batch):
-            batch.attn_meta = _KernelBeams(meta, beams_as_blocks(meta))
+        native = self.native
+        if native is not None and self.units is None and native.extends(batch):
+            batch.attn_meta = beams_as_blocks(meta)  # the kernel's form of the step
 
     def forward(self, q, k, v, layer, batch, scale):
         pool = batch.kv_pool
         pool.set_kv(layer, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv(layer)
         meta = batch.attn_meta
-        if isinstance(meta, _KernelBeams):
-            return self.native.extend(q, k, v, k_buf, v_buf, meta.blocks, scale)
+        if isinstance(meta, ColumnMeta):
+            return self.native.extend(q, k, v, k_buf, v_buf, meta, scale)
         if self.triton:
             from sgrec.model.kernels.staged_attention import staged_attention as kernel
 

@@ -35,7 +35,7 @@ from sgrec.beam.filters import FilterCache, TrieFilter, build_filter
 from sgrec.beam.search import BeamBuffers, inplace_schedule, per_beam_topk, select_beams, select_global
 from sgrec.beam.trie import SemanticIdTrie, children_logp
 from sgrec.catalog import Catalog, check_token_ids
-from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, TritonBackend
+from sgrec.model.attention import ForwardBatch, SeqLayout, TritonBackend
 
 
 # per-beam top-k at or above this k (and >= the beams kept) is replaced by one global selection; both
@@ -112,7 +112,7 @@ class RetrieveExecutor:
         self.use_catalog(catalog, self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
         triton = isinstance(runner.backend, TritonBackend)  # --attention-backend triton
-        self.backend = StagedBeamBackend(units, triton=triton)
+        self.backend = StagedBeamBackend(units, triton=triton, runner=runner)
         # each level's selection for all of a round's requests in the Triton trie step (kernel_step)
         self.triton_select = triton
 
@@ -349,9 +349,6 @@ class RetrieveExecutor:
         of just those vocabulary ids."""
         batch = ForwardBatch(input_ids=tokens, positions=positions, out_cache_loc=out_loc, seqs=[],
                              kv_pool=self.pool, attn_meta=meta)
-        # the runner's C kernels (CPU) take the beams too, as a bipartite layout (StagedBeamBackend)
-        backend = self.runner.backend
-        self.backend.native = backend if isinstance(backend, NativeBackend) else None
         model = self.runner.model
         return model.compute_logits(model(batch, self.backend), columns)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 
 def built(cache: dict, build):
     """The kernel `build()` makes, once per mode: interpreted (TRITON_INTERPRET=1 when first asked
@@ -18,3 +20,11 @@ def built(cache: dict, build):
 def pow2(x: int) -> int:
     """The least power of two >= x (Triton's block sizes)."""
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def rows2d(t: torch.Tensor) -> torch.Tensor | None:
+    """t as 2-D rows whose last dimension is contiguous (a view), or None where no such view exists:
+    what the fused element-wise kernels (this package's glue and sgrec.model.native's) walk."""
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t
+    return t.view(-1, t.shape[-1]) if t.is_contiguous() else None

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from sgrec.model.kernels import built, pow2
+from sgrec.model.kernels import built, pow2, rows2d
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KERNELS: dict[bool, object] = {}
@@ -82,16 +82,10 @@ def takes(*tensors: torch.Tensor) -> bool:
             and all(t.is_cuda or interpreted for t in tensors))
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor | None:
-    if t.dim() == 2 and t.stride(1) == 1:
-        return t
-    return t.view(-1, t.shape[-1]) if t.is_contiguous() else None
-
-
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * (x / sqrt(mean(x^2) + eps)) over the last dimension, as a new tensor; None where x is
     not rows of the kernels' dtypes (the caller uses torch)."""
-    rows = _rows(x)
+    rows = rows2d(x)
     if rows is None or not takes(x, weight) or rows.shape[1] > 65536:
         return None
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -124,7 +118,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
     """silu(gate_up[..., :inter]) * gate_up[..., inter:] as a new tensor; None where gate_up is not
     rows of 2 * inter in the kernels' dtypes."""
-    rows = _rows(gate_up)
+    rows = rows2d(gate_up)
     if rows is None or rows.shape[1] != 2 * inter or not takes(gate_up):
         return None
     out = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)

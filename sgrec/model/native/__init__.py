@@ -1,17 +1,16 @@
 """sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
 SiLU-times-up fused, float32), compiled on first use with the machine's C compiler and loaded with
 ctypes (issue 23). No torch headers: each kernel is a plain C function over data pointers, so a
-build takes a few seconds. OpenMP pragmas bind to the OpenMP
-runtime torch has already loaded (libgomp.so.1 by soname), so a kernel's threads are torch's own
-intra-op threads.
+build takes a few seconds. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
+(libgomp.so.1 by soname), so a kernel's threads are torch's own intra-op threads.
 
 The library is built for the vector ISA the CPU reports (`march_flags`: x86-64-v4 with AVX-512,
 x86-64-v3 with AVX2 and FMA, else the compiler's default target) and cached under $SGREC_CACHE_DIR
 (default ~/.cache/sgrec)/native, keyed by the source, the compiler's version and the flags. Where no
 compiler works, `load()` answers None with one warning; `--attention-backend native` is then a
 start-up error naming why, and auto uses torch (a compiler that cannot build for the CPU's -march
-counts as none: a baseline build would be slower than torch there). Run `python -m sgrec.model.native` to build now and
-see where the library is.
+counts as none: a baseline build would be slower than torch there). Run `python -m sgrec.model.native`
+to build now and see where the library is.
 """
 
 from __future__ import annotations
@@ -27,6 +26,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from sgrec.model.kernels import rows2d
 
 logger = logging.getLogger(__name__)
 
@@ -208,13 +209,6 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
 
 
 # ---- fused glue (float32, CPU; see glue.c) ---------------------------------------------------------
-def _rows(t: torch.Tensor) -> torch.Tensor | None:
-    """t as 2-D rows whose last dimension is contiguous (a view), or None where no such view exists."""
-    if t.dim() == 2 and t.stride(1) == 1:
-        return t
-    return t.view(-1, t.shape[-1]) if t.is_contiguous() else None
-
-
 def glue_takes(*tensors: torch.Tensor) -> bool:
     """Whether the fused glue runs on these tensors (float32 on CPU): the callers' fallback test."""
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
@@ -224,8 +218,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """weight * x / sqrt(mean(x^2) + eps) over the last dimension, as a new tensor; with `residual`,
     x += residual in place first. None where x is not float32 rows (the caller uses torch)."""
-    rows = _rows(x)
-    res = None if residual is None else _rows(residual)
+    rows = rows2d(x)
+    res = None if residual is None else rows2d(residual)
     if rows is None or (residual is not None and (res is None or res.shape != rows.shape)) or not glue_takes(x, weight):
         return None
     out = torch.empty(x.shape, dtype=torch.float32)
@@ -253,7 +247,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def silu_mul(gate_up: torch.Tensor, inter: int, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """silu(gate_up[:, :inter]) * gate_up[:, inter:] as a new [T, inter] tensor; None where gate_up is
     not float32 rows of 2 * inter."""
-    rows = _rows(gate_up)
+    rows = rows2d(gate_up)
     if rows is None or rows.shape[1] != 2 * inter or not glue_takes(gate_up):
         return None
     out = torch.empty(rows.shape[0], inter, dtype=torch.float32)
