@@ -118,6 +118,181 @@ def test_staged_kernel_bfloat16_and_a_wrong_input_is_caught():
     assert (wrong.float() - want).abs().max() > 1e-1
 
 
+@pytest.mark.parametrize("programs", [None, 12])
+def test_batched_staged_kernel_equals_torch_per_request(programs):
+    """Four requests' beams in one launch (prompts of 40, 1, 0 and 70 slots; 7, 5, 3 and 9 beams;
+    two own tokens each) == the torch staged attention of each request alone; with a block table
+    padded by no-work programs (a static buffer's size) the same."""
+    from sgrec.model.kernels.staged_attention import beam_blocks, staged_attention_batched
+
+    hq, hkv, d, s = 6, 2, 16, 2
+    g = torch.Generator().manual_seed(7)
+    prompts, beams = [40, 1, 0, 70], [7, 5, 3, 9]
+    size = sum(prompts) + sum(beams) * s + 5
+    k_buf, v_buf = (torch.randn(size, hkv, d, generator=g) for _ in range(2))
+    perm = torch.randperm(size, generator=g)
+    sh = perm[: sum(prompts)]
+    un = perm[sum(prompts) : sum(prompts) + sum(beams) * s].view(-1, s)
+    q = torch.randn(sum(beams), hq, d, generator=g)
+    ptr = torch.tensor([0, 40, 41, 41, 111])
+    out = staged_attention_batched(q, k_buf, v_buf, sh, ptr, un, beam_blocks(beams, 4, programs), d ** -0.5)
+    a = 0
+    for r, n in enumerate(beams):
+        want = torch_staged(q[a : a + n], k_buf, v_buf, sh[ptr[r] : ptr[r + 1]], un[a : a + n], d ** -0.5)
+        assert (out[a : a + n] - want).abs().max() <= 1e-5
+        a += n
+    with pytest.raises(ValueError, match="do not fit"):
+        beam_blocks(beams, 4, 5)
+
+
+def test_trie_step_flat_dead_rows_change_nothing():
+    """trie_step_flat with fixed output rows: a request whose beams come with dead rows (score
+    -inf, any node) among them keeps what it keeps without them; its output rows past the kept
+    ones are dead (-inf, parent its first beam); kept counts per request; a request given fewer
+    output rows than it keeps writes only those."""
+    import random
+
+    from sgrec.beam.trie import SemanticIdTrie
+    from sgrec.model.kernels.trie_step import plan_step, trie_step, trie_step_flat
+
+    rng = random.Random(3)
+    V = 50
+    cat = random_catalog(rng, 120, 3, V, codes=9)
+    trie, _ = SemanticIdTrie.from_catalog(cat, V)
+    d = 1
+    live = [torch.tensor(sorted(rng.sample(range(trie.num_nodes[d]), 5))), torch.tensor([0, 2, 3])]
+    scores = [-torch.rand(5) * 3, -torch.rand(3) * 3]
+    logits = [torch.randn(5, V), torch.randn(3, V)]
+    want = trie_step(torch.cat(logits), trie.child_ptr[d], trie.child_tok[d], torch.cat(live), torch.cat(scores),
+                     [0, 5, 8], [3, 2], [6, 4], trie.max_children[d])
+    # request 0 with two dead rows interleaved, request 1 with one at its end
+    nodes = torch.cat([live[0][:2], torch.tensor([0]), live[0][2:], torch.tensor([7]), live[1], torch.tensor([1])])
+    sc = torch.cat([scores[0][:2], torch.tensor([-float("inf")]), scores[0][2:], torch.tensor([-float("inf")]),
+                    scores[1], torch.tensor([-float("inf")])])
+    lg = torch.cat([logits[0][:2], torch.randn(1, V), logits[0][2:], torch.randn(1, V), logits[1], torch.randn(1, V)])
+    orig = [0, 1, 3, 4, 5, 7, 8, 9]  # the input row of each live beam
+    for out_rows, first in (([9, 7], [0, 7]), ([9, 2], [0, 7])):
+        plan = plan_step([0, 7, 11], [3, 2], [6, 4], None, "cpu", out_rows)
+        p, t, s, n, kept = trie_step_flat(lg, trie.child_ptr[d], trie.child_tok[d], nodes, sc, plan,
+                                          trie.max_children[d])
+        assert p.numel() == sum(out_rows) and kept.tolist() == [w[0].numel() for w in want]
+        o = 0
+        for r, (wp, wt, ws, wn) in enumerate(want):
+            k = min(wp.numel(), out_rows[r])
+            rows = slice(o, o + k)
+            assert [orig[i] for i in (wp[:k] + [0, 5][r]).tolist()] == p[rows].tolist()
+            assert t[rows].tolist() == wt[:k].tolist() and n[rows].tolist() == wn[:k].tolist()
+            assert torch.equal(s[rows], ws[:k])
+            dead = slice(o + k, o + out_rows[r])
+            assert torch.isneginf(s[dead]).all() and (p[dead] == first[r]).all()
+            o += out_rows[r]
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Records every tensor call that reads a value back to the host (on a GPU: waits for the
+    device) made outside Triton's own (interpreter) code: .tolist(), .item(), bool()/int()/float(),
+    nonzero and the like, a boolean mask index, and a copy to another device."""
+
+    NAMES = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere", "numpy",
+             "cpu", "cuda", "unique", "unique_consecutive", "masked_select", "is_nonzero", "equal", "allclose"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import sys
+
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        caller = sys._getframe(1).f_code.co_filename
+        if "triton" not in caller:
+            masks = [a for a in list(args[1:]) + list(kwargs.values()) if isinstance(a, (tuple, list))]
+            bool_index = name in ("__getitem__", "__setitem__", "index_put_", "index_put") and any(
+                isinstance(x, torch.Tensor) and x.dtype == torch.bool
+                for x in ([args[1]] if len(args) > 1 else []) + [y for m in masks for y in m])
+            to_device = name == "to" and ("device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:]))
+            if name in self.NAMES or bool_index or to_device:
+                self.reads.append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
+        return func(*args, **kwargs)
+
+
+def test_device_round_steps_read_nothing_back(tiny_model_dir, monkeypatch):
+    """A filtered round of three requests on --attention-backend triton: from the first selection
+    on, no step (forward, trie step, reorder) reads a value back to the host (HostReads), until
+    the one read of the kept counts at the round's end; the round had dead rows (a filter leaving
+    fewer beams than rows) and equals the torch backend's. The same check on the per-step path
+    (the trie step where a level fits, its kept counts and reorder schedules read back) finds reads."""
+    import random
+
+    import sgrec.beam.device_round as device_round
+    import sgrec.beam.executor as executor
+    import sgrec.beam.kernel_step as kernel_step
+    from tests.test_retrieve_filters import make_catalog
+
+    reads: list[str] = []
+    dead = []
+
+    def guard(cls, name):
+        real = getattr(cls, name)
+
+        def run(self, step, phase, x):
+            if name == "launch" and phase == "prefill":
+                return real(self, step, phase, x)
+            with HostReads() as g:
+                out = real(self, step, phase, x)
+            reads.extend(g.reads)
+            return out
+        monkeypatch.setattr(cls, name, run)
+
+    real_finish = device_round.DeviceRound._finish
+    pending = []
+    monkeypatch.setattr(device_round.DeviceRound, "_finish", lambda self, kept: pending.append((self, kept)))
+    for cls in (device_round.DeviceRound, executor._RoundHooks):
+        guard(cls, "launch")
+        guard(cls, "finish")
+    path = tiny_model_dir("qwen3")
+    runners = {name: ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32",
+                                                        max_total_tokens=3000, attention_backend=name))
+               for name in ("torch", "triton")}
+    V = runners["torch"].config.vocab_size
+    rng = random.Random(11)
+    cat = make_catalog(rng, 150, 3, V, codes=10, dup=0.05)
+    ids = [it.id for it in cat.items]
+    prompt = [rng.randrange(V) for _ in range(10)]
+    reqs = [dict(input_ids=prompt, beam_width=16, top_k=4, num_items=10, include_items=rng.sample(ids, 5)),
+            dict(input_ids=prompt[:6], beam_width=8, top_k=3, num_items=8, exclude_items=rng.sample(ids, 40)),
+            dict(input_ids=prompt[2:], beam_width=5, top_k=5, num_items=5)]
+    ex = RetrieveExecutor(runners["triton"], RadixCache(runners["triton"].kv_pool.allocator), cat)
+    original = device_round.DeviceRound._setup
+
+    def setup(self):
+        original(self)
+        dead.append(self)
+    monkeypatch.setattr(device_round.DeviceRound, "_setup", setup)
+
+    def finish_then_read(self, step, phase, x):
+        out = device_round_finish(self, step, phase, x)
+        while pending:
+            real_finish(*pending.pop())
+        return out
+    device_round_finish = device_round.DeviceRound.finish
+    monkeypatch.setattr(device_round.DeviceRound, "finish", finish_then_read)
+    got = ex.run_batch(reqs)
+    assert reads == []
+    rnd = dead[0]
+    live = [int(torch.isfinite(rnd.scores[b : b + x[-1]]).sum()) for b, x in zip(rnd.base, rnd.rows)]
+    assert live[0] < rnd.rows[0][-1] == 10 and got[0].meta["exhausted"]  # the include list left dead rows
+    want = RetrieveExecutor(runners["torch"], RadixCache(runners["torch"].kv_pool.allocator), cat).run_batch(reqs)
+    for a, b in zip(got, want):
+        assert_same(a, b)
+    monkeypatch.setattr(kernel_step, "MAX_CHILDREN", 0)  # no level fits the kernel: the per-step (torch) path
+    ex2 = RetrieveExecutor(runners["triton"], RadixCache(runners["triton"].kv_pool.allocator), cat)
+    for a, b in zip(ex2.run_batch(reqs), want):
+        assert_same(a, b)
+    assert reads  # that path reads back every step
+
+
 @pytest.mark.parametrize("bw,top_k", [(8, 8), (24, 5)])
 def test_retrieve_with_the_triton_backend_equals_naive_and_torch(tiny_model_dir, bw, top_k):
     """RetrieveExecutor on a runner with --attention-backend triton (the staged kernel in beam
@@ -140,16 +315,21 @@ def test_retrieve_with_the_triton_backend_equals_naive_and_torch(tiny_model_dir,
 
 def test_retrieve_batch_with_filters_on_the_triton_backend_equals_torch(tiny_model_dir, monkeypatch):
     """A round of retrieve requests with exclusions, an include list, an attribute filter and none,
-    on --attention-backend triton (every level's selection of the round in one trie step; staged
-    attention) == the same round on the torch backend: same items, paths and scores."""
+    on --attention-backend triton (a device round: every level's selection of the round in one trie
+    step, dead rows where a filter leaves fewer beams; batched staged attention) == the same round on
+    the torch backend: same items, paths and scores. A trie with a level too wide for the kernel
+    takes the per-step path (the kernel where it fits, torch elsewhere), the same again."""
     import random
 
+    import sgrec.beam.device_round as device_round
     import sgrec.beam.kernel_step as kernel_step
     from tests.test_retrieve_filters import make_catalog
 
-    calls = []
-    real = kernel_step.trie_step
+    calls, flat = [], []
+    real, real_flat = kernel_step.trie_step, device_round.trie_step_flat
     monkeypatch.setattr(kernel_step, "trie_step", lambda *a, **kw: calls.append(len(a[5]) - 1) or real(*a, **kw))
+    monkeypatch.setattr(device_round, "trie_step_flat",
+                        lambda *a, **kw: flat.append(len(a[5].row_ptr) - 1) or real_flat(*a, **kw))
     path = tiny_model_dir("qwen3")
     runners = {name: ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32",
                                                         max_total_tokens=3000, attention_backend=name))
@@ -168,7 +348,7 @@ def test_retrieve_batch_with_filters_on_the_triton_backend_equals_torch(tiny_mod
     for a, b in zip(got["triton"], got["torch"]):
         assert a.items and a.meta["exhausted"] == b.meta["exhausted"]
         assert_same(a, b)
-    assert calls == [4, 4, 4]  # one trie step per level for the round's four requests
+    assert flat == [4, 4, 4] and not calls  # one trie step per level for the round's four requests (a device round)
     ex = RetrieveExecutor(runners["triton"], RadixCache(runners["triton"].kv_pool.allocator), cat)
     monkeypatch.setattr(kernel_step, "MAX_CHILDREN", max(ex.trie.max_children) - 1)  # the widest: torch
     calls.clear()

@@ -134,6 +134,34 @@ class BeamBatchMeta:
         return out
 
 
+@dataclass
+class StagedMeta:
+    """A batched beam step as the Triton staged kernel reads it, every tensor on the device
+    (sgrec.model.kernels.staged_attention): the requests' prompt slots concatenated (shared, offsets
+    sh_ptr), each beam's own slots (unshared [n, s]) and the kernel's block table (blocks)."""
+
+    shared: torch.Tensor
+    sh_ptr: torch.Tensor
+    unshared: torch.Tensor
+    blocks: torch.Tensor
+
+    @classmethod
+    def of(cls, meta: "BeamStepMeta | BeamBatchMeta", device) -> "StagedMeta":
+        from sgrec.model.kernels.staged_attention import BLOCK_B, beam_blocks
+
+        groups = meta.groups if isinstance(meta, BeamBatchMeta) else [meta]
+        s = groups[0].unshared_idx.shape[1]
+        if any(g.unshared_idx.shape[1] != s for g in groups):
+            raise ValueError("a batched beam step needs every request at one step (one unshared width)")
+        ptr = [0]
+        for g in groups:
+            ptr.append(ptr[-1] + g.shared_idx.numel())
+        return cls(torch.cat([g.shared_idx for g in groups]).to(device, torch.int64),
+                   torch.tensor(ptr, dtype=torch.int64, device=device),
+                   torch.cat([g.unshared_idx for g in groups]).to(device, torch.int64),
+                   beam_blocks([g.unshared_idx.shape[0] for g in groups], BLOCK_B).to(device))
+
+
 def beams_as_blocks(meta: "BeamStepMeta | BeamBatchMeta") -> ColumnMeta:
     """A beam step as the bipartite layout the extend kernels take (BipartiteMask's rule): per
     request one sequence whose new tokens are its beams' current tokens; its cached columns are the
@@ -191,8 +219,14 @@ class StagedBeamBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         meta = batch.attn_meta
+        if isinstance(meta, StagedMeta):
+            return
         if not isinstance(meta, (BeamStepMeta, BeamBatchMeta)):
-            raise TypeError("StagedBeamBackend needs batch.attn_meta = BeamStepMeta(...) or BeamBatchMeta(...)")
+            raise TypeError("StagedBeamBackend needs batch.attn_meta = BeamStepMeta(...), BeamBatchMeta(...) or "
+                            "StagedMeta(...)")
+        if self.triton:  # every request's staged attention in one kernel launch
+            batch.attn_meta = StagedMeta.of(meta, batch.out_cache_loc.device)
+            return
         native = self.native
         if native is not None and self.units is None and native.extends(batch):
             batch.attn_meta = beams_as_blocks(meta)  # the kernel's form of the step
@@ -204,13 +238,11 @@ class StagedBeamBackend(AttentionBackend):
         meta = batch.attn_meta
         if isinstance(meta, ColumnMeta):
             return self.native.extend(q, k, v, k_buf, v_buf, meta, scale)
-        if self.triton:
-            from sgrec.model.kernels.staged_attention import staged_attention as kernel
+        if isinstance(meta, StagedMeta):
+            from sgrec.model.kernels.staged_attention import staged_attention_batched
 
-            if isinstance(meta, BeamStepMeta):
-                return kernel(q, k_buf, v_buf, meta.shared_idx, meta.unshared_idx, scale)
-            return torch.cat([kernel(q[a:b], k_buf, v_buf, g.shared_idx, g.unshared_idx, scale)
-                              for g, (a, b) in zip(meta.groups, meta.rows())])
+            return staged_attention_batched(q, k_buf, v_buf, meta.shared, meta.sh_ptr, meta.unshared, meta.blocks,
+                                            scale)
         if isinstance(meta, BeamStepMeta):
             return staged_attention(q, k_buf, v_buf, meta.shared_idx, meta.unshared_idx, scale)
         if self.units is not None:

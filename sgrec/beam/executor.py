@@ -115,6 +115,8 @@ class RetrieveExecutor:
         self.backend = StagedBeamBackend(units, triton=triton, runner=runner)
         # each level's selection for all of a round's requests in the Triton trie step (kernel_step)
         self.triton_select = triton
+        if triton:  # a device round's steps read no position back (RotaryEmbedding.cos_sin's growth check)
+            runner.model.rope.reserve(runner.context_len)
 
     def build_trie(self, catalog: Catalog | None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """The valid-path trie of a catalog and the catalog row of each trie row ((None, None) when
@@ -250,7 +252,13 @@ class RetrieveExecutor:
         """Prefill + the beam levels of the round's requests (all of one trie, so of one depth)."""
         from sgrec.scheduler.batching import run_fixed_round
 
-        run_fixed_round(_RoundHooks(self, reqs), self.trie.depth - 1, overlap=True)
+        if self.triton_select and all(kernel_step.fits(self.trie, d) for d in range(self.trie.depth)):
+            from sgrec.beam.device_round import DeviceRound
+
+            hooks = DeviceRound(self, reqs)  # no host read per step
+        else:
+            hooks = _RoundHooks(self, reqs)
+        run_fixed_round(hooks, self.trie.depth - 1, overlap=True)
 
     def _prefill_all(self, reqs: list[_Request]) -> None:
         """Computes every prompt's uncached tokens: requests are packed into shared forwards of at

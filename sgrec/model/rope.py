@@ -38,6 +38,7 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, size: int, device: torch.device):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
         self.device = device
+        self.reserved = False
         self._build(size)
 
     def _build(self, size: int) -> None:
@@ -48,15 +49,17 @@ class RotaryEmbedding:
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def reserve(self, size: int) -> None:
-        """The table covers positions [0, size) from now on (a CUDA graph's step cannot grow it)."""
+        """The table covers positions [0, size) from now on, and cos_sin no longer checks positions
+        against it (the check reads them on the host, which a CUDA graph's step cannot and a device
+        round's step should not): the caller keeps every position below size (the context length)."""
         if size > self.cos.shape[0]:
             self._build(size)
+        self.reserved = True
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, head_dim] cos and sin for the given positions, in dtype. Inside a CUDA graph capture the
-        table is not checked (that reads the positions on the host): reserve() it first."""
-        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
-        if positions.numel() and not capturing and int(positions.max()) >= self.cos.shape[0]:
+        """[T, head_dim] cos and sin for the given positions, in dtype (the table grows to cover them
+        until reserve() fixes it)."""
+        if positions.numel() and not self.reserved and int(positions.max()) >= self.cos.shape[0]:
             self._build(max(int(positions.max()) + 1, 2 * self.cos.shape[0]))
         if dtype not in self._cast:
             self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))

@@ -1,17 +1,22 @@
 """A beam step's staged attention in one Triton kernel (xGR §5.1-5.2): every beam of a request
 against the request's shared prompt K/V, read once per block of beams, and against its own
-unshared tokens, merged by the online-softmax (log-sum-exp) rule.
+unshared tokens, merged by the online-softmax (log-sum-exp) rule. Several requests' beams go in
+one launch (a batched beam step of a retrieve round).
 
-    q          [n, Hq, D]        one token per beam
+    q          [n, Hq, D]        one token per beam, the requests' beams one after the other
     k_buf      [slots, Hkv, D]   the pool's K of one layer (v_buf likewise)
-    shared     [P]               the prompt's slots (the same for every beam)
+    shared     [sum P_g]         the requests' prompt slots, concatenated; sh_ptr [groups + 1] their offsets
     unshared   [n, s]            each beam's own slots (its generated tokens, the current one last)
+    blocks     [programs, 3]     each program's (request, first row, end row): a block of at most
+                                 BLOCK_B beams of one request (`beam_blocks`); request -1 = no work
     -> out     [n, Hq * D]
 
-One program per (block of BLOCK_B beams, KV head): its BLOCK_B x G query rows (G = Hq / Hkv, GQA)
-take each BLOCK_N-slot tile of the prompt's K and V once for all of them (the point of staging:
-the prompt is not read once per beam), then each beam's s own slots. Running max, sum and output
-are float32; the output has q's dtype. The torch reference is sgrec.beam.attention.staged_attention.
+One program per (block, KV head): its BLOCK_B x G query rows (G = Hq / Hkv, GQA) take each
+BLOCK_N-slot tile of their prompt's K and V once for all of them (the point of staging: the prompt
+is not read once per beam), then each beam's s own slots. Every bound the kernel loops over is read
+on the device (sh_ptr, blocks), so a launch's metadata can sit in static buffers (a CUDA graph's).
+Running max, sum and output are float32; the output has q's dtype. The torch reference is
+sgrec.beam.attention.staged_attention, per request.
 
 Under TRITON_INTERPRET=1 (set before triton is imported) it runs on CPU tensors.
 """
@@ -24,6 +29,7 @@ from sgrec.model.kernels import built, pow2
 
 
 _KERNELS: dict[bool, object] = {}
+BLOCK_B = 4  # beams per program
 
 
 def _build():
@@ -31,13 +37,19 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def kernel(Q, K, V, SH, UN, O, scale, n_beams, n_shared, n_own,
+    def kernel(Q, K, V, SH, SH_PTR, UN, BLOCKS, O, scale, n_own,
                s_qn, s_qh, s_ks, s_kh, s_vs, s_vh, s_un, s_on, s_oh,
                G: tl.constexpr, D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         pid = tl.program_id(0)
         h = tl.program_id(1)
-        beam = pid * BLOCK_B + tl.arange(0, BLOCK_B)  # [B]
+        grp = tl.load(BLOCKS + pid * 3)
+        first = tl.load(BLOCKS + pid * 3 + 1)
+        end = tl.load(BLOCKS + pid * 3 + 2)  # first == end for a program with no work
+        sh0 = tl.load(SH_PTR + tl.maximum(grp, 0))
+        n_shared = tl.where(grp >= 0, tl.load(SH_PTR + tl.maximum(grp, 0) + 1) - sh0, 0)
+        beam = first + tl.arange(0, BLOCK_B)  # [B]
+        n_beams = end
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         n = tl.arange(0, BLOCK_N)
@@ -50,7 +62,7 @@ def _build():
         acc = tl.zeros([BLOCK_B, BLOCK_G, BLOCK_D], tl.float32)
         for n0 in range(0, n_shared, BLOCK_N):  # the shared prompt: each tile read once for all rows
             ok = n0 + n < n_shared
-            slot = tl.load(SH + n0 + n, mask=ok, other=0)
+            slot = tl.load(SH + sh0 + n0 + n, mask=ok, other=0)
             kv_ok = ok[:, None] & d_ok[None, :]
             k = tl.load(K + slot[:, None] * s_ks + h * s_kh + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
             s = tl.sum(q[:, :, None, :] * k[None, None, :, :], axis=3)  # [B, G, N]
@@ -81,25 +93,51 @@ def _build():
     return kernel
 
 
-def staged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared_idx: torch.Tensor,
-                     unshared_idx: torch.Tensor, scale: float, block_b: int = 4, block_n: int = 32) -> torch.Tensor:
-    """See the module doc; the same contract as sgrec.beam.attention.staged_attention. Needs at
-    least one key per beam (a prompt or an own token)."""
+def beam_blocks(rows: list[int], block_b: int, programs: int | None = None) -> torch.Tensor:
+    """The block table of requests with rows[g] beams each, one after the other: (request, first
+    row, end row) per block of at most block_b beams; padded to `programs` entries by no-work
+    blocks (request -1) when given (a static buffer's size). Host int64 [programs, 3]."""
+    table, a = [], 0
+    for g, n in enumerate(rows):
+        table += [(g, b, min(b + block_b, a + n)) for b in range(a, a + n, block_b)]
+        a += n
+    if programs is not None:
+        if len(table) > programs:
+            raise ValueError(f"{len(table)} blocks do not fit {programs} programs")
+        table += [(-1, 0, 0)] * (programs - len(table))
+    return torch.tensor(table, dtype=torch.int64).view(-1, 3)
+
+
+def staged_attention_batched(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared: torch.Tensor,
+                             sh_ptr: torch.Tensor, unshared: torch.Tensor, blocks: torch.Tensor, scale: float,
+                             block_b: int = BLOCK_B, block_n: int = 32) -> torch.Tensor:
+    """See the module doc. `blocks` made by beam_blocks(..., block_b) and on q's device, like
+    shared, sh_ptr (int64) and unshared ([n, s] int64, s >= 0). Every beam needs a key: a non-empty
+    prompt or s >= 1."""
     n, hq, D = q.shape
     hkv = k_buf.shape[1]
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
-    if shared_idx.numel() == 0 and unshared_idx.numel() == 0:
-        raise ValueError("staged_attention needs at least one key")
     q = q.contiguous()
-    un = unshared_idx.to(torch.int64).contiguous().view(n, -1) if unshared_idx.numel() else \
-        torch.zeros(n, 0, dtype=torch.int64, device=q.device)
     out = torch.empty_like(q)
     G = hq // hkv
-    grid = (-(-n // block_b), hkv)
-    built(_KERNELS, _build)[grid](
-        q, k_buf, v_buf, shared_idx.to(torch.int64).contiguous(), un, out, float(scale), n, shared_idx.numel(),
-        un.shape[1], q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        max(un.stride(0), 1), out.stride(0), out.stride(1),
+    built(_KERNELS, _build)[(blocks.shape[0], hkv)](
+        q, k_buf, v_buf, shared, sh_ptr, unshared, blocks, out, float(scale), unshared.shape[1],
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        max(unshared.stride(0), 1), out.stride(0), out.stride(1),
         G=G, D=D, BLOCK_B=block_b, BLOCK_G=pow2(G), BLOCK_D=pow2(D), BLOCK_N=block_n)
     return out.reshape(n, hq * D)
+
+
+def staged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared_idx: torch.Tensor,
+                     unshared_idx: torch.Tensor, scale: float, block_b: int = BLOCK_B, block_n: int = 32) -> torch.Tensor:
+    """One request's beams; the same contract as sgrec.beam.attention.staged_attention."""
+    n = q.shape[0]
+    if shared_idx.numel() == 0 and unshared_idx.numel() == 0:
+        raise ValueError("staged_attention needs at least one key")
+    dev = q.device
+    un = unshared_idx.to(torch.int64).contiguous().view(n, -1) if unshared_idx.numel() else \
+        torch.zeros(n, 0, dtype=torch.int64, device=dev)
+    sh_ptr = torch.tensor([0, shared_idx.numel()], dtype=torch.int64, device=dev)
+    return staged_attention_batched(q, k_buf, v_buf, shared_idx.to(torch.int64).contiguous(), sh_ptr, un,
+                                    beam_blocks([n], block_b).to(dev), scale, block_b, block_n)

@@ -34,6 +34,8 @@ it runs on CPU tensors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sgrec.model.kernels import built, pow2
@@ -52,6 +54,7 @@ def _build():
         node = tl.load(NODES + b)
         start = tl.load(CPTR + node)
         cnt = tl.load(CPTR + node + 1) - start
+        cnt = tl.where(tl.load(PSC + b) > float("-inf"), cnt, 0)  # a dead beam (score -inf): no children
         c = tl.arange(0, BLOCK_C)
         inr = c < cnt
         pos = start + c  # the children's node ids at the next depth
@@ -90,7 +93,7 @@ def _build():
         xm = tl.where(valid, x, float("-inf"))
         mx = tl.where(n_valid > 0, tl.max(xm, 0), 0.0)
         total = tl.sum(tl.where(valid, tl.exp(xm - mx), 0.0), 0)
-        logp = (xm - mx) - tl.log(total)  # -inf off the valid children
+        logp = (xm - mx) - tl.log(tl.maximum(total, 1.0))  # -inf off the valid children (total >= 1 if any)
         score = tl.load(PSC + b) + logp
         tl.store(S_COL + b * BLOCK_C + c, score)
         bits = logp.to(tl.int32, bitcast=True)
@@ -155,7 +158,7 @@ def _build():
         tl.store(TOTAL + r, tl.sum(kept, 0))
 
     @triton.jit
-    def emit(SORT_C, S_COL, NODES, CPTR, CTOK, ROWREQ, RP, P_ROW, E_ROW, T_ROW, OFF_ROW,
+    def emit(SORT_C, S_COL, NODES, CPTR, CTOK, ROWREQ, OUTPTR, P_ROW, E_ROW, T_ROW, OFF_ROW,
              OUT_P, OUT_T, OUT_S, OUT_N, BLOCK_C: tl.constexpr):
         b = tl.program_id(0)
         above = tl.load(P_ROW + b)
@@ -169,11 +172,10 @@ def _build():
         last = tl.where(take > 0, tl.sum(tl.where(j == take - 1, ties, 0), 0), -1)
         kept = (j < above) | (tied & (c <= last))
         cols = tl.sort(tl.where(kept, c, BLOCK_C))  # the kept children in token order
-        ok = j < above + take
+        ok = (j < above + take) & (off + j < tl.load(OUTPTR + tl.load(ROWREQ + b) + 1))  # within its out rows
         col = tl.where(ok, cols, 0)
         pos = tl.load(CPTR + tl.load(NODES + b)) + col
-        first = tl.load(RP + tl.load(ROWREQ + b))
-        tl.store(OUT_P + off + j, tl.zeros([BLOCK_C], tl.int64) + (b - first), mask=ok)
+        tl.store(OUT_P + off + j, tl.zeros([BLOCK_C], tl.int64) + b, mask=ok)
         tl.store(OUT_T + off + j, tl.load(CTOK + pos, mask=ok, other=0), mask=ok)
         tl.store(OUT_S + off + j, tl.load(S_COL + b * BLOCK_C + col, mask=ok, other=0.0), mask=ok)
         tl.store(OUT_N + off + j, pos, mask=ok)
@@ -216,22 +218,56 @@ def _pack_filters(filters: list[Filter | None], device) -> tuple[torch.Tensor, .
             cat(blocked, torch.int64), longest.bit_length())
 
 
-def trie_step(logits: torch.Tensor, child_ptr: torch.Tensor, child_tok: torch.Tensor, nodes: torch.Tensor,
-              parent_scores: torch.Tensor, row_ptr: list[int], top_k: list[int], m: list[int], max_children: int,
-              level_col: torch.Tensor | None = None, filters: list[Filter | None] | None = None,
-              global_min_k: int = 256) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """See the module doc. `max_children`: a bound on any beam's number of children (the level's
-    most). Returns per request (parents (its beam indices), tokens, scores, child nodes), in
-    (parent, token) order; min(m, its pool) of them."""
-    n, dev = nodes.numel(), nodes.device
+@dataclass
+class StepPlan:
+    """What a level's launch needs that the beams' values do not decide, on the device: made once
+    per level of a round (host to device copies), so a round's steps read nothing back. Request r
+    owns input beams row_ptr[r] .. row_ptr[r + 1] - 1 and output rows out_ptr[r] ..
+    out_ptr[r + 1] - 1; it keeps at most m[r] beams, written while its output rows last."""
+
+    row_ptr: list[int]
+    out_ptr: list[int]
+    rowreq: torch.Tensor  # [n] each input beam's request
+    dev_row_ptr: torch.Tensor
+    dev_m: torch.Tensor
+    dev_top_k: torch.Tensor
+    dev_out_ptr: torch.Tensor
+    dead_parent: torch.Tensor  # [out rows] a dead output row's parent: its request's first beam
+    filters: tuple  # _pack_filters' (table, dense, allowed, blocked, binary-search steps)
+
+
+def plan_step(row_ptr: list[int], top_k: list[int], m: list[int], filters: list[Filter | None] | None,
+              device, out_rows: list[int] | None = None) -> StepPlan:
+    """A StepPlan; out_rows[r] (default m[r]) output rows for request r: at least the beams it can
+    keep (min(m[r], the level's nodes) when its beams are distinct nodes), or the rest are dropped."""
     R = len(row_ptr) - 1
+    out_rows = list(m) if out_rows is None else out_rows
+    out_ptr = [0]
+    for x in out_rows:
+        out_ptr.append(out_ptr[-1] + x)
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int64).to(device)  # noqa: E731
+    counts = [row_ptr[r + 1] - row_ptr[r] for r in range(R)]
+    return StepPlan(list(row_ptr), out_ptr, torch.repeat_interleave(torch.arange(R), torch.tensor(counts)).to(device),
+                    ints(row_ptr), ints(m), ints(top_k), ints(out_ptr),
+                    torch.repeat_interleave(torch.tensor(row_ptr[:-1]), torch.tensor(out_rows)).to(device),
+                    _pack_filters(filters or [None] * R, device))
+
+
+def trie_step_flat(logits: torch.Tensor, child_ptr: torch.Tensor, child_tok: torch.Tensor, nodes: torch.Tensor,
+                   parent_scores: torch.Tensor, plan: StepPlan, max_children: int,
+                   level_col: torch.Tensor | None = None, global_min_k: int = 256) -> tuple[torch.Tensor, ...]:
+    """See the module doc; no value is read back to the host. Returns (parents, tokens, scores,
+    child nodes, kept): request r's out rows out_ptr[r] .. hold its kept beams first, in (parent,
+    token) order, then dead rows (score -inf, token 0, node 0, parent its first beam); a parent is
+    a row of the input (0 .. n - 1); kept [R] how many each request kept. A dead input beam (score
+    -inf) has no children."""
+    n, dev = nodes.numel(), nodes.device
+    R = len(plan.row_ptr) - 1
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     block_c = pow2(max(2, max_children))
     children, select, emit = built(_KERNELS, _build)
-    filt, dense, allowed, blocked, n_iter_f = _pack_filters(filters or [None] * R, dev)
-    counts = [row_ptr[r + 1] - row_ptr[r] for r in range(R)]
-    rowreq = torch.repeat_interleave(torch.arange(R), torch.tensor(counts)).to(dev)
+    filt, dense, allowed, blocked, n_iter_f = plan.filters
     sort_s = torch.empty(n, block_c, dtype=torch.float32, device=dev)
     s_col = torch.empty_like(sort_s)
     sort_c = torch.empty(n, block_c, dtype=torch.int32, device=dev)
@@ -240,22 +276,33 @@ def trie_step(logits: torch.Tensor, child_ptr: torch.Tensor, child_tok: torch.Te
     warps = 4 if block_c <= 1024 else 8
     lcol = level_col if level_col is not None else child_ptr  # unread when not restricted
     children[(n,)](logits, logits.stride(0), lcol, nodes, parent_scores.float().contiguous(), child_ptr, child_tok,
-                   rowreq, filt, dense, allowed, blocked, n_iter_f, sort_s, sort_c, s_col, n_valid, n_child,
+                   plan.rowreq, filt, dense, allowed, blocked, n_iter_f, sort_s, sort_c, s_col, n_valid, n_child,
                    BLOCK_C=block_c, RESTRICTED=level_col is not None, num_warps=warps)
-    out_off = [0]
-    for x in m:
-        out_off.append(out_off[-1] + x)
-    ints = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
     p_row, e_row, t_row, off_row = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(4))
-    total = torch.empty(R, dtype=torch.int64, device=dev)
-    select[(R,)](ints(row_ptr), ints(m), ints(top_k), n_valid, n_child, sort_s, ints(out_off[:-1]), p_row, e_row, t_row,
-                 off_row, total, global_min_k, block_c.bit_length(), BLOCK_R=pow2(max(2, *counts)), BLOCK_C=block_c)
-    out_p, out_t, out_n = (torch.empty(out_off[-1], dtype=torch.int64, device=dev) for _ in range(3))
-    out_s = torch.empty(out_off[-1], dtype=torch.float32, device=dev)
-    emit[(n,)](sort_c, s_col, nodes, child_ptr, child_tok, rowreq, ints(row_ptr), p_row, e_row, t_row, off_row,
-               out_p, out_t, out_s, out_n, BLOCK_C=block_c, num_warps=warps)
+    kept = torch.empty(R, dtype=torch.int64, device=dev)  # what select keeps (emit drops past the out rows)
+    widest = max(plan.row_ptr[r + 1] - plan.row_ptr[r] for r in range(R))
+    select[(R,)](plan.dev_row_ptr, plan.dev_m, plan.dev_top_k, n_valid, n_child, sort_s, plan.dev_out_ptr, p_row,
+                 e_row, t_row, off_row, kept, global_min_k, block_c.bit_length(), BLOCK_R=pow2(max(2, widest)),
+                 BLOCK_C=block_c)
+    out_p = plan.dead_parent.clone()
+    out_t, out_n = (torch.zeros(plan.out_ptr[-1], dtype=torch.int64, device=dev) for _ in range(2))
+    out_s = torch.full((plan.out_ptr[-1],), float("-inf"), dtype=torch.float32, device=dev)
+    emit[(n,)](sort_c, s_col, nodes, child_ptr, child_tok, plan.rowreq, plan.dev_out_ptr, p_row, e_row, t_row, off_row, out_p, out_t, out_s, out_n,
+               BLOCK_C=block_c, num_warps=warps)
+    return out_p, out_t, out_s, out_n, kept
+
+
+def trie_step(logits: torch.Tensor, child_ptr: torch.Tensor, child_tok: torch.Tensor, nodes: torch.Tensor,
+              parent_scores: torch.Tensor, row_ptr: list[int], top_k: list[int], m: list[int], max_children: int,
+              level_col: torch.Tensor | None = None, filters: list[Filter | None] | None = None,
+              global_min_k: int = 256) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """trie_step_flat per request: (parents (its beam indices), tokens, scores, child nodes), in
+    (parent, token) order, min(m, its pool) of them (reads the kept counts back)."""
+    plan = plan_step(row_ptr, top_k, m, filters, nodes.device)
+    out_p, out_t, out_s, out_n, kept = trie_step_flat(logits, child_ptr, child_tok, nodes, parent_scores, plan,
+                                                      max_children, level_col, global_min_k)
     out = []
-    for r, kept in enumerate(total.tolist()):
-        sl = slice(out_off[r], out_off[r] + kept)
-        out.append((out_p[sl], out_t[sl], out_s[sl], out_n[sl]))
+    for r, k in enumerate(kept.tolist()):
+        sl = slice(plan.out_ptr[r], plan.out_ptr[r] + k)
+        out.append((out_p[sl] - row_ptr[r], out_t[sl], out_s[sl], out_n[sl]))
     return out
