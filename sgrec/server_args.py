@@ -117,11 +117,16 @@ class ServerArgs:
         "slot index), beam steps' staged attention, rank forwards' bipartite masks and retrieve levels' "
         "selection (CUDA, or CPU under TRITON_INTERPRET=1 for tests).", ["auto", "torch", "native", "triton"])
     disable_cuda_graph: bool = _arg(
-        False, "On CUDA, run decode steps without CUDA graphs (by default each batch-size bucket's step is "
-        "captured once at start-up and replayed; needs the triton attention backend).")
+        False, "On CUDA, run decode and beam steps without CUDA graphs (by default each decode batch-size "
+        "bucket's step is captured once at start-up, each beam step's (rows bucket, step) on first use, and "
+        "replayed; needs the triton attention backend).")
     cuda_graph_max_bs: int | None = _arg(
         None, "Largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most "
         "256); larger batches run without one.")
+    cuda_graph_max_beams: int = _arg(
+        1024, "Most beam rows (of all requests of a retrieve round) in a beam step replayed from a CUDA graph "
+        "(on CUDA with the triton backend; each (bucket of rows, step) is captured on first use); larger "
+        "steps run without one.")
     disable_weight_packing: bool = _arg(
         False, "On CPU, do not prepack float32 (or natively multiplied bfloat16) weights for oneDNN "
         "matmuls (packing is the default: faster decode; float32 logprobs differ from HF transformers by up "
@@ -152,6 +157,8 @@ class ServerArgs:
             raise ValueError("max_total_tokens must be at least 2")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("cuda_graph_max_bs must be at least 1")
+        if self.cuda_graph_max_beams < 1:
+            raise ValueError("cuda_graph_max_beams must be at least 1")
         if self.timeout_keep_alive <= 0:
             raise ValueError("timeout_keep_alive must be positive")
         if self.max_running_requests < 1:

@@ -97,3 +97,37 @@ def test_captured_graphs_replay_the_eager_step(tiny_model_dir, dtype):
         got = runner.forward(batch, list(range(n)))
         assert (got - want).abs().max() <= tol
         runner.kv_pool.allocator.free(new)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+def test_beam_steps_replayed_from_graphs_equal_eager_rounds(tiny_model_dir):
+    """Retrieve rounds on CUDA (triton backend: device rounds): with beam-step graphs captured on
+    first use, twice over (capture, then replay), the same items, paths and scores (float32, 1e-4)
+    as with --disable-cuda-graph; graphs were captured for the steps' (rows bucket, step)."""
+    import random
+
+    from sgrec.beam import RetrieveExecutor
+    from sgrec.radix.tree import RadixCache
+    from tests.test_retrieve_filters import make_catalog
+
+    out = {}
+    for off in (False, True):
+        runner = ModelRunner(ServerArgs.from_kwargs(model_path=tiny_model_dir("qwen3"), device="cuda", dtype="float32",
+                                                    max_total_tokens=8192, attention_backend="triton",
+                                                    disable_cuda_graph=off))
+        V = runner.config.vocab_size
+        cat = make_catalog(random.Random(1), 300, 3, V, codes=12, dup=0.05)
+        ex = RetrieveExecutor(runner, RadixCache(runner.kv_pool.allocator), cat)
+        assert (ex.graphs is None) == off
+        prompt = [random.Random(2).randrange(V) for _ in range(30)]
+        reqs = [dict(input_ids=prompt, beam_width=16, top_k=8, num_items=10),
+                dict(input_ids=prompt[5:], beam_width=9, top_k=4, num_items=9,
+                     exclude_items=[it.id for it in cat.items[::3]])]
+        out[off] = [ex.run_batch(reqs) for _ in range(2)]
+        if not off:
+            assert ex.graphs.graphs and all(s in (1, 2) for _, s in ex.graphs.graphs)
+    for rounds_on, rounds_off in zip(out[False], out[True]):
+        for a, b in zip(rounds_on, rounds_off):
+            assert [x["item"] for x in a.items] == [x["item"] for x in b.items]
+            assert max(abs(x["score"] - y["score"]) for x, y in zip(a.items, b.items)) <= 1e-4

@@ -219,7 +219,8 @@ class HostReads(torch.overrides.TorchFunctionMode):
 
 def test_device_round_steps_read_nothing_back(tiny_model_dir, monkeypatch):
     """A filtered round of three requests on --attention-backend triton: from the first selection
-    on, no step (forward, trie step, reorder) reads a value back to the host (HostReads), until
+    on, no step (forward through the beam graphs' static buffers, trie step, reorder) reads a value
+    back to the host (HostReads), until
     the one read of the kept counts at the round's end; the round had dead rows (a filter leaving
     fewer beams than rows) and equals the torch backend's. The same check on the per-step path
     (the trie step where a level fits, its kept counts and reorder schedules read back) finds reads."""
@@ -264,6 +265,9 @@ def test_device_round_steps_read_nothing_back(tiny_model_dir, monkeypatch):
             dict(input_ids=prompt[:6], beam_width=8, top_k=3, num_items=8, exclude_items=rng.sample(ids, 40)),
             dict(input_ids=prompt[2:], beam_width=5, top_k=5, num_items=5)]
     ex = RetrieveExecutor(runners["triton"], RadixCache(runners["triton"].kv_pool.allocator), cat)
+    from sgrec.beam.graphs import BeamGraphs
+
+    ex.graphs = BeamGraphs(ex.runner.model, ex.backend, ex.pool, 64, ex.pool.size, 4, capture=False)  # as on CUDA
     original = device_round.DeviceRound._setup
 
     def setup(self):
@@ -291,6 +295,51 @@ def test_device_round_steps_read_nothing_back(tiny_model_dir, monkeypatch):
     for a, b in zip(ex2.run_batch(reqs), want):
         assert_same(a, b)
     assert reads  # that path reads back every step
+
+
+def test_beam_steps_through_the_static_buffers_equal_plain_steps(tiny_model_dir, monkeypatch):
+    """BeamGraphs without capture (what a CUDA graph replays: the step over static buffers, padded to
+    its rows bucket by rows on slot 0 that no program attends): a round of three requests (one with
+    an include list: dead rows) == the same round's plain steps, and == the torch backend; the
+    steps ran padded (rows below their bucket) and one too wide for max_rows ran plain."""
+    import random
+
+    from sgrec.beam.graphs import BeamGraphs
+    from tests.test_retrieve_filters import make_catalog
+
+    path = tiny_model_dir("qwen3")
+    runners = {name: ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32",
+                                                        max_total_tokens=3000, attention_backend=name))
+               for name in ("torch", "triton")}
+    V = runners["torch"].config.vocab_size
+    rng = random.Random(4)
+    cat = make_catalog(rng, 150, 3, V, codes=10, dup=0.05)
+    ids = [it.id for it in cat.items]
+    prompt = [rng.randrange(V) for _ in range(10)]
+    reqs = [dict(input_ids=prompt, beam_width=7, top_k=4, num_items=7, include_items=rng.sample(ids, 9)),
+            dict(input_ids=prompt[:6], beam_width=5, top_k=3, num_items=5),
+            dict(input_ids=prompt[2:], beam_width=2, top_k=4, num_items=2)]
+    runner = runners["triton"]
+    ex = RetrieveExecutor(runner, RadixCache(runner.kv_pool.allocator), cat)
+    assert ex.graphs is None and min(ex.trie.num_nodes[1:]) >= 7  # CPU; every request's rows its beam width
+    torch_ex = RetrieveExecutor(runners["torch"], RadixCache(runners["torch"].kv_pool.allocator), cat)
+    wide = reqs[:2] + [dict(reqs[2], beam_width=4, num_items=4)]  # 16 rows a step
+    plain = ex.run_batch(reqs)
+    ex.graphs = BeamGraphs(runner.model, ex.backend, ex.pool, max_rows=15, max_shared=runner.kv_pool.size,
+                           max_steps=4, capture=False)
+    assert ex.graphs.buckets == [1, 2, 4, 8, 12, 15]
+    rows = []
+    real = BeamGraphs.run
+    monkeypatch.setattr(BeamGraphs, "run", lambda self, t, *a: rows.append((t.numel(), self.bucket(t.numel())))
+                        or real(self, t, *a))
+    for batch, want_rows in ((reqs, [(14, 15)] * 2), (wide, [])):  # 14 rows: padded to 15; 16: past max_rows
+        rows.clear()
+        got = ex.run_batch(batch)
+        assert rows == want_rows
+        for a, b in zip(got, torch_ex.run_batch(batch)):
+            assert_same(a, b)
+    for a, b in zip(ex.run_batch(reqs), plain):
+        assert_same(a, b)
 
 
 @pytest.mark.parametrize("bw,top_k", [(8, 8), (24, 5)])

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from sgrec.beam import kernel_step
-from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, UnsharedKV
+from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, StagedMeta, UnsharedKV
 from sgrec.beam.filters import FilterCache, TrieFilter, build_filter
 from sgrec.beam.search import BeamBuffers, inplace_schedule, per_beam_topk, select_beams, select_global
 from sgrec.beam.trie import SemanticIdTrie, children_logp
@@ -41,6 +41,7 @@ from sgrec.model.attention import ForwardBatch, SeqLayout, TritonBackend
 # per-beam top-k at or above this k (and >= the beams kept) is replaced by one global selection; both
 # give the same beams: below it the per-row top-k is as fast (measured: [512, 3392] scores, k 128)
 GLOBAL_SELECT_MIN_K = 256
+MAX_GRAPH_STEPS = 16  # beam steps of a semantic ID (its length - 1) that CUDA graphs take: any catalog's
 
 
 class KVCacheFullError(RuntimeError):
@@ -117,6 +118,17 @@ class RetrieveExecutor:
         self.triton_select = triton
         if triton:  # a device round's steps read no position back (RotaryEmbedding.cos_sin's growth check)
             runner.model.rope.reserve(runner.context_len)
+        self.graphs = self._beam_graphs() if triton and runner.device.type == "cuda" else None
+
+    def _beam_graphs(self):
+        """Device-round beam steps replayed from CUDA graphs (sgrec.beam.graphs), unless --disable-cuda-graph."""
+        args = self.runner.args
+        if args.disable_cuda_graph:
+            return None
+        from sgrec.beam.graphs import BeamGraphs
+
+        return BeamGraphs(self.runner.model, self.backend, self.pool, args.cuda_graph_max_beams, self.pool.size,
+                          MAX_GRAPH_STEPS, capture=True)
 
     def build_trie(self, catalog: Catalog | None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """The valid-path trie of a catalog and the catalog row of each trie row ((None, None) when
@@ -352,12 +364,15 @@ class RetrieveExecutor:
         return self.allocator.available_size() >= n
 
     def _beam_forward(self, tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
-                      meta: BeamStepMeta | BeamBatchMeta, columns: torch.Tensor | None = None) -> torch.Tensor:
+                      meta: BeamStepMeta | BeamBatchMeta | StagedMeta, columns: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """One token per beam (of one or several requests) -> logits [n, V], or [n, len(columns)]
         of just those vocabulary ids."""
+        model = self.runner.model
+        if self.graphs is not None and isinstance(meta, StagedMeta) and self.graphs.takes(tokens.numel(), meta):
+            return model.compute_logits(self.graphs.run(tokens, positions, out_loc, meta), columns)
         batch = ForwardBatch(input_ids=tokens, positions=positions, out_cache_loc=out_loc, seqs=[],
                              kv_pool=self.pool, attn_meta=meta)
-        model = self.runner.model
         return model.compute_logits(model(batch, self.backend), columns)
 
     def _level(self, r: _Request, step: int) -> tuple[int, torch.Tensor, torch.Tensor]:

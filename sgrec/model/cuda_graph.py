@@ -37,10 +37,27 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384,
 
 
 def buckets_up_to(max_bs: int) -> list[int]:
-    """The batch-size buckets a graph is captured for: BUCKETS below max_bs, and max_bs."""
+    """The batch-size buckets a graph is captured for: BUCKETS below max_bs, then every multiple of
+    256 below it, and max_bs."""
     if max_bs < 1:
         raise ValueError("cuda_graph_max_bs must be at least 1")
-    return [b for b in BUCKETS if b < max_bs] + [max_bs]
+    return [b for b in BUCKETS if b < max_bs] + list(range(BUCKETS[-1] + 256, max_bs, 256)) + [max_bs]
+
+
+def capture(step, device: torch.device, mem=None) -> tuple["torch.cuda.CUDAGraph", object]:
+    """A CUDA graph of step() (its static buffers already loaded), in memory pool `mem` (None: a new
+    one; share it between graphs that never run at once): run twice on a side stream first (Triton
+    compiles, cuBLAS sets up), then captured. Returns (graph, step's output: the graph's static output)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mem, stream=stream, capture_error_mode="thread_local"):
+        out = step()
+    return graph, out
 
 
 class _Preset(AttentionBackend):
@@ -116,20 +133,12 @@ class DecodeGraphs:
     def _capture(self) -> None:
         """One graph per bucket, the largest first, all in one memory pool (a step's activations are
         dead once its logits are read, and only one step runs at a time)."""
-        stream, mem = torch.cuda.Stream(self.device), None
+        mem = None
         for bs in reversed(self.buckets):
             self.ptr[: bs + 1].copy_(torch.arange(bs + 1, device=self.device))  # bs padding sequences
             for buf in (self.ids, self.pos, self.loc, self.idx):
                 buf.zero_()
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles the Triton kernels and sets up cuBLAS outside the capture
-                    self._step(bs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mem, stream=stream):
-                self.outputs[bs] = self._step(bs)
-            mem = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs], self.outputs[bs] = capture(lambda bs=bs: self._step(bs), self.device, mem)
+            mem = self.graphs[bs].pool()
         torch.cuda.synchronize(self.device)
         logger.info("CUDA graphs captured for decode batch sizes %s", self.buckets)
