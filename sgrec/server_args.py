@@ -108,14 +108,17 @@ class ServerArgs:
     attention_backend: str = _arg(
         "auto", "Attention implementation. auto: on CPU native where the CPU reports AVX-512 (where it was "
         "measured faster) and a C compiler builds it (bfloat16 prefill stays on torch's SDPA), else torch; "
-        "on CUDA triton where the triton package imports, else torch. "
+        "on CUDA triton where the triton package imports (flashinfer over it where that imports and passes a "
+        "start-up check), else torch. "
         "torch: SDPA over gathered K/V "
         "(CPU and CUDA); native: sgrec's C kernels on CPU (built with the machine's C compiler on first "
         "use for the CPU's vector ISA): decode and prefill/extend attention reading cached K/V from the "
         "KV pool by slot index, causal and rank (bipartite) masks from two integers per KV column, "
         "tiles nobody sees skipped; other masks as torch; triton: Triton kernels for decode (reading the KV pool by "
         "slot index), beam steps' staged attention, rank forwards' bipartite masks and retrieve levels' "
-        "selection (CUDA, or CPU under TRITON_INTERPRET=1 for tests).", ["auto", "torch", "native", "triton"])
+        "selection (CUDA, or CPU under TRITON_INTERPRET=1 for tests); flashinfer: triton, with decode and "
+        "causal prefill through FlashInfer's paged kernels (CUDA, bfloat16/float16 pools; pip install 'sgrec[gpu]').",
+        ["auto", "torch", "native", "triton", "flashinfer"])
     disable_cuda_graph: bool = _arg(
         False, "On CUDA, run decode and beam steps without CUDA graphs (by default each decode batch-size "
         "bucket's step is captured once at start-up, each beam step's (rows bucket, step) on first use, and "

@@ -81,3 +81,51 @@ def test_masked_extend_is_sdpa_on_the_bool_mask(dtype):
         ref = torch.einsum("hql,lhd->qhd", p, vd)
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         assert (out[sl].double() - ref).abs().max() < tol
+
+
+def test_flashinfer_page_tables_and_backend_choice(monkeypatch):
+    """FlashInfer's page tables at page size 1 (sgrec.model.flashinfer_backend.paged_layout): the
+    query and KV offsets and the slots of a decode, a prefill and an extend sequence; the backend is
+    refused off CUDA, or without flashinfer, with the flag's name; auto on CPU never picks it."""
+    import importlib.util
+
+    from sgrec.model.attention import make_backend
+    from sgrec.model.flashinfer_backend import FlashInferBackend, paged_layout
+
+    seqs = [SeqLayout(0, 1, torch.tensor([7, 3, 9])), SeqLayout(1, 4, torch.tensor([1, 2, 4, 8])),
+            SeqLayout(5, 2, torch.tensor([20, 21, 22, 5, 6]))]
+    qo, kv, idx, last = paged_layout(seqs, "cpu")
+    assert qo.tolist() == [0, 1, 5, 7] and kv.tolist() == [0, 3, 7, 12]
+    assert idx.tolist() == [7, 3, 9, 1, 2, 4, 8, 20, 21, 22, 5, 6] and last.tolist() == [1, 1, 1]
+    assert {t.dtype for t in (qo, kv, idx, last)} == {torch.int32}
+    with pytest.raises(ValueError, match="attention-backend flashinfer runs on CUDA"):
+        make_backend("flashinfer", "cpu")
+    assert not isinstance(make_backend("auto", "cpu"), FlashInferBackend)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real(name, *a))
+    with pytest.raises(ValueError, match="needs the flashinfer package"):
+        make_backend("flashinfer", "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+def test_flashinfer_backend_on_cuda(tiny_model_dir):
+    """Where FlashInfer is installed (the `gpu` extra; the lent GPU machines lack it): the start-up
+    check passes, and a bfloat16 runner on it prefills and decodes like the torch backend (logits
+    within 5e-2, bfloat16)."""
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer is not installed (pip install 'sgrec[gpu]')")
+    from sgrec.model.flashinfer_backend import FlashInferBackend, flashinfer_runs
+    from sgrec.runner import ModelRunner
+    from sgrec.server_args import ServerArgs
+    from tests.kernel_refs import decode_logits
+
+    assert flashinfer_runs(torch.device("cuda"))
+    runners = [ModelRunner(ServerArgs.from_kwargs(model_path=tiny_model_dir("qwen3"), device="cuda", dtype="bfloat16",
+                                                  max_total_tokens=512, attention_backend=name,
+                                                  disable_cuda_graph=True)) for name in ("torch", "flashinfer")]
+    assert isinstance(runners[1].backend, FlashInferBackend)
+    a, b = (decode_logits(r) for r in runners)
+    assert (a.float() - b.float()).abs().max() <= 5e-2

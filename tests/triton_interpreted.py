@@ -211,7 +211,8 @@ class HostReads(torch.overrides.TorchFunctionMode):
             bool_index = name in ("__getitem__", "__setitem__", "index_put_", "index_put") and any(
                 isinstance(x, torch.Tensor) and x.dtype == torch.bool
                 for x in ([args[1]] if len(args) > 1 else []) + [y for m in masks for y in m])
-            to_device = name == "to" and ("device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:]))
+            to_device = name == "to" and ("device" in kwargs
+                                          or any(isinstance(a, (torch.device, str)) for a in args[1:]))
             if name in self.NAMES or bool_index or to_device:
                 self.reads.append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
         return func(*args, **kwargs)

@@ -77,7 +77,8 @@ class DeviceRound:
         for s in range(1, nd):
             rows = live2[s].to(dev)
             un = self.slots[rows, :s]
-            pos = torch.cat([torch.full((x[s],), len(r.ids) + s - 1, dtype=torch.int64) for r, x in zip(reqs, self.rows)])
+            pos = torch.cat([torch.full((x[s],), len(r.ids) + s - 1, dtype=torch.int64)
+                             for r, x in zip(reqs, self.rows)])
             blocks = beam_blocks([x[s] for x in self.rows], BLOCK_B).to(dev)
             keep_kv = None
             if s + 1 < nd:  # the kept beams' K/V of this step's tokens move to their rows at depth s + 1
@@ -93,8 +94,8 @@ class DeviceRound:
             row_ptr = [0]
             for x in self.rows:
                 row_ptr.append(row_ptr[-1] + x[d])
-            self.plans.append(plan_step(row_ptr, [r.top_k for r in reqs], m, [level_filter(r.filt, d + 1) for r in reqs],
-                                        dev, [x[d + 1] for x in self.rows]))
+            filters = [level_filter(r.filt, d + 1) for r in reqs]
+            self.plans.append(plan_step(row_ptr, [r.top_k for r in reqs], m, filters, dev, [x[d + 1] for x in self.rows]))
 
     # ---- the hooks -------------------------------------------------------------------------------
     def prepare(self, step: int, phase: str) -> object:

@@ -375,7 +375,7 @@ class NativeBackend(_KernelBackend):
         return native.decode_attention(q, k_buf, v_buf, idx, ptr, scale)
 
 
-BACKENDS = ("auto", "torch", "native", "triton")
+BACKENDS = ("auto", "torch", "native", "triton", "flashinfer")
 
 
 def native_by_default() -> bool:
@@ -418,12 +418,18 @@ def triton_decodes(device: torch.device) -> bool:
 def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
     """auto: on CPU with AVX-512, NativeBackend where the kernels build (decode in float32 and bfloat16,
     extend in float32; see NativeBackend); on CUDA, TritonBackend where triton imports and its decode
-    kernel passes triton_decodes; otherwise torch."""
+    kernel passes triton_decodes, FlashInferBackend (a TritonBackend) over it where flashinfer imports
+    and passes flashinfer_runs; otherwise torch."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cpu" and native_by_default():
             return NativeBackend(extend_dtypes=(torch.float32,))
         if device.type == "cuda" and importlib.util.find_spec("triton") is not None and triton_decodes(device):
+            if importlib.util.find_spec("flashinfer") is not None:
+                from sgrec.model.flashinfer_backend import FlashInferBackend, flashinfer_runs
+
+                if flashinfer_runs(device):
+                    return FlashInferBackend()
             return TritonBackend()
         name = "torch"
     if name == "torch":
@@ -444,4 +450,13 @@ def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBack
             raise ValueError("--attention-backend triton runs on CUDA, or on CPU only under TRITON_INTERPRET=1 "
                              "(Triton's interpreter: slow, for tests)")
         return TritonBackend()
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError("--attention-backend flashinfer runs on CUDA")
+        if importlib.util.find_spec("flashinfer") is None or importlib.util.find_spec("triton") is None:
+            raise ValueError("--attention-backend flashinfer needs the flashinfer package (pip install 'sgrec[gpu]') "
+                             "and triton")
+        from sgrec.model.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend()
     raise ValueError(f"Unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")

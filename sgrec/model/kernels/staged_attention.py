@@ -130,7 +130,8 @@ def staged_attention_batched(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.
 
 
 def staged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared_idx: torch.Tensor,
-                     unshared_idx: torch.Tensor, scale: float, block_b: int = BLOCK_B, block_n: int = 32) -> torch.Tensor:
+                     unshared_idx: torch.Tensor, scale: float, block_b: int = BLOCK_B, block_n: int = 32
+                     ) -> torch.Tensor:
     """One request's beams; the same contract as sgrec.beam.attention.staged_attention."""
     n = q.shape[0]
     if shared_idx.numel() == 0 and unshared_idx.numel() == 0:

@@ -30,6 +30,12 @@ a binary search per beam, whose sorted scores never increase; then how many of e
 above it and of the entries tied with it, in path order, are kept); `emit` (one program per beam:
 its kept children in token order, written at the request's running offset). Under TRITON_INTERPRET=1
 it runs on CPU tensors.
+
+`trie_step_flat` reads nothing back to the host: a request's output rows are fixed in advance
+(`plan_step`, made once per level of a round), its kept beams first and dead rows (score -inf) after,
+and a beam whose score is -inf (a dead row of the previous level) has no children, so a round can
+carry fixed row counts from level to level (sgrec.beam.device_round). `trie_step` returns each
+request's kept beams alone (it reads the kept counts back).
 """
 
 from __future__ import annotations
@@ -287,7 +293,8 @@ def trie_step_flat(logits: torch.Tensor, child_ptr: torch.Tensor, child_tok: tor
     out_p = plan.dead_parent.clone()
     out_t, out_n = (torch.zeros(plan.out_ptr[-1], dtype=torch.int64, device=dev) for _ in range(2))
     out_s = torch.full((plan.out_ptr[-1],), float("-inf"), dtype=torch.float32, device=dev)
-    emit[(n,)](sort_c, s_col, nodes, child_ptr, child_tok, plan.rowreq, plan.dev_out_ptr, p_row, e_row, t_row, off_row, out_p, out_t, out_s, out_n,
+    emit[(n,)](sort_c, s_col, nodes, child_ptr, child_tok, plan.rowreq, plan.dev_out_ptr, p_row, e_row, t_row, off_row,
+               out_p, out_t, out_s, out_n,
                BLOCK_C=block_c, num_warps=warps)
     return out_p, out_t, out_s, out_n, kept
 
