@@ -98,6 +98,17 @@ def test_flashinfer_page_tables_and_backend_choice(monkeypatch):
     assert qo.tolist() == [0, 1, 5, 7] and kv.tolist() == [0, 3, 7, 12]
     assert idx.tolist() == [7, 3, 9, 1, 2, 4, 8, 20, 21, 22, 5, 6] and last.tolist() == [1, 1, 1]
     assert {t.dtype for t in (qo, kv, idx, last)} == {torch.int32}
+    from sgrec.model.flashinfer_backend import check_cases
+
+    cases = check_cases("cpu")  # the start-up check's batches: valid layouts torch attends over
+    assert [[(s.q_len, s.kv_len) for s in c[0]] for c in cases] == [[(1, 9), (1, 20)], [(5, 5), (7, 30)]]
+    assert len({int(x) for c in cases for s in c[0] for x in s.kv_indices}) == 64  # no slot shared
+    for seqs, q, k, v, loc, pool in cases:
+        batch = ForwardBatch(torch.zeros(q.shape[0], dtype=torch.int64), torch.zeros(q.shape[0], dtype=torch.int64),
+                             loc, seqs, pool)
+        assert not FlashInferBackend().takes(batch)  # a CPU pool
+        TorchBackend().prepare(batch)
+        assert TorchBackend().forward(q, k, v, 0, batch, 0.125).shape == (q.shape[0], 8 * 64)
     with pytest.raises(ValueError, match="attention-backend flashinfer runs on CUDA"):
         make_backend("flashinfer", "cpu")
     assert not isinstance(make_backend("auto", "cpu"), FlashInferBackend)

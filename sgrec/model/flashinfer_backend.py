@@ -101,38 +101,46 @@ class FlashInferBackend(TritonBackend):
         return out.reshape(T, hq * d)
 
 
-def flashinfer_runs(device: torch.device) -> bool:
-    """Whether FlashInfer imports, runs on this device and equals torch (bfloat16, within 2e-2) on a
-    decode batch and a causal extend batch with a cached prefix: auto's check before it picks
-    FlashInferBackend."""
+def check_cases(device) -> list[tuple]:
+    """flashinfer_runs' batches on one bfloat16 pool: a decode batch of two sequences (9 and 20
+    slots) and an extend batch of a fresh 5-token prefill and 7 new tokens over 23 cached. Each
+    (seqs, q, k, v, out_cache_loc, pool), slots scattered over the pool."""
     from sgrec.mem.kv_pool import KVPool
-    from sgrec.model.attention import TorchBackend
 
     g = torch.Generator().manual_seed(0)
     hq, hkv, d = 8, 2, 64
+    pool = KVPool(80, 1, hkv, d, torch.bfloat16, device)  # slots 1 .. 80 (0 pads)
+    for buf in (pool.k_buffer[0], pool.v_buffer[0]):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    perm = (torch.randperm(80, generator=g) + 1).tolist()
+    cases = []
+    for group in (((1, 9), (1, 20)), ((5, 5), (7, 30))):  # (q_len, kv_len)
+        seqs, start = [], 0
+        for ql, kv in group:
+            seqs.append(SeqLayout(start, ql, torch.tensor(perm[:kv], device=device)))
+            del perm[:kv]
+            start += ql
+        q, k, v = (torch.randn(start, h, d, generator=g).to(device, torch.bfloat16) for h in (hq, hkv, hkv))
+        loc = torch.cat([s.kv_indices[s.kv_len - s.q_len:] for s in seqs])
+        cases.append((seqs, q, k, v, loc, pool))
+    return cases
+
+
+def flashinfer_runs(device: torch.device) -> bool:
+    """Whether FlashInfer imports, runs on this device and equals torch (bfloat16, within 2e-2) on
+    check_cases' decode and extend batches: auto's check before it picks FlashInferBackend."""
+    from sgrec.model.attention import TorchBackend
+
     try:
-        pool = KVPool(64, 1, hkv, d, torch.bfloat16, device)
-        lens = [(1, 9), (1, 20), (5, 5), (7, 30)]  # (q_len, kv_len): two decodes; a prefill, an extend
-        slots = (torch.randperm(63, generator=g) + 1)[: sum(kv for _, kv in lens)].split([kv for _, kv in lens])
-        pool.k_buffer[0].copy_(torch.randn(64, hkv, d, generator=g))
-        pool.v_buffer[0].copy_(torch.randn(64, hkv, d, generator=g))
-        for group in (lens[:2], lens[2:]):
-            a = lens.index(group[0])
-            seqs, start = [], 0
-            for (ql, _), s in zip(group, slots[a:a + len(group)]):
-                seqs.append(SeqLayout(start, ql, s.to(device)))
-                start += ql
-            T = start
-            q, k, v = (torch.randn(T, h, d, generator=g).to(device, torch.bfloat16) for h in (hq, hkv, hkv))
-            loc = torch.cat([s.kv_indices[s.kv_len - s.q_len:] for s in seqs])
-            outs = []
+        for seqs, q, k, v, loc, pool in check_cases(device):
+            T, outs = q.shape[0], []
             for backend in (FlashInferBackend(), TorchBackend()):
                 batch = ForwardBatch(torch.zeros(T, dtype=torch.int64, device=device),
                                      torch.zeros(T, dtype=torch.int64, device=device), loc, seqs, pool)
                 backend.prepare(batch)
                 if isinstance(backend, FlashInferBackend) and not isinstance(batch.attn_meta, _PagedMeta):
                     raise RuntimeError("the check's batch did not take the FlashInfer path")
-                outs.append(backend.forward(q, k, v, 0, batch, d ** -0.5).float().cpu())
+                outs.append(backend.forward(q, k, v, 0, batch, q.shape[-1] ** -0.5).float().cpu())
             if not (outs[0] - outs[1]).abs().max() <= 2e-2:
                 logger.warning("FlashInfer disagrees with torch on %s; attention uses the Triton kernels", device)
                 return False
