@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend  # noqa: E402
-from sgrec.model.attention import make_backend  # noqa: E402
+from sgrec.model.backends import make_backend  # noqa: E402
 from sgrec.model.llama import CausalLM  # noqa: E402
 
 ND, ITEM_TOKENS = 3, 16

@@ -8,7 +8,8 @@ import os
 import torch
 
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, TritonBackend, make_backend
+from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, TritonBackend
+from sgrec.model.backends import make_backend
 from sgrec.model.config import ModelConfig, resolve_dtype
 from sgrec.model.cpu_linear import packing_available
 from sgrec.model.hybrid import hybrid_forward

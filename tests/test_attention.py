@@ -89,7 +89,7 @@ def test_flashinfer_page_tables_and_backend_choice(monkeypatch):
     refused off CUDA, or without flashinfer, with the flag's name; auto on CPU never picks it."""
     import importlib.util
 
-    from sgrec.model.attention import make_backend
+    from sgrec.model.backends import make_backend
     from sgrec.model.flashinfer_backend import FlashInferBackend, paged_layout
 
     seqs = [SeqLayout(0, 1, torch.tensor([7, 3, 9])), SeqLayout(1, 4, torch.tensor([1, 2, 4, 8])),

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from sgrec.model.attention import make_backend  # noqa: E402
+from sgrec.model.backends import make_backend  # noqa: E402
 from sgrec.model.kernels.decode_attention import decode_attention  # noqa: E402
 from tests.kernel_refs import case, reference  # noqa: E402
 

@@ -12,8 +12,8 @@ import torch
 
 from sgrec.mem.kv_pool import KVPool
 from sgrec.model import native
-from sgrec.model.attention import (ColumnMeta, ForwardBatch, NativeBackend, SeqLayout, TorchBackend, TritonBackend,
-                                   make_backend)
+from sgrec.model.attention import ColumnMeta, ForwardBatch, NativeBackend, SeqLayout, TorchBackend, TritonBackend
+from sgrec.model.backends import make_backend
 from sgrec.model.cpu_caps import cpu_flags
 from sgrec.rank import layout as L
 from sgrec.runner import ModelRunner
@@ -306,13 +306,13 @@ def test_auto_picks_the_native_kernels_only_with_avx512(monkeypatch):
     assert auto.decode_dtypes == (torch.float32, torch.bfloat16)
     import importlib.util
 
-    import sgrec.model.attention as attention
+    import sgrec.model.backends as backends
 
-    monkeypatch.setattr(attention, "triton_decodes", lambda device: True)  # (no CUDA device here to check on)
+    monkeypatch.setattr(backends, "triton_decodes", lambda device: True)  # (no CUDA device here to check on)
     assert type(make_backend("auto", "cuda")) is TritonBackend
-    monkeypatch.setattr(attention, "triton_decodes", lambda device: False)  # Triton does not run there
+    monkeypatch.setattr(backends, "triton_decodes", lambda device: False)  # Triton does not run there
     assert type(make_backend("auto", "cuda")) is TorchBackend
-    monkeypatch.setattr(attention, "triton_decodes", lambda device: True)
+    monkeypatch.setattr(backends, "triton_decodes", lambda device: True)
     real_find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find(name, *a))
     assert type(make_backend("auto", "cuda")) is TorchBackend

@@ -619,7 +619,7 @@ def test_triton_decodes_checks_the_kernel(monkeypatch):
     """auto's check on CUDA (here on CPU, interpreted): the kernel runs and equals torch; a kernel that
     raises (as a Triton that cannot compile for the GPU would) or returns wrong values fails it."""
     import sgrec.model.kernels.decode_attention as da
-    from sgrec.model.attention import triton_decodes
+    from sgrec.model.backends import triton_decodes
 
     assert triton_decodes(torch.device("cpu"))
     real = da.decode_attention

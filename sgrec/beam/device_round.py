@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from sgrec.beam.attention import StagedMeta
+from sgrec.beam.attention import StagedMeta, UnsharedKV
 from sgrec.beam.kernel_step import level_filter
 from sgrec.beam.search import BeamBuffers
 from sgrec.model.kernels.staged_attention import BLOCK_B, beam_blocks
@@ -43,8 +43,8 @@ def level_rows(trie, beam_width: int, num_items: int) -> list[int]:
 class DeviceRound:
     """run_fixed_round's hooks (as sgrec.beam.executor._RoundHooks) for a round on the Triton path."""
 
-    def __init__(self, ex, reqs):
-        self.ex, self.reqs = ex, reqs
+    def __init__(self, ex, reqs, global_min_k: int):
+        self.ex, self.reqs, self.global_min_k = ex, reqs, global_min_k  # see executor.GLOBAL_SELECT_MIN_K
         trie = ex.trie
         self.rows = [level_rows(trie, r.beam_width, r.num_items) for r in reqs]
         width = [max(x[1:]) for x in self.rows]
@@ -85,9 +85,6 @@ class DeviceRound:
                 keep_kv = (rows, self.slots[live2[s + 1].to(dev), :s].reshape(-1))
             self.steps.append((pos.to(dev), un[:, -1].contiguous(), StagedMeta(shared, sh_ptr, un.contiguous(), blocks),
                                trie.logit_columns(s), keep_kv))
-        from sgrec.beam.executor import GLOBAL_SELECT_MIN_K
-
-        self.global_min_k = GLOBAL_SELECT_MIN_K
         self.plans = []
         for d in range(nd):
             m = [min(r.beam_width, r.num_items) if d == nd - 1 else r.beam_width for r in reqs]
@@ -106,8 +103,6 @@ class DeviceRound:
         ex = self.ex
         if phase == "prefill":
             ex._prefill_all(self.reqs)
-            from sgrec.beam.attention import UnsharedKV
-
             for r in self.reqs:
                 rows, cols = ex._rows_cols(r)
                 r.kv = UnsharedKV(ex.pool, r.unshared.view(rows, cols), ex.reorder_chunk)

@@ -267,7 +267,7 @@ class RetrieveExecutor:
         if self.triton_select and all(kernel_step.fits(self.trie, d) for d in range(self.trie.depth)):
             from sgrec.beam.device_round import DeviceRound
 
-            hooks = DeviceRound(self, reqs)  # no host read per step
+            hooks = DeviceRound(self, reqs, GLOBAL_SELECT_MIN_K)  # no host read per step
         else:
             hooks = _RoundHooks(self, reqs)
         run_fixed_round(hooks, self.trie.depth - 1, overlap=True)

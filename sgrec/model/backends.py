@@ -1,0 +1,101 @@
+"""Which attention backend a runner gets (--attention-backend): auto's choice per device and the
+start-up checks behind it. Kept apart from sgrec.model.attention (the backends themselves) so that a
+backend defined on top of those (sgrec.model.flashinfer_backend) is chosen here without a cycle."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from sgrec.model.attention import AttentionBackend, NativeBackend, TorchBackend, TritonBackend
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "native", "triton", "flashinfer")
+
+
+def native_by_default() -> bool:
+    """auto's choice on CPU: sgrec's C kernels where the CPU reports AVX-512 (the ISA they were
+    measured faster than torch on, BENCHMARKS.md) and they build; else torch."""
+    from sgrec.model import native
+    from sgrec.model.cpu_caps import cpu_flags
+
+    return all(f in cpu_flags() for f in native.X86_64_V4) and native.load() is not None
+
+
+def triton_decodes(device: torch.device) -> bool:
+    """Whether the Triton decode kernel compiles and runs on this device and equals a torch reference
+    on a small case (in one run and in splits): auto's check before it picks triton on CUDA, so a
+    Triton that cannot compile for this GPU leaves the server on torch with a warning."""
+    from sgrec.model.kernels.decode_attention import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g) for shape in ((2, 4, 16), (40, 2, 16), (40, 2, 16)))
+    idx, ptr = torch.arange(1, 38), torch.tensor([0, 5, 37])
+    try:
+        on = [t.to(device) for t in (q, k, v, idx, ptr)]
+        outs = [decode_attention(*on, 0.25, splits=s).cpu() for s in (1, 3)]
+    except Exception as e:  # noqa: BLE001 - whatever Triton raises (compilation, launch), torch still runs
+        logger.warning("the Triton kernels do not run on %s (%s: %s); attention falls back to torch", device,
+                       type(e).__name__, e)
+        return False
+    ref = []
+    for b in range(2):
+        s = idx[ptr[b]:ptr[b + 1]]
+        kk, vv = k[s].repeat_interleave(2, 1), v[s].repeat_interleave(2, 1)  # [L, Hq, D]
+        w = torch.softmax(torch.einsum("hd,lhd->hl", q[b], kk) * 0.25, -1)
+        ref.append(torch.einsum("hl,lhd->hd", w, vv).reshape(-1))
+    ok = all((o - torch.stack(ref)).abs().max() <= 1e-4 for o in outs)
+    if not ok:
+        logger.warning("the Triton decode kernel disagrees with torch on %s; attention falls back to torch", device)
+    return ok
+
+
+def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """auto: on CPU with AVX-512, NativeBackend where the kernels build (decode in float32 and bfloat16,
+    extend in float32; see NativeBackend); on CUDA, TritonBackend where triton imports and its decode
+    kernel passes triton_decodes, FlashInferBackend (a TritonBackend) over it where flashinfer imports
+    and passes flashinfer_runs; otherwise torch."""
+    device = torch.device(device)
+    if name == "auto":
+        if device.type == "cpu" and native_by_default():
+            return NativeBackend(extend_dtypes=(torch.float32,))
+        if device.type == "cuda" and importlib.util.find_spec("triton") is not None and triton_decodes(device):
+            if importlib.util.find_spec("flashinfer") is not None:
+                from sgrec.model.flashinfer_backend import FlashInferBackend, flashinfer_runs
+
+                if flashinfer_runs(device):
+                    return FlashInferBackend()
+            return TritonBackend()
+        name = "torch"
+    if name == "torch":
+        return TorchBackend()
+    if name == "native":
+        from sgrec.model import native
+
+        if device.type != "cpu":
+            raise ValueError("--attention-backend native runs on CPU (sgrec's C kernels)")
+        if native.load() is None:
+            raise ValueError("--attention-backend native needs a C compiler to build sgrec's CPU kernels "
+                             "(see the warning above); --attention-backend torch needs none")
+        return NativeBackend()
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("--attention-backend triton needs the triton package")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--attention-backend triton runs on CUDA, or on CPU only under TRITON_INTERPRET=1 "
+                             "(Triton's interpreter: slow, for tests)")
+        return TritonBackend()
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError("--attention-backend flashinfer runs on CUDA")
+        if importlib.util.find_spec("flashinfer") is None or importlib.util.find_spec("triton") is None:
+            raise ValueError("--attention-backend flashinfer needs the flashinfer package (pip install 'sgrec[gpu]') "
+                             "and triton")
+        from sgrec.model.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend()
+    raise ValueError(f"Unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
