@@ -118,6 +118,13 @@ def test_staged_kernel_bfloat16_and_a_wrong_input_is_caught():
     assert (wrong.float() - want).abs().max() > 1e-1
 
 
+def torch_and_triton(path: str, tokens: int = 3000) -> dict[str, ModelRunner]:
+    """float32 CPU runners of one model on the torch and the triton backends."""
+    return {name: ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32",
+                                                     max_total_tokens=tokens, attention_backend=name))
+            for name in ("torch", "triton")}
+
+
 @pytest.mark.parametrize("programs", [None, 12])
 def test_batched_staged_kernel_equals_torch_per_request(programs):
     """Four requests' beams in one launch (prompts of 40, 1, 0 and 70 slots; 7, 5, 3 and 9 beams;
@@ -253,10 +260,7 @@ def test_device_round_steps_read_nothing_back(tiny_model_dir, monkeypatch):
     for cls in (device_round.DeviceRound, executor._RoundHooks):
         guard(cls, "launch")
         guard(cls, "finish")
-    path = tiny_model_dir("qwen3")
-    runners = {name: ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32",
-                                                        max_total_tokens=3000, attention_backend=name))
-               for name in ("torch", "triton")}
+    runners = torch_and_triton(tiny_model_dir("qwen3"))
     V = runners["torch"].config.vocab_size
     rng = random.Random(11)
     cat = make_catalog(rng, 150, 3, V, codes=10, dup=0.05)
@@ -308,10 +312,7 @@ def test_beam_steps_through_the_static_buffers_equal_plain_steps(tiny_model_dir,
     from sgrec.beam.graphs import BeamGraphs
     from tests.test_retrieve_filters import make_catalog
 
-    path = tiny_model_dir("qwen3")
-    runners = {name: ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32",
-                                                        max_total_tokens=3000, attention_backend=name))
-               for name in ("torch", "triton")}
+    runners = torch_and_triton(tiny_model_dir("qwen3"))
     V = runners["torch"].config.vocab_size
     rng = random.Random(4)
     cat = make_catalog(rng, 150, 3, V, codes=10, dup=0.05)
@@ -380,10 +381,7 @@ def test_retrieve_batch_with_filters_on_the_triton_backend_equals_torch(tiny_mod
     monkeypatch.setattr(kernel_step, "trie_step", lambda *a, **kw: calls.append(len(a[5]) - 1) or real(*a, **kw))
     monkeypatch.setattr(device_round, "trie_step_flat",
                         lambda *a, **kw: flat.append(len(a[5].row_ptr) - 1) or real_flat(*a, **kw))
-    path = tiny_model_dir("qwen3")
-    runners = {name: ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype="float32",
-                                                        max_total_tokens=3000, attention_backend=name))
-               for name in ("torch", "triton")}
+    runners = torch_and_triton(tiny_model_dir("qwen3"))
     V = runners["torch"].config.vocab_size
     rng = random.Random(5)
     cat = make_catalog(rng, 200, 3, V, codes=14, dup=0.1)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from sgrec.beam.attention import StagedMeta, UnsharedKV
+from sgrec.beam.attention import StagedMeta
 from sgrec.beam.kernel_step import level_filter
 from sgrec.beam.search import BeamBuffers
 from sgrec.model.kernels.staged_attention import BLOCK_B, beam_blocks
@@ -102,10 +102,7 @@ class DeviceRound:
     def launch(self, step: int, phase: str, prepared: object) -> object:
         ex = self.ex
         if phase == "prefill":
-            ex._prefill_all(self.reqs)
-            for r in self.reqs:
-                rows, cols = ex._rows_cols(r)
-                r.kv = UnsharedKV(ex.pool, r.unshared.view(rows, cols), ex.reorder_chunk)
+            ex._prefill_round(self.reqs)
             self._setup()
             return torch.cat([r.logits0 for r in self.reqs])
         pos, out_loc, meta, columns, _ = self.steps[step]

@@ -303,6 +303,13 @@ class RetrieveExecutor:
             self.tree.dec_lock_ref(r.lock)
             r.lock, r.prompt_kv = full.last_node, full.indices
 
+    def _prefill_round(self, reqs: list[_Request]) -> None:
+        """A round's prefill: the prompts (_prefill_all), then each request's unshared KV buffer."""
+        self._prefill_all(reqs)
+        for r in reqs:
+            rows, cols = self._rows_cols(r)
+            r.kv = UnsharedKV(self.pool, r.unshared.view(rows, cols), self.reorder_chunk)
+
     def _prefill_packed(self, reqs: list[_Request]) -> None:
         ids, pos, seqs, rows, locs = [], [], [], [], []
         for r in reqs:
@@ -459,10 +466,8 @@ class _RoundHooks:
     def launch(self, step: int, phase: str, prepared: object) -> object:
         ex = self.ex
         if phase == "prefill":
-            ex._prefill_all(self.reqs)
+            ex._prefill_round(self.reqs)
             for r in self.reqs:
-                rows, cols = ex._rows_cols(r)
-                r.kv = UnsharedKV(ex.pool, r.unshared.view(rows, cols), ex.reorder_chunk)
                 r.bufs = BeamBuffers.allocate(r.beam_width, ex.trie.depth, ex.device)
             return None
         groups, tokens, positions, locs = [], [], [], []
