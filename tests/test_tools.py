@@ -181,7 +181,8 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     assert r["retrieve"]["requests"] == 2 and r["retrieve"]["median_s"] > 0
     conc = r["retrieve"]["concurrent"]
     assert conc["concurrency"] == 2 and conc["requests"] == 4 and conc["req_per_s"] > 0
-    assert [(w["beam_width"], w["seconds"] > 0) for w in r["retrieve"]["wide_beams"]] == [(16, True)]
+    wide = r["retrieve"]["wide_beams"]
+    assert [(w["beam_width"], w["first_s"] > 0, w["seconds"] > 0) for w in wide] == [(16, True, True)]
     assert [(x["candidates"], x["prefix"]) for x in r["rank"]] == [(4, "item"), (4, "user"), (8, "item"), (8, "user")]
     hf = r["hf"]  # transformers is a test dependency
     assert [x["tokens"] for x in hf["prefill"]] == [64, 128] and [x["batch"] for x in hf["generate"]] == [1, 16]
