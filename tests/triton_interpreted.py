@@ -302,6 +302,33 @@ def test_device_round_steps_read_nothing_back(tiny_model_dir, monkeypatch):
     assert reads  # that path reads back every step
 
 
+@pytest.mark.parametrize("nd", [1, 2, 4])
+def test_device_round_at_other_depths_equals_torch(tiny_model_dir, nd, monkeypatch):
+    """Device rounds over semantic IDs of 1 (no beam step), 2 (no K/V reorder) and 4 levels (two
+    reorders) == the torch backend: two requests, one excluding a third of the catalog."""
+    import random
+
+    import sgrec.beam.device_round as device_round
+
+    runners = torch_and_triton(tiny_model_dir("llama"))
+    V = runners["torch"].config.vocab_size
+    rng = random.Random(nd)
+    cat = random_catalog(rng, {1: 12, 2: 60, 4: 150}[nd], nd, V, codes=12)
+    prompt = [rng.randrange(V) for _ in range(9)]
+    reqs = [dict(input_ids=prompt, beam_width=6, top_k=3, num_items=6),
+            dict(input_ids=prompt[4:], beam_width=9, top_k=9, num_items=5,
+                 exclude_items=[it.id for it in cat.items[::3]])]
+    rounds = []
+    real = device_round.DeviceRound._setup
+    monkeypatch.setattr(device_round.DeviceRound, "_setup", lambda self: rounds.append(self) or real(self))
+    got = {name: RetrieveExecutor(r, RadixCache(r.kv_pool.allocator), cat).run_batch(reqs)
+           for name, r in runners.items()}
+    assert len(rounds) == 1  # the triton runner's round was a device round
+    for a, b in zip(got["triton"], got["torch"]):
+        assert a.items and len(a.items) == len(b.items)
+        assert_same(a, b)
+
+
 def test_beam_steps_through_the_static_buffers_equal_plain_steps(tiny_model_dir, monkeypatch):
     """BeamGraphs without capture (what a CUDA graph replays: the step over static buffers, padded to
     its rows bucket by rows on slot 0 that no program attends): a round of three requests (one with
