@@ -41,7 +41,7 @@ from sgrec.model.attention import ForwardBatch, SeqLayout, TritonBackend
 # per-beam top-k at or above this k (and >= the beams kept) is replaced by one global selection; both
 # give the same beams: below it the per-row top-k is as fast (measured: [512, 3392] scores, k 128)
 GLOBAL_SELECT_MIN_K = 256
-MAX_GRAPH_STEPS = 16  # beam steps of a semantic ID (its length - 1) that CUDA graphs take: any catalog's
+MAX_GRAPH_STEPS = 16  # most beam steps (semantic-ID length - 1) a CUDA graph takes: more than catalogs use
 
 
 class KVCacheFullError(RuntimeError):
