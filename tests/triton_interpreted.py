@@ -3,6 +3,7 @@ tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1 set before triton 
 interpreter replaces triton.language's own jitted helpers at import, so it cannot be switched on
 inside a process that already imported triton). Not collected by a plain `pytest` run."""
 
+import importlib.util
 import os
 
 import pytest
@@ -195,6 +196,9 @@ def test_trie_step_flat_dead_rows_change_nothing():
             o += out_rows[r]
 
 
+TRITON_DIR = os.path.dirname(importlib.util.find_spec("triton").origin) + os.sep  # the triton package's files
+
+
 class HostReads(torch.overrides.TorchFunctionMode):
     """Records every tensor call that reads a value back to the host (on a GPU: waits for the
     device) made outside Triton's own (interpreter) code: .tolist(), .item(), bool()/int()/float(),
@@ -213,7 +217,7 @@ class HostReads(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         caller = sys._getframe(1).f_code.co_filename
-        if "triton" not in caller:
+        if not caller.startswith(TRITON_DIR):  # the interpreter's own reads are not the engine's
             masks = [a for a in list(args[1:]) + list(kwargs.values()) if isinstance(a, (tuple, list))]
             bool_index = name in ("__getitem__", "__setitem__", "index_put_", "index_put") and any(
                 isinstance(x, torch.Tensor) and x.dtype == torch.bool

@@ -208,7 +208,7 @@ class StagedBeamBackend(AttentionBackend):
 
     def __init__(self, units=None, triton: bool = False, runner=None):
         self.units = units
-        self.triton = triton  # each request's staged attention in one Triton kernel (--attention-backend triton)
+        self.triton = triton  # every request's staged attention in one Triton launch (--attention-backend triton)
         self.runner = runner
 
     @property
