@@ -108,8 +108,8 @@ class ServerArgs:
     attention_backend: str = _arg(
         "auto", "Attention implementation. auto: on CPU native where the CPU reports AVX-512 (where it was "
         "measured faster) and a C compiler builds it (bfloat16 prefill stays on torch's SDPA), else torch; "
-        "on CUDA triton where the triton package imports (flashinfer over it where that imports and passes a "
-        "start-up check), else torch. "
+        "on CUDA triton where the triton package imports and its decode kernel passes a start-up check "
+        "(flashinfer over it where that imports and passes its own), else torch. "
         "torch: SDPA over gathered K/V "
         "(CPU and CUDA); native: sgrec's C kernels on CPU (built with the machine's C compiler on first "
         "use for the CPU's vector ISA): decode and prefill/extend attention reading cached K/V from the "

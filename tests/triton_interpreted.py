@@ -126,6 +126,20 @@ def torch_and_triton(path: str, tokens: int = 3000) -> dict[str, ModelRunner]:
             for name in ("torch", "triton")}
 
 
+def filtered_catalog(tiny_model_dir, seed: int, items: int, codes: int, dup: float, prompt_len: int):
+    """The qwen3 runners (torch, triton), a seeded random 3-level catalog and prompt for the filtered
+    retrieve tests: (runners, rng, catalog, its item ids, prompt); rng goes on to draw the filters."""
+    import random
+
+    from tests.test_retrieve_filters import make_catalog
+
+    runners = torch_and_triton(tiny_model_dir("qwen3"))
+    V = runners["torch"].config.vocab_size
+    rng = random.Random(seed)
+    cat = make_catalog(rng, items, 3, V, codes=codes, dup=dup)
+    return runners, rng, cat, [it.id for it in cat.items], [rng.randrange(V) for _ in range(prompt_len)]
+
+
 @pytest.mark.parametrize("programs", [None, 12])
 def test_batched_staged_kernel_equals_torch_per_request(programs):
     """Four requests' beams in one launch (prompts of 40, 1, 0 and 70 slots; 7, 5, 3 and 9 beams;
@@ -236,12 +250,10 @@ def test_device_round_steps_read_nothing_back(tiny_model_dir, monkeypatch):
     the one read of the kept counts at the round's end; the round had dead rows (a filter leaving
     fewer beams than rows) and equals the torch backend's. The same check on the per-step path
     (the trie step where a level fits, its kept counts and reorder schedules read back) finds reads."""
-    import random
 
     import sgrec.beam.device_round as device_round
     import sgrec.beam.executor as executor
     import sgrec.beam.kernel_step as kernel_step
-    from tests.test_retrieve_filters import make_catalog
 
     reads: list[str] = []
     dead = []
@@ -264,12 +276,7 @@ def test_device_round_steps_read_nothing_back(tiny_model_dir, monkeypatch):
     for cls in (device_round.DeviceRound, executor._RoundHooks):
         guard(cls, "launch")
         guard(cls, "finish")
-    runners = torch_and_triton(tiny_model_dir("qwen3"))
-    V = runners["torch"].config.vocab_size
-    rng = random.Random(11)
-    cat = make_catalog(rng, 150, 3, V, codes=10, dup=0.05)
-    ids = [it.id for it in cat.items]
-    prompt = [rng.randrange(V) for _ in range(10)]
+    runners, rng, cat, ids, prompt = filtered_catalog(tiny_model_dir, 11, 150, 10, 0.05, 10)
     reqs = [dict(input_ids=prompt, beam_width=16, top_k=4, num_items=10, include_items=rng.sample(ids, 5)),
             dict(input_ids=prompt[:6], beam_width=8, top_k=3, num_items=8, exclude_items=rng.sample(ids, 40)),
             dict(input_ids=prompt[2:], beam_width=5, top_k=5, num_items=5)]
@@ -338,17 +345,10 @@ def test_beam_steps_through_the_static_buffers_equal_plain_steps(tiny_model_dir,
     its rows bucket by rows on slot 0 that no program attends): a round of three requests (one with
     an include list: dead rows) == the same round's plain steps, and == the torch backend; the
     steps ran padded (rows below their bucket) and one too wide for max_rows ran plain."""
-    import random
 
     from sgrec.beam.graphs import BeamGraphs
-    from tests.test_retrieve_filters import make_catalog
 
-    runners = torch_and_triton(tiny_model_dir("qwen3"))
-    V = runners["torch"].config.vocab_size
-    rng = random.Random(4)
-    cat = make_catalog(rng, 150, 3, V, codes=10, dup=0.05)
-    ids = [it.id for it in cat.items]
-    prompt = [rng.randrange(V) for _ in range(10)]
+    runners, rng, cat, ids, prompt = filtered_catalog(tiny_model_dir, 4, 150, 10, 0.05, 10)
     reqs = [dict(input_ids=prompt, beam_width=7, top_k=4, num_items=7, include_items=rng.sample(ids, 9)),
             dict(input_ids=prompt[:6], beam_width=5, top_k=3, num_items=5),
             dict(input_ids=prompt[2:], beam_width=2, top_k=4, num_items=2)]
@@ -401,23 +401,16 @@ def test_retrieve_batch_with_filters_on_the_triton_backend_equals_torch(tiny_mod
     step, dead rows where a filter leaves fewer beams; batched staged attention) == the same round on
     the torch backend: same items, paths and scores. A trie with a level too wide for the kernel
     takes the per-step path (the kernel where it fits, torch elsewhere), the same again."""
-    import random
 
     import sgrec.beam.device_round as device_round
     import sgrec.beam.kernel_step as kernel_step
-    from tests.test_retrieve_filters import make_catalog
 
     calls, flat = [], []
     real, real_flat = kernel_step.trie_step, device_round.trie_step_flat
     monkeypatch.setattr(kernel_step, "trie_step", lambda *a, **kw: calls.append(len(a[5]) - 1) or real(*a, **kw))
     monkeypatch.setattr(device_round, "trie_step_flat",
                         lambda *a, **kw: flat.append(len(a[5].row_ptr) - 1) or real_flat(*a, **kw))
-    runners = torch_and_triton(tiny_model_dir("qwen3"))
-    V = runners["torch"].config.vocab_size
-    rng = random.Random(5)
-    cat = make_catalog(rng, 200, 3, V, codes=14, dup=0.1)
-    ids = [it.id for it in cat.items]
-    prompt = [rng.randrange(V) for _ in range(12)]
+    runners, rng, cat, ids, prompt = filtered_catalog(tiny_model_dir, 5, 200, 14, 0.1, 12)
     reqs = [dict(input_ids=prompt, beam_width=12, top_k=4, num_items=8, exclude_items=rng.sample(ids, 50)),
             dict(input_ids=prompt[:7], beam_width=8, top_k=8, num_items=8, include_items=rng.sample(ids, 30)),
             dict(input_ids=[3, 1, 4], beam_width=10, top_k=3, num_items=5, filter={"year": {"gte": 1994}}),

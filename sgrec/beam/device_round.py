@@ -60,7 +60,7 @@ class DeviceRound:
 
     def _setup(self) -> None:
         """Everything the steps read that the beams' values do not decide, on the device at once."""
-        ex, trie, reqs, dev = self.ex, self.ex.trie, self.reqs, self.ex.device
+        trie, reqs, dev = self.ex.trie, self.reqs, self.ex.device
         nd = trie.depth
         slots = [r.kv.slots for r in reqs]
         self.slots = torch.cat(slots).to(dev, torch.int64)  # [sum rows, ND - 1]: each request's unshared slots
@@ -145,5 +145,5 @@ class DeviceRound:
         for r, b, x, k in zip(self.reqs, self.base, self.rows, kept.tolist()):
             w = max(x[1:])
             n = min(k, x[-1])
-            r.bufs = BeamBuffers(self.tokens[b:b + w], self.scores[b:b + w], torch.zeros(w, dtype=torch.int64),
-                                 self.nodes[b:b + w], n)
+            parents = torch.zeros(w, dtype=torch.int64, device=self.ex.device)  # unread: _result needs none
+            r.bufs = BeamBuffers(self.tokens[b:b + w], self.scores[b:b + w], parents, self.nodes[b:b + w], n)
