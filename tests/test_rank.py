@@ -42,8 +42,8 @@ class Setup:
     """A RankExecutor on its own runner and tree: `kw` are ServerArgs, `executor_kw` RankExecutor's."""
 
     def __init__(self, path: str, catalog: Catalog, pool: int = 2048, header=HEADER,
-                 executor_kw: dict | None = None, **kw):
-        self.args = ServerArgs(model_path=path, device="cpu", dtype="float32", max_total_tokens=pool, **kw)
+                 executor_kw: dict | None = None, dtype: str = "float32", **kw):
+        self.args = ServerArgs(model_path=path, device="cpu", dtype=dtype, max_total_tokens=pool, **kw)
         self.runner = ModelRunner(self.args)
         self.alloc = self.runner.kv_pool.allocator
         self.tree = RadixCache(self.alloc)

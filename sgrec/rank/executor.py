@@ -266,8 +266,14 @@ class RankExecutor:
         fmeta = {"filtered_items": len(item_ids) - len(items), "ignored_exclusions": ignored}
         if not items:
             return {"ranking": [], "meta_info": {"prompt_tokens": 0, "cached_tokens": 0, **fmeta}}
-        item_ids = [it.id for it in items]
+        # The model sees the candidates in one canonical order (by id), whatever order the caller
+        # gave: the attention of the instruction (and, item-as-prefix, the user) sums over every
+        # candidate's columns, and that sum's rounding follows the column order (in bfloat16 enough to
+        # swap close scores). The caller's order only breaks ties in the ranking.
+        caller_pos = {it.id: k for k, it in enumerate(items)}
         score_by = semantic.resolve_score_by(items, score_by)
+        items = sorted(items, key=lambda it: it.id)
+        item_ids = [it.id for it in items]
         if score_by == "id_token":
             targets = [it.id_token for it in items]
         else:
@@ -317,7 +323,7 @@ class RankExecutor:
         if score_by == "semantic_id":
             loglik, scores = scores.tolist(), torch.softmax(scores, dim=0)
         vals = scores.tolist()
-        order = sorted(range(len(items)), key=lambda j: (-vals[j], j))
+        order = sorted(range(len(items)), key=lambda j: (-vals[j], caller_pos[items[j].id]))
         if top_k is not None:
             order = order[:top_k]
         meta = {"prefix": choice, "prompt_tokens": len(lay), "cached_tokens": cached,
