@@ -35,7 +35,8 @@ from bench_serving_ab import BASELINE_REV, worktree  # noqa: E402
 
 # Runs in the tree under test (cwd and PYTHONPATH there), so it may use only the Engine API both trees
 # share: Engine(model, device, dtype, item_catalog, max_beam_width, log_level), generate, rank,
-# retrieve, flush_cache, shutdown.
+# retrieve, flush_cache, shutdown; "dtype" and "engine_kw" (more Engine arguments) are for callers
+# that run one tree twice (bench_deterministic).
 CHILD = r"""
 import json, sys, time
 import numpy as np
@@ -43,8 +44,8 @@ import torch
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
 from sgrec import Engine
-eng = Engine(a["model"], device="cpu", dtype="float32", item_catalog=a["catalog"],
-             max_beam_width=max(a["beam_widths"]), log_level="warning")
+eng = Engine(a["model"], device="cpu", dtype=a.get("dtype", "float32"), item_catalog=a["catalog"],
+             max_beam_width=max(a["beam_widths"]), log_level="warning", **a.get("engine_kw", {}))
 rng = np.random.default_rng(1)
 ids = lambda n: rng.integers(3, a["base"], n).tolist()
 

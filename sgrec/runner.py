@@ -61,8 +61,9 @@ class ModelRunner:
         self.context_len = args.context_length or self.config.max_position_embeddings
         torch.manual_seed(args.random_seed)
         self.packed = not args.disable_weight_packing and packing_available(self.device, self.dtype)
-        self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed)
-        self.backend = make_backend(args.attention_backend, self.device)
+        det = args.enable_deterministic_inference
+        self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed, det)
+        self.backend = make_backend(args.attention_backend, self.device, deterministic=det)
         if isinstance(self.backend, NativeBackend):  # sgrec's C kernels: attention, and the float32 glue
             from sgrec.model import native
 

@@ -134,6 +134,15 @@ class ServerArgs:
         False, "On CPU, do not prepack float32 (or natively multiplied bfloat16) weights for oneDNN "
         "matmuls (packing is the default: faster decode; float32 logprobs differ from HF transformers by up "
         "to ~1e-3, within the 2e-3 agreement of DESIGN.md).")
+    enable_deterministic_inference: bool = _arg(
+        False, "SGLang's flag: a request gets bit-identical outputs whatever else is batched with it, however "
+        "many requests run concurrently, however its prefill is chunked and whether its prefix or its items "
+        "came from a cache (greedy generate, score, rank, retrieve, recommend; float32 and bfloat16). On CPU: "
+        "sgrec's C attention kernels (any vector ISA; needs a C compiler) with every extend summing each "
+        "row's visible columns in layout order in an exact two-pass softmax, and every linear layer prepacked "
+        "and checked at start-up to give a row the same bits at any row count (one row per matmul where not). "
+        "Not on CUDA yet (a start-up error). Costs: BENCHMARKS.md. Candidate order never changes rank "
+        "scores, with or without it.")
     random_seed: int = _arg(0, "Seed of the shared sampling generator.")
     dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.")
     item_kv_port: int | None = _arg(

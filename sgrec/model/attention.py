@@ -49,6 +49,9 @@ class SeqLayout:
     # the mask compactly (the kernels read it); given alone, a backend that needs the dense mask makes
     # it (dense_mask): a rank layout of an 8K-token user and 200 items is 130M mask entries, 0.3 s on CPU
     bipartite: BipartiteMask | None = None
+    # with a dense mask only: each KV column's place in the sequence's own order (e.g. its layout offset),
+    # the order --enable-deterministic-inference sums the columns in (default: the KV order)
+    col_order: torch.Tensor | None = None
 
     @property
     def kv_len(self) -> int:
@@ -258,6 +261,54 @@ class ColumnMeta:
                    on(torch.cumsum(torch.tensor(c_len), 0)), on(torch.cat(c_order)), on(torch.cat(c_block)), grid)
 
 
+@dataclass
+class DetMeta(ColumnMeta):
+    """The deterministic extend kernel's inputs (native.extend_attention(deterministic=True)): every
+    column of every sequence in c_idx (a pool slot, or -1 - the new token's row), in summation order:
+    a rank layout's order (BipartiteMask.order; ties keep the KV order), a causal sequence's own, a
+    dense-mask sequence's col_order (else its KV order), with its mask's columns in that order (m_ptr:
+    its offset in `mask`)."""
+
+    m_ptr: torch.Tensor  # [B] int64, -1: no dense mask
+    mask: torch.Tensor  # bool, the dense masks flattened, [q_len, kv_len] each
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> "DetMeta":
+        T = batch.input_ids.numel()
+        q_order = torch.zeros(T, dtype=torch.int64)
+        q_block = torch.full((T,), -1, dtype=torch.int64)
+        c_idx, c_order, c_block, c_len, m_ptr, masks, m_off = [], [], [], [0], [], [], 0
+        for s in batch.seqs:
+            first = s.kv_len - s.q_len
+            new = -1 - torch.arange(s.q_start, s.q_start + s.q_len)  # new tokens: read as computed
+            src = torch.cat([s.kv_indices[:first].cpu().to(torch.int64), new])
+            block = torch.full((s.kv_len,), -1, dtype=torch.int64)
+            if s.mask is not None:  # dense: the mask decides; summed in col_order (else KV order)
+                order = torch.arange(s.kv_len) if s.col_order is None else s.col_order.cpu().to(torch.int64)
+            elif s.bipartite is not None:
+                order, block = s.bipartite.order.cpu(), s.bipartite.block.cpu()
+            else:
+                order = torch.arange(s.kv_len)
+            q_order[s.q_start : s.q_start + s.q_len] = order[first:]
+            q_block[s.q_start : s.q_start + s.q_len] = block[first:]
+            perm = torch.sort(order, stable=True).indices
+            m_ptr.append(-1 if s.mask is None else m_off)
+            if s.mask is not None:  # its columns in summation order, as the kernel walks them
+                masks.append(s.mask.cpu()[:, perm].reshape(-1))
+                m_off += s.mask.numel()
+            c_idx.append(src[perm])
+            c_order.append(order[perm])
+            c_block.append(block[perm])
+            c_len.append(s.kv_len)
+        dev = batch.out_cache_loc.device
+        starts = torch.tensor([s.q_start for s in batch.seqs], dtype=torch.int64)
+        ends = starts + torch.tensor([s.q_len for s in batch.seqs], dtype=torch.int64)
+        mask = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+        return cls(starts.to(dev), ends.to(dev), q_order.to(dev), q_block.to(dev), torch.cat(c_idx).to(dev),
+                   torch.cumsum(torch.tensor(c_len), 0).to(dev), torch.cat(c_order).to(dev), torch.cat(c_block).to(dev),
+                   None, torch.tensor(m_ptr, dtype=torch.int64), mask)
+
+
 class _KernelBackend(TorchBackend):
     """Decode through a kernel that reads the KV pool by slot index (no gathered copy of any
     sequence's K/V), and extend batches whose masks a kernel takes as two integers per KV column
@@ -338,11 +389,17 @@ class NativeBackend(_KernelBackend):
     closer to float32 than torch's)."""
 
     def __init__(self, decode_dtypes: tuple[torch.dtype, ...] | None = None,
-                 extend_dtypes: tuple[torch.dtype, ...] | None = None):
+                 extend_dtypes: tuple[torch.dtype, ...] | None = None, deterministic: bool = False):
         from sgrec.model import native
 
         self.decode_dtypes = tuple(native.DTYPES if decode_dtypes is None else decode_dtypes)
         self.extend_dtypes = tuple(native.DTYPES if extend_dtypes is None else extend_dtypes)
+        # --enable-deterministic-inference: every forward through the batch-invariant extend kernel
+        # (DetMeta), any mask, both dtypes, decode steps included: a token's attention is computed the
+        # same way whether it is a prompt token, a decode step or the recomputed last token of a cached prompt
+        self.deterministic = deterministic
+        if deterministic:
+            self.decode_dtypes = self.extend_dtypes = tuple(native.DTYPES)
 
     @staticmethod
     def _takes(batch: ForwardBatch, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -358,11 +415,18 @@ class NativeBackend(_KernelBackend):
     def extend_meta(self, batch: ForwardBatch) -> "ColumnMeta | None":
         return ColumnMeta.of(batch, causal=True) if self.extends(batch) else None
 
+    def prepare(self, batch: ForwardBatch) -> None:
+        if self.deterministic and self.extends(batch):  # every token, decode steps too, through one kernel
+            batch.attn_meta = DetMeta.of(batch)
+            return
+        super().prepare(batch)
+
     def extend(self, q, k, v, k_buf, v_buf, meta, scale):
         from sgrec.model import native
 
+        det = {"deterministic": True, "m_ptr": meta.m_ptr, "mask": meta.mask} if isinstance(meta, DetMeta) else {}
         return native.extend_attention(q, k, v, k_buf, v_buf, meta.q_start, meta.q_end - meta.q_start, meta.q_order,
-                                       meta.q_block, meta.c_idx, meta.c_order, meta.c_block, meta.c_ptr, scale)
+                                       meta.q_block, meta.c_idx, meta.c_order, meta.c_block, meta.c_ptr, scale, **det)
 
     def decode(self, q, k_buf, v_buf, idx, ptr, scale):
         from sgrec.model import native

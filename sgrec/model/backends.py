@@ -54,12 +54,34 @@ def triton_decodes(device: torch.device) -> bool:
     return ok
 
 
-def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+def deterministic_backend(name: str, device: torch.device) -> AttentionBackend:
+    """--enable-deterministic-inference: on CPU, sgrec's C kernels with the batch-invariant extend
+    (NativeBackend(deterministic=True)) under auto or native, whatever the ISA; anything else is a
+    start-up error saying why (torch's SDPA pads a decode batch to its longest sequence and tiles by
+    length; the GPU kernels have no batch-invariant mode yet)."""
+    from sgrec.model import native
+
+    if device.type != "cpu":
+        raise ValueError("--enable-deterministic-inference runs on CPU only for now (sgrec's C kernels); "
+                         "the GPU attention kernels have no batch-invariant mode yet")
+    if name not in ("auto", "native"):
+        raise ValueError(f"--enable-deterministic-inference needs --attention-backend auto or native on CPU, "
+                         f"not {name}: torch's SDPA pads a decode batch to its longest sequence and picks tiles by "
+                         f"length, so a request's bits would depend on its batch")
+    if native.load() is None:
+        raise ValueError("--enable-deterministic-inference needs sgrec's C kernels, and no C compiler builds them "
+                         "here (see the warning above)")
+    return NativeBackend(deterministic=True)
+
+
+def make_backend(name: str, device: torch.device | str = "cpu", deterministic: bool = False) -> AttentionBackend:
     """auto: on CPU with AVX-512, NativeBackend where the kernels build (decode in float32 and bfloat16,
     extend in float32; see NativeBackend); on CUDA, TritonBackend where triton imports and its decode
     kernel passes triton_decodes, FlashInferBackend (a TritonBackend) over it where flashinfer imports
-    and passes flashinfer_runs; otherwise torch."""
+    and passes flashinfer_runs; otherwise torch. deterministic: see deterministic_backend."""
     device = torch.device(device)
+    if deterministic:
+        return deterministic_backend(name, device)
     if name == "auto":
         if device.type == "cpu" and native_by_default():
             return NativeBackend(extend_dtypes=(torch.float32,))

@@ -35,7 +35,7 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
         self.bias = None if bias is None else bias.detach()
 
@@ -43,12 +43,12 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replaces every large enough nn.Linear below model with a PackedLinear; returns how many."""
+def pack_linears(model: nn.Module, min_numel: int = MIN_PACKED_NUMEL) -> int:
+    """Replaces every nn.Linear of at least min_numel weights below model with a PackedLinear; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.numel() >= MIN_PACKED_NUMEL:
+            if isinstance(child, nn.Linear) and child.weight.numel() >= min_numel:
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
                 count += 1
     return count

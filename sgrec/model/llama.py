@@ -154,13 +154,29 @@ class CausalLM(nn.Module):
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.glue = glue
 
-    def pack_for_cpu(self) -> None:
-        """Prepacks every projection (and the output layer) for oneDNN; see cpu_linear.py."""
+    def pack_for_cpu(self, min_numel: int = MIN_PACKED_NUMEL) -> None:
+        """Prepacks every projection (and the output layer) of at least min_numel weights for oneDNN;
+        see cpu_linear.py."""
         self.__dict__["_plain_out_weight"] = self.out_weight.detach()  # for compute_logits(columns=...)
-        if self.lm_head is None and self.embed_tokens.weight.numel() >= MIN_PACKED_NUMEL:
+        self.untie_output(min_numel)
+        pack_linears(self, min_numel)
+
+    def make_batch_invariant(self) -> list[str]:
+        """--enable-deterministic-inference: every linear layer, the output layer untied from the
+        embedding included, gives a row the same bits whatever else is in the batch
+        (sgrec.model.batch_invariant); returns the layers that had to compute one row per matmul."""
+        from sgrec.model.batch_invariant import make_batch_invariant
+
+        self.__dict__.setdefault("_plain_out_weight", self.out_weight.detach())
+        self.untie_output(0)
+        return make_batch_invariant(self, self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
+
+    def untie_output(self, min_numel: int = MIN_PACKED_NUMEL) -> None:
+        """With tied embeddings, an output layer of its own over the shared weight (the embedding's
+        lookups cannot use a packed or wrapped copy): where it is packed, or made batch-invariant."""
+        if self.lm_head is None and self.embed_tokens.weight.numel() >= min_numel:
             self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
-            self.lm_head.weight = self.embed_tokens.weight  # shared, then packed separately below
-        pack_linears(self)
+            self.lm_head.weight = self.embed_tokens.weight  # shared
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

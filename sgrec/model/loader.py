@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from sgrec.model.config import ModelConfig
+from sgrec.model.cpu_linear import MIN_PACKED_NUMEL
 from sgrec.model.llama import CausalLM
 
 
@@ -32,13 +33,17 @@ def iter_safetensors(path: str, show_progress: bool = False) -> Iterator[tuple[s
 
 def load_model(
     path: str, config: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = False,
-    pack_weights: bool = False,
+    pack_weights: bool = False, deterministic: bool = False,
 ) -> CausalLM:
+    """pack_weights: prepack for oneDNN (cpu_linear); deterministic: every layer packed (where
+    pack_weights) and batch-invariant (CausalLM.make_batch_invariant)."""
     with torch.device("meta"):
         model = CausalLM(config, device)
     model.to_empty(device=device)
     model.to(dtype)
     model.load_weights(iter_safetensors(path, show_progress))
     if pack_weights:
-        model.pack_for_cpu()
+        model.pack_for_cpu(0 if deterministic else MIN_PACKED_NUMEL)
+    if deterministic:
+        model.make_batch_invariant()
     return model.eval()

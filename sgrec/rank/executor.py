@@ -553,7 +553,10 @@ class RankExecutor:
                     mask = torch.cat([torch.cat([mask, torch.zeros(n, len(p_ids), dtype=torch.bool)], 1), p_mask])
                     ids += p_ids
                     pos += p_pos
-                seqs.append(SeqLayout(off, size, kv, mask, bipartite))
+                # path rows: the deterministic kernel sums the layout's columns in layout order, then the rows
+                paths = range(len(lay), len(lay) + size - n)
+                order = None if trie is None else torch.tensor([*cached_cols, *fresh_rows, *paths])
+                seqs.append(SeqLayout(off, size, kv, mask, bipartite, order))
                 rows += range(off + n - 1, off + size)  # the layout's last token, then the path rows
                 off += size
             t0 = time.perf_counter()

@@ -85,7 +85,7 @@ def takes(*tensors: torch.Tensor) -> bool:
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * (x / sqrt(mean(x^2) + eps)) over the last dimension, as a new tensor; None where x is
     not rows of the kernels' dtypes (the caller uses torch)."""
-    rows = rows2d(x)
+    rows = rows2d(x, copy=True)
     if rows is None or not takes(x, weight) or rows.shape[1] > 65536:
         return None
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -97,6 +97,9 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.sgrec_extend_attention.restype = ctypes.c_int
     lib.sgrec_extend_attention.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9
                                            + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int])
+    lib.sgrec_extend_attention_det.restype = ctypes.c_int
+    lib.sgrec_extend_attention_det.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 11
+                                               + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int])
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name, args in (("sgrec_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float]),
                        ("sgrec_rope", [p, i64, i32, p, i64, i32, p, p, i64, i32]),
@@ -176,13 +179,18 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      q_start: torch.Tensor, q_len: torch.Tensor, q_order: torch.Tensor, q_block: torch.Tensor,
                      c_idx: torch.Tensor, c_order: torch.Tensor, c_block: torch.Tensor, c_ptr: torch.Tensor,
-                     scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                     scale: float, lib: ctypes.CDLL | None = None, deterministic: bool = False,
+                     m_ptr: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Extend attention under a causal or bipartite mask (attention.c's doc; the contract of
     sgrec.model.kernels.bipartite_attention): q [T, Hq, D], k/v [T, Hkv, D] the new tokens (any
     token stride, the last two dimensions contiguous), k_buf/v_buf one pool layer; sequence b's new
     tokens are rows q_start[b] .. q_start[b] + q_len[b] - 1, its cached columns c_idx[c_ptr[b] ..
     c_ptr[b + 1]) (slots) with their c_order/c_block; q_order/q_block per new token. Integer tensors
-    int64 on CPU. -> [T, Hq * D] in q's dtype. `lib`: a build of `library` (else load()'s)."""
+    int64 on CPU. -> [T, Hq * D] in q's dtype. `lib`: a build of `library` (else load()'s).
+
+    deterministic: the batch-invariant kernel (attention.c, sgrec_extend_attention_det): c_idx lists
+    every column of a sequence, new ones as -1 - their row, in summation order; m_ptr [B] (int64,
+    -1: none) and mask (bool, flat) give sequences a dense mask over their listed columns instead."""
     lib = _loaded(lib)
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -201,9 +209,17 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
     k_buf, v_buf = k_buf.contiguous(), v_buf.contiguous()
     ints = [t.to(torch.int64).contiguous() for t in (q_start, q_len, q_order, q_block, c_idx, c_order, c_block, c_ptr)]
     out = torch.empty((T, Hq, D), dtype=q.dtype)
-    if lib.sgrec_extend_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
-                                  q.stride(0), k.stride(0), v.stride(0), *(t.data_ptr() for t in ints),
-                                  out.data_ptr(), q_start.numel(), Hq, Hkv, D, scale, int(q.dtype == torch.bfloat16)):
+    bufs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), q.stride(0), k.stride(0),
+            v.stride(0), *(t.data_ptr() for t in ints)]
+    tail = [out.data_ptr(), q_start.numel(), Hq, Hkv, D, scale, int(q.dtype == torch.bfloat16)]
+    if deterministic:
+        m_ptr = torch.full((q_start.numel(),), -1, dtype=torch.int64) if m_ptr is None else m_ptr.to(torch.int64)
+        mask = torch.zeros(1, dtype=torch.uint8) if mask is None or not mask.numel() else mask.to(torch.uint8)
+        m_ptr, mask = m_ptr.contiguous(), mask.contiguous()
+        failed = lib.sgrec_extend_attention_det(*bufs, m_ptr.data_ptr(), mask.data_ptr(), *tail)
+    else:
+        failed = lib.sgrec_extend_attention(*bufs, *tail)
+    if failed:
         raise MemoryError("extend_attention: scratch allocation failed")
     return out.view(T, Hq * D)
 
@@ -218,7 +234,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """weight * x / sqrt(mean(x^2) + eps) over the last dimension, as a new tensor; with `residual`,
     x += residual in place first. None where x is not float32 rows (the caller uses torch)."""
-    rows = rows2d(x)
+    rows = rows2d(x, copy=residual is None)  # x += residual needs x's own rows
     res = None if residual is None else rows2d(residual)
     if rows is None or (residual is not None and (res is None or res.shape != rows.shape)) or not glue_takes(x, weight):
         return None

@@ -109,6 +109,8 @@ typedef struct {
     void *out;
     int Hq, Hkv, D, G, bm, bf16;
     float scale;
+    const int64_t *m_ptr; /* deterministic extend only: per sequence its dense mask's offset in `mask`, or -1 */
+    const uint8_t *mask;
 } args_t;
 
 typedef struct {
@@ -261,13 +263,174 @@ static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
     }
 }
 
+/* ---- deterministic extend (--enable-deterministic-inference) ------------------------------------
+ *
+ * The same contract, except: every column of sequence b is listed in c_idx[c_ptr[b] .. c_ptr[b + 1])
+ * (new ones too), in the order their terms are summed (a layout's order): a pool slot (>= 0) or a new
+ * token (-1 - its row in q/k/v); and a sequence with m_ptr[b] >= 0 is masked by mask[m_ptr[b] +
+ * r * C + c] (row r of its new tokens, column c of its C listed columns; orders and blocks unread).
+ * An exact softmax in two passes: the row's max over its visible columns, then 2^(s - max) added to
+ * the row's sum and weighted into its output one column after another, in the listed order. A masked
+ * column adds exact zeros (2^-inf is 0) and a skipped tile only masked ones, so a row's output depends
+ * on its visible columns and their order alone: not on the tiling, the other rows of its tile, the
+ * masked columns between its visible ones, which columns were cached, or what else is in the batch. */
+
+/* Columns n0 .. n0 + nc - 1 of the task's stream into Kt (and V when given), zero-padded; their
+ * orders and blocks into co/cb. Returns 0 when no row of the tile can see any of them. */
+static int det_columns(const args_t *a, const task_t *t, int64_t n0, int nc, float *Kt, float *V, int64_t *co,
+                       int64_t *cb, int64_t r_omax, int64_t r_bmin, int64_t r_bmax, int r_any_free, int dense) {
+    const int D = a->D, Dp = (a->D + VW - 1) / VW * VW, bf = a->bf16;
+    const int64_t c_lo = a->c_ptr[t->b], hstep = (int64_t)a->Hkv * D;
+    int64_t c_omin = INT64_MAX, c_bmin = INT64_MAX, c_bmax = INT64_MIN;
+    int c_free = 0;
+    for (int j = 0; j < nc; j++) {
+        co[j] = a->c_order[c_lo + n0 + j], cb[j] = a->c_block[c_lo + n0 + j];
+        c_omin = co[j] < c_omin ? co[j] : c_omin;
+        if (cb[j] < 0) c_free++;
+        else {
+            c_bmin = cb[j] < c_bmin ? cb[j] : c_bmin;
+            c_bmax = cb[j] > c_bmax ? cb[j] : c_bmax;
+        }
+    }
+    if (!dense && (c_omin > r_omax || (!r_any_free && c_free == 0 && (c_bmax < r_bmin || c_bmin > r_bmax))))
+        return 0;
+    memset(Kt, 0, sizeof(float) * (size_t)Dp * BN);
+    if (V) memset(V, 0, sizeof(float) * (size_t)BN * Dp);
+    for (int j = 0; j < nc; j++) {
+        int64_t src = a->c_idx[c_lo + n0 + j], koff, voff;
+        const void *kbase, *vbase;
+        if (src >= 0) kbase = a->kb, vbase = a->vb, koff = voff = src * hstep + (int64_t)t->h * D;
+        else {
+            int64_t row = -1 - src;
+            kbase = a->k, vbase = a->v;
+            koff = row * a->s_k + (int64_t)t->h * D, voff = row * a->s_v + (int64_t)t->h * D;
+        }
+        for (int d = 0; d < D; d++) {
+            Kt[(int64_t)d * BN + j] = load1(kbase, koff + d, bf);
+            if (V) V[(int64_t)j * Dp + d] = load1(vbase, voff + d, bf);
+        }
+    }
+    return 1;
+}
+
+/* Scores of the tile's rows against the loaded columns, -inf where a row may not see a column. */
+static void det_scores(const args_t *a, const task_t *t, const float *Qf, const float *Kt, float *S, int M, int Mp,
+                       int nc, int64_t n0, const int64_t *co, const int64_t *cb, const int64_t *ro,
+                       const int64_t *rb, int dense, int64_t ncols) {
+    const int Dp = (a->D + VW - 1) / VW * VW, G = a->G;
+    qk_kernel(Qf, Kt, S, Mp, Dp);
+    const uint8_t *m = dense ? a->mask + a->m_ptr[t->b] : NULL;
+    for (int i = 0; i < Mp; i++) {
+        float *s = S + (int64_t)i * BN;
+        int64_t r = t->m0 + (i < M ? i : M - 1) / G; /* padding rows: the last token's */
+        for (int j = 0; j < BN; j++) {
+            int ok = j < nc;
+            if (ok) ok = dense ? m[r * ncols + n0 + j] != 0 : co[j] <= ro[i] && (rb[i] < 0 || cb[j] < 0 || cb[j] == rb[i]);
+            if (!ok) s[j] = -INFINITY;
+        }
+    }
+}
+
+static void run_task_det(const args_t *a, const task_t *t, scratch_t *w) {
+    const int G = a->G, D = a->D, Dp = (a->D + VW - 1) / VW * VW, bf = a->bf16;
+    const int64_t qs = a->q_start[t->b], qn = a->q_len[t->b];
+    const int nrows = (int)(qn - t->m0 < a->bm ? qn - t->m0 : a->bm);
+    const int M = nrows * G, Mp = (M + NR - 1) / NR * NR;
+    const int dense = a->m_ptr[t->b] >= 0;
+    const int64_t ncols = a->c_ptr[t->b + 1] - a->c_ptr[t->b];
+    float *Qf = w->Qf, *S = w->S, *Kt = w->Kt, *V = w->V, *O = w->O, *mrow = w->m, *lrow = w->l;
+    int64_t *ro = w->ro, *rb = w->rb, co[BN], cb[BN];
+    const float qscale = a->scale * LOG2E;
+    int64_t r_omax = INT64_MIN, r_bmin = INT64_MAX, r_bmax = INT64_MIN;
+    int r_any_free = 0;
+    memset(Qf, 0, sizeof(float) * (size_t)Mp * Dp);
+    for (int i = 0; i < Mp; i++) {
+        int tok = i < M ? i / G : nrows - 1; /* padding rows repeat the last token's integers */
+        int64_t row = qs + t->m0 + tok;
+        ro[i] = a->q_order[row];
+        rb[i] = a->q_block[row];
+        r_omax = ro[i] > r_omax ? ro[i] : r_omax;
+        if (rb[i] < 0) r_any_free = 1;
+        else {
+            r_bmin = rb[i] < r_bmin ? rb[i] : r_bmin;
+            r_bmax = rb[i] > r_bmax ? rb[i] : r_bmax;
+        }
+        mrow[i] = -INFINITY;
+        lrow[i] = 0.f;
+        if (i >= M) continue;
+        int64_t base = row * a->s_q + (int64_t)(t->h * G + i % G) * D;
+        for (int d = 0; d < D; d++) Qf[(int64_t)i * Dp + d] = load1(a->q, base + d, bf) * qscale;
+    }
+    memset(O, 0, sizeof(float) * (size_t)Mp * Dp);
+    /* pass 1: each row's max over the columns it sees (a max is exact in any order) */
+    for (int64_t n0 = 0; n0 < ncols; n0 += BN) {
+        int nc = (int)(ncols - n0 < BN ? ncols - n0 : BN);
+        if (!det_columns(a, t, n0, nc, Kt, NULL, co, cb, r_omax, r_bmin, r_bmax, r_any_free, dense)) continue;
+        det_scores(a, t, Qf, Kt, S, M, Mp, nc, n0, co, cb, ro, rb, dense, ncols);
+        for (int i = 0; i < Mp; i++) {
+            const float *s = S + (int64_t)i * BN;
+            for (int j = 0; j < BN; j++) mrow[i] = s[j] > mrow[i] ? s[j] : mrow[i];
+        }
+    }
+    /* pass 2: weights against that max, summed and weighted in column order */
+    for (int64_t n0 = 0; n0 < ncols; n0 += BN) {
+        int nc = (int)(ncols - n0 < BN ? ncols - n0 : BN);
+        if (!det_columns(a, t, n0, nc, Kt, V, co, cb, r_omax, r_bmin, r_bmax, r_any_free, dense)) continue;
+        det_scores(a, t, Qf, Kt, S, M, Mp, nc, n0, co, cb, ro, rb, dense, ncols);
+        for (int i = 0; i < Mp; i++) {
+            float *s = S + (int64_t)i * BN;
+            if (mrow[i] == -INFINITY) { /* the row sees nothing (a padding row): it adds nothing */
+                memset(s, 0, sizeof(float) * BN);
+                continue;
+            }
+            vf mv = vset(mrow[i]);
+            for (int u = 0; u < NB; u++) vstore(s + u * VW, vexp2(vload(s + u * VW) - mv));
+            float l = lrow[i];
+            for (int j = 0; j < BN; j++) l += s[j];
+            lrow[i] = l;
+        }
+        pv_kernel(S, V, O, Mp, Dp);
+    }
+    for (int i = 0; i < M; i++) {
+        int64_t row = qs + t->m0 + i / G;
+        int64_t base = row * (int64_t)a->Hq * D + (int64_t)(t->h * G + i % G) * D;
+        float inv = 1.f / lrow[i];
+        const float *o = O + (int64_t)i * Dp;
+        if (bf)
+            for (int d = 0; d < D; d++) ((uint16_t *)a->out)[base + d] = bf16_store(o[d] * inv);
+        else
+            for (int d = 0; d < D; d++) ((float *)a->out)[base + d] = o[d] * inv;
+    }
+}
+
+static int run_extend(args_t *a, int B, void (*task_fn)(const args_t *, const task_t *, scratch_t *));
+
 int sgrec_extend_attention(const void *q, const void *k, const void *v, const void *kb, const void *vb,
                            int64_t s_q, int64_t s_k, int64_t s_v, const int64_t *q_start, const int64_t *q_len,
                            const int64_t *q_order, const int64_t *q_block, const int64_t *c_idx,
                            const int64_t *c_order, const int64_t *c_block, const int64_t *c_ptr, void *out, int B,
                            int Hq, int Hkv, int D, float scale, int bf16) {
     args_t a = {q, k, v, kb, vb, s_q, s_k, s_v, q_start, q_len, q_order, q_block, c_idx, c_order, c_block,
-                c_ptr, out, Hq, Hkv, D, Hq / Hkv, 0, bf16, scale};
+                c_ptr, out, Hq, Hkv, D, Hq / Hkv, 0, bf16, scale, NULL, NULL};
+    return run_extend(&a, B, run_task);
+}
+
+int sgrec_extend_attention_det(const void *q, const void *k, const void *v, const void *kb, const void *vb,
+                               int64_t s_q, int64_t s_k, int64_t s_v, const int64_t *q_start, const int64_t *q_len,
+                               const int64_t *q_order, const int64_t *q_block, const int64_t *c_idx,
+                               const int64_t *c_order, const int64_t *c_block, const int64_t *c_ptr,
+                               const int64_t *m_ptr, const uint8_t *mask, void *out, int B, int Hq, int Hkv, int D,
+                               float scale, int bf16) {
+    args_t a = {q, k, v, kb, vb, s_q, s_k, s_v, q_start, q_len, q_order, q_block, c_idx, c_order, c_block,
+                c_ptr, out, Hq, Hkv, D, Hq / Hkv, 0, bf16, scale, m_ptr, mask};
+    return run_extend(&a, B, run_task_det);
+}
+
+/* Runs every (sequence, tile of new tokens, KV head) task of an extend under OpenMP. */
+static int run_extend(args_t *ap, int B, void (*task_fn)(const args_t *, const task_t *, scratch_t *)) {
+    args_t a = *ap;
+    const int64_t *q_len = a.q_len;
+    const int Hkv = a.Hkv, D = a.D;
     a.bm = ROWS_PER_TASK / a.G;
     a.bm = a.bm < 4 ? 4 : (a.bm > 64 ? 64 : a.bm);
     int64_t ntasks = 0;
@@ -300,7 +463,7 @@ int sgrec_extend_attention(const void *q, const void *k, const void *v, const vo
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < ntasks; i++)
-            if (buf && ints) run_task(&a, &tasks[i], &w);
+            if (buf && ints) task_fn(&a, &tasks[i], &w);
         free(buf);
         free(ints);
     }

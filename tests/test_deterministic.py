@@ -1,0 +1,327 @@
+"""--enable-deterministic-inference (issue 36, part 2): the batch-invariant extend kernel gives a row
+the same bits whatever else is computed with it, and the server gives a request the same outputs
+whatever else is batched with it, however its prefill is chunked and whatever it found cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgrec.model import native
+from sgrec.model.attention import NativeBackend
+from sgrec.rank import layout as L
+from tests.kernel_refs import bipartite_reference, rank_case, rank_layouts, run_backends
+from tests.test_native_kernels import big_rank_layouts, causal_case
+
+needs_kernels = pytest.mark.skipif(native.load() is None, reason="no C compiler builds sgrec's CPU kernels here")
+HQ, HKV, D = 6, 2, 24
+
+
+def det() -> NativeBackend:
+    return NativeBackend(deterministic=True)
+
+
+# ---- the kernel ---------------------------------------------------------------------------------
+class Views:
+    """Several views of layouts in one extend batch. Every token of a layout has fixed q/k/v values
+    (drawn per layout token), so two views of one layout (other tokens cached, other batch mates)
+    compute the same rows from the same numbers. A view is (layout, values, cached layout offsets);
+    `rows()` gives each view's output rows by layout offset."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype, self.views = dtype, []
+
+    @staticmethod
+    def values(n: int, seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return tuple(torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
+
+    def add(self, lay, vals, cached=()) -> int:
+        self.views.append((lay, vals, list(cached)))
+        return len(self.views) - 1
+
+    def run(self, backend) -> list[dict[int, torch.Tensor]]:
+        from sgrec.model.attention import SeqLayout
+
+        total = sum(len(lay) for lay, _, _ in self.views)
+        k_buf = torch.zeros(total + 1, HKV, D, dtype=self.dtype)
+        v_buf = torch.zeros_like(k_buf)
+        q, k, v, seqs, locs, fresh_of, T, slot = [], [], [], [], [], [], 0, 1
+        for lay, (qv, kv, vv), cached in self.views:
+            fresh = [r for r in range(len(lay)) if r not in set(cached)]
+            cols = cached + fresh
+            slots = torch.arange(slot, slot + len(cols))
+            slot += len(cols)
+            for c, s in zip(cached, slots):
+                k_buf[s], v_buf[s] = kv[c].to(self.dtype), vv[c].to(self.dtype)
+            q.append(qv[fresh]), k.append(kv[fresh]), v.append(vv[fresh])
+            seqs.append(SeqLayout(T, len(fresh), slots, None, lay.bipartite(cols)))
+            locs.append(slots[len(cached):])
+            fresh_of.append(fresh)
+            T += len(fresh)
+        q, k, v = (torch.cat(t).to(self.dtype) for t in (q, k, v))
+        (out,), _ = run_backends([backend], q, k, v, k_buf, v_buf, seqs, torch.cat(locs), D ** -0.5)
+        self.seqs, self.qkv = seqs, (q, k, v, k_buf, v_buf)
+        return [{r: out[s.q_start + i] for i, r in enumerate(fresh)} for s, fresh in zip(seqs, fresh_of)]
+
+
+def same_rows(a: dict, b: dict) -> bool:
+    common = sorted(set(a) & set(b))
+    assert common
+    return all(torch.equal(a[r], b[r]) for r in common)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_det_kernel_equals_reference(dtype):
+    """Rank layouts (cached columns in and out of layout order), causal sequences and a sequence with
+    only a dense mask, in one batch each: float64 attention within 1e-5 (float32), 2e-2 (bfloat16)."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for layouts in (rank_layouts(), big_rank_layouts()):
+        q, k, v, k_buf, v_buf, seqs, locs = rank_case(HQ, HKV, D, layouts, dtype, seed=5)
+        from sgrec.model.attention import SeqLayout
+
+        seqs[0] = SeqLayout(seqs[0].q_start, seqs[0].q_len, seqs[0].kv_indices, seqs[0].mask)  # dense only
+        (out,), _ = run_backends([det()], q, k, v, k_buf, v_buf, seqs, locs, 0.3)
+        assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, seqs, 0.3)).abs().max() <= tol
+    q, k, v, k_buf, v_buf, seqs, refs, locs = causal_case(HQ, HKV, D, [(0, 300), (70, 1), (129, 40), (1, 33)], dtype, 2)
+    (out,), _ = run_backends([det()], q, k, v, k_buf, v_buf, seqs, locs, 0.3)
+    assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, refs, 0.3)).abs().max() <= tol
+
+
+def item_layout():
+    items = [[100 + j] * (1 + (5 * j) % 13) for j in range(12)]
+    return L.item_as_prefix([5, 6, 7], items, list(range(200, 260)), [9, 8]), items
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_depends_on_its_visible_columns_alone(dtype):
+    """The same layout computed: cold; with the header and every third item cached (columns out of
+    layout order); alone or beside other sequences; and each item's rows computed in a layout of the
+    header and that item only (how the item store computes item KV): every shared row, bit for bit."""
+    lay, items = item_layout()
+    vals = Views.values(len(lay), seed=1)
+    cached = list(range(3)) + [c for s in lay.items()[::3] for c in range(s.start, s.stop)]
+    other = L.user_as_prefix(list(range(30, 90)), items[:5], [9])
+    runs = []
+    for views in ([(lay, [])], [(lay, cached)], [(other, []), (lay, []), (other, [0, 1, 2])]):
+        b = Views(dtype)
+        idx = [b.add(lay_, Views.values(len(lay_), seed=1) if lay_ is lay else Views.values(len(lay_), 9), c)
+               for lay_, c in views]
+        got = b.run(det())
+        runs.append(got[[i for i, (lay_, _) in zip(idx, views) if lay_ is lay][0]])
+    assert same_rows(runs[0], runs[1]) and same_rows(runs[0], runs[2])
+    for seg in lay.items():  # the item store's computation: header + the item, at the same positions
+        alone = L.item_as_prefix([5, 6, 7], [items[seg.item]], [], [])
+        pick = list(range(3)) + list(range(seg.start, seg.stop))
+        b = Views(dtype)
+        b.add(alone, tuple(t[pick] for t in vals))
+        got = b.run(det())[0]
+        for i in range(seg.length):
+            assert torch.equal(got[3 + i], runs[0][seg.start + i])
+
+
+@needs_kernels
+def test_the_default_kernel_fails_that_check():
+    """Without the deterministic mode an item's rows inside a layout differ from the same rows
+    computed with the header alone (the online softmax's tiles cut other columns): what the
+    deterministic kernel fixes is real."""
+    lay, items = item_layout()
+    vals = Views.values(len(lay), seed=1)
+    b = Views(torch.float32)
+    b.add(lay, vals)
+    full = b.run(NativeBackend())[0]
+    differs = False
+    for seg in lay.items():
+        alone = L.item_as_prefix([5, 6, 7], [items[seg.item]], [], [])
+        pick = list(range(3)) + list(range(seg.start, seg.stop))
+        c = Views(torch.float32)
+        c.add(alone, tuple(t[pick] for t in vals))
+        got = c.run(NativeBackend())[0]
+        differs |= any(not torch.equal(got[3 + i], full[seg.start + i]) for i in range(seg.length))
+    assert differs
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_causal_prefill_gives_the_same_bits(dtype):
+    """A 300-token causal sequence at once, or in chunks of 37 (each chunk's prefix from the pool),
+    beside another sequence or alone: the same rows."""
+    lay = L.user_as_prefix(list(range(300)), [], [])  # a plain causal sequence as a layout
+    vals = Views.values(300, seed=3)
+    b = Views(dtype)
+    b.add(lay, vals)
+    whole = b.run(det())[0]
+    for start in range(0, 300, 37):
+        c = Views(dtype)
+        c.add(L.user_as_prefix(list(range(20)), [], []), Views.values(20, 4))
+        i = c.add(lay, vals, cached=range(start))
+        got = c.run(det())[i]
+        got = {r: x for r, x in got.items() if r < start + 37}
+        assert same_rows(got, whole)
+
+
+# ---- the model and the executors ----------------------------------------------------------------
+DTYPES = ["float32", "bfloat16"]
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def sem_catalog(tmp_path_factory):
+    from tests.test_rec_server import write_catalog
+
+    return write_catalog(tmp_path_factory.mktemp("det") / "catalog.jsonl", n=30, semantic=True)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir, sem_catalog):
+    """engines(dtype, **kw) -> an Engine under the flag (qwen3: per-head q/k norms), cached per kw."""
+    from sgrec import Engine
+
+    made: dict = {}
+
+    def get(dtype: str, **kw) -> "Engine":
+        key = (dtype, repr(sorted(kw.items())))
+        if key not in made:
+            made[key] = Engine(tiny_model_dir("qwen3", seed=2), device="cpu", dtype=dtype, max_total_tokens=6000,
+                               item_catalog=sem_catalog, max_rank_candidates=20, enable_deterministic_inference=True,
+                               **kw)
+        return made[key]
+
+    return get
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(3, 90))] for _ in range(n)]
+
+
+def outputs(out: dict) -> tuple:
+    return out["output_ids"], [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_generate_alone_batched_cached_and_chunked(engines, dtype):
+    """Greedy generation of a prompt: alone; in one batch with 5 other prompts; again (its prefix from
+    the radix cache); its prefill in chunks of 16 tokens; beside concurrent callers: the same tokens
+    and logprobs, bit for bit."""
+    import threading
+
+    e = engines(dtype)
+    target, others = [5, *range(40, 117)], prompts(5, 1)
+
+    def gen(engine, ids):
+        return engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+
+    alone = outputs(gen(e, target))
+    e.flush_cache()
+    assert outputs(gen(e, [*others[:2], target, *others[2:]])[2]) == alone
+    assert outputs(gen(e, target)) == alone  # its prompt is in the radix cache now
+    assert outputs(gen(engines(dtype, chunked_prefill_size=16), target)) == alone
+    got: dict = {}
+
+    def run(i, ids):
+        got[i] = outputs(gen(e, ids))
+
+    threads = [threading.Thread(target=run, args=(i, ids)) for i, ids in enumerate([*others, target])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[len(others)] == alone
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_score_alone_and_among_other_items(engines, dtype):
+    e = engines(dtype)
+    labels = [7, 9, 11]
+    alone = e.score(query=list(range(20, 70)), items=[[81, 82, 83]], label_token_ids=labels)
+    among = e.score(query=list(range(20, 70)), items=[[5, 6], [81, 82, 83], list(range(100, 160))],
+                    label_token_ids=labels)
+    assert among.scores[1] == alone.scores[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("score_by", ["id_token", "semantic_id"])
+def test_rank_alone_batched_and_from_every_cache(engines, dtype, score_by):
+    """A rank request in every prefix mode: alone with nothing cached (item cache off); with the whole
+    catalog's item KV precomputed; with its user's prefix cached; in one forward with other requests:
+    the same scores, bit for bit (and so the same ranking)."""
+    cands = ["i3", "i7", "i1", "i12", "i25", "i19", "i28"]
+    user = [*range(60, 131)]
+    cold = engines(dtype, item_cache_tokens=0).scheduler.rank_executor
+    warm = engines(dtype).scheduler.rank_executor
+    warm.precompute()
+    others = [dict(user_key=f"o{k}", user_ids=p, item_ids=["i2", "i5", "i9", "i3"][: 2 + k % 3],
+                   instruction_ids=[9, 10], prefix=("item", "user", "none")[k % 3], score_by=score_by)
+              for k, p in enumerate(prompts(4, 2))]
+    for prefix in ("user", "item", "none"):
+        req = dict(user_key=f"u-{prefix}-{score_by}", user_ids=user, item_ids=cands, instruction_ids=[9, 10],
+                   prefix=prefix, score_by=score_by)
+        want = cold.run(**req)["ranking"]
+        first = warm.run(**req)
+        assert first["ranking"] == want
+        batched = warm.run_batch([*others[:2], req, *others[2:]])[2]
+        assert batched["ranking"] == want
+        if prefix == "user":
+            assert batched["meta_info"]["cached_tokens"] == len(user)
+        if prefix == "item":
+            assert batched["meta_info"]["cached_tokens"] > 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("score_by", ["id_token", "semantic_id"])
+def test_rank_partial_item_cache(engines, dtype, score_by):
+    """A partial item cache (items cached and computed interleaved in the layout): the same scores as
+    with no item cache."""
+    cold = engines(dtype, item_cache_tokens=0).scheduler.rank_executor
+    part = engines(dtype, item_cache_tokens=12).scheduler.rank_executor
+    req = dict(user_key="p", user_ids=list(range(30, 80)), item_ids=[f"i{k}" for k in range(0, 30, 3)],
+               instruction_ids=[9, 10], prefix="item", score_by=score_by)
+    want = cold.run(**req)["ranking"]
+    part.run(user_key="w", user_ids=[5], item_ids=["i3", "i9", "i15"], instruction_ids=[9], prefix="item",
+             score_by="id_token")  # fills part of the item store
+    got = part.run(**req)
+    assert 0 < got["meta_info"]["cached_tokens"] < got["meta_info"]["prompt_tokens"]
+    assert got["ranking"] == want
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_retrieve_and_recommend_alone_and_batched(engines, dtype):
+    e = engines(dtype)
+    user = list(range(200, 260))
+    req = dict(input_ids=user, beam_width=8, top_k=8, num_items=5)
+    alone = e.scheduler.retriever.run(**req)
+    others = [dict(input_ids=p, beam_width=4 + 4 * (k % 2), top_k=4, num_items=3) for k, p in enumerate(prompts(3, 3))]
+    batched = e.scheduler.retriever.run_batch([others[0], req, *others[1:]])[1]
+    assert [(it["item"], it["score"]) for it in batched.items] == [(it["item"], it["score"]) for it in alone.items]
+    rec = e.recommend({"token_ids": user}, {"beam_width": 8, "num_candidates": 5}, {"prefix": "none"})
+    again = e.recommend({"token_ids": user}, {"beam_width": 8, "num_candidates": 5}, {"prefix": "none"})
+    assert rec["items"] == again["items"] and rec["items"]
+
+
+def test_only_the_native_kernels_run_the_flag_and_a_failing_layer_goes_row_by_row():
+    from sgrec.model.backends import make_backend
+    from sgrec.model.batch_invariant import RowwiseLinear, make_batch_invariant, rows_invariant
+
+    with pytest.raises(ValueError, match="attention-backend auto or native"):
+        make_backend("torch", "cpu", deterministic=True)
+    with pytest.raises(ValueError, match="CPU only"):
+        make_backend("auto", "meta", deterministic=True)
+    lin = torch.nn.Linear(16, 8)
+
+    def bumpy(x):  # other bits for other row counts, as a GEMM's small-row kernels may give
+        return lin(x) + (x.shape[0] % 3) * 1e-6
+
+    assert rows_invariant(RowwiseLinear(lin), 16, torch.float32) and not rows_invariant(bumpy, 16, torch.float32)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 8))
+    wrapped = make_batch_invariant(model, torch.float32, check=lambda layer, *a: layer.in_features == 8)
+    assert wrapped == ["0"] and isinstance(model[0], RowwiseLinear) and isinstance(model[1], torch.nn.Linear)
