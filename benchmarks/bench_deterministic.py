@@ -4,6 +4,7 @@ serving with the flag off and on, side by side in one run, on this machine.
     python benchmarks/bench_deterministic.py                       # SmolLM2-135M, --dtype auto
     python benchmarks/bench_deterministic.py --dtype float32 --rounds 2
     python benchmarks/bench_deterministic.py --skip-serving --num-items 20000
+    python benchmarks/bench_deterministic.py --attention-backend native   # the same kernels, flag off
 
 Paths (bench_vs_rev's, each side in its own process, the same prompts): prefill of --prefill-len
 tokens; rank of --candidates items of 16 tokens for a --user-len-token user, item-as-prefix, cold
@@ -12,7 +13,9 @@ at beam widths 128 and 512 (ND 3, --num-items items). Each time is the best of -
 alternates the two sides and keeps each side's best. Serving: bench_serving_ab's saturated run
 (--num-prompts prompts of 256 tokens, 64 output tokens, rate inf) against a real server per side.
 The table gives both times, the flag's cost (on / off - 1), and whether both sides ranked and
-retrieved the same items (the flag changes rounding, so a near-tie may order differently).
+retrieved the same items (the flag changes rounding, so a near-tie may order differently). The flag
+runs sgrec's C kernels whatever the CPU, while auto picks them only on AVX-512 CPUs: on others,
+--attention-backend native isolates the cost of the deterministic mode from the change of kernels.
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=64, help="saturated serving's prompts")
     ap.add_argument("--skip-serving", action="store_true")
+    ap.add_argument("--attention-backend", default="auto",
+                    help="the flag-off side's backend (native: the flag's kernels in their default mode)")
     args = ap.parse_args(argv)
-    cmd = ("python benchmarks/bench_deterministic.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
+    cmd = "python benchmarks/bench_deterministic.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+    cmd = cmd.strip()
     print(header(cmd, "bench_deterministic"), flush=True)
 
     from sgrec.model.config import ModelConfig
@@ -63,7 +69,7 @@ def main(argv=None) -> None:
     write_catalog(catalog, args.num_items, base, args.codes)
     child = {"model": model, "catalog": catalog, "base": base, "dtype": args.dtype, **{k: getattr(args, k) for k in (
         "num_items", "prefill_len", "user_len", "candidates", "retrieve_prompt", "beam_widths", "repeats", "threads")}}
-    sides = {"off": {}, "on": {"enable_deterministic_inference": True}}
+    sides = {"off": {"attention_backend": args.attention_backend}, "on": {"enable_deterministic_inference": True}}
     best: dict[str, dict] = {name: {} for name in sides}
     for r in range(args.rounds):
         for name, kw in sides.items():
@@ -81,8 +87,8 @@ def main(argv=None) -> None:
 
         serve = argparse.Namespace(model_path=args.model_path, num_prompts=args.num_prompts, input_len=256,
                                    output_len=64)
-        (s_off, s_on) = run_all(serve, [("off", ["--dtype", args.dtype], None),
-                                        ("on", ["--dtype", args.dtype, FLAG], None)], tmp)
+        off_flags = ["--dtype", args.dtype, "--attention-backend", args.attention_backend]
+        (s_off, s_on) = run_all(serve, [("off", off_flags, None), ("on", ["--dtype", args.dtype, FLAG], None)], tmp)
         name = f"saturated serving 256 in / 64 out, {args.num_prompts} prompts (out tok/s)"
         rows.append([name, s_off[3], s_on[3], f"{(float(s_off[3]) / float(s_on[3]) - 1) * 100:+.1f}%", "-"])
     print()

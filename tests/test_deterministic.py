@@ -89,6 +89,33 @@ def test_det_kernel_equals_reference(dtype):
     assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, refs, 0.3)).abs().max() <= tol
 
 
+@needs_kernels
+def test_kept_scores_equal_recomputed_ones():
+    """Pass 2 reads the scores pass 1 kept, or (over the keep limit) computes them again: the same bits."""
+    lib = native.load()
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(HQ, HKV, D, big_rank_layouts(), torch.float32, seed=8)
+    (kept,), _ = run_backends([det()], q, k, v, k_buf, v_buf, seqs, locs, 0.3)
+    lib.sgrec_set_det_keep_bytes(0)
+    try:
+        (again,), _ = run_backends([det()], q, k, v, k_buf, v_buf, seqs, locs, 0.3)
+    finally:
+        lib.sgrec_set_det_keep_bytes(32 << 20)
+    assert torch.equal(kept, again)
+
+
+def test_causal_batches_meta_equals_the_general_one():
+    """DetMeta's loop-free form for plainly causal batches (prompts, decode steps) == its general form."""
+    from sgrec.model.attention import DetMeta, ForwardBatch
+
+    for specs in ([(0, 300), (70, 1), (129, 40), (5, 0), (1, 33)], [(9, 1)] * 7):
+        _, _, _, _, _, seqs, _, locs = causal_case(HQ, HKV, D, specs, torch.float32, 1)
+        T = locs.numel()
+        batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs, seqs, None)
+        fast, general = DetMeta._causal(batch), DetMeta._general(batch)
+        for name in ("q_start", "q_end", "q_order", "q_block", "c_idx", "c_ptr", "c_order", "c_block", "m_ptr"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+
+
 def item_layout():
     items = [[100 + j] * (1 + (5 * j) % 13) for j in range(12)]
     return L.item_as_prefix([5, 6, 7], items, list(range(200, 260)), [9, 8]), items
@@ -295,7 +322,12 @@ def test_rank_partial_item_cache(engines, dtype, score_by):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_retrieve_and_recommend_alone_and_batched(engines, dtype):
+def test_retrieve_and_recommend_alone_and_batched(engines, dtype, monkeypatch):
+    from sgrec.model.attention import DetMeta
+
+    steps = []  # beam steps through the deterministic kernel
+    of_columns = DetMeta.of_columns.__func__
+    monkeypatch.setattr(DetMeta, "of_columns", classmethod(lambda cls, m: steps.append(1) or of_columns(cls, m)))
     e = engines(dtype)
     user = list(range(200, 260))
     req = dict(input_ids=user, beam_width=8, top_k=8, num_items=5)
@@ -306,6 +338,49 @@ def test_retrieve_and_recommend_alone_and_batched(engines, dtype):
     rec = e.recommend({"token_ids": user}, {"beam_width": 8, "num_candidates": 5}, {"prefix": "none"})
     again = e.recommend({"token_ids": user}, {"beam_width": 8, "num_candidates": 5}, {"prefix": "none"})
     assert rec["items"] == again["items"] and rec["items"]
+    assert steps
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hybrid_prefill_equals_the_normal_forward(engines, dtype):
+    """Prefill-only requests' hybrid prefilling (everything but attention chunk by chunk) gives the
+    normal forward's bits, beside a sequence with a cached prefix."""
+    from sgrec.model.attention import SeqLayout
+
+    for chunk in (1, 5, 64):
+        runner = engines(dtype, hybrid_chunk_size=chunk).runner
+        alloc = runner.kv_pool.allocator
+        pre = alloc.alloc(7)
+        runner.forward(runner.make_batch(list(range(30, 37)), list(range(7)), pre, [SeqLayout(0, 7, pre)]), [6])
+        a, b = prompts(2, 5)
+
+        def run(fn):
+            sa, sb = alloc.alloc(len(a)), alloc.alloc(len(b))
+            seqs = [SeqLayout(0, len(a), sa), SeqLayout(len(a), len(b), torch.cat([pre, sb]))]
+            batch = runner.make_batch(a + b, [*range(len(a)), *range(7, 7 + len(b))], torch.cat([sa, sb]), seqs)
+            out = fn(batch, list(range(len(a) + len(b))))
+            alloc.free(sa), alloc.free(sb)
+            return out
+
+        assert torch.equal(run(runner.forward), run(runner.forward_prefill_only))
+        alloc.free(pre)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_retrieve_with_a_cached_prefix_and_chunked_prefill(engines, dtype):
+    """The prompt shared by every beam: from a cold single prefill, or 40 of its tokens from the radix
+    cache and the rest in chunks of 16: the same items and scores."""
+    history = list(range(300, 370))
+    cold = engines(dtype)
+    cold.flush_cache()
+    want = cold.scheduler.retriever.run(history, 16, 16, 6)
+    warm = engines(dtype, chunked_prefill_size=16).scheduler.retriever
+    warm.run(history[:40], 8, 8, 4)
+    got = warm.run(history, 16, 16, 6)
+    assert got.meta["cached_tokens"] == 40
+    assert [(it["item"], it["score"]) for it in got.items] == [(it["item"], it["score"]) for it in want.items]
 
 
 def test_only_the_native_kernels_run_the_flag_and_a_failing_layer_goes_row_by_row():

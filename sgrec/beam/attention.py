@@ -19,7 +19,7 @@ import torch
 
 from sgrec.beam.search import apply_schedule_, inplace_schedule
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import AttentionBackend, ColumnMeta, ForwardBatch, NativeBackend
+from sgrec.model.attention import AttentionBackend, ColumnMeta, DetMeta, ForwardBatch, NativeBackend
 
 
 def _partial(scores: torch.Tensor, v: torch.Tensor, eq: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,8 +228,10 @@ class StagedBeamBackend(AttentionBackend):
             batch.attn_meta = StagedMeta.of(meta, batch.out_cache_loc.device)
             return
         native = self.native
-        if native is not None and self.units is None and native.extends(batch):
+        if native is not None and (self.units is None or native.deterministic) and native.extends(batch):
             batch.attn_meta = beams_as_blocks(meta)  # the kernel's form of the step
+            if native.deterministic:  # the batch-invariant mode, like every other forward under the flag
+                batch.attn_meta = DetMeta.of_columns(batch.attn_meta)
 
     def forward(self, q, k, v, layer, batch, scale):
         pool = batch.kv_pool

@@ -274,6 +274,12 @@ class DetMeta(ColumnMeta):
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> "DetMeta":
+        if all(s.mask is None and s.bipartite is None for s in batch.seqs):
+            return cls._causal(batch)
+        return cls._general(batch)
+
+    @classmethod
+    def _general(cls, batch: ForwardBatch) -> "DetMeta":
         T = batch.input_ids.numel()
         q_order = torch.zeros(T, dtype=torch.int64)
         q_block = torch.full((T,), -1, dtype=torch.int64)
@@ -291,14 +297,18 @@ class DetMeta(ColumnMeta):
                 order = torch.arange(s.kv_len)
             q_order[s.q_start : s.q_start + s.q_len] = order[first:]
             q_block[s.q_start : s.q_start + s.q_len] = block[first:]
-            perm = torch.sort(order, stable=True).indices
             m_ptr.append(-1 if s.mask is None else m_off)
+            if s.mask is None and s.bipartite is None:  # causal: already in order
+                perm = None
+            else:
+                perm = torch.sort(order, stable=True).indices
+                src, order, block = src[perm], order[perm], block[perm]
             if s.mask is not None:  # its columns in summation order, as the kernel walks them
                 masks.append(s.mask.cpu()[:, perm].reshape(-1))
                 m_off += s.mask.numel()
-            c_idx.append(src[perm])
-            c_order.append(order[perm])
-            c_block.append(block[perm])
+            c_idx.append(src)
+            c_order.append(order)
+            c_block.append(block)
             c_len.append(s.kv_len)
         dev = batch.out_cache_loc.device
         starts = torch.tensor([s.q_start for s in batch.seqs], dtype=torch.int64)
@@ -307,6 +317,52 @@ class DetMeta(ColumnMeta):
         return cls(starts.to(dev), ends.to(dev), q_order.to(dev), q_block.to(dev), torch.cat(c_idx).to(dev),
                    torch.cumsum(torch.tensor(c_len), 0).to(dev), torch.cat(c_order).to(dev), torch.cat(c_block).to(dev),
                    None, torch.tensor(m_ptr, dtype=torch.int64), mask)
+
+
+    @classmethod
+    def _causal(cls, batch: ForwardBatch) -> "DetMeta":
+        """of() where every sequence is plainly causal (prompts, decode steps), without a loop per sequence:
+        each sequence's columns in KV order, its new tokens (the last q_len) read as computed."""
+        seqs, dev = batch.seqs, batch.out_cache_loc.device
+        kv_len = torch.tensor([s.kv_len for s in seqs], dtype=torch.int64)
+        q_len = torch.tensor([s.q_len for s in seqs], dtype=torch.int64)
+        starts = torch.tensor([s.q_start for s in seqs], dtype=torch.int64)
+        c_ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(kv_len, 0)])
+        src = torch.cat([s.kv_indices for s in seqs]).cpu().to(torch.int64)
+        order = torch.arange(int(c_ptr[-1])) - torch.repeat_interleave(c_ptr[:-1], kv_len)  # offset in its sequence
+        first = torch.repeat_interleave(kv_len - q_len, kv_len)
+        new = order >= first
+        src[new] = -1 - (torch.repeat_interleave(starts, kv_len) + order - first)[new]  # the new token's row
+        T = batch.input_ids.numel()
+        q_order = torch.zeros(T, dtype=torch.int64)
+        rows = torch.repeat_interleave(starts, q_len) + torch.arange(int(q_len.sum())) - torch.repeat_interleave(
+            torch.cumsum(q_len, 0) - q_len, q_len)
+        q_order[rows] = order[new]
+        block = torch.full((T,), -1, dtype=torch.int64)
+        none = torch.full((len(seqs),), -1, dtype=torch.int64)
+        return cls(starts.to(dev), (starts + q_len).to(dev), q_order.to(dev), block.to(dev), src.to(dev), c_ptr.to(dev),
+                   order.to(dev), torch.full_like(order, -1).to(dev), None, none, torch.zeros(0, dtype=torch.bool))
+
+    @classmethod
+    def of_columns(cls, meta: ColumnMeta) -> "DetMeta":
+        """The same attention as a ColumnMeta (cached columns, then new tokens by their integers) in the
+        deterministic kernel's form: each sequence's cached and new columns merged in order."""
+        c_idx, c_order, c_block, c_len = [], [], [], [0]
+        for b in range(meta.q_start.numel()):
+            lo, hi = int(meta.c_ptr[b]), int(meta.c_ptr[b + 1])
+            q0, q1 = int(meta.q_start[b]), int(meta.q_end[b])
+            src = torch.cat([meta.c_idx[lo:hi].cpu(), -1 - torch.arange(q0, q1)])
+            order = torch.cat([meta.c_order[lo:hi].cpu(), meta.q_order[q0:q1].cpu()])
+            block = torch.cat([meta.c_block[lo:hi].cpu(), meta.q_block[q0:q1].cpu()])
+            perm = torch.sort(order, stable=True).indices
+            c_idx.append(src[perm])
+            c_order.append(order[perm])
+            c_block.append(block[perm])
+            c_len.append(len(perm))
+        dev = meta.q_start.device
+        return cls(meta.q_start, meta.q_end, meta.q_order, meta.q_block, torch.cat(c_idx).to(dev),
+                   torch.cumsum(torch.tensor(c_len), 0).to(dev), torch.cat(c_order).to(dev), torch.cat(c_block).to(dev),
+                   None, torch.full((meta.q_start.numel(),), -1, dtype=torch.int64), torch.zeros(0, dtype=torch.bool))
 
 
 class _KernelBackend(TorchBackend):

@@ -101,7 +101,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.sgrec_extend_attention_det.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 11
                                                + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int])
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name, args in (("sgrec_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float]),
+    for name, args in (("sgrec_set_det_keep_bytes", [i64]),("sgrec_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float]),
                        ("sgrec_rope", [p, i64, i32, p, i64, i32, p, p, i64, i32]),
                        ("sgrec_silu_mul", [p, i64, p, i64, i64, i32])):
         fn = getattr(lib, name)

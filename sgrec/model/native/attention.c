@@ -71,29 +71,49 @@ static inline void qk_kernel(const float *Qf, const float *Kt, float *S, int Mp,
     }
 }
 
-/* O[i .. i+NR)[d0 .. d0 + nv*VW) += P[rows][BN] . V[BN][those columns], nv a constant once inlined */
+/* O[i .. i+NR)[d0 .. d0 + nv*VW) += P[rows][BN] . V[BN][those columns], nv a constant once inlined;
+ * with L (the deterministic kernel's first chunk), also L[row] += each p, one column after another */
 static inline __attribute__((always_inline)) void pv_chunk(const float *P, const float *V, float *O, int i,
-                                                           int d0, int Dp, const int nv) {
+                                                           int d0, int Dp, const int nv, float *L) {
     vf acc[NR][DV];
-    for (int r = 0; r < NR; r++)
+    float l[NR];
+    for (int r = 0; r < NR; r++) {
         for (int u = 0; u < nv; u++) acc[r][u] = vload(O + (int64_t)(i + r) * Dp + d0 + u * VW);
+        l[r] = L ? L[i + r] : 0.f;
+    }
     for (int j = 0; j < BN; j++) {
         vf vv[DV];
         for (int u = 0; u < nv; u++) vv[u] = vload(V + (int64_t)j * Dp + d0 + u * VW);
         for (int r = 0; r < NR; r++) {
-            vf p = vset(P[(int64_t)(i + r) * BN + j]);
+            float pj = P[(int64_t)(i + r) * BN + j];
+            vf p = vset(pj);
             for (int u = 0; u < nv; u++) acc[r][u] += p * vv[u];
+            if (L) l[r] += pj;
         }
     }
-    for (int r = 0; r < NR; r++)
+    for (int r = 0; r < NR; r++) {
         for (int u = 0; u < nv; u++) vstore(O + (int64_t)(i + r) * Dp + d0 + u * VW, acc[r][u]);
+        if (L) L[i + r] = l[r];
+    }
 }
 
 static inline void pv_kernel(const float *P, const float *V, float *O, int Mp, int Dp) {
     for (int i = 0; i < Mp; i += NR) {
         int d0 = 0;
-        for (; d0 + DV * VW <= Dp; d0 += DV * VW) pv_chunk(P, V, O, i, d0, Dp, DV);
-        for (; d0 < Dp; d0 += VW) pv_chunk(P, V, O, i, d0, Dp, 1);
+        for (; d0 + DV * VW <= Dp; d0 += DV * VW) pv_chunk(P, V, O, i, d0, Dp, DV, NULL);
+        for (; d0 < Dp; d0 += VW) pv_chunk(P, V, O, i, d0, Dp, 1, NULL);
+    }
+}
+
+/* pv_kernel, and each row's sum of its weights into L in column order (in the first chunk's loop, where
+ * the vector products hide the scalar adds) */
+static inline void pv_kernel_sum(const float *P, const float *V, float *O, float *L, int Mp, int Dp) {
+    for (int i = 0; i < Mp; i += NR) {
+        int d0 = 0;
+        if (Dp >= DV * VW) pv_chunk(P, V, O, i, d0, Dp, DV, L), d0 += DV * VW;
+        else pv_chunk(P, V, O, i, d0, Dp, 1, L), d0 += VW;
+        for (; d0 + DV * VW <= Dp; d0 += DV * VW) pv_chunk(P, V, O, i, d0, Dp, DV, NULL);
+        for (; d0 < Dp; d0 += VW) pv_chunk(P, V, O, i, d0, Dp, 1, NULL);
     }
 }
 
@@ -116,6 +136,9 @@ typedef struct {
 typedef struct {
     float *Qf, *S, *Kt, *V, *O, *m, *l;
     int64_t *ro, *rb;
+    float *s_all; /* deterministic extend: a task's scores of every tile, kept from pass 1 for pass 2 */
+    size_t s_cap; /* floats s_all holds (grown as tasks need, up to det_keep_bytes) */
+    uint8_t *seen; /* per tile of s_all: whether pass 1 computed it (some row sees a column of it) */
 } scratch_t;
 
 /* One (sequence, tile, KV head). */
@@ -275,7 +298,11 @@ static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
  * on its visible columns and their order alone: not on the tiling, the other rows of its tile, the
  * masked columns between its visible ones, which columns were cached, or what else is in the batch. */
 
-/* Columns n0 .. n0 + nc - 1 of the task's stream into Kt (and V when given), zero-padded; their
+/* a task whose scores fit in this many bytes keeps them for pass 2, else it computes them again */
+static size_t det_keep_bytes = (size_t)32 << 20;
+void sgrec_set_det_keep_bytes(int64_t n) { det_keep_bytes = (size_t)n; } /* tests: 0 recomputes */
+
+/* Columns n0 .. n0 + nc - 1 of the task's stream into Kt and V (each when given), zero-padded; their
  * orders and blocks into co/cb. Returns 0 when no row of the tile can see any of them. */
 static int det_columns(const args_t *a, const task_t *t, int64_t n0, int nc, float *Kt, float *V, int64_t *co,
                        int64_t *cb, int64_t r_omax, int64_t r_bmin, int64_t r_bmax, int r_any_free, int dense) {
@@ -294,7 +321,7 @@ static int det_columns(const args_t *a, const task_t *t, int64_t n0, int nc, flo
     }
     if (!dense && (c_omin > r_omax || (!r_any_free && c_free == 0 && (c_bmax < r_bmin || c_bmin > r_bmax))))
         return 0;
-    memset(Kt, 0, sizeof(float) * (size_t)Dp * BN);
+    if (Kt) memset(Kt, 0, sizeof(float) * (size_t)Dp * BN);
     if (V) memset(V, 0, sizeof(float) * (size_t)BN * Dp);
     for (int j = 0; j < nc; j++) {
         int64_t src = a->c_idx[c_lo + n0 + j], koff, voff;
@@ -305,10 +332,10 @@ static int det_columns(const args_t *a, const task_t *t, int64_t n0, int nc, flo
             kbase = a->k, vbase = a->v;
             koff = row * a->s_k + (int64_t)t->h * D, voff = row * a->s_v + (int64_t)t->h * D;
         }
-        for (int d = 0; d < D; d++) {
-            Kt[(int64_t)d * BN + j] = load1(kbase, koff + d, bf);
-            if (V) V[(int64_t)j * Dp + d] = load1(vbase, voff + d, bf);
-        }
+        if (Kt)
+            for (int d = 0; d < D; d++) Kt[(int64_t)d * BN + j] = load1(kbase, koff + d, bf);
+        if (V)
+            for (int d = 0; d < D; d++) V[(int64_t)j * Dp + d] = load1(vbase, voff + d, bf);
     }
     return 1;
 }
@@ -362,21 +389,41 @@ static void run_task_det(const args_t *a, const task_t *t, scratch_t *w) {
         for (int d = 0; d < D; d++) Qf[(int64_t)i * Dp + d] = load1(a->q, base + d, bf) * qscale;
     }
     memset(O, 0, sizeof(float) * (size_t)Mp * Dp);
+    /* Pass 1's scores are kept for pass 2 where they fit (one tile after another), else pass 2 computes
+     * them again: the same numbers either way. */
+    const int64_t ntiles = (ncols + BN - 1) / BN;
+    const size_t keep = (size_t)ntiles * Mp * BN;
+    if (keep > w->s_cap && keep * sizeof(float) <= det_keep_bytes) {
+        float *grown = realloc(w->s_all, keep * sizeof(float));
+        uint8_t *seen = grown ? realloc(w->seen, (size_t)ntiles) : NULL;
+        if (grown) w->s_all = grown;
+        if (seen) w->seen = seen, w->s_cap = keep;
+    }
+    float *kept = keep <= w->s_cap && keep * sizeof(float) <= det_keep_bytes ? w->s_all : NULL;
     /* pass 1: each row's max over the columns it sees (a max is exact in any order) */
     for (int64_t n0 = 0; n0 < ncols; n0 += BN) {
         int nc = (int)(ncols - n0 < BN ? ncols - n0 : BN);
-        if (!det_columns(a, t, n0, nc, Kt, NULL, co, cb, r_omax, r_bmin, r_bmax, r_any_free, dense)) continue;
-        det_scores(a, t, Qf, Kt, S, M, Mp, nc, n0, co, cb, ro, rb, dense, ncols);
+        float *St = kept ? kept + (size_t)(n0 / BN) * Mp * BN : S;
+        int seen = det_columns(a, t, n0, nc, Kt, NULL, co, cb, r_omax, r_bmin, r_bmax, r_any_free, dense);
+        if (kept) w->seen[n0 / BN] = (uint8_t)seen;
+        if (!seen) continue;
+        det_scores(a, t, Qf, Kt, St, M, Mp, nc, n0, co, cb, ro, rb, dense, ncols);
         for (int i = 0; i < Mp; i++) {
-            const float *s = S + (int64_t)i * BN;
+            const float *s = St + (int64_t)i * BN;
             for (int j = 0; j < BN; j++) mrow[i] = s[j] > mrow[i] ? s[j] : mrow[i];
         }
     }
     /* pass 2: weights against that max, summed and weighted in column order */
     for (int64_t n0 = 0; n0 < ncols; n0 += BN) {
         int nc = (int)(ncols - n0 < BN ? ncols - n0 : BN);
-        if (!det_columns(a, t, n0, nc, Kt, V, co, cb, r_omax, r_bmin, r_bmax, r_any_free, dense)) continue;
-        det_scores(a, t, Qf, Kt, S, M, Mp, nc, n0, co, cb, ro, rb, dense, ncols);
+        if (kept) {
+            S = kept + (size_t)(n0 / BN) * Mp * BN;
+            if (!w->seen[n0 / BN]) continue;
+            det_columns(a, t, n0, nc, NULL, V, co, cb, r_omax, r_bmin, r_bmax, r_any_free, dense);
+        } else {
+            if (!det_columns(a, t, n0, nc, Kt, V, co, cb, r_omax, r_bmin, r_bmax, r_any_free, dense)) continue;
+            det_scores(a, t, Qf, Kt, S, M, Mp, nc, n0, co, cb, ro, rb, dense, ncols);
+        }
         for (int i = 0; i < Mp; i++) {
             float *s = S + (int64_t)i * BN;
             if (mrow[i] == -INFINITY) { /* the row sees nothing (a padding row): it adds nothing */
@@ -385,11 +432,8 @@ static void run_task_det(const args_t *a, const task_t *t, scratch_t *w) {
             }
             vf mv = vset(mrow[i]);
             for (int u = 0; u < NB; u++) vstore(s + u * VW, vexp2(vload(s + u * VW) - mv));
-            float l = lrow[i];
-            for (int j = 0; j < BN; j++) l += s[j];
-            lrow[i] = l;
         }
-        pv_kernel(S, V, O, Mp, Dp);
+        pv_kernel_sum(S, V, O, lrow, Mp, Dp);
     }
     for (int i = 0; i < M; i++) {
         int64_t row = qs + t->m0 + i / G;
@@ -466,6 +510,8 @@ static int run_extend(args_t *ap, int B, void (*task_fn)(const args_t *, const t
             if (buf && ints) task_fn(&a, &tasks[i], &w);
         free(buf);
         free(ints);
+        free(w.s_all);
+        free(w.seen);
     }
     free(tasks);
     return failed;
