@@ -321,8 +321,10 @@ static int det_columns(const args_t *a, const task_t *t, int64_t n0, int nc, flo
     }
     if (!dense && (c_omin > r_omax || (!r_any_free && c_free == 0 && (c_bmax < r_bmin || c_bmin > r_bmax))))
         return 0;
-    if (Kt) memset(Kt, 0, sizeof(float) * (size_t)Dp * BN);
-    if (V) memset(V, 0, sizeof(float) * (size_t)BN * Dp);
+    if (nc < BN || D < Dp) { /* zero padding only where a column or a dimension is missing */
+        if (Kt) memset(Kt, 0, sizeof(float) * (size_t)Dp * BN);
+        if (V) memset(V, 0, sizeof(float) * (size_t)BN * Dp);
+    }
     for (int j = 0; j < nc; j++) {
         int64_t src = a->c_idx[c_lo + n0 + j], koff, voff;
         const void *kbase, *vbase;
@@ -334,8 +336,10 @@ static int det_columns(const args_t *a, const task_t *t, int64_t n0, int nc, flo
         }
         if (Kt)
             for (int d = 0; d < D; d++) Kt[(int64_t)d * BN + j] = load1(kbase, koff + d, bf);
-        if (V)
-            for (int d = 0; d < D; d++) V[(int64_t)j * Dp + d] = load1(vbase, voff + d, bf);
+        if (V && !bf)
+            memcpy(V + (int64_t)j * Dp, (const float *)vbase + voff, sizeof(float) * (size_t)D);
+        else if (V)
+            for (int d = 0; d < D; d++) V[(int64_t)j * Dp + d] = bf16_load(((const uint16_t *)vbase)[voff + d]);
     }
     return 1;
 }
