@@ -400,3 +400,54 @@ def test_only_the_native_kernels_run_the_flag_and_a_failing_layer_goes_row_by_ro
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 8))
     wrapped = make_batch_invariant(model, torch.float32, check=lambda layer, *a: layer.in_features == 8)
     assert wrapped == ["0"] and isinstance(model[0], RowwiseLinear) and isinstance(model[1], torch.nn.Linear)
+
+
+# ---- a real server ------------------------------------------------------------------------------
+@needs_kernels
+def test_server_request_alone_equals_it_inside_a_burst(start_server, tiny_model_dir, sem_catalog):
+    """bfloat16 server under the flag: /generate, /v1/score, /v1/rank, /v1/retrieve and /v1/recommend
+    requests answered alone, then each again inside a burst of 12 concurrent different requests: the
+    same tokens, logprobs, scores and items."""
+    import threading
+
+    import httpx
+
+    srv = start_server(tiny_model_dir("qwen3", seed=2), "--dtype", "bfloat16", "--enable-deterministic-inference",
+                       "--max-total-tokens", "6000", "--item-catalog", sem_catalog, "--max-rank-candidates", "20")
+    user = {"token_ids": list(range(60, 140))}
+    cands = ["i3", "i7", "i1", "i12", "i25", "i19"]
+    targets = [
+        ("/generate", {"input_ids": list(range(5, 80)), "sampling_params": GREEDY, "return_logprob": True}),
+        ("/v1/score", {"query": list(range(20, 70)), "items": [[81, 82, 83]], "label_token_ids": [7, 9, 11]}),
+        ("/v1/rank", {"user": user, "items": cands, "prefix": "item"}),
+        ("/v1/rank", {"user": {"id": "u-burst", **user}, "items": cands, "prefix": "user"}),
+        ("/v1/retrieve", {"user": user, "beam_width": 8, "num_items": 5}),
+        ("/v1/recommend", {"user": user, "retrieve": {"beam_width": 8, "num_candidates": 5}, "rank": {"prefix": "none"}}),
+    ]
+    noise = [(path, {**body, **({"user": {"token_ids": p}} if "user" in body else
+                                {"input_ids": p} if "input_ids" in body else {"query": p})})
+             for (path, body), p in zip(targets * 2, prompts(12, 7))]
+
+    def answer(path: str, body: dict):
+        r = httpx.post(srv.url + path, json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        if path == "/generate":
+            return out["output_ids"], out["meta_info"]["output_token_logprobs"]
+        if path == "/v1/score":
+            return out["scores"]
+        return out.get("ranking") or out.get("items")
+
+    alone = [answer(path, body) for path, body in targets]
+    got: dict = {}
+
+    def run(i, path, body):
+        got[i] = answer(path, body)
+
+    jobs = [*noise[:6], *targets, *noise[6:]]
+    threads = [threading.Thread(target=run, args=(i, path, body)) for i, (path, body) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[6 + i] for i in range(len(targets))] == alone
