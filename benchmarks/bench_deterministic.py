@@ -24,33 +24,21 @@ import argparse
 import os
 import shlex
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
-from bench_roofline import ND, write_catalog  # noqa: E402
-from bench_vs_rev import run_side  # noqa: E402
+from bench_vs_rev import add_path_args, best_of_rounds, prepare  # noqa: E402
 
 FLAG = "--enable-deterministic-inference"
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default="~/.cache/sgrec/SmolLM2-135M-Instruct")
+    add_path_args(ap)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-items", type=int, default=100_000)
-    ap.add_argument("--codes", type=int, default=1024)
-    ap.add_argument("--prefill-len", type=int, default=1024)
-    ap.add_argument("--user-len", type=int, default=512)
-    ap.add_argument("--candidates", type=int, default=100)
-    ap.add_argument("--retrieve-prompt", type=int, default=1024)
-    ap.add_argument("--beam-widths", type=int, nargs="+", default=[128, 512])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=64, help="saturated serving's prompts")
     ap.add_argument("--skip-serving", action="store_true")
     ap.add_argument("--attention-backend", default="auto",
@@ -60,26 +48,12 @@ def main(argv=None) -> None:
     cmd = cmd.strip()
     print(header(cmd, "bench_deterministic"), flush=True)
 
-    from sgrec.model.config import ModelConfig
-
-    model = os.path.expanduser(args.model_path)
-    base = ModelConfig.from_dir(model).vocab_size - ND * args.codes
-    tmp = tempfile.mkdtemp()
-    catalog = os.path.join(tmp, "items.jsonl")
-    write_catalog(catalog, args.num_items, base, args.codes)
-    child = {"model": model, "catalog": catalog, "base": base, "dtype": args.dtype, **{k: getattr(args, k) for k in (
-        "num_items", "prefill_len", "user_len", "candidates", "retrieve_prompt", "beam_widths", "repeats", "threads")}}
+    tmp, child = prepare(args)
+    child["dtype"] = args.dtype
     sides = {"off": {"attention_backend": args.attention_backend}, "on": {"enable_deterministic_inference": True}}
-    best: dict[str, dict] = {name: {} for name in sides}
-    for r in range(args.rounds):
-        for name, kw in sides.items():
-            res = run_side(ROOT, {**child, "engine_kw": kw})
-            print(f"  round {r + 1}, flag {name}: " + ", ".join(f"{k} {v[0] * 1e3:.0f} ms" for k, v in res.items()),
-                  flush=True)
-            for k, v in res.items():
-                if k not in best[name] or v[0] < best[name][k][0]:
-                    best[name][k] = v
-    off, on = best["off"], best["on"]
+    best = best_of_rounds({f"flag {name}": (ROOT, {**child, "engine_kw": kw}) for name, kw in sides.items()},
+                          args.rounds)
+    off, on = best["flag off"], best["flag on"]
     rows = [[k, f"{off[k][0] * 1e3:.1f}", f"{on[k][0] * 1e3:.1f}", f"{(on[k][0] / off[k][0] - 1) * 100:+.1f}%",
              "-" if on[k][1] is None else ("yes" if off[k][1] == on[k][1] else "no")] for k in on]
     if not args.skip_serving:

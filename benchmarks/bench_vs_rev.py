@@ -96,9 +96,8 @@ def run_side(tree: str, args: dict) -> dict:
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rev", default=BASELINE_REV, help="the earlier commit (default: the last before issue 23)")
+def add_path_args(ap: argparse.ArgumentParser) -> None:
+    """The model, catalog and paths' options (bench_deterministic's too)."""
     ap.add_argument("--model-path", default="~/.cache/sgrec/SmolLM2-135M-Instruct")
     ap.add_argument("--num-items", type=int, default=100_000)
     ap.add_argument("--codes", type=int, default=1024)
@@ -110,10 +109,16 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
-    cmd = ("python benchmarks/bench_vs_rev.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
-    print(header(cmd, "bench_vs_rev"), flush=True)
 
+
+def child_args(args, model: str, catalog: str, base: int) -> dict:
+    """What CHILD reads, from the parsed options."""
+    return {"model": model, "catalog": catalog, "base": base, **{k: getattr(args, k) for k in (
+        "num_items", "prefill_len", "user_len", "candidates", "retrieve_prompt", "beam_widths", "repeats", "threads")}}
+
+
+def prepare(args) -> tuple[str, dict]:
+    """A temporary folder holding the catalog both sides read, and CHILD's arguments."""
     from sgrec.model.config import ModelConfig
 
     model = os.path.expanduser(args.model_path)
@@ -121,20 +126,36 @@ def main(argv=None) -> None:
     tmp = tempfile.mkdtemp()
     catalog = os.path.join(tmp, "items.jsonl")
     write_catalog(catalog, args.num_items, base, args.codes)
-    child = {"model": model, "catalog": catalog, "base": base, **{k: getattr(args, k) for k in (
-        "num_items", "prefill_len", "user_len", "candidates", "retrieve_prompt", "beam_widths", "repeats", "threads")}}
-    old_tree = worktree(args.rev, tmp)
-    sides = {args.rev: old_tree, "this tree": ROOT}
+    return tmp, child_args(args, model, catalog, base)
+
+
+def best_of_rounds(sides: dict[str, tuple[str, dict]], rounds: int) -> dict[str, dict]:
+    """Each side (name -> (tree, CHILD's arguments)) run `rounds` times, alternating; per side and path
+    the best time (and that run's result)."""
     best: dict[str, dict] = {name: {} for name in sides}
+    for r in range(rounds):
+        for name, (tree, child) in sides.items():
+            res = run_side(tree, child)
+            print(f"  round {r + 1}, {name}: " + ", ".join(f"{k} {v[0] * 1e3:.0f} ms" for k, v in res.items()),
+                  flush=True)
+            for k, v in res.items():
+                if k not in best[name] or v[0] < best[name][k][0]:
+                    best[name][k] = v
+    return best
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rev", default=BASELINE_REV, help="the earlier commit (default: the last before issue 23)")
+    add_path_args(ap)
+    args = ap.parse_args(argv)
+    cmd = ("python benchmarks/bench_vs_rev.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
+    print(header(cmd, "bench_vs_rev"), flush=True)
+
+    tmp, child = prepare(args)
+    old_tree = worktree(args.rev, tmp)
     try:
-        for r in range(args.rounds):
-            for name, tree in sides.items():
-                res = run_side(tree, child)
-                print(f"  round {r + 1}, {name}: " + ", ".join(f"{k} {v[0] * 1e3:.0f} ms" for k, v in res.items()),
-                      flush=True)
-                for k, v in res.items():
-                    if k not in best[name] or v[0] < best[name][k][0]:
-                        best[name][k] = v
+        best = best_of_rounds({args.rev: (old_tree, child), "this tree": (ROOT, child)}, args.rounds)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", old_tree], cwd=ROOT, capture_output=True)
     old, new = best[args.rev], best["this tree"]

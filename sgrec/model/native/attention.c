@@ -141,6 +141,57 @@ typedef struct {
     uint8_t *seen; /* per tile of s_all: whether pass 1 computed it (some row sees a column of it) */
 } scratch_t;
 
+typedef struct {
+    int64_t omin, omax, bmin, bmax; /* the rows' orders, and blocks (of rows in one) */
+    int any_free; /* a row in no block (it sees every earlier column) */
+} rows_t;
+
+/* The task's rows into w (token-major: row i is token i / G, head h * G + i % G): Qf scaled for base 2
+ * and zero-padded to Mp rows, their orders and blocks (padding rows repeat the last token's), each
+ * row's max and sum reset, O zeroed; returns the rows' ranges. */
+static rows_t load_rows(const args_t *a, const task_t *t, scratch_t *w, int nrows, int M, int Mp) {
+    const int G = a->G, D = a->D, Dp = (a->D + VW - 1) / VW * VW;
+    const float qscale = a->scale * LOG2E;
+    rows_t rs = {INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN, 0};
+    memset(w->Qf, 0, sizeof(float) * (size_t)Mp * Dp);
+    memset(w->O, 0, sizeof(float) * (size_t)Mp * Dp);
+    for (int i = 0; i < Mp; i++) {
+        int tok = i < M ? i / G : nrows - 1;
+        int64_t row = a->q_start[t->b] + t->m0 + tok;
+        w->ro[i] = a->q_order[row];
+        w->rb[i] = a->q_block[row];
+        w->m[i] = -INFINITY;
+        w->l[i] = 0.f;
+        if (i >= M) continue;
+        int64_t base = row * a->s_q + (int64_t)(t->h * G + i % G) * D;
+        for (int d = 0; d < D; d++) w->Qf[(int64_t)i * Dp + d] = load1(a->q, base + d, a->bf16) * qscale;
+        int64_t o = w->ro[i], b = w->rb[i];
+        rs.omin = o < rs.omin ? o : rs.omin;
+        rs.omax = o > rs.omax ? o : rs.omax;
+        if (b < 0) rs.any_free = 1;
+        else {
+            rs.bmin = b < rs.bmin ? b : rs.bmin;
+            rs.bmax = b > rs.bmax ? b : rs.bmax;
+        }
+    }
+    return rs;
+}
+
+/* The task's M rows of output, O / l, into out (bfloat16 rounded to nearest even) */
+static void store_rows(const args_t *a, const task_t *t, const float *O, const float *lrow, int M) {
+    const int G = a->G, D = a->D, Dp = (a->D + VW - 1) / VW * VW;
+    for (int i = 0; i < M; i++) {
+        int64_t row = a->q_start[t->b] + t->m0 + i / G;
+        int64_t base = row * (int64_t)a->Hq * D + (int64_t)(t->h * G + i % G) * D;
+        float inv = 1.f / lrow[i];
+        const float *o = O + (int64_t)i * Dp;
+        if (a->bf16)
+            for (int d = 0; d < D; d++) ((uint16_t *)a->out)[base + d] = bf16_store(o[d] * inv);
+        else
+            for (int d = 0; d < D; d++) ((float *)a->out)[base + d] = o[d] * inv;
+    }
+}
+
 /* One (sequence, tile, KV head). */
 static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
     const int G = a->G, D = a->D, Dp = (a->D + VW - 1) / VW * VW, bf = a->bf16;
@@ -149,33 +200,9 @@ static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
     const int M = nrows * G, Mp = (M + NR - 1) / NR * NR;
     float *Qf = w->Qf, *S = w->S, *Kt = w->Kt, *V = w->V, *O = w->O, *mrow = w->m, *lrow = w->l;
     int64_t *ro = w->ro, *rb = w->rb;
-
-    /* the tile's rows (token-major: row i is token i / G, head h * G + i % G), scaled for base 2 */
-    const float qscale = a->scale * LOG2E;
-    int64_t r_omin = INT64_MAX, r_omax = INT64_MIN, r_bmin = INT64_MAX, r_bmax = INT64_MIN;
-    int r_any_free = 0; /* a row in no block (it sees every earlier column) */
-    memset(Qf, 0, sizeof(float) * (size_t)Mp * Dp);
-    for (int i = 0; i < Mp; i++) {
-        int tok = i < M ? i / G : nrows - 1; /* padding rows repeat the last token's integers */
-        int64_t row = qs + t->m0 + tok;
-        ro[i] = a->q_order[row];
-        rb[i] = a->q_block[row];
-        if (i >= M) continue;
-        int64_t base = row * a->s_q + (int64_t)(t->h * G + i % G) * D;
-        for (int d = 0; d < D; d++) Qf[(int64_t)i * Dp + d] = load1(a->q, base + d, bf) * qscale;
-        r_omin = ro[i] < r_omin ? ro[i] : r_omin;
-        r_omax = ro[i] > r_omax ? ro[i] : r_omax;
-        if (rb[i] < 0) r_any_free = 1;
-        else {
-            r_bmin = rb[i] < r_bmin ? rb[i] : r_bmin;
-            r_bmax = rb[i] > r_bmax ? rb[i] : r_bmax;
-        }
-    }
-    for (int i = 0; i < Mp; i++) {
-        mrow[i] = -INFINITY;
-        lrow[i] = 0.f;
-    }
-    memset(O, 0, sizeof(float) * (size_t)Mp * Dp);
+    const rows_t rs = load_rows(a, t, w, nrows, M, Mp);
+    const int64_t r_omin = rs.omin, r_omax = rs.omax, r_bmin = rs.bmin, r_bmax = rs.bmax;
+    const int r_any_free = rs.any_free;
 
     /* The columns as one stream: the cached ones (from the pool by slot), then the new ones (as
      * computed) up to the tile's last row; tiles cut the stream the same way whatever part of it is
@@ -274,16 +301,7 @@ static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
         }
         pv_kernel(S, V, O, Mp, Dp);
     }
-    for (int i = 0; i < M; i++) {
-        int64_t row = qs + t->m0 + i / G;
-        int64_t base = row * (int64_t)a->Hq * D + (int64_t)(t->h * G + i % G) * D;
-        float inv = 1.f / lrow[i];
-        const float *o = O + (int64_t)i * Dp;
-        if (bf)
-            for (int d = 0; d < D; d++) ((uint16_t *)a->out)[base + d] = bf16_store(o[d] * inv);
-        else
-            for (int d = 0; d < D; d++) ((float *)a->out)[base + d] = o[d] * inv;
-    }
+    store_rows(a, t, O, lrow, M);
 }
 
 /* ---- deterministic extend (--enable-deterministic-inference) ------------------------------------
@@ -363,36 +381,17 @@ static void det_scores(const args_t *a, const task_t *t, const float *Qf, const 
 }
 
 static void run_task_det(const args_t *a, const task_t *t, scratch_t *w) {
-    const int G = a->G, D = a->D, Dp = (a->D + VW - 1) / VW * VW, bf = a->bf16;
-    const int64_t qs = a->q_start[t->b], qn = a->q_len[t->b];
+    const int G = a->G, Dp = (a->D + VW - 1) / VW * VW;
+    const int64_t qn = a->q_len[t->b];
     const int nrows = (int)(qn - t->m0 < a->bm ? qn - t->m0 : a->bm);
     const int M = nrows * G, Mp = (M + NR - 1) / NR * NR;
     const int dense = a->m_ptr[t->b] >= 0;
     const int64_t ncols = a->c_ptr[t->b + 1] - a->c_ptr[t->b];
     float *Qf = w->Qf, *S = w->S, *Kt = w->Kt, *V = w->V, *O = w->O, *mrow = w->m, *lrow = w->l;
     int64_t *ro = w->ro, *rb = w->rb, co[BN], cb[BN];
-    const float qscale = a->scale * LOG2E;
-    int64_t r_omax = INT64_MIN, r_bmin = INT64_MAX, r_bmax = INT64_MIN;
-    int r_any_free = 0;
-    memset(Qf, 0, sizeof(float) * (size_t)Mp * Dp);
-    for (int i = 0; i < Mp; i++) {
-        int tok = i < M ? i / G : nrows - 1; /* padding rows repeat the last token's integers */
-        int64_t row = qs + t->m0 + tok;
-        ro[i] = a->q_order[row];
-        rb[i] = a->q_block[row];
-        r_omax = ro[i] > r_omax ? ro[i] : r_omax;
-        if (rb[i] < 0) r_any_free = 1;
-        else {
-            r_bmin = rb[i] < r_bmin ? rb[i] : r_bmin;
-            r_bmax = rb[i] > r_bmax ? rb[i] : r_bmax;
-        }
-        mrow[i] = -INFINITY;
-        lrow[i] = 0.f;
-        if (i >= M) continue;
-        int64_t base = row * a->s_q + (int64_t)(t->h * G + i % G) * D;
-        for (int d = 0; d < D; d++) Qf[(int64_t)i * Dp + d] = load1(a->q, base + d, bf) * qscale;
-    }
-    memset(O, 0, sizeof(float) * (size_t)Mp * Dp);
+    const rows_t rs = load_rows(a, t, w, nrows, M, Mp);
+    const int64_t r_omax = rs.omax, r_bmin = rs.bmin, r_bmax = rs.bmax;
+    const int r_any_free = rs.any_free;
     /* Pass 1's scores are kept for pass 2 where they fit (one tile after another), else pass 2 computes
      * them again: the same numbers either way. */
     const int64_t ntiles = (ncols + BN - 1) / BN;
@@ -439,16 +438,7 @@ static void run_task_det(const args_t *a, const task_t *t, scratch_t *w) {
         }
         pv_kernel_sum(S, V, O, lrow, Mp, Dp);
     }
-    for (int i = 0; i < M; i++) {
-        int64_t row = qs + t->m0 + i / G;
-        int64_t base = row * (int64_t)a->Hq * D + (int64_t)(t->h * G + i % G) * D;
-        float inv = 1.f / lrow[i];
-        const float *o = O + (int64_t)i * Dp;
-        if (bf)
-            for (int d = 0; d < D; d++) ((uint16_t *)a->out)[base + d] = bf16_store(o[d] * inv);
-        else
-            for (int d = 0; d < D; d++) ((float *)a->out)[base + d] = o[d] * inv;
-    }
+    store_rows(a, t, O, lrow, M);
 }
 
 static int run_extend(args_t *a, int B, void (*task_fn)(const args_t *, const task_t *, scratch_t *));
