@@ -59,8 +59,9 @@ def test_padded_static_step_equals_plain_decode(tiny_model_dir, arch):
         k_want = k_buf[new].clone()
         k_buf[new] = 0
         got = graphs.run(batch)
-        # the padded rows change the matmuls' row count, so their float32 rounding: logits within 1e-5 relative
-        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        # the padded rows change the matmuls' row count, so their float32 rounding: logits within 1e-5 of
+        # their scale (the rounding of a sum is relative to its terms, not to a logit that cancels to ~0)
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max()
         assert torch.allclose(k_buf[new], k_want, rtol=1e-5, atol=1e-6)
         runner.kv_pool.allocator.free(new)
     too_many, new = decode_batch(runner, seqs + seqs[:1])

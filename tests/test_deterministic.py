@@ -116,6 +116,21 @@ def test_causal_batches_meta_equals_the_general_one():
             assert torch.equal(getattr(fast, name), getattr(general, name)), name
 
 
+@needs_kernels
+def test_per_head_norm_takes_one_path_at_any_token_count():
+    """Qwen3's q/k norm gets [T, heads, D] slices of the fused projection, which have a 2-D view only at
+    T = 1: the fused RMSNorm still takes them at any T (a copy), so a token gets the same bits alone
+    as in a batch (it took torch's RMSNorm at T > 1 before)."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(7, 3 * 4 * 16, generator=g)
+    heads = qkv[:, : 4 * 16].view(7, 4, 16)  # strided: a token's heads, then the next token's after 192
+    w = torch.randn(16, generator=g)
+    batch = native.rmsnorm(heads, w, 1e-6)
+    assert batch is not None and not heads.is_contiguous()
+    for t in range(7):
+        assert torch.equal(native.rmsnorm(heads[t : t + 1], w, 1e-6), batch[t : t + 1])
+
+
 def item_layout():
     items = [[100 + j] * (1 + (5 * j) % 13) for j in range(12)]
     return L.item_as_prefix([5, 6, 7], items, list(range(200, 260)), [9, 8]), items
