@@ -316,9 +316,10 @@ def test_checker_reads_imports(tmp_path):
 
 
 # ---- commands the README shows -------------------------------------------------------------------
-@pytest.mark.parametrize("module", ["sgrec.radix.sim", "sgrec.items.hrcs", "sgrec.radix.hrcs"])
+@pytest.mark.parametrize("module", ["sgrec.radix.sim", "sgrec.items.hrcs", "sgrec.radix.hrcs", "sgrec.launch_server"])
 def test_command_runs(module):
-    """`python -m MODULE --help` works (sgrec.radix.hrcs: the old name of sgrec.items.hrcs)."""
+    """`python -m MODULE --help` works (sgrec.radix.hrcs: the old name of sgrec.items.hrcs; the server's
+    help renders every flag's text, where a bare % breaks argparse)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=120)
