@@ -52,11 +52,7 @@ def in_features(layer: nn.Module) -> int | None:
     """A linear layer's input width (nn.Linear or cpu_linear.PackedLinear), None for other modules."""
     from sgrec.model.cpu_linear import PackedLinear
 
-    if isinstance(layer, nn.Linear):
-        return layer.in_features
-    if isinstance(layer, PackedLinear):
-        return layer.in_features
-    return None
+    return layer.in_features if isinstance(layer, (nn.Linear, PackedLinear)) else None
 
 
 def make_batch_invariant(model: nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu",
