@@ -82,19 +82,16 @@ class ModelRunner:
 
     def _decode_graphs(self):
         """Decode steps replayed from CUDA graphs (sgrec.model.cuda_graph) on CUDA with the triton
-        backend, unless --disable-cuda-graph. A capture that fails is logged, and decode runs eagerly."""
+        backend, unless --disable-cuda-graph. A capture that runs out of memory is logged, and decode
+        runs eagerly; any other failure is raised (cuda_graph.try_capture)."""
         args = self.args
         if self.device.type != "cuda" or args.disable_cuda_graph or not isinstance(self.backend, TritonBackend):
             return None
-        from sgrec.model.cuda_graph import DecodeGraphs
+        from sgrec.model.cuda_graph import DecodeGraphs, try_capture
 
         max_bs = min(args.cuda_graph_max_bs or CUDA_GRAPH_MAX_BS, args.max_running_requests)
-        try:
-            return DecodeGraphs(self.model, self.backend, self.kv_pool, max_bs, 2 * self.kv_pool.size,
-                                self.context_len, capture=True)
-        except Exception as e:  # noqa: BLE001 - an optional speed-up: whatever capture raises, decode runs eagerly
-            logger.warning("CUDA graph capture failed, decode runs without graphs: %s", e, exc_info=True)
-            return None
+        return try_capture(lambda: DecodeGraphs(self.model, self.backend, self.kv_pool, max_bs, 2 * self.kv_pool.size,
+                                                self.context_len, capture=True), "decode runs without graphs")
 
     def _new_pool(self, size: int) -> KVPool:
         cfg = self.config

@@ -2,12 +2,14 @@
 same step runs eagerly (what the CUDA graph captures), against the runner's plain decode; on CUDA
 (scripts/gpu_suite.sh) the captured graphs' replays against eager steps."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from sgrec.model import native
-from sgrec.model.attention import SeqLayout
-from sgrec.model.cuda_graph import BUCKETS, DecodeGraphs, buckets_up_to
+from sgrec.model.attention import SeqLayout, TritonBackend
+from sgrec.model.cuda_graph import BUCKETS, DecodeGraphs, buckets_up_to, try_capture
 from sgrec.runner import ModelRunner
 from sgrec.server_args import ServerArgs
 
@@ -18,6 +20,52 @@ def test_buckets():
     assert buckets_up_to(512) == list(BUCKETS)
     with pytest.raises(ValueError, match="at least 1"):
         buckets_up_to(0)
+
+
+def oom(*_a, **_k):
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def sticky(*_a, **_k):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_capture_falls_back_only_when_out_of_memory(caplog):
+    """try_capture: out of memory (the known, recoverable failure) -> None and a warning naming what runs
+    instead; a CUDA error or a bug in the step is raised, not hidden behind an eager run."""
+    assert try_capture(lambda: 7, "x") == 7
+    with caplog.at_level("WARNING"):
+        assert try_capture(oom, "decode runs without graphs") is None
+    assert "out of device memory, decode runs without graphs" in caplog.text
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        try_capture(sticky, "x")
+    with pytest.raises(TypeError):
+        try_capture(lambda: None + 1, "x")
+
+
+@pytest.mark.parametrize("fail,raised", [(oom, None), (sticky, RuntimeError)])
+def test_decode_and_beam_graph_captures_use_it(monkeypatch, fail, raised):
+    """The runner's decode graphs and a beam step's graph: out of memory runs eagerly, a CUDA error
+    reaches the caller (before: both were caught, leaving a sticky error behind an eager run)."""
+    import sgrec.beam.graphs as bg
+    import sgrec.model.cuda_graph as cg
+
+    monkeypatch.setattr(cg, "DecodeGraphs", fail)
+    args = ServerArgs.from_kwargs(model_path="unused", device="cpu")
+    runner = SimpleNamespace(device=torch.device("cuda"), args=args, backend=TritonBackend(), model=None,
+                             kv_pool=SimpleNamespace(size=8), context_len=16)
+    monkeypatch.setattr(bg, "capture", fail)
+    beams = object.__new__(bg.BeamGraphs)
+    beams.capture, beams.graphs, beams.outputs, beams.device, beams._mem = True, {}, {}, None, None
+    if raised is None:
+        assert ModelRunner._decode_graphs(runner) is None
+        beams._capture((8, 1))
+        assert beams.capture is False and not beams.graphs
+    else:
+        with pytest.raises(raised):
+            ModelRunner._decode_graphs(runner)
+        with pytest.raises(raised):
+            beams._capture((8, 1))
 
 
 def prefilled(runner: ModelRunner, lens: list[int], seed: int) -> list[tuple[torch.Tensor, int]]:

@@ -227,7 +227,10 @@ def test_cuda_streams_match_serial_results_and_pool_waits():
     out = {}
 
     def mm(name, *srcs):
-        def fn():
+        def fn():  # each unit first spins ~5 ms on the device, so that a sibling launched after it finds
+            # its stream still busy and takes another, on any GPU however fast (a lone 512^3 product ends
+            # before the host launches the next unit, and every unit would then go to stream 0)
+            torch.cuda._sleep(10_000_000)
             x = sum(out[s] for s in srcs) if srcs else a
             out[name] = x @ a
             return out[name]

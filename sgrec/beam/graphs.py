@@ -23,7 +23,7 @@ import torch
 
 from sgrec.beam.attention import StagedMeta
 from sgrec.model.attention import ForwardBatch
-from sgrec.model.cuda_graph import buckets_up_to, capture
+from sgrec.model.cuda_graph import buckets_up_to, capture, try_capture
 from sgrec.model.kernels.staged_attention import BLOCK_B
 
 logger = logging.getLogger(__name__)
@@ -102,13 +102,13 @@ class BeamGraphs:
 
     def _capture(self, key: tuple[int, int]) -> None:
         """The (bucket, step) graph, in the memory pool all of them share (one step runs at a time and
-        its hidden states are read before the next). A failed capture turns capturing off: steps
-        then run eagerly through the same buffers."""
-        try:
-            self.graphs[key], self.outputs[key] = capture(lambda: self._step(*key), self.device, self._mem)
-            self._mem = self.graphs[key].pool()
-            logger.info("CUDA graph captured for beam steps of %d rows at step %d", *key)
-        except Exception as e:  # noqa: BLE001 - an optional speed-up: whatever capture raises, steps run eagerly
+        its hidden states are read before the next). A capture that runs out of memory turns capturing
+        off: steps then run eagerly through the same buffers. Any other failure is raised (try_capture)."""
+        got = try_capture(lambda: capture(lambda: self._step(*key), self.device, self._mem),
+                          "beam steps run without graphs")
+        if got is None:
             self.capture = False
-            logger.warning("CUDA graph capture of a beam step failed, beam steps run without graphs: %s", e,
-                           exc_info=True)
+            return
+        self.graphs[key], self.outputs[key] = got
+        self._mem = got[0].pool()
+        logger.info("CUDA graph captured for beam steps of %d rows at step %d", *key)

@@ -60,6 +60,20 @@ def capture(step, device: torch.device, mem=None) -> tuple["torch.cuda.CUDAGraph
     return graph, out
 
 
+def try_capture(make, fallback: str):
+    """make() (a capture), or None where it ran out of device memory: the one known, recoverable way a
+    capture fails (the graph's memory pool did not fit). That is logged with `fallback` (what runs
+    instead) and the allocator's cached blocks are freed. Anything else it raises is raised: a CUDA
+    error can leave the context unusable (a sticky error every later call would hit), and any other
+    exception is a bug in the captured step, which an eager run would hide."""
+    try:
+        return make()
+    except torch.cuda.OutOfMemoryError as e:
+        logger.warning("CUDA graph capture ran out of device memory, %s: %s", fallback, e)
+        torch.cuda.empty_cache()
+        return None
+
+
 class _Preset(AttentionBackend):
     """The kernel backend, with the step's metadata already in the batch (prepare does nothing)."""
 
