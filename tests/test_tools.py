@@ -218,3 +218,21 @@ def test_bench_roofline_counts_the_work_it_ran(tmp_path, tiny_model_dir):
                                "rank 10x16, item-prefix, warm", "retrieve 64 tok, BW 16"}
     assert all(x["gflops"] > 0 and x["limit"] > 0 and x["gflop"] > 0 for x in r["paths"].values())
     assert r["paths"]["rank 10x16, item-prefix, cold"]["gflop"] > r["paths"]["rank 10x16, item-prefix, warm"]["gflop"]
+
+
+def test_profile_retrieve_runs_its_code_path_on_cpu():
+    """benchmarks/profile_retrieve.py, tiny and on CPU: it times warm requests and prints both profiles
+    (the sync count is CUDA's only)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_retrieve.py"), "--device", "cpu", "--quick"],
+                       cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.search(r"^timed: \[[\d.]+, [\d.]+, [\d.]+\] ms$", p.stdout, re.M)
+    for part in ("--- cProfile by tottime", "--- cProfile by cumulative", "--- torch profiler by self_cpu_time_total"):
+        assert part in p.stdout
+    assert "engine.py" in p.stdout.split("--- cProfile by cumulative")[1]  # the request's own frames were profiled
