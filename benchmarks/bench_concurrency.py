@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sgrec.scheduler.streams import MultiStreamScheduler, SimStreams, UnitCost, WorkUnit  # noqa: E402
+from sgrec.policy.streams import MultiStreamScheduler, SimStreams, UnitCost, WorkUnit  # noqa: E402
 
 KINDS = ("rank", "score", "retrieve")
 

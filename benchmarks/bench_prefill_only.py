@@ -55,7 +55,7 @@ def make_workload(users: int, posts: int, mean: int, std: int, post_len: int, vo
 
 def fit_cost(model: str, lengths: list[int], pool: int):
     """LinearJct in seconds from the fastest of 5 timed prefill-only forwards per (n, cached) point."""
-    from sgrec.scheduler.policy import profile_linear_jct
+    from sgrec.policy.prefill_only import profile_linear_jct
 
     engine = Engine(model, device="cpu", dtype="float32", max_total_tokens=pool)
     return profile_linear_jct(engine.runner, lengths, repeats=5)

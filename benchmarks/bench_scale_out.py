@@ -127,7 +127,7 @@ def fetch_cost(model: str, catalog: str, batch: int, repeats: int = 200) -> dict
     from sgrec.items.peers import measure_recompute_per_token
     from sgrec.model.attention import SeqLayout
     from sgrec.radix.tree import RadixCache
-    from sgrec.rank import layout as L
+    from sgrec import layout as L
     from sgrec.rank.executor import RankExecutor
     from sgrec.runner import ModelRunner
     from sgrec.server_args import ServerArgs

@@ -5,7 +5,7 @@ import torch
 
 from sgrec.mem.kv_pool import KVPool
 from sgrec.model.attention import ColumnMeta, ForwardBatch, SeqLayout
-from sgrec.rank import layout as L
+from sgrec import layout as L
 
 
 def reference(q, k_buf, v_buf, idx, ptr, scale):

@@ -496,7 +496,7 @@ def srjf_order():
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sgrec.scheduler.policy import pick_prefill_only
+    from sgrec.policy.prefill_only import pick_prefill_only
 
     rng = random.Random(0)
     tree = RadixCache.create_simulated()

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sgrec.scheduler.batching import (
+from sgrec.policy.batching import (
     DEFAULT_WAIT_S, BatchFormer, FixedWaitQuota, RetrieveRound, SloWaitQuota, make_wait_quota, round_phases,
     round_time, run_fixed_round,
 )
@@ -185,7 +185,7 @@ def test_retrieve_round_steps():
 
 
 def test_from_server_args():
-    from sgrec.scheduler.batching import batch_former_from_args
+    from sgrec.policy.batching import batch_former_from_args
     from sgrec.server_args import ServerArgs
 
     bf = batch_former_from_args(ServerArgs(max_batch_tokens=32, slo_ms=40.0))

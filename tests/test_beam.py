@@ -604,7 +604,7 @@ def test_attention_stages_as_work_units_equal_in_place(new_tree, runners):
     """A batched beam step whose attention stages run as work units (shared and unshared stage per
     request, a merge after both; results held in the stream tensor pool) == the in-place stages,
     bit for bit, and the whole retrieve batch gives the same items."""
-    from sgrec.scheduler.streams import InlineStreams, StreamTensorPool, UnitRunner
+    from sgrec.policy.streams import InlineStreams, StreamTensorPool, UnitRunner
 
     runner = runners("llama")
     V = runner.config.vocab_size

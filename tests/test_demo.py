@@ -98,7 +98,7 @@ def test_tokenizer_round_trips_prompts(engine, vocab):
 def test_rankings_deterministic_and_match_training_forward(engine, vocab, prefix):
     from sgrec.demo.data import user_text
     from sgrec.demo.train import forward_hidden
-    from sgrec.rank import layout as L
+    from sgrec import layout as L
 
     user = {"id": "fixed-user", "token_ids": vocab.user_ids(USER)}
     runs = [engine.rank(user=user, items=CANDIDATES, prefix=prefix) for _ in range(2)]  # 2nd: warm caches
@@ -109,7 +109,7 @@ def test_rankings_deterministic_and_match_training_forward(engine, vocab, prefix
     assert [i for i, _ in got[0]] == [i for i, _ in got[1]] == [i for i, _ in got[2]]
     for g in got[1:]:
         assert max(abs(a[1] - b[1]) for a, b in zip(got[0], g)) < 1e-5
-    # the training forward (HF weights, sgrec.rank.layout masks/positions) gives the same scores
+    # the training forward (HF weights, sgrec.layout masks/positions) gives the same scores
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(demo.model_path()).float().eval()

@@ -9,7 +9,7 @@ import torch
 
 from sgrec.model import native
 from sgrec.model.attention import NativeBackend
-from sgrec.rank import layout as L
+from sgrec import layout as L
 from tests.kernel_refs import bipartite_reference, rank_case, rank_layouts, run_backends
 from tests.test_native_kernels import big_rank_layouts, causal_case
 

@@ -15,7 +15,7 @@ from sgrec.items import hrcs
 from sgrec.items.fetch import ItemFetcher, ItemKVClient, connect_loopback, header_key
 from sgrec.items.store import fingerprint
 from sgrec.radix.tree import RadixCache
-from sgrec.rank import layout as L
+from sgrec import layout as L
 from sgrec.rank.executor import RankExecutor
 from sgrec.runner import ModelRunner
 from sgrec.server_args import ServerArgs

@@ -76,7 +76,7 @@ def test_staged_attention_compiled_on_cuda(monkeypatch, dtype, tol):
 def test_bipartite_attention_compiled_on_cuda(monkeypatch, dtype, tol):
     from sgrec.model.attention import ColumnMeta, ForwardBatch
     from sgrec.model.kernels.bipartite_attention import bipartite_attention
-    from sgrec.rank import layout as L
+    from sgrec import layout as L
     from tests.kernel_refs import bipartite_reference, rank_case
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

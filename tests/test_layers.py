@@ -23,28 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sgrec"
 
 # The layer order, bottom first: a module may import modules of its own layer and of the layers below.
-# A module's layer is its longest entry (the module itself or a package above it); "sgrec" is the
-# package's own __init__ only. DESIGN.md's module map, read bottom-up, with four finer cuts that the
-# imports need (each a module that a lower room uses and that itself imports only lower rooms):
-# - the scheduler's algorithms (policy.py, batching.py, streams.py: plain functions and classes with
-#   no sgrec imports but model's SeqLayout) sit below the rooms that compute with them: the beam
-#   executor runs a retrieve round with batching.run_fixed_round and describes its attention stages
-#   as streams.WorkUnits; the item pool fits scheduler.policy's LinearJct to time recomputation. The
-#   rest of scheduler/ (the loop, tasks, the process) is above rank/ and beam/, whose executors it runs;
-# - rank/layout.py (the two bipartite layouts, defined once) sits below items/: the item store computes
-#   item KV at its item-as-prefix positions, and the rank executor above uses the item store;
-# - managers/io_struct.py (the inter-process messages) sits below scheduler/, which receives and sends
-#   them; the rest of managers/ (the asyncio side) is above it and never imports the scheduler;
-# - radix/sim/ (the trace simulator: evaluation tooling) sits above radix/, which it replays; no other
-#   module imports it (test_no_module_imports_the_simulator).
-# - sgrec.sglang_plugin (sgrec inside stock SGLang, an entry point SGLang loads) sits right above the
-#   highest room it uses (beam: trie and filters; also radix, catalog, scheduler.policy); nothing
-#   imports it (test_no_module_imports_the_sglang_plugin).
-# At the top: the package's own __init__ (its lazy `Engine` imports engine.py), the demo (its
-# evaluation runs the Engine; the launcher serves it), then the HTTP routes, the tools (local_server
-# starts `python -m sgrec.launch_server` from wherever `sgrec` lives) and the launcher, which imports
-# them all. `python -m sgrec.radix.hrcs` (radix/hrcs.py) runs sgrec.items.hrcs through runpy: a command
-# alias, not an import (importing that module is an ImportError).
+# One folder (or top-level module) is one layer: every entry is `sgrec.X`, a direct child of the
+# package (test_layers_are_folders), and a module's layer is the entry above it; "sgrec" is the
+# package's own __init__ only. ARCHITECTURE.md's module map, read bottom-up:
+# base (arguments, sampling, tokenizer, data) < mem (KV pool) < model < runner < catalog < radix
+# (with its trace simulator radix/sim/, which nothing else imports) < policy (the scheduler's
+# algorithms: prefill-only order and JCT models, batching, streams) < layout (the two bipartite rank
+# layouts) < items (the item KV store) < beam (retrieve) < sglang_plugin (sgrec inside stock SGLang;
+# nothing imports it) < rank < managers (the inter-process messages and the asyncio side, which never
+# imports the scheduler) < scheduler (the loop, tasks, the process) < engine < the package's __init__ <
+# demo < entrypoints (HTTP) < tools < launch_server.
 LAYERS: list[tuple[str, ...]] = [
     ("sgrec.server_args", "sgrec.sampling", "sgrec.tokenizer", "sgrec.data"),
     ("sgrec.mem",),
@@ -52,16 +40,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("sgrec.runner",),
     ("sgrec.catalog",),
     ("sgrec.radix",),
-    ("sgrec.radix.sim",),
-    ("sgrec.scheduler.policy", "sgrec.scheduler.batching", "sgrec.scheduler.streams"),
-    ("sgrec.rank.layout",),
+    ("sgrec.policy",),
+    ("sgrec.layout",),
     ("sgrec.items",),
     ("sgrec.beam",),
     ("sgrec.sglang_plugin",),
     ("sgrec.rank",),
-    ("sgrec.managers.io_struct",),
-    ("sgrec.scheduler",),
     ("sgrec.managers",),
+    ("sgrec.scheduler",),
     ("sgrec.engine",),
     ("sgrec",),
     ("sgrec.demo",),
@@ -184,7 +170,7 @@ def layer_of(module: str, layers: list[tuple[str, ...]]) -> int | None:
 
 def layer_problems(modules: list[str], imports: list[Import], layers: list[tuple[str, ...]]) -> list[str]:
     """Modules without a layer, entries without a module, and imports from a lower layer to a higher one."""
-    problems = [f"{m} is in no layer: add it to LAYERS (tests/test_layers.py) and to DESIGN.md's map"
+    problems = [f"{m} is in no layer: add it to LAYERS (tests/test_layers.py) and to ARCHITECTURE.md's map"
                 for m in modules if layer_of(m, layers) is None]
     for entries in layers:
         for entry in entries:
@@ -219,6 +205,13 @@ def test_no_import_cycle():
     assert cycle is None, cycle_message(cycle, imports)
 
 
+def test_layers_are_folders():
+    """No finer cuts: each layer is whole folders or top-level modules of the package, so the folder
+    tree is the layer map."""
+    finer = [e for layer in LAYERS for e in layer if e != "sgrec" and e.count(".") != 1]
+    assert not finer, f"layers must be sgrec.X (a folder or a top-level module), not {finer}"
+
+
 def test_imports_follow_the_layer_order():
     modules, imports = import_graph()
     problems = layer_problems(list(modules), imports, LAYERS)
@@ -245,7 +238,7 @@ def test_no_module_imports_the_sglang_plugin():
     _, imports = import_graph()
     bad = [str(i) for i in imports if i.dst.startswith("sgrec.sglang_plugin") and not i.src.startswith("sgrec.sglang_plugin")]
     assert not bad, "\n".join(bad)
-    allowed = ("sgrec.radix", "sgrec.beam.trie", "sgrec.beam.filters", "sgrec.catalog", "sgrec.scheduler.policy",
+    allowed = ("sgrec.radix", "sgrec.beam.trie", "sgrec.beam.filters", "sgrec.catalog", "sgrec.policy.prefill_only",
                "sgrec.sglang_plugin")
     used = [str(i) for i in imports if i.src.startswith("sgrec.sglang_plugin") and not i.dst.startswith(allowed)]
     assert not used, "\n".join(used)
@@ -307,29 +300,24 @@ def test_checker_reads_imports(tmp_path):
     assert any("LAYERS names sgrec.gone" in p for p in problems)
     assert len(problems) == 4
     assert layer_problems(list(modules), imports, layers[1:2]) == [
-        "sgrec is in no layer: add it to LAYERS (tests/test_layers.py) and to DESIGN.md's map",
-        "sgrec.low is in no layer: add it to LAYERS (tests/test_layers.py) and to DESIGN.md's map",
-        "sgrec.low.base is in no layer: add it to LAYERS (tests/test_layers.py) and to DESIGN.md's map",
-        "sgrec.low.user is in no layer: add it to LAYERS (tests/test_layers.py) and to DESIGN.md's map",
+        "sgrec is in no layer: add it to LAYERS (tests/test_layers.py) and to ARCHITECTURE.md's map",
+        "sgrec.low is in no layer: add it to LAYERS (tests/test_layers.py) and to ARCHITECTURE.md's map",
+        "sgrec.low.base is in no layer: add it to LAYERS (tests/test_layers.py) and to ARCHITECTURE.md's map",
+        "sgrec.low.user is in no layer: add it to LAYERS (tests/test_layers.py) and to ARCHITECTURE.md's map",
         f"{[i for i in imports if i.dst.startswith('tests')][0]}: sgrec imports none of tests, benchmarks, launch",
     ]
 
 
 # ---- commands the README shows -------------------------------------------------------------------
-@pytest.mark.parametrize("module", ["sgrec.radix.sim", "sgrec.items.hrcs", "sgrec.radix.hrcs", "sgrec.launch_server"])
+@pytest.mark.parametrize("module", ["sgrec.radix.sim", "sgrec.items.hrcs", "sgrec.launch_server"])
 def test_command_runs(module):
-    """`python -m MODULE --help` works (sgrec.radix.hrcs: the old name of sgrec.items.hrcs; the server's
-    help renders every flag's text, where a bare % breaks argparse)."""
+    """`python -m MODULE --help` works (the server's help renders every flag's text, where a bare %
+    breaks argparse)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: python -m " + module.replace("radix.hrcs", "items.hrcs"))
-
-
-def test_old_hrcs_module_names_the_new_one():
-    with pytest.raises(ImportError, match="sgrec.items.hrcs"):
-        __import__("sgrec.radix.hrcs")
+    assert proc.stdout.startswith("usage: python -m " + module)
 
 
 def test_every_server_flag_is_in_the_readme():
@@ -345,3 +333,26 @@ def test_every_server_flag_is_in_the_readme():
     assert flags == {"--" + f.name.replace("_", "-") for f in dataclasses.fields(ServerArgs)}
     readme = (ROOT / "README.md").read_text()
     assert sorted(f for f in flags if f"`{f}`" not in readme) == []
+
+
+def test_every_import_is_declared():
+    """Each third-party package a module of sgrec imports is named in pyproject.toml: in the
+    dependencies, or in an extra for the modules only that extra's users run (tests, tools, GPU)."""
+    import importlib.metadata as md
+    import re
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = cfg["dependencies"] + [r for extra in cfg["optional-dependencies"].values() for r in extra]
+    declared = {re.split(r"[\s;<>=!~\[]", r, maxsplit=1)[0].lower().replace("_", "-") for r in specs}
+    dists = md.packages_distributions()
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"sgrec", "__future__"}:
+                dist = [d.lower().replace("_", "-") for d in dists.get(top, [top])]  # not installed: its own name
+                if not any(d in declared for d in dist):
+                    missing.append(f"{path.relative_to(ROOT)}: {top} ({', '.join(dist)})")
+    assert not missing, "imported but in no dependency list of pyproject.toml:\n" + "\n".join(sorted(set(missing)))

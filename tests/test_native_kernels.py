@@ -15,7 +15,7 @@ from sgrec.model import native
 from sgrec.model.attention import ColumnMeta, ForwardBatch, NativeBackend, SeqLayout, TorchBackend, TritonBackend
 from sgrec.model.backends import make_backend
 from sgrec.model.cpu_caps import cpu_flags
-from sgrec.rank import layout as L
+from sgrec import layout as L
 from sgrec.runner import ModelRunner
 from sgrec.server_args import ServerArgs
 from tests.kernel_refs import (bipartite_reference, case, decode_logits, pack, rank_case, rank_layouts, reference,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from sgrec.rank import layout as L
+from sgrec import layout as L
 from tests.test_rank import INSTR, Setup, ids, scores_of
 from tests.test_rank_semantic import logliks_of, make_sem_catalog
 

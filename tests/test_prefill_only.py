@@ -9,7 +9,7 @@ import torch
 
 from sgrec import Engine
 from sgrec.model.attention import SeqLayout
-from sgrec.scheduler.policy import LinearJct, pick_prefill_only
+from sgrec.policy.prefill_only import LinearJct, pick_prefill_only
 from sgrec.scheduler.scheduler import Scheduler  # noqa: F401  (imported for its side effects on failure)
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -305,7 +305,7 @@ def test_linear_jct_fit_is_exact_nnls():
 def test_jct_profile_retries_then_falls_back_to_token_count(monkeypatch):
     # a profile whose times do not grow with uncached tokens (noise on a busy host) is retaken with
     # 3 runs per point; if it still says b = 0 the scheduler ranks by uncached tokens instead
-    from sgrec.scheduler import policy
+    from sgrec.policy import prefill_only as policy
 
     calls = []
     fits = [LinearJct(0.01, 0.0, 1e-6), LinearJct(0.01, 0.0, 2e-6)]

@@ -402,3 +402,18 @@ RadixMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestRadixMachine = RadixMachine.TestCase
+
+
+def test_make_room_evicts_only_what_is_missing_and_says_whether_it_fits():
+    cache, alloc, _ = make_cache(size=16)
+    put(cache, alloc, [1, 2, 3, 4, 5])
+    put(cache, alloc, [7, 8, 9, 10, 11])
+    assert alloc.available_size() == 6
+    assert cache.make_room(6) and cache.total_size() == 10  # enough free: nothing evicted
+    assert cache.make_room(8) and alloc.available_size() == 11 and cache.total_size() == 5  # one entry out
+    m = cache.match_prefix([7, 8, 9, 10, 11])  # the least recently used went first
+    assert m.indices.numel() == 5
+    cache.inc_lock_ref(m.last_node)  # a locked entry is never evicted: 11 free, 12 asked
+    assert not cache.make_room(12) and cache.total_size() == 5
+    cache.dec_lock_ref(m.last_node)
+    assert cache.make_room(16) and cache.total_size() == 0

@@ -13,7 +13,7 @@ from sgrec.catalog import Catalog, Item, UnknownItemError
 from sgrec.items import hrcs
 from sgrec.radix.tree import RadixCache
 from sgrec.rank import budget
-from sgrec.rank import layout as L
+from sgrec import layout as L
 from sgrec.rank.executor import RankCapacityError, RankExecutor
 from sgrec.rank.policy import CacheMeta, select_prefix
 from sgrec.runner import ModelRunner

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sgrec.catalog import Catalog, Item, jsonl
-from sgrec.rank import layout as L
+from sgrec import layout as L
 from sgrec.rank import semantic
 from sgrec.runner import ModelRunner
 from tests.test_rank import INSTR, MODELS, TOL, Setup, ids, scores_of

@@ -110,7 +110,7 @@ def test_engine_rank_layouts_agree_with_recompute(model, catalog_path):
     user = {"id": "u1", "token_ids": list(range(20, 60))}
     cands = [f"i{k}" for k in (3, 7, 1, 12, 25)]
     from sgrec.managers.rec import DEFAULT_INSTRUCTION
-    from sgrec.rank import layout as L
+    from sgrec import layout as L
 
     ex, instr = e.scheduler.rank_executor, e.tokenizer.encode(DEFAULT_INSTRUCTION, add_special_tokens=False)
     for prefix in ("user", "item"):  # each layout through the caches == the same layout from scratch

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from sgrec.scheduler.streams import (
+from sgrec.policy.streams import (
     CudaStreams, DoneEvent, InlineStreams, MultiStreamScheduler, SimStreams, StreamTensorPool, UnitCost,
     WorkloadMonitor, WorkUnit, dep_values, make_backend, select_stream,
 )
@@ -264,7 +264,7 @@ def test_cuda_streams_match_serial_results_and_pool_waits():
 
 
 def test_pool_threshold_from_server_args():
-    from sgrec.scheduler.streams import DEFAULT_POOL_BYTES, tensor_pool_from_args
+    from sgrec.policy.streams import DEFAULT_POOL_BYTES, tensor_pool_from_args
     from sgrec.server_args import ServerArgs
 
     assert tensor_pool_from_args(ServerArgs(), 4).threshold_bytes == DEFAULT_POOL_BYTES == 64 << 20

@@ -194,7 +194,7 @@ class StagedBeamBackend(AttentionBackend):
     request) or a BeamBatchMeta (several requests: the projections and MLP run on all their beams
     at once, attention per request).
 
-    With `units` (a `sgrec.scheduler.streams.UnitRunner`), a batched step's attention runs as work
+    With `units` (a `sgrec.policy.streams.UnitRunner`), a batched step's attention runs as work
     units of the multi-stream executor (xGR §7): per request a shared and an unshared stage
     (independent) and a merge that depends on both; the stages' partial results go to the tensor
     pool of the stream that made them until the merge that reads them is done.
@@ -252,7 +252,7 @@ class StagedBeamBackend(AttentionBackend):
         return _shared_once(q, k_buf, v_buf, meta, scale)
 
     def _as_units(self, q, k_buf, v_buf, meta: "BeamBatchMeta", scale: float) -> torch.Tensor:
-        from sgrec.scheduler.streams import UnitCost, WorkUnit
+        from sgrec.policy.streams import UnitCost, WorkUnit
 
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         qf = _queries(q, k_buf.shape[1], scale)

@@ -232,7 +232,7 @@ class RetrieveExecutor:
         tree.inc_lock_ref(res.last_node)
         rows, cols = self._rows_cols(r)
         c = res.indices.numel()
-        if not self._ensure_free((P - c) + rows * cols):
+        if not self.tree.make_room((P - c) + rows * cols):
             tree.dec_lock_ref(res.last_node)
             return False
         r.lock, r.cached = res.last_node, c
@@ -262,7 +262,7 @@ class RetrieveExecutor:
 
     def _round(self, reqs: list[_Request]) -> None:
         """Prefill + the beam levels of the round's requests (all of one trie, so of one depth)."""
-        from sgrec.scheduler.batching import run_fixed_round
+        from sgrec.policy.batching import run_fixed_round
 
         if self.triton_select and all(kernel_step.fits(self.trie, d) for d in range(self.trie.depth)):
             from sgrec.beam.device_round import DeviceRound
@@ -363,12 +363,6 @@ class RetrieveExecutor:
         _check_int("top_k", top_k, 1)
         _check_int("num_items", num_items, 1, beam_width)
         return self.trie
-
-    def _ensure_free(self, n: int) -> bool:
-        short = n - self.allocator.available_size()
-        if short > 0:
-            self.tree.evict(short)
-        return self.allocator.available_size() >= n
 
     def _beam_forward(self, tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
                       meta: BeamStepMeta | BeamBatchMeta | StagedMeta, columns: torch.Tensor | None = None

@@ -201,8 +201,3 @@ def write(items, path: str) -> None:
     with open(path, "wb") as f:
         for it in items:
             f.write(orjson.dumps(item_line(it)) + b"\n")
-
-
-def read_items(path: str, tokenizer=None, vocab_size: int | None = None) -> list[Item]:
-    """The items of a JSONL catalog, in file order (small catalogs and tools)."""
-    return list(load(path, tokenizer, vocab_size).items)

@@ -6,7 +6,7 @@ Only the training part feeds the model, the semantic IDs and the popularity coun
 
 Prompts (token ids; the catalog's `id_token` of each movie is one vocabulary token):
     user       [BOS, id(h_1), ..., id(h_k)]             the last HISTORY_LEN items
-    rank       sgrec.rank.layout over (user, candidates' token_ids, RANK_INSTRUCTION)
+    rank       sgrec.layout over (user, candidates' token_ids, RANK_INSTRUCTION)
     retrieve   user + RETRIEVE_INSTRUCTION, continued by the semantic-ID path and EOS
 """
 

@@ -4,7 +4,7 @@ Steps (all deterministic in --seed, CPU only):
 1. leave-last-out split (sgrec.demo.data), semantic IDs (sgrec.demo.semantic_ids) from the
    training part, the tokenizer (sgrec.demo.tokenizer) and the item catalog;
 2. a small Llama (HF LlamaForCausalLM weights, tied embeddings) trained on two tasks at once:
-   - rank: user + candidates + RANK_INSTRUCTION in the layouts of sgrec.rank.layout (tokens,
+   - rank: user + candidates + RANK_INSTRUCTION in the layouts of sgrec.layout (tokens,
      positions and masks built by that module), loss = cross-entropy of the next item over the
      vocabulary and over the candidates' id_tokens at the last position; all prompts use the
      user-as-prefix layout unless --ip-fraction gives a share to item-as-prefix;
@@ -36,7 +36,7 @@ from sgrec.demo.data import CANDIDATE_SCHEMES, Split, Vocab, load_split, sample_
 from sgrec.demo.semantic_ids import hierarchical_codes, item_features, node_codes
 from sgrec.demo.tokenizer import build_tokenizer, semantic_token
 from sgrec.model.rope import rope_inv_freq
-from sgrec.rank import layout as L
+from sgrec import layout as L
 
 MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,

@@ -106,7 +106,7 @@ def measure_recompute_per_token(runner, catalog, max_candidates: int, repeats: i
     """Seconds this runner spends per item token it recomputes inside a rank request's forward: the
     per-new-token slope b of t = a + b * new + c * cached (`LinearJct`, non-negative least squares)
     fitted on prefills of the shapes such a forward has (new tokens over up to c * tau_i cached)."""
-    from sgrec.scheduler.policy import LinearJct
+    from sgrec.policy.prefill_only import LinearJct
 
     prefix = round(min(100, max_candidates, len(catalog)) * hrcs.mean_item_tokens(catalog))
     shapes = [(s, p) for s in (16, 64, 256) for p in (0, prefix)]

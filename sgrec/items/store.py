@@ -1,6 +1,6 @@
 """The item KV store of bipartite-attention ranking (BAT §4.3, §5.2).
 
-Each item's KV is computed once, with the item-as-prefix positions of `sgrec.rank.layout` (its
+Each item's KV is computed once, with the item-as-prefix positions of `sgrec.layout` (its
 tokens at len(H) .. len(H)+len-1, attending to the shared header H and causally to itself), and is
 shared by every user. The header's own KV is held here too. Slots come from the runner's allocator
 and stay owned by the store until evicted or reset; `total_size()` counts them (header included)
@@ -39,7 +39,7 @@ import torch
 
 from sgrec.catalog import Catalog, Item
 from sgrec.model.attention import SeqLayout
-from sgrec.rank import layout as L
+from sgrec import layout as L
 
 logger = logging.getLogger(__name__)
 

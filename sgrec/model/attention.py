@@ -27,7 +27,7 @@ class BipartiteMask:
     column j is the token at offset order[j] of the sequence's layout, in block block[j] (-1: in no
     block). The new tokens are the last q_len columns, in ascending order. A new token may attend to
     column j iff order[j] <= its own order and not (both are in blocks, different ones): the rule of
-    sgrec.rank.layout.RankLayout.mask, O(kv_len) instead of O(q_len * kv_len)."""
+    sgrec.layout.RankLayout.mask, O(kv_len) instead of O(q_len * kv_len)."""
 
     order: torch.Tensor  # int64 [kv_len]
     block: torch.Tensor  # int64 [kv_len]

@@ -49,9 +49,6 @@ class TreeNode:
         self.depth = (parent.depth if parent is not None else 0) + len(self.key)
         self.id = next(_node_ids)
 
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.id}, key={self.key}, extra_key={self.extra_key!r}, depth={self.depth}, "
                 f"lock_ref={self.lock_ref}, children={len(self.children)})")

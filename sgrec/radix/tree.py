@@ -118,6 +118,13 @@ class RadixCache:
         return i
 
     # ---- eviction and locks --------------------------------------------------------------------
+    def make_room(self, n: int) -> bool:
+        """Evicts what it must (and can) so that the allocator has n free slots; whether it has them."""
+        short = n - self.allocator.available_size()
+        if short > 0:
+            self.evict(short)
+        return self.allocator.available_size() >= n
+
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves in policy order until >= num_tokens tokens are freed or nothing is
         evictable; a parent left childless and unlocked becomes a candidate. Returns tokens freed.

@@ -1,7 +1,7 @@
 """RankExecutor: runs one rank request with bipartite attention (BAT §4, §5).
 
 For a request (user tokens, candidate item ids, instruction tokens) it picks the prefix (§5.3,
-`sgrec.rank.policy`), builds the layout (`sgrec.rank.layout`), takes what is cached (the user's
+`sgrec.rank.policy`), builds the layout (`sgrec.layout`), takes what is cached (the user's
 prefix from the radix tree for user-as-prefix; header and item KV from the item store for
 item-as-prefix), computes every other token of the layout in one forward (their rows of the
 layout's mask against the KV of all its tokens), and scores the candidates by a softmax over
@@ -43,7 +43,7 @@ from sgrec.items import hrcs
 from sgrec.items.fetch import write_item_kv
 from sgrec.items.store import ItemStore, fingerprint
 from sgrec.model.attention import SeqLayout
-from sgrec.rank import layout as L
+from sgrec import layout as L
 from sgrec.rank import semantic
 from sgrec.rank.policy import NONE, PREFIX_POLICIES, CacheMeta, select_prefix
 
@@ -595,12 +595,8 @@ class RankExecutor:
         self.token_time = per if self.token_time is None else (1 - TOKEN_TIME_ALPHA) * self.token_time + TOKEN_TIME_ALPHA * per
 
     def _make_room(self, n: int) -> None:
-        short = n - self.allocator.available_size()
-        if short > 0 and not self.tree.disable:
-            self.tree.evict(short)
-        short = n - self.allocator.available_size()
-        if short > 0:
-            self.store.evict(short)
+        if not self.tree.make_room(n):  # the radix tree's entries first, then the item store's
+            self.store.evict(n - self.allocator.available_size())
         if n > self.allocator.available_size():
             raise RankCapacityError(
                 f"KV cache full: a rank request needs {n} slots, {self.allocator.available_size()} free after "

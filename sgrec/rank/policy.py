@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from sgrec.rank.layout import ITEM_PREFIX, USER_PREFIX
+from sgrec.layout import ITEM_PREFIX, USER_PREFIX
 
 PREFIX_POLICIES = ("auto", "user", "item", "none", "greedy")
 NONE = "none"  # recompute: user-as-prefix layout, no cache read or write

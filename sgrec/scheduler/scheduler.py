@@ -23,7 +23,7 @@ from sgrec.catalog.update import UpdateError
 from sgrec.catalog.versions import Prepared, catalog_facts, replay
 from sgrec.managers.io_struct import TaskReq, TokenizedGenerateReq, abort_reason
 from sgrec.sampling import SamplingParams
-from sgrec.scheduler.policy import (
+from sgrec.policy.prefill_only import (
     jct_uncached_tokens, pick_prefill_only, profile_linear_jct,
 )
 from sgrec.scheduler.recommend import recommend_batch
@@ -259,12 +259,6 @@ class Scheduler:
             )
 
     # ---- admission ----------------------------------------------------------------------
-    def _ensure_free(self, n: int) -> bool:
-        short = n - self.allocator.available_size()
-        if short > 0:
-            self.tree.evict(short)
-        return self.allocator.available_size() >= n
-
     def _decode_reserve(self, extra: list[Req]) -> int:
         rem = sum(
             min(r.sampling.max_new_tokens - len(r.output_ids), DECODE_RESERVE_CLIP) for r in [*self.running, *extra]
@@ -296,7 +290,7 @@ class Scheduler:
             take = min(remaining, budget)
             reserve = self._decode_reserve([r for r, _, _ in items] + [req])
             alone = not self.running and not items  # nothing else can free memory: admit without reserve
-            fits = take > 0 and (self._ensure_free(take + reserve) or (alone and self._ensure_free(take)))
+            fits = take > 0 and (self.tree.make_room(take + reserve) or (alone and self.tree.make_room(take)))
             if not fits:
                 if not continuing:
                     self._release(req, cache=False)
@@ -333,7 +327,7 @@ class Scheduler:
             self._match(req)
             m = req.kv_len
             keep = max(m, min(n if req.cache_prefix_len is None else req.cache_prefix_len, n))
-            if keep > m and not self._ensure_free(keep - m):
+            if keep > m and not self.tree.make_room(keep - m):
                 keep = m + self.allocator.available_size()  # keep what fits, discard the rest
             kept = self.allocator.alloc(keep - m)
             slots = torch.cat([kept, torch.zeros(n - keep, dtype=torch.int64, device=kept.device)])
@@ -468,7 +462,7 @@ class Scheduler:
 
     # ---- decode -------------------------------------------------------------------------
     def _run_decode(self) -> list[Req]:
-        while not self._ensure_free(len(self.running)):
+        while not self.tree.make_room(len(self.running)):
             if len(self.running) == 1:
                 req = self.running.pop()
                 self._finish_abort(req, "Out of KV cache memory", status_code=503)

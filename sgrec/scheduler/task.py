@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sgrec.managers.io_struct import ReqOutput, TaskReq, abort_reason
-from sgrec.scheduler.batching import Batch, BatchFormer, batch_former_from_args
-from sgrec.scheduler.streams import (
+from sgrec.policy.batching import Batch, BatchFormer, batch_former_from_args
+from sgrec.policy.streams import (
     MultiStreamScheduler, StreamBackend, UnitCost, UnitRunner, WorkUnit, make_backend, tensor_pool_from_args,
 )
 

@@ -10,7 +10,7 @@ hooks registered here. It adds:
 - `--schedule-policy srjf`: PrefillOnly's SRJF with continuous JCT calibration (`schedule.py`).
 
 Each part reuses sgrec's own algorithm (radix.eviction / radix.predictor, beam.trie / beam.filters /
-catalog, scheduler.policy); these modules only translate SGLang's objects and events. Registering
+catalog, policy.prefill_only); these modules only translate SGLang's objects and events. Registering
 imports no model code and starts nothing: the catalog is read and the policy built when SGLang
 builds its grammar backend and radix cache.
 """

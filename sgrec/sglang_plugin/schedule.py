@@ -1,5 +1,5 @@
 """`--schedule-policy srjf` inside SGLang: PrefillOnly's shortest-remaining-job-first with continuous
-JCT calibration, ordered by sgrec's own policy (`sgrec.scheduler.policy.order_prefill_only`).
+JCT calibration, ordered by sgrec's own policy (`sgrec.policy.prefill_only.order_prefill_only`).
 
 SGLang has no registry of schedule policies, so three hooks:
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import time
 
-from sgrec.scheduler.policy import jct_uncached_tokens, order_prefill_only
+from sgrec.policy.prefill_only import jct_uncached_tokens, order_prefill_only
 
 NAME = "srjf"
 SCHEDULE_POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"

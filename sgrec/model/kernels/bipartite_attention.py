@@ -10,7 +10,7 @@ token; else the candidate it belongs to). A new token (order o, block b) may att
     o' <= o  and  not (b >= 0 and b' >= 0 and b != b')
 
 that is, causally in layout order, except that a block never sees another block: the rule of
-sgrec.rank.layout.RankLayout.mask, whatever the layout (user or item as prefix) and whichever of its
+sgrec.layout.RankLayout.mask, whatever the layout (user or item as prefix) and whichever of its
 tokens are cached (the cached columns may come in any order, e.g. item-as-prefix's cached items
 before the fresh ones). New tokens must come in ascending order (they are the rows, in layout order).
 

@@ -215,9 +215,6 @@ class SGLangReplay:
         c.dec_lock_ref(res.last_device_node)
         return hit, evicted
 
-    def nodes(self) -> int:
-        return -1
-
 
 # ---- runners ---------------------------------------------------------------------------------------
 def _uses_oracle(policy: str, predictor: str, noise: float | None) -> bool:
@@ -251,12 +248,12 @@ def replay(trace: Trace, cache: SgrecReplay | SGLangReplay, name: str) -> SimRes
             res.hit_tokens += hit
             res.hit_requests += hit > 0
             res.evicted_tokens += evicted
-            if t % 256 == 0:
+            if t % 256 == 0 and isinstance(cache, SgrecReplay):  # SGLang's tree has no node count to read
                 peak = max(peak, cache.nodes())
         if isinstance(cache, SgrecReplay) and isinstance(cache.tree.policy, PredictivePolicy):
             cache.tree.policy.flush()  # background work belongs to the replay's time
         res.seconds, res.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
-    res.peak_nodes = max(peak, cache.nodes())
+    res.peak_nodes = max(peak, cache.nodes()) if isinstance(cache, SgrecReplay) else -1
     if isinstance(cache, SgrecReplay):
         pol = cache.tree.policy
         if isinstance(pol, PredictivePolicy):
