@@ -133,7 +133,7 @@ class ServerArgs:
     disable_weight_packing: bool = _arg(
         False, "On CPU, do not prepack float32 (or natively multiplied bfloat16) weights for oneDNN "
         "matmuls (packing is the default: faster decode; float32 logprobs differ from HF transformers by up "
-        "to ~1e-3, within the 2e-3 agreement of DESIGN.md).")
+        "to ~1e-3, within the 2e-3 agreement of ARCHITECTURE.md).")
     enable_deterministic_inference: bool = _arg(
         False, "SGLang's flag: a request gets bit-identical outputs whatever else is batched with it, however "
         "many requests run concurrently, however its prefill is chunked and whether its prefix or its items "

@@ -193,5 +193,5 @@ def test_packed_cpu_weights_match_plain_weights(tiny_model_dir, tied):
     assert a["output_ids"] == b["output_ids"]
     diff = (dists(a["meta_info"]["input_token_ids_logprobs"][1:]) - dists(b["meta_info"]["input_token_ids_logprobs"][1:]))
     # Measured 9e-4 here (logits up to ~40): a different float32 summation order, not a bug, within the
-    # 2e-3 agreement with HF (DESIGN.md, invariant 1). A loading or layout bug would be off by whole units.
+    # 2e-3 agreement with HF (ARCHITECTURE.md, invariant 1). A loading or layout bug would be off by whole units.
     assert diff.abs().max().item() <= 5e-3

@@ -22,7 +22,7 @@ from sgrec.server_args import ServerArgs
 from sgrec.tools.probe import wait_for
 
 TOL = 1e-5
-KV_TOL = 1e-4  # DESIGN.md's float32 tolerance of reused KV
+KV_TOL = 1e-4  # ARCHITECTURE.md's float32 tolerance of reused KV
 HEADER = [5, 6, 7]
 INSTR = [9, 10, 11]
 

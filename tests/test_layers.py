@@ -1,5 +1,5 @@
 """sgrec's rooms keep their order: no import cycle between modules, and no import from a lower layer
-to a higher one (DESIGN.md's module map). Read from the source with ast, nothing is imported.
+to a higher one (ARCHITECTURE.md's module map). Read from the source with ast, nothing is imported.
 
 What counts as an import: every `import sgrec...` / `from sgrec... import ...` / relative import in
 a module, function-local ones included (they are real dependencies that only run later); imports
@@ -356,3 +356,29 @@ def test_every_import_is_declared():
                 if not any(d in declared for d in dist):
                     missing.append(f"{path.relative_to(ROOT)}: {top} ({', '.join(dist)})")
     assert not missing, "imported but in no dependency list of pyproject.toml:\n" + "\n".join(sorted(set(missing)))
+
+
+def test_no_file_cites_a_document_outside_the_repository():
+    """Every `*.md` a tracked file names is in the repository (the architecture and SGLang's wire
+    format travel with a clone), and nothing points into a folder beside the checkout."""
+    import re
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    docs = {p for p in tracked if p.endswith(".md")}
+    names = {Path(p).name for p in docs}
+    beside = "../" + "shared"  # the workplace's folder beside the checkout (spelled so as not to match itself)
+    problems = []
+    for rel in tracked:
+        if not rel.endswith((".py", ".md", ".sh", ".toml", ".txt", ".cfg", ".yml", ".yaml")) and "/" in rel:
+            continue
+        try:
+            text = (ROOT / rel).read_text()
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if beside in line:
+                problems.append(f"{rel}:{n}: points outside the repository ({beside})")
+            for ref in re.findall(r"[A-Za-z0-9_./-]*[A-Za-z0-9_-]\.md\b", line):
+                if ref not in docs and Path(ref).name not in names:
+                    problems.append(f"{rel}:{n}: {ref} is not in the repository")
+    assert not problems, "\n".join(problems)
