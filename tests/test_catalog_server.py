@@ -240,7 +240,7 @@ def test_a_replaced_items_kv_equals_a_fresh_servers(start_server, model, files):
     fresh = start_server(model, *FLAGS, "--item-catalog", str(fresh_catalog), "--api-key", KEY)
     want = rank(fresh, user, cands)
     assert want["meta_info"]["prefix"] == "item"
-    # DESIGN.md invariant 1: reused KV (k1, k2 from the item store) equals recomputed KV within 1e-5,
+    # ARCHITECTURE.md's invariant 1: reused KV (k1, k2 from the item store) equals recomputed KV within 1e-5,
     # and so do these softmax scores (stale KV of k0's old tokens moves them by ~1e-1)
     assert {x["item"]: x["score"] for x in got["ranking"]} == pytest.approx(
         {x["item"]: x["score"] for x in want["ranking"]}, abs=1e-5)

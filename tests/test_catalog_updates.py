@@ -5,7 +5,6 @@ torn last line is dropped and any other bad line named; versions, rollbacks and 
 import json
 import random
 
-import numpy as np
 import pytest
 
 from sgrec.catalog import Catalog, CatalogError, Item

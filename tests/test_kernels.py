@@ -104,7 +104,7 @@ def test_trie_step_compiled_on_cuda(monkeypatch):
     import random
 
     from sgrec.beam import kernel_step
-    from sgrec.beam.executor import select_level
+    from sgrec.beam.search import select_level
     from sgrec.beam.filters import FilterCache, build_filter
     from sgrec.beam.trie import SemanticIdTrie
     from tests.test_beam import random_catalog

@@ -41,7 +41,7 @@ def as_rows(answer) -> list[tuple]:
 
 def same(a: list[tuple], b: list[tuple]) -> None:
     """Same items and paths; rank scores within 1e-5 and retrieve scores (each the sum of a path's ND
-    log-probs) within ND x 1e-5: DESIGN.md's invariant 1 per log-prob (one call computes the prompt,
+    log-probs) within ND x 1e-5: ARCHITECTURE.md's invariant 1 per log-prob (one call computes the prompt,
     the other finds it in the radix cache)."""
     assert [x[0] for x in a] == [x[0] for x in b] and [x[3] for x in a] == [x[3] for x in b]
     for x, y in zip(a, b):

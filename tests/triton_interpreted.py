@@ -537,13 +537,13 @@ def level_requests(rng, trie, depth, filters, widths, restricted, tie_rows=False
 
 def check_level(trie, depth, nodes, scores, logits, filters, top_k, m, restricted, global_min_k=256):
     """The kernel's selection of every request at once == select_level (torch) of each alone."""
-    from sgrec.beam import executor, kernel_step
+    from sgrec.beam import kernel_step, search
 
     got = kernel_step.select_levels(trie, depth, torch.cat(logits), nodes, scores, filters, top_k, m, restricted,
                                     global_min_k)
     kept = 0
     for r in range(len(nodes)):
-        want = executor.select_level(logits[r], trie, depth, nodes[r], scores[r], filters[r], top_k[r], m[r],
+        want = search.select_level(logits[r], trie, depth, nodes[r], scores[r], filters[r], top_k[r], m[r],
                                      restricted)
         p, t, s, nd = got[r]
         assert p.tolist() == want[0].tolist() and t.tolist() == want[1].tolist() and nd.tolist() == want[3].tolist()
@@ -592,11 +592,11 @@ def test_trie_step_ties_equal_the_torch_selection(global_min_k, monkeypatch):
     2 the torch path takes its one-pass global selection (no per-beam cap), the kernel the same."""
     import random
 
-    from sgrec.beam import executor
+    from sgrec.beam import search
     from sgrec.beam.trie import SemanticIdTrie
     from sgrec.catalog import Catalog, Item
 
-    monkeypatch.setattr(executor, "GLOBAL_SELECT_MIN_K", global_min_k)
+    monkeypatch.setattr(search, "GLOBAL_SELECT_MIN_K", global_min_k)
     V = 40
     paths = [(a, b) for a in range(30, 36) for b in range(20, 30)]  # every depth-1 node: the same 10 children
     cat = Catalog([Item(f"i{i}", (1,), 1, p) for i, p in enumerate(paths)])
@@ -621,11 +621,11 @@ def test_trie_step_takes_the_torch_paths_regime_on_rounding_ties(global_min_k, m
     """Three children whose log-probs differ by 1e-5 but round to one score next to -1000: the
     per-beam pool (the 2 best by log-prob) and the one-pass global selection (no cap: by score,
     then token) keep different pairs; the kernel keeps what the torch path keeps in either regime."""
-    from sgrec.beam import executor
+    from sgrec.beam import search
     from sgrec.beam.trie import SemanticIdTrie
     from sgrec.catalog import Catalog, Item
 
-    monkeypatch.setattr(executor, "GLOBAL_SELECT_MIN_K", global_min_k)
+    monkeypatch.setattr(search, "GLOBAL_SELECT_MIN_K", global_min_k)
     paths = [(a, b) for a in range(30, 33) for b in range(20, 30)]
     trie, _ = SemanticIdTrie.from_catalog(Catalog([Item(f"i{i}", (1,), 1, p) for i, p in enumerate(paths)]), 40)
     x = torch.zeros(2, 40)

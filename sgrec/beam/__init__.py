@@ -10,8 +10,12 @@ __all__ = ["KVCacheFullError", "RetrieveExecutor", "RetrieveResult", "SemanticId
 
 
 def __getattr__(name):
-    if name in ("KVCacheFullError", "RetrieveExecutor", "RetrieveResult", "naive_retrieve"):
+    if name in ("KVCacheFullError", "RetrieveExecutor", "RetrieveResult"):
         from sgrec.beam import executor
 
         return getattr(executor, name)
+    if name == "naive_retrieve":
+        from sgrec.beam.reference import naive_retrieve
+
+        return naive_retrieve
     raise AttributeError(name)

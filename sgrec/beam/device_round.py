@@ -18,7 +18,7 @@ and unshared K/V, gathered from their parents' rows (a gather into a new tensor,
 the parents' rows are read before any row is written). The round reads the kept counts back once,
 at its end.
 
-The kept beams are the torch path's (sgrec.beam.executor.select_level), ties included: dead rows
+The kept beams are the torch path's (sgrec.beam.search.select_level), ties included: dead rows
 change neither a request's pool nor its widest beam (tests/triton_interpreted.py).
 """
 
@@ -44,7 +44,7 @@ class DeviceRound:
     """run_fixed_round's hooks (as sgrec.beam.executor._RoundHooks) for a round on the Triton path."""
 
     def __init__(self, ex, reqs, global_min_k: int):
-        self.ex, self.reqs, self.global_min_k = ex, reqs, global_min_k  # see executor.GLOBAL_SELECT_MIN_K
+        self.ex, self.reqs, self.global_min_k = ex, reqs, global_min_k  # see search.GLOBAL_SELECT_MIN_K
         trie = ex.trie
         self.rows = [level_rows(trie, r.beam_width, r.num_items) for r in reqs]
         width = [max(x[1:]) for x in self.rows]

@@ -12,13 +12,12 @@ min(beam_width, most beams the catalog allows): the last step's tokens are never
 they need no KV. When run() returns, every slot it took is free again or owned by the tree, and
 lock refs are back where they were.
 
-A level's selection (children_logp, per-beam top-K, global top-BW: `select_level`) runs per request
+A level's selection (children_logp, per-beam top-K, global top-BW: search.select_level) runs per request
 in torch, or, under --attention-backend triton, for every request of the round in one Triton trie
 step (`kernel_step`), which keeps the same beams, ties included.
 
-`naive_retrieve` is the obviously-right reference (prompt KV copied into every beam, plain
-attention, dense masks built from the catalog, full sorts): tests compare against it, the
-benchmark times it.
+The obviously-right reference that tests compare against and the benchmark times is
+reference.naive_retrieve.
 """
 
 from __future__ import annotations
@@ -29,18 +28,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sgrec.beam import kernel_step
+from sgrec.beam import kernel_step, search
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, StagedMeta, UnsharedKV
 from sgrec.beam.filters import FilterCache, TrieFilter, build_filter
-from sgrec.beam.search import BeamBuffers, inplace_schedule, per_beam_topk, select_beams, select_global
-from sgrec.beam.trie import SemanticIdTrie, children_logp
+from sgrec.beam.search import BeamBuffers, inplace_schedule, select_level
+from sgrec.beam.trie import SemanticIdTrie
 from sgrec.catalog import Catalog, check_token_ids
 from sgrec.model.attention import ForwardBatch, SeqLayout, TritonBackend
 
 
-# per-beam top-k at or above this k (and >= the beams kept) is replaced by one global selection; both
-# give the same beams: below it the per-row top-k is as fast (measured: [512, 3392] scores, k 128)
-GLOBAL_SELECT_MIN_K = 256
 MAX_GRAPH_STEPS = 16  # most beam steps (semantic-ID length - 1) a CUDA graph takes: more than catalogs use
 
 
@@ -267,7 +263,7 @@ class RetrieveExecutor:
         if self.triton_select and all(kernel_step.fits(self.trie, d) for d in range(self.trie.depth)):
             from sgrec.beam.device_round import DeviceRound
 
-            hooks = DeviceRound(self, reqs, GLOBAL_SELECT_MIN_K)  # no host read per step
+            hooks = DeviceRound(self, reqs, search.GLOBAL_SELECT_MIN_K)  # no host read per step
         else:
             hooks = _RoundHooks(self, reqs)
         run_fixed_round(hooks, self.trie.depth - 1, overlap=True)
@@ -400,7 +396,7 @@ class RetrieveExecutor:
         logits = torch.cat([r.logits0 for r in reqs]) if step == 0 else logits
         sels = kernel_step.select_levels(self.trie, step, logits, [lv[2] for lv in levels], [lv[1] for lv in levels],
                                          [r.filt for r in reqs], [r.top_k for r in reqs], [lv[0] for lv in levels],
-                                         restricted, GLOBAL_SELECT_MIN_K)
+                                         restricted, search.GLOBAL_SELECT_MIN_K)
         for r, sel in zip(reqs, sels):
             self._advance(r, step, *sel)
 
@@ -412,33 +408,6 @@ class RetrieveExecutor:
         if schedule is not None and step < self.trie.depth - 1:
             r.kv.reorder_(parents, step, schedule)
         r.bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk, schedule)
-
-
-def select_level(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, parent_nodes: torch.Tensor,
-                 parent_scores: torch.Tensor, filt: TrieFilter | None, top_k: int, m: int, restricted: bool):
-    """Level `depth` of one request, in torch: its kept (parents, tokens, scores, child nodes), in
-    (parent, token) order (children_logp, select_step, the children's node ids)."""
-    logp, toks = children_logp(logits, trie, depth, parent_nodes, filt, restricted)
-    parents, tokens, scores = select_step(logp, toks, parent_scores, top_k, m, trie.vocab_size)
-    return parents, tokens, scores, trie.child_nodes(depth, parent_nodes[parents], tokens)
-
-
-def select_step(logp: torch.Tensor, toks: torch.Tensor, parent_scores: torch.Tensor, top_k: int, m: int,
-                vocab: int):
-    """A level's kept (parent, token, score) from each beam's children (children_logp: logp and
-    tokens [n, C]): per-beam top-k, then the global top m. When the top-k pool holds fewer than m
-    valid candidates, every valid child competes (k = C), so a level keeps min(m, valid children)
-    beams: with filters, num_items come back whenever that many allowed items exist."""
-    fanout = logp.shape[1]
-    k = min(top_k, fanout)
-    if k >= m and k >= GLOBAL_SELECT_MIN_K:  # the per-beam cap cannot bind: one global pass is cheaper
-        return select_global(parent_scores[:, None] + logp, toks, m, vocab)
-    while True:
-        vals, cols = per_beam_topk(logp, k)
-        parents, tokens, scores, _ = select_beams(parent_scores[:, None] + vals, toks.gather(1, cols), m, vocab)
-        if parents.numel() >= m or k >= fanout:
-            return parents, tokens, scores
-        k = fanout
 
 
 class _RoundHooks:
@@ -487,92 +456,3 @@ class _RoundHooks:
             n = r.bufs.n
             self.ex._select(r, step, None if handle is None else handle[a : a + n])
             a += n
-
-
-# ---- the reference ------------------------------------------------------------------------------
-@torch.inference_mode()
-def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: int, top_k: int,
-                   num_items: int) -> RetrieveResult:
-    """Beam search the plain way: the prompt computed from scratch, its KV copied into every beam,
-    each beam a separate sequence in a decode batch (plain attention), dense masks from the
-    catalog's paths, full sorts, and a beam fork copying the parent's whole KV. Same ordering
-    contract as search.py. Frees everything it allocates; ignores the radix tree."""
-    t0 = time.perf_counter()
-    V = runner.config.vocab_size
-    ids = list(check_token_ids(input_ids, "input_ids", V))
-    _check_int("beam_width", beam_width, 1)
-    _check_int("top_k", top_k, 1)
-    _check_int("num_items", num_items, 1, beam_width)
-    paths: dict[tuple[int, ...], str] = {}
-    for r in catalog.semantic_rows().tolist():
-        paths.setdefault(tuple(catalog.semantic_ids[r].tolist()), catalog.ids[r])
-    if not paths:
-        raise ValueError("retrieve needs an item catalog whose items carry semantic_id")
-    nd = catalog.semantic_id_len
-    children: dict[tuple[int, ...], set[int]] = {}
-    for path in paths:
-        for d in range(nd):
-            children.setdefault(path[:d], set()).add(path[d])
-    P, dev, alloc, pool = len(ids), runner.device, runner.kv_pool.allocator, runner.kv_pool
-    width = P + nd - 1
-    prompt = alloc.alloc(P)
-    beam_slots = None
-    if prompt is None:
-        raise KVCacheFullError("naive_retrieve: no room for the prompt")
-    peak = P
-    try:
-        logits = _prefill(runner, ids, prompt, 0)
-        beams: list[tuple[int, ...]] = [()]
-        scores = torch.zeros(1, device=dev)
-        for step in range(nd):
-            last = step == nd - 1
-            m = min(beam_width, num_items) if last else beam_width
-            if step > 0:
-                n = len(beams)
-                seqs = [SeqLayout(b, 1, beam_slots[b, : P + step]) for b in range(n)]
-                batch = runner.make_batch([bm[-1] for bm in beams], [P + step - 1] * n,
-                                          beam_slots[:n, P + step - 1], seqs)
-                logits = runner.forward(batch, list(range(n)))
-            mask = torch.full((len(beams), V), float("-inf"), device=dev)
-            for b, bm in enumerate(beams):
-                mask[b, sorted(children[bm])] = 0.0
-            logp = torch.log_softmax(logits + mask, dim=-1)
-            srt = torch.sort(logp, dim=-1, descending=True, stable=True)
-            for k in (min(top_k, V), V):  # short of m valid candidates: every valid child competes
-                cand = (scores[:, None] + srt.values[:, :k]).reshape(-1)
-                cand_tok = srt.indices[:, :k].reshape(-1)
-                cand_par = torch.arange(len(beams), device=dev).repeat_interleave(k)
-                ok = torch.isfinite(cand)
-                cand, cand_tok, cand_par = cand[ok], cand_tok[ok], cand_par[ok]
-                if cand.numel() >= m:
-                    break
-            keep = torch.sort(cand, descending=True, stable=True).indices[:m]
-            keep = keep[torch.argsort(cand_par[keep] * V + cand_tok[keep])]  # beams in path order
-            par, tok = cand_par[keep].tolist(), cand_tok[keep].tolist()
-            scores = cand[keep]
-            beams = [beams[p] + (t,) for p, t in zip(par, tok)]
-            if last:
-                break
-            if step == 0:  # copy the prompt KV into every beam
-                beam_slots = alloc.alloc(beam_width * width)
-                if beam_slots is None:
-                    raise KVCacheFullError("naive_retrieve: no room for the per-beam prompt copies")
-                beam_slots = beam_slots.view(beam_width, width)
-                peak += beam_width * width
-                src = prompt.repeat(len(beams))
-                dst = beam_slots[: len(beams), :P].reshape(-1)
-            else:  # fork: each new beam copies its parent's whole KV
-                sel = torch.tensor(par, device=beam_slots.device)
-                src = beam_slots[sel, : P + step].reshape(-1)
-                dst = beam_slots[: len(beams), : P + step].reshape(-1)
-            for layer in range(pool.num_layers):
-                k_buf, v_buf = pool.get_kv(layer)
-                k_buf[dst] = k_buf[src]
-                v_buf[dst] = v_buf[src]
-    finally:
-        alloc.free(prompt)
-        if beam_slots is not None:
-            alloc.free(beam_slots.reshape(-1))
-    order = torch.sort(scores, descending=True, stable=True).indices.tolist()
-    items = [{"item": paths[beams[i]], "semantic_id": list(beams[i]), "score": float(scores[i])} for i in order]
-    return RetrieveResult(items, {"prompt_tokens": P, "kv_tokens_peak": peak, "e2e_latency": time.perf_counter() - t0})

@@ -1,6 +1,6 @@
 """A beam level's selection for every request of a round at once, through the Triton trie-step
 kernel (sgrec.model.kernels.trie_step, used under --attention-backend triton): the same kept
-(parent, token, score, child node) per request as the torch path (sgrec.beam.executor.select_level:
+(parent, token, score, child node) per request as the torch path (sgrec.beam.search.select_level:
 children_logp, select_step, child_nodes), ties included; this module turns the trie level and the
 requests' TrieFilters into the kernel's plain tensors."""
 

@@ -31,7 +31,7 @@ in flight. The clock is always passed in: nothing here reads the time.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 DEFAULT_WAIT_S = 0.002  # neither --batch-wait-ms nor --slo-ms given

@@ -13,7 +13,7 @@ Inputs are plain tensors (the trie level in CSR form, the requests' filters as n
                 filter's count > 0), the sorted nodes an include list allows, the sorted nodes whose
                 allowed count fell to 0 (exclusions); each may be None. A child is valid when it passes all.
 
-What it computes is sgrec.beam.trie.children_logp followed by sgrec.beam.executor.select_step:
+What it computes is sgrec.beam.trie.children_logp followed by sgrec.beam.search.select_step:
 
   1. logp = log_softmax over each beam's valid children ((x - max) - log(sum exp(x - max)), float32);
   2. k = min(top_k, C), C the most children of any of the request's beams; the pool is each beam's k
