@@ -32,9 +32,7 @@ items from one owner in one round trip) or recomputed.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -42,9 +40,9 @@ from sgrec.catalog import Catalog, Item, check_token_ids
 from sgrec.items import hrcs
 from sgrec.items.fetch import write_item_kv
 from sgrec.items.store import ItemStore, fingerprint
-from sgrec.model.attention import SeqLayout
 from sgrec import layout as L
 from sgrec.rank import semantic
+from sgrec.rank.forward import Forward, forward_many
 from sgrec.rank.policy import NONE, PREFIX_POLICIES, CacheMeta, select_prefix
 
 logger = logging.getLogger(__name__)
@@ -55,42 +53,6 @@ USER_FREE_RESERVE = 0.25  # uncapped user cache: free share of the pool kept for
 
 class RankCapacityError(RuntimeError):
     """The KV pool cannot hold a rank request even after evicting every unused cache entry."""
-
-
-@dataclass
-class _Forward:
-    """What one rank request computes: its layout, the KV it already has, what scores its
-    candidates (`targets`: their id tokens, ints, or their semantic-ID paths, tuples), and the
-    segments whose fresh KV it keeps (filled in by the forward)."""
-
-    lay: L.RankLayout
-    cached: dict[int, torch.Tensor]
-    targets: list[int] | list[tuple[int, ...]]
-    keep: dict[str, torch.Tensor | None] | None = None
-
-    @property
-    def by_path(self) -> bool:
-        return isinstance(self.targets[0], tuple)
-
-    def plan(self) -> tuple[list[int], list[torch.Tensor], list[int], list[tuple[str, int, int]]]:
-        """(cached columns, their slots, fresh rows, (segment name, first fresh index, count) per
-        segment with fresh tokens)."""
-        cached_cols: list[int] = []
-        cached_slots: list[torch.Tensor] = []
-        fresh_rows: list[int] = []
-        owner: list[tuple[str, int, int]] = []
-        for seg in self.lay.segments:
-            s = self.cached.get(seg.start)
-            n_cached = 0 if s is None else len(s)
-            if n_cached:
-                cached_cols += range(seg.start, seg.start + n_cached)
-                cached_slots.append(s)
-            if n_cached < seg.length:
-                name = "user" if seg.kind == "user" else f"item{seg.item}" if seg.kind == "item" else seg.kind
-                owner.append((name, len(fresh_rows), seg.length - n_cached))
-                fresh_rows += range(seg.start + n_cached, seg.stop)
-        assert fresh_rows and fresh_rows[-1] == len(self.lay) - 1, "the last token (instruction) is always computed"
-        return cached_cols, cached_slots, fresh_rows, owner
 
 
 class RankExecutor:
@@ -257,7 +219,7 @@ class RankExecutor:
                  prefix: str | None = None, top_k: int | None = None, score_by: str | None = None,
                  exclude_items: list[str] | None = None, include_items: list[str] | None = None,
                  filter: dict | None = None):
-        """A request as a generator: yields its forward (a _Forward) once, receives the candidates'
+        """A request as a generator: yields its forward (a Forward) once, receives the candidates'
         scores (semantic_id: their path log-likelihoods), returns the response. Closing it early
         releases everything it holds. Filters drop candidates first; with none left it returns an
         empty ranking without yielding."""
@@ -318,7 +280,7 @@ class RankExecutor:
         elif choice == L.ITEM_PREFIX:
             scores, cached, fetched = yield from self._run_item_prefix(lay, targets, item_ids)
         else:
-            scores, cached = (yield _Forward(lay, {}, targets)), 0
+            scores, cached = (yield Forward(lay, {}, targets)), 0
         loglik = None
         if score_by == "semantic_id":
             loglik, scores = scores.tolist(), torch.softmax(scores, dim=0)
@@ -359,7 +321,7 @@ class RankExecutor:
     def score_layout(self, lay: L.RankLayout, item_ids: Sequence[str]) -> torch.Tensor:
         """Scores (in candidate order) of a layout computed from scratch, no cache read or write:
         the reference path. `item_ids` are the candidates the layout was built from."""
-        return self._forward_many([_Forward(lay, {}, [it.id_token for it in self.catalog.lookup(item_ids)])])[0]
+        return self._forward_many([Forward(lay, {}, [it.id_token for it in self.catalog.lookup(item_ids)])])[0]
 
     def score_semantic_layout(self, lay: L.RankLayout, paths: Sequence[Sequence[int]]) -> torch.Tensor:
         """Path log-likelihoods (float64, in candidate order) of a layout, one candidate at a time
@@ -440,13 +402,13 @@ class RankExecutor:
         """Generator (see _request): the user's cached prefix is read, the fresh part of it cached."""
         tree, seg = self.tree, lay.segment("user")
         if seg is None or tree.disable:
-            return (yield _Forward(lay, {}, targets)), 0
+            return (yield Forward(lay, {}, targets)), 0
         res = tree.match_prefix(user_ids, self.user_extra_key)
         tree.inc_lock_ref(res.last_node)
         m = res.indices.numel()
         fresh: dict[str, torch.Tensor | None] = {"user": None}
         try:
-            scores = yield _Forward(lay, {seg.start: res.indices} if m else {}, targets, fresh)
+            scores = yield Forward(lay, {seg.start: res.indices} if m else {}, targets, fresh)
             value = res.indices if fresh["user"] is None else torch.cat([res.indices, fresh["user"]])
             fresh["user"] = None  # owned by `value` now
             try:
@@ -484,7 +446,7 @@ class RankExecutor:
                 if s is not None:
                     cached[seg.start] = s
             fresh.update({f"item{seg.item}": None for seg, s in zip(lay.items(), slots) if s is None})
-            scores = yield _Forward(lay, cached, targets, fresh)
+            scores = yield Forward(lay, cached, targets, fresh)
             for seg, item_id in zip(lay.items(), item_ids):
                 kv = fresh.pop(f"item{seg.item}", None)
                 if kv is not None and not store.admit(item_id, kv):
@@ -519,73 +481,10 @@ class RankExecutor:
                 off += m
 
     # ---- the forward ----------------------------------------------------------------------
-    def _forward_many(self, specs: list["_Forward"]) -> list[torch.Tensor]:
-        """One forward over several layouts (one sequence each): every token of a layout not in its
-        `cached` (segment start -> slots of that segment's first len(slots) tokens) is computed
-        against the KV of all its layout's tokens, under the layout's mask; returns per layout the
-        softmax over its candidates' id-token `targets` logits at its last token (only those columns
-        of the output layer are computed), or, for path
-        targets, their path log-likelihoods: the layout's sequence then also holds one row per
-        distinct path prefix (`semantic.path_rows`: it sees the whole layout and its own prefixes),
-        so every level of every candidate is in this same forward; their slots are freed here.
-        A spec's `keep` names segments ("user", "item<j>") whose fresh slots are handed to the
-        caller (as the values of those keys) instead of being freed; a name with nothing fresh keeps None."""
-        plans = [spec.plan() for spec in specs]
-        tries = [semantic.PathTrie(spec.targets) if spec.by_path else None for spec in specs]
-        sizes = [len(fresh_rows) + (0 if t is None else t.num_rows()) for (_, _, fresh_rows, _), t in zip(plans, tries)]
-        total = sum(sizes)
-        self._make_room(total)
-        slots = self.allocator.alloc(total)  # per spec: its fresh layout tokens, then its path rows
-        kept: list[set[str]] = [set() for _ in specs]
-        try:
-            ids, pos, seqs, rows, off = [], [], [], [], 0
-            for spec, (cached_cols, cached_slots, fresh_rows, _), trie, size in zip(specs, plans, tries, sizes):
-                n, lay = len(fresh_rows), spec.lay
-                kv = torch.cat([*cached_slots, slots[off : off + size]])
-                mask = bipartite = None
-                ids += [lay.token_ids[r] for r in fresh_rows]
-                pos += [lay.positions[r] for r in fresh_rows]
-                if trie is None:  # the mask as two integers per column (dense only where a backend needs it)
-                    bipartite = lay.bipartite(cached_cols + fresh_rows)
-                else:  # path rows: a dense mask
-                    mask = lay.mask(fresh_rows, cached_cols + fresh_rows)
-                    p_ids, p_pos, p_mask = semantic.path_rows(trie, lay.positions[-1], mask.shape[1])
-                    mask = torch.cat([torch.cat([mask, torch.zeros(n, len(p_ids), dtype=torch.bool)], 1), p_mask])
-                    ids += p_ids
-                    pos += p_pos
-                # path rows: the deterministic kernel sums the layout's columns in layout order, then the rows
-                paths = range(len(lay), len(lay) + size - n)
-                order = None if trie is None else torch.tensor([*cached_cols, *fresh_rows, *paths])
-                seqs.append(SeqLayout(off, size, kv, mask, bipartite, order))
-                rows += range(off + n - 1, off + size)  # the layout's last token, then the path rows
-                off += size
-            t0 = time.perf_counter()
-            hidden = self.runner.hidden(self.runner.make_batch(ids, pos, slots, seqs), rows)
-            self._observe_forward(time.perf_counter() - t0, total)
-            model, out, off, a = self.runner.model, [], 0, 0
-            for b, (spec, (_, _, fresh_rows, owner)) in enumerate(zip(specs, plans)):
-                m = sizes[b] - len(fresh_rows)
-                if tries[b] is None:  # only the candidates' id-token columns of the output layer
-                    ids_t = torch.tensor(spec.targets, device=hidden.device)
-                    out.append(torch.softmax(model.compute_logits(hidden[a : a + 1], ids_t)[0], dim=0).cpu())
-                else:  # full-vocabulary log-probabilities at the last token and every path row
-                    logits = model.compute_logits(hidden[a : a + 1 + m])
-                    out.append(semantic.path_logliks(tries[b], logits[0], logits[1:]).cpu())
-                a += 1 + m
-                if spec.keep is not None:
-                    for name, start, count in owner:
-                        if name in spec.keep:
-                            spec.keep[name] = slots[off + start : off + start + count]
-                            kept[b].add(name)
-                off += sizes[b]
-        finally:
-            free, off = [], 0
-            for b, (_, _, fresh_rows, owner) in enumerate(plans):
-                free += [slots[off + start : off + start + count] for name, start, count in owner
-                         if name not in kept[b]]
-                free.append(slots[off + len(fresh_rows) : off + sizes[b]])  # path rows (maybe empty)
-                off += sizes[b]
-            self.allocator.free(torch.cat(free))
+    def _forward_many(self, specs: list[Forward]) -> list[torch.Tensor]:
+        """forward.forward_many, room made by this executor's eviction order, its time observed."""
+        out, seconds, tokens = forward_many(self.runner, specs, self._make_room)
+        self._observe_forward(seconds, tokens)
         return out
 
     def _observe_forward(self, seconds: float, tokens: int) -> None:
