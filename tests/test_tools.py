@@ -236,3 +236,9 @@ def test_profile_retrieve_runs_its_code_path_on_cpu():
     for part in ("--- cProfile by tottime", "--- cProfile by cumulative", "--- torch profiler by self_cpu_time_total"):
         assert part in p.stdout
     assert "engine.py" in p.stdout.split("--- cProfile by cumulative")[1]  # the request's own frames were profiled
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "profile_retrieve.py"), "--device", "cpu", "--quick",
+                        "--concurrency", "2"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    batches = re.findall(r"^(warm-up|timed) batch of 2: wall [\d.]+ ms, [\d.]+ req/s, latencies \[[\d.]+, [\d.]+\] ms$",
+                         p.stdout, re.M)
+    assert batches == ["warm-up", "warm-up", "timed", "timed"] and "--- torch profiler by self_cpu_time_total" in p.stdout
