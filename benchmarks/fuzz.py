@@ -78,7 +78,7 @@ def run_schemathesis(url: str, max_time: int | None, seed: int, workers: int, re
     cmd = [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()", "run",
            f"{url}/openapi.json", "--checks", ",".join(checks), "--seed", str(seed),
            "--workers", str(workers), "--request-timeout", "60", "--report", "json,junit", "--report-dir", report_dir,
-           "--no-color", "--output-sanitize", "false", "--continue-on-failure"]
+           "--no-color", "--output-sanitize", "false"]
     if max_examples is not None:
         cmd += ["--max-examples", str(max_examples), "--generation-deterministic",
                 "--suppress-health-check", "all"]
