@@ -2,11 +2,15 @@
 
 Starts `python -m sgrec.launch_server` on loopback (the embedded demo model and catalog, so
 /v1/rank and /v1/retrieve run too; small limits so no generated request runs long), runs
-`st run` with these checks, either for --max-time seconds (the long run) or for a fixed number of
-derandomized examples per operation (--max-examples: the same cases on every machine, what CI runs):
+`st run` with every check schemathesis has but max_response_time (a wall-clock bound) and
+object_level_authorization (it needs two users), either for --max-time seconds (the long run) or for
+a fixed number of derandomized examples per operation (--max-examples: the same cases on every
+machine, what CI runs). Among them:
 
   not_a_server_error         no 5xx, whatever the body
   negative_data_rejection    a body the schema rejects gets a 4xx
+  positive_data_acceptance   a body the schema accepts is not a 400 (ST202), except the rejections
+                             that depend on data the schema cannot know (DATA_DEPENDENT_400S)
   status_code_conformance    only documented status codes
   content_type_conformance   only documented content types
   ignored_auth               (with --api-key) no route but health and metrics answers without the key
@@ -24,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import glob
+import html
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -39,7 +45,27 @@ from sgrec.tools.probe import alive, kv_after_drain, proc_tree  # noqa: E402
 SERVER_FLAGS = ["--device", "cpu", "--dtype", "float32", "--context-length", "256", "--max-total-tokens", "8192", "--max-n", "4",
                 "--max-batch-size", "8", "--max-rank-candidates", "50", "--max-beam-width", "16",
                 "--max-queued-requests", "64", "--max-request-bytes", "262144"]
-CHECKS = ["not_a_server_error", "negative_data_rejection", "status_code_conformance", "content_type_conformance"]
+CHECKS = ["not_a_server_error", "negative_data_rejection", "positive_data_acceptance", "status_code_conformance",
+          "content_type_conformance", "response_headers_conformance", "response_schema_conformance",
+          "missing_required_header", "unsupported_method", "allow_header_conformance", "use_after_free",
+          "ensure_resource_availability"]
+# Schema-valid bodies the server rightly answers 400: what makes them wrong is data the schema
+# cannot hold (RELIABILITY.md, "What the schema cannot say"). (operation pattern, message pattern): reason
+DATA_DEPENDENT_400S = [
+    (r"POST /v1/(rank|retrieve|recommend)|(POST|PUT) /generate", r"^Unknown item id\(s\) not in the catalog",
+     "an item id the catalog does not hold (items, include_items)"),
+    (r"POST /v1/(rank|retrieve|recommend)|(POST|PUT) /generate",
+     r"^filter\..*(no catalog item has the attribute|\(the attribute is \w+\)|a range needs a numeric attribute)",
+     "a filter on an attribute no catalog item has, or a value of another kind than the attribute's"),
+    (r"POST /v1/catalog/items", r"'text' encodes to no tokens",
+     "an item text the tokenizer turns into no tokens"),
+    (r"POST /v1/catalog/items", r"is \w+ here but \w+ in the catalog; one kind per attribute",
+     "an attribute value of another kind than the catalog's items have"),
+    (r"POST /v1/catalog/items", r"semantic_id has \d+ tokens",
+     "a semantic ID of another length than the catalog's"),
+    (r"POST /v1/(completions|chat/completions)", r"token id \d+ is out of the vocabulary range",
+     "a token id past the model's vocabulary (the OpenAI models do not carry the vocabulary size)"),
+]
 THREAD_SLACK = 4  # uvicorn/asyncio helper threads may come and go
 
 
@@ -48,11 +74,11 @@ def run_schemathesis(url: str, max_time: int | None, seed: int, workers: int, re
     """`st run` against the document; bounded by `max_examples` per operation (derandomized, no
     example database, no timing-based health check: the same cases on any machine) or else by
     `max_time` seconds."""
-    checks = CHECKS + (["ignored_auth"] if api_key else [])
+    checks = CHECKS + (["ignored_auth"] if api_key else [])  # --checks all would add max_response_time
     cmd = [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()", "run",
            f"{url}/openapi.json", "--checks", ",".join(checks), "--seed", str(seed),
-           "--workers", str(workers), "--request-timeout", "60", "--report", "json", "--report-dir", report_dir,
-           "--no-color"]
+           "--workers", str(workers), "--request-timeout", "60", "--report", "json,junit", "--report-dir", report_dir,
+           "--no-color", "--output-sanitize", "false"]
     if max_examples is not None:
         cmd += ["--max-examples", str(max_examples), "--generation-deterministic",
                 "--suppress-health-check", "all"]
@@ -70,7 +96,37 @@ def run_schemathesis(url: str, max_time: int | None, seed: int, workers: int, re
     with open(reports[-1]) as f:
         report = json.load(f)
     report["_stdout_tail"] = proc.stdout[-6000:]
+    junit = sorted(glob.glob(os.path.join(report_dir, "*.xml")))
+    report["_rejected"] = rejected_valid(open(junit[-1]).read()) if junit else []
     return report
+
+
+def rejected_valid(junit: str) -> list[dict]:
+    """The ST202 failures of a JUnit report: {operation, status, message (the error's), body}."""
+    out = []
+    for op, text in re.findall(r'<testcase name="([^"]+)"[^>]*?(?<!/)>(.*?)</testcase>', junit, re.S):
+        for case in re.split(r"\n(?=\d+\. Test Case ID)", html.unescape(text)):
+            if "ST202" not in case:
+                continue
+            m = re.search(r"\[(\d+)\][^\n]*:\n\n\s*`(.*?)`\n", case, re.S)
+            status, raw = (int(m.group(1)), m.group(2)) if m else (None, "")
+            try:
+                err = json.loads(raw)
+                err = err.get("message") or err.get("error") if isinstance(err, dict) else err
+                msg = err.get("message", "") if isinstance(err, dict) else str(err)
+            except ValueError:
+                msg = raw
+            body = re.search(r"-d '(.*?)' http", case, re.S)
+            out.append({"operation": op, "status": status, "message": msg, "body": body.group(1) if body else None})
+    return out
+
+
+def data_dependent(rejection: dict) -> str | None:
+    """The reason a rejected schema-valid body is a rightful 400 (DATA_DEPENDENT_400S), or None."""
+    for op, msg, why in DATA_DEPENDENT_400S:
+        if re.fullmatch(op, rejection["operation"]) and re.search(msg, rejection["message"]):
+            return why
+    return None
 
 
 def fuzz(max_time: int | None = 600, seed: int = 0, workers: int = 1, api_key: str | None = None,
@@ -91,12 +147,19 @@ def fuzz(max_time: int | None = 600, seed: int = 0, workers: int = 1, api_key: s
         after = proc_tree(srv.pid)
         schedulers_alive = alive(before.pids[1:]) == before.pids[1:]
         log = srv.read_log()
-    failures = [{"code": f["code"], "title": f["title"], "operations": f["operations"]} for f in report["failures"]]
+    # ST202 is judged per case below: the data-dependent rejections are the server's to make
+    failures = [{"code": f["code"], "title": f["title"], "operations": f["operations"]} for f in report["failures"]
+                if f["code"] != "ST202"]
+    rejected = [dict(r, reason=data_dependent(r)) for r in report["_rejected"]]
+    failures += [{"code": "ST202", "title": "Schema-valid request rejected", **r} for r in rejected if not r["reason"]]
+    if any(f["code"] == "ST202" for f in report["failures"]) and not rejected:
+        failures.append({"code": "ST202", "title": "Schema-valid request rejected (not in the JUnit report)"})
     result = {
         "max_time_s": None if max_examples else max_time, "max_examples": max_examples,
         "elapsed_s": round(elapsed, 1), "seed": seed,
         "test_cases": report["test_cases"]["generated"], "operations": report["operations"]["tested"],
         "failures": failures, "errors": report["errors"],
+        "data_dependent_400s": [r for r in rejected if r["reason"]],
         "health_after": health, "schedulers_alive": schedulers_alive,
         "kv_after_drain": kv.__dict__, "threads_before": before.threads, "threads_after": after.threads,
         "rss_mb_before": round(before.rss_mb), "rss_mb_after": round(after.rss_mb),

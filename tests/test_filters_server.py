@@ -75,6 +75,23 @@ def test_retrieve_filters_exclude_include_and_attributes(server, catalog):
     assert sorted(x["item"] for x in out["items"]) == ["i1", "i2"] and out["meta_info"]["exhausted"] is True
 
 
+def test_a_bare_value_is_equality(server, catalog):
+    """{"genre": "a"} is {"genre": {"eq": "a"}} (MongoDB-style): the same items, for each attribute kind."""
+    rows = catalog[1]
+    for attr, value in (("genre", "a"), ("year", 1995), ("kids", True)):
+        allowed = [k for k, r in rows.items() if "semantic_id" in r and passes(r["attrs"], {attr: {"eq": value}})]
+        eq = retrieve(server, filter={attr: {"eq": value}}, num_items=len(allowed))
+        bare = retrieve(server, filter={attr: value}, num_items=len(allowed))
+        assert sorted(x["item"] for x in eq["items"]) == sorted(allowed), attr
+        assert bare["items"] == eq["items"], attr
+    mixed = retrieve(server, filter={"genre": "a", "year": {"gte": 1995}}, num_items=3)
+    eq = retrieve(server, filter={"genre": {"eq": "a"}, "year": {"gte": 1995}}, num_items=3)
+    assert mixed["items"] == eq["items"]
+    ranked = server.client.post("/v1/rank", json={"user": USER, "items": ["i10", "i11", "i12"],
+                                                  "filter": {"kids": False}})
+    assert ranked.status_code == 200 and {x["item"] for x in ranked.json()["ranking"]} == {"i10", "i11"}
+
+
 def test_generate_beam_form_honours_filters(server):
     body = {"input_ids": [7, 8, 9, 10], "sampling_params": {"beam_width": 16, "n": 5}, "constrain_to_catalog": True}
     full = server.client.post("/generate", json=body).json()["meta_info"]["beam_results"]
@@ -118,6 +135,10 @@ def test_rank_items_without_id_token(server):
     ("/v1/retrieve", {"filter": {"genre": {"gt": 1}}}, "filter.genre.gt: a range needs a numeric attribute"),
     ("/v1/retrieve", {"filter": {"kids": {"eq": 1}}}, "filter.kids.eq must be a bool"),
     ("/v1/retrieve", {"filter": ["kids"]}, "filter must be an object"),
+    ("/v1/retrieve", {"filter": {"genre": ["a"]}}, "filter.genre must be a string, a number, a bool (equality) or an"),
+    ("/v1/rank", {"filter": {"year": {"gte": 1990, "between": [1, 2]}}}, "filter.year.between: unknown predicate"),
+    ("/v1/retrieve", {"filter": {"year": "1995"}}, "filter.year.eq must be a number"),
+    ("/v1/retrieve", {"filter": {"kids": None}}, "filter.kids must be a string, a number, a bool (equality)"),
     ("/v1/retrieve", {"exclude_items": [f"x{i}" for i in range(51)]}, "exclude_items: 51 ids exceed --max-filter-items 50"),
     ("/v1/rank", {"include_items": "i1"}, "include_items must be a list of item id strings"),
     ("/v1/retrieve", {"exclude_items": [1]}, "exclude_items must be a list of item id strings"),

@@ -8,7 +8,8 @@ list of strings ("strs"). An item may lack an attribute (or give null). Columns:
     bool  int8 [N] (-1: absent, 0, 1)
     strs  CSR: ptr int64 [N + 1], codes int32 [total] into `values`
 
-A filter is `{attr: {op: value, ...}, ...}`, every predicate ANDed:
+A filter is `{attr: {op: value, ...}, ...}`, every predicate ANDed (a bare value is equality:
+`{"genre": "drama"}` is `{"genre": {"eq": "drama"}}`, as MongoDB-style metadata filters read it):
 `eq` (for a string list: contains), `in` / `not_in` (a list; for a string list: any / none in
 common), `gt` `gte` `lt` `lte` (numbers). An item without the attribute fails `eq`, `in` and the
 ranges and passes `not_in`. `evaluate` answers a bool [N] over the catalog, vectorised.
@@ -176,8 +177,11 @@ class AttrTable:
             col = self.columns.get(name)
             if col is None:
                 raise ValueError(f"{where}: no catalog item has the attribute {name!r}")
-            if not isinstance(pred, dict) or not pred:
-                raise ValueError(f"{where} must be a non-empty object of predicates ({', '.join(OPS)})")
+            if kind_of_or_none(pred) in ("str", "num", "bool"):
+                pred = {"eq": pred}  # a bare value: equality
+            if not isinstance(pred, dict):  # {} has no predicate: every item passes, as an empty AND
+                raise ValueError(f"{where} must be a string, a number, a bool (equality) or an object of "
+                                 f"predicates ({', '.join(OPS)})")
             for op, v in pred.items():
                 out.append((name, op, _check_pred(f"{where}.{op}", col, op, v)))
         return out

@@ -53,7 +53,7 @@ class ColumnBuilder:
             raise ValueError(f"duplicate item id {item_id!r} (first on line {self.lines[self.index[item_id]]})")
         row = len(self.ids)
         toks = obj.get("token_ids")
-        if ("text" in obj) == (toks is not None):
+        if (obj.get("text") is None) == (toks is None):  # null is absent, as for every optional key
             raise ValueError(f"item {item_id!r}: give exactly one of 'text' and 'token_ids'")
         if toks is None:
             toks = _encode_text(obj["text"], item_id, tokenizer)

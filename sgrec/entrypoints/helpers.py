@@ -5,6 +5,7 @@ leaving. Imports no route module; http_server.py and every *_api.py import it.""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -35,12 +36,30 @@ def openai_error_body(status: int, message: str, err_type: str | None = None) ->
             "code": status}
 
 
+SAFE_INT = 2**53  # integral floats below this are exact integers (RFC 7493's interoperable range)
+_FLOAT_TOKEN = re.compile(rb"[0-9][.eE]")  # a body without one has no float to look at
+
+
+def integral_floats_as_ints(v: Any) -> Any:
+    """`v` with every integral float (2.0, 1e3) below SAFE_INT made an int: JSON Schema's
+    "integer" is a value, not a spelling, so `"n": 2.0` is the integer 2 (as SGLang's pydantic
+    models read it)."""
+    if type(v) is float:
+        return int(v) if v.is_integer() and abs(v) < SAFE_INT else v
+    if type(v) is list:
+        return [integral_floats_as_ints(x) for x in v]
+    if type(v) is dict:
+        return {k: integral_floats_as_ints(x) for k, x in v.items()}
+    return v
+
+
 async def read_json(request: Request) -> Any:
     body = await request.body()
     try:
-        return orjson.loads(body)
+        obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise HTTPError(400, f"Malformed JSON body: {e}") from None
+    return integral_floats_as_ints(obj) if _FLOAT_TOKEN.search(body) else obj
 
 
 def sse(obj: Any) -> bytes:

@@ -82,7 +82,7 @@ def sampling_params_schema(lim: SchemaLimits) -> dict:
             "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                                      "additionalProperties": num}),
             "sampling_seed": _nullable({"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 64) - 1}),
-            "beam_width": _nullable({"type": "integer", "minimum": 0, "maximum": lim.max_beam_width}),
+            "beam_width": {"enum": [None, 0, 1]},  # more: the catalog beam form (BeamGenerateReqInput)
             "stream_interval": _nullable({"type": "integer"}),
             # SGLang's keys sgrec does not implement: accepted only unset
             **{k: {"enum": [None, ""]} for k in ("regex", "json_schema", "ebnf", "structural_tag")},
@@ -94,8 +94,21 @@ def sampling_params_schema(lim: SchemaLimits) -> dict:
     }
 
 
+def _exactly_one(a: str, a_schema: dict, b: str, b_schema: dict) -> list[dict]:
+    """Exactly one of two optional keys, null counting as absent (the handlers' rule)."""
+    return [{"required": [a], "properties": {a: a_schema, b: {"type": "null"}}},
+            {"required": [b], "properties": {b: b_schema, a: {"type": "null"}}}]
+
+
 def generate_schema(lim: SchemaLimits) -> dict:
-    """SGLang's GenerateReqInput as sgrec accepts it (unknown top-level keys are ignored)."""
+    """/generate: SGLang's GenerateReqInput, or the catalog beam form (BeamGenerateReqInput)."""
+    return {"anyOf": [{"$ref": REF.format(model="PlainGenerateReqInput")},
+                      {"$ref": REF.format(model="BeamGenerateReqInput")}]}
+
+
+def plain_generate_schema(lim: SchemaLimits) -> dict:
+    """SGLang's GenerateReqInput as sgrec accepts it (unknown top-level keys are ignored); no item
+    filters (they need the beam form)."""
     text = {"type": "string", "minLength": 1}
     ids = _token_ids(lim)
     return {
@@ -119,6 +132,33 @@ def generate_schema(lim: SchemaLimits) -> dict:
             "extra_key": _nullable({"type": "string"}),
             "routing_key": _nullable({"type": "string"}),
             "constrain_to_catalog": {"type": "boolean"},
+            **{name: {"type": "null"} for name in filter_properties(lim)},
+        },
+    }
+
+
+def beam_generate_schema(lim: SchemaLimits) -> dict:
+    """The native beam form over the catalog (sgrec.managers.rec.build_beam_generate_task): one
+    prompt, sampling_params.beam_width above 1, "constrain_to_catalog": true, the exposure filters."""
+    text, ids = {"type": "string", "minLength": 1}, _token_ids(lim)
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["sampling_params", "constrain_to_catalog"],
+        "anyOf": _exactly_one("text", text, "input_ids", ids),
+        "properties": {
+            "text": _nullable(text),
+            "input_ids": _nullable(ids),
+            "sampling_params": {"type": "object", "additionalProperties": False, "required": ["beam_width"],
+                                "properties": {
+                                    "beam_width": {"type": "integer", "minimum": 2, "maximum": lim.max_beam_width},
+                                    "n": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
+                                    "max_new_tokens": {"type": "integer", "minimum": 0}}},
+            "constrain_to_catalog": {"const": True},
+            "stream": {"const": False},
+            "return_logprob": {"const": False},
+            "rid": _nullable({"type": "string", "minLength": 1}),
+            "routing_key": _nullable({"type": "string"}),
             **filter_properties(lim),
         },
     }
@@ -128,8 +168,9 @@ SCALAR = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]
 FILTER_SCHEMAS = {
     "ItemFilter": {
         "type": "object",
-        "description": "Attribute predicates, all ANDed: {attribute: {op: value}}; an attribute no item has is a 400",
-        "additionalProperties": {"$ref": "#/components/schemas/ItemPredicate"},
+        "description": "Attribute predicates, all ANDed: {attribute: {op: value}}, a bare value meaning eq; "
+                       "an attribute no item has is a 400",
+        "additionalProperties": {"anyOf": [{"$ref": "#/components/schemas/ItemPredicate"}, SCALAR]},
     },
     "ItemPredicate": {
         "type": "object",
@@ -158,6 +199,8 @@ def score_schema(lim: SchemaLimits) -> dict:
     return {
         "type": "object",
         "required": ["items", "label_token_ids"],
+        "anyOf": [{"required": ["apply_softmax"], "properties": {"apply_softmax": {"const": True}}},
+                  {"properties": {"temperature": {"const": 1}}}],  # a temperature needs the softmax
         "properties": {
             "query": _nullable({"anyOf": [{"type": "string"}, _token_ids(lim, 0)]}),
             "items": {"anyOf": [{"type": "string"},
@@ -250,13 +293,15 @@ def recommend_schema(lim: SchemaLimits) -> dict:
 
 def catalog_item_schema(lim: SchemaLimits) -> dict:
     """One item of POST /v1/catalog/items: the catalog's JSON Lines line (sgrec.catalog.jsonl)."""
+    text, ids = {"type": "string", "minLength": 1}, _token_ids(lim)
     return {
         "type": "object",
         "required": ["id"],
+        "anyOf": _exactly_one("text", text, "token_ids", ids),
         "properties": {
             "id": {"type": "string", "minLength": 1},
-            "text": {"type": "string", "minLength": 1},
-            "token_ids": _nullable(_token_ids(lim)),
+            "text": _nullable(text),
+            "token_ids": _nullable(ids),
             "id_token": _nullable({"anyOf": [{"type": "integer", "minimum": 0, "maximum": lim.vocab_size - 1},
                                              {"type": "string", "minLength": 1}]}),
             "semantic_id": _nullable(_token_ids(lim)),
@@ -345,6 +390,7 @@ def build_openapi(app: FastAPI, lim: SchemaLimits, secured=None) -> dict:
         comps[model.__name__] = schema
     comps.update({
         "SamplingParams": sampling_params_schema(lim), "GenerateReqInput": generate_schema(lim),
+        "PlainGenerateReqInput": plain_generate_schema(lim), "BeamGenerateReqInput": beam_generate_schema(lim),
         **FILTER_SCHEMAS,
         "ScoringRequest": score_schema(lim), "RecUser": _user_schema(lim), "RankRequest": rank_schema(lim),
         "RetrieveRequest": retrieve_schema(lim), "RecommendRequest": recommend_schema(lim),

@@ -7,7 +7,7 @@ same messages; the models here only check JSON types and the OpenAI-only constra
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import (
     BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator,
@@ -41,6 +41,8 @@ class ResponseFormat(_Model):
 
 
 Number = StrictFloat  # ints accepted, bools and strings not
+Text = Annotated[StrictStr, Field(min_length=1)]  # a prompt: an empty one is a 400
+TokenIds = Annotated[List[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]  # ids past the vocabulary: 400
 
 
 class _SamplingFields(_Model):
@@ -140,7 +142,8 @@ class _SamplingFields(_Model):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]
+    prompt: Union[Text, Annotated[List[Text], Field(min_length=1)], TokenIds,
+                  Annotated[List[TokenIds], Field(min_length=1)]]
     max_tokens: Optional[StrictInt] = 16
     echo: Optional[StrictBool] = False
     logprobs: Optional[StrictInt] = None
@@ -220,7 +223,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     continue_final_message: Optional[StrictBool] = False
     separate_reasoning: Optional[StrictBool] = True  # no reasoning parser: reasoning_content stays null
-    input_ids: Optional[List[StrictInt]] = None  # skips the chat template
+    input_ids: Optional[TokenIds] = None  # skips the chat template
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
