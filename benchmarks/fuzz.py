@@ -65,6 +65,10 @@ DATA_DEPENDENT_400S = [
      "a semantic ID of another length than the catalog's"),
     (r"POST /v1/(completions|chat/completions)", r"token id \d+ is out of the vocabulary range",
      "a token id past the model's vocabulary (the OpenAI models do not carry the vocabulary size)"),
+    (r"POST /v1/completions", r"^best_of \(\d+\) other than n \(\d+\)",
+     "best_of other than n (JSON Schema cannot require two fields' values to be equal)"),
+    (r"POST /v1/score", r"^label_token_ids must have one list per item",
+     "per-item label lists other in number than the items (JSON Schema cannot relate two arrays' lengths)"),
 ]
 THREAD_SLACK = 4  # uvicorn/asyncio helper threads may come and go
 

@@ -147,7 +147,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[StrictInt] = 16
     echo: Optional[StrictBool] = False
     logprobs: Optional[StrictInt] = None
-    best_of: Optional[StrictInt] = None
+    best_of: Optional[StrictInt] = Field(None, ge=1)
     suffix: Optional[StrictStr] = None
 
     @field_validator("max_tokens")
@@ -173,19 +173,32 @@ class TextPart(_Model):
     text: StrictStr
 
 
+ROLES = ("system", "developer", "user", "assistant")
+TEXT_PART = {"type": "object", "required": ["type", "text"],
+             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+
+
 class ChatMessage(_Model):
-    role: StrictStr
-    content: Optional[Union[StrictStr, List[Dict[str, Any]]]] = None
+    """One chat message. The handler checks the rules below itself (template_dict: its 400s name the
+    message); the schema states the same ones (json_schema_extra), so that /openapi.json says what is
+    accepted: a supported role, text parts only, no tool calls, content unless the role is assistant."""
+
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"role": {"const": "assistant"}}},
+        "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
+    role: StrictStr = Field(json_schema_extra={"enum": list(ROLES)})
+    content: Optional[Union[StrictStr, List[Dict[str, Any]]]] = Field(
+        None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, {"type": "null"}]})
     name: Optional[StrictStr] = None
-    tool_calls: Optional[Any] = None
-    tool_call_id: Optional[Any] = None
+    tool_calls: Optional[Any] = Field(None, json_schema_extra={"type": "null"})
+    tool_call_id: Optional[Any] = Field(None, json_schema_extra={"type": "null"})
 
     def template_dict(self, index: int) -> dict:
         where = f"messages[{index}]"
-        if self.role not in ("system", "developer", "user", "assistant"):
+        if self.role not in ROLES:
             raise RequestError(f"{where}: role {self.role!r} is not supported by sgrec "
                                "(supported: system, developer, user, assistant)", "messages")
-        if self.tool_calls or self.tool_call_id:
+        if self.tool_calls is not None or self.tool_call_id is not None:
             raise RequestError(f"{where}: tool calls are not supported by sgrec", "messages")
         content = self.content
         if content is None:
