@@ -73,34 +73,39 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None, vocab_size: int | None = None) -> "SamplingParams":
-        """Validates a JSON sampling_params dict; raises ValueError with a clear message."""
+    def from_dict(cls, d: dict[str, Any] | None, vocab_size: int | None = None,
+                  where: str = "sampling_params") -> "SamplingParams":
+        """Validates a JSON sampling_params dict; raises ValueError with a clear message naming the
+        field by its full path: `where` is the dict's own (`sampling_params`, `sampling_params[1]`,
+        or "" where its fields are the body's top-level ones)."""
+        at = (lambda name: f"{where}.{name}") if where else (lambda name: name)
         if d is None:
             d = {}
         if not isinstance(d, dict):
-            raise SchemaError(f"sampling_params must be an object, got {type(d).__name__}")
+            raise SchemaError(f"{where or 'sampling_params'} must be an object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(k for k in d if k not in known and k not in _UNSUPPORTED)
         if unknown:
             raise SchemaError(
-                f"unknown field `{unknown[0]}` in sampling_params, expected one of {sorted(known | set(_UNSUPPORTED))}"
+                f"unknown field `{unknown[0]}`{f' in {where} ({at(unknown[0])})' if where else ''}, expected one of "
+                f"{sorted(known | set(_UNSUPPORTED))}"
             )
         for key, unset in _UNSUPPORTED.items():  # type-exact: 0 is not False, 1.0 is not 1
             if unset is not None and key in d and not any(type(d[key]) is type(u) and d[key] == u for u in unset):
-                raise ValueError(f"sampling_params.{key} is not supported by sgrec yet")
+                raise ValueError(f"{at(key)} is not supported by sgrec yet")
         interval = d.get("stream_interval")
         if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool)):
-            raise SchemaError(f"sampling_params.stream_interval must be an integer, got {interval!r}")
+            raise SchemaError(f"{at('stream_interval')} must be an integer, got {interval!r}")
         kw = {k: v for k, v in d.items() if k in known}
         p = cls(**kw)
-        p._check_types(d)
-        p._check_ranges(vocab_size)
+        p._check_types(d, at)
+        p._check_ranges(vocab_size, at)
         return p
 
-    def _check_types(self, raw: dict) -> None:
+    def _check_types(self, raw: dict, at) -> None:
         def need(name, ok, what):
             if name in raw and not ok(raw[name]):
-                raise SchemaError(f"sampling_params.{name} must be {what}, got {raw[name]!r}")
+                raise SchemaError(f"{at(name)} must be {what}, got {raw[name]!r}")
 
         is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
         is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
@@ -122,47 +127,47 @@ class SamplingParams:
         if self.logit_bias is None:
             self.logit_bias = {}
         if not isinstance(self.logit_bias, dict):
-            raise ValueError("sampling_params.logit_bias must be an object mapping token ids to biases")
+            raise ValueError(f"{at('logit_bias')} must be an object mapping token ids to biases")
         if not all(isinstance(k, (str, int)) and not isinstance(k, bool) and str(k).isascii() and str(k).isdigit()
                    and is_num(v) for k, v in self.logit_bias.items()):  # no "+5", " 5", "٥", "1.5" or false
-            raise ValueError("sampling_params.logit_bias must map integer token ids to numbers")
+            raise ValueError(f"{at('logit_bias')} must map integer token ids to numbers")
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
-    def _check_ranges(self, vocab_size: int | None) -> None:
+    def _check_ranges(self, vocab_size: int | None, at) -> None:
         def bad(msg):
             raise ValueError(msg)
 
         if self.max_new_tokens < 0:
-            bad(f"max_new_tokens must be at least 0, got {self.max_new_tokens}")
+            bad(f"{at('max_new_tokens')} must be at least 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
-            bad(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
+            bad(f"{at('min_new_tokens')} must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if self.n < 1:
-            bad(f"n must be at least 1, got {self.n}")
+            bad(f"{at('n')} must be at least 1, got {self.n}")
         if self.temperature < 0:
-            bad(f"temperature must be non-negative, got {self.temperature}")
+            bad(f"{at('temperature')} must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
+            bad(f"{at('top_p')} must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
             self.top_k = TOP_K_ALL
         if self.top_k < 1:
-            bad(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+            bad(f"{at('top_k')} must be -1 (disable) or at least 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
+            bad(f"{at('min_p')} must be in [0, 1], got {self.min_p}")
         if not -2 <= self.frequency_penalty <= 2:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            bad(f"{at('frequency_penalty')} must be in [-2, 2], got {self.frequency_penalty}")
         if not -2 <= self.presence_penalty <= 2:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            bad(f"{at('presence_penalty')} must be in [-2, 2], got {self.presence_penalty}")
         if not 0 < self.repetition_penalty <= 2:
-            bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            bad(f"{at('repetition_penalty')} must be in (0, 2], got {self.repetition_penalty}")
         if len(self.stop) > 32:
-            bad(f"at most 32 stop strings are allowed, got {len(self.stop)}")
+            bad(f"{at('stop')} holds at most 32 strings, got {len(self.stop)}")
         if any(s == "" for s in self.stop):
-            bad("stop strings must not be empty")
+            bad(f"{at('stop')} must not hold an empty string")
         if vocab_size is not None:
             for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
                 for t in ids:
                     if not 0 <= t < vocab_size:
-                        bad(f"{name}: token id {t} is out of the vocabulary range [0, {vocab_size})")
+                        bad(f"{at(name)}: token id {t} is out of the vocabulary range [0, {vocab_size})")
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 
@@ -69,7 +70,10 @@ class ServerArgs:
     catalog_journal: str | None = _arg(
         None, "Journal of catalog updates (POST /v1/catalog/...): each update is appended and fsynced here "
         "before it is acknowledged, and replayed over --item-catalog at start-up (default: <catalog>.journal; "
-        "created on the first update). `python -m sgrec.catalog compact` folds it into the catalog file.")
+        "for a catalog inside the installed sgrec package, such as the embedded demo's, "
+        "$XDG_STATE_HOME/sgrec/<its path in the package>.journal, by default under ~/.local/state: the "
+        "install is never written; created on the first update). `python -m sgrec.catalog compact` folds "
+        "it into the catalog file.")
     catalog_history: int = _arg(
         8, "Catalog versions kept for POST /v1/catalog/rollback (the current one included); each keeps its "
         "own copy of the catalog's columns and trie in memory.")
@@ -260,7 +264,25 @@ class ServerArgs:
         """The catalog journal's path (None without a catalog)."""
         if self.catalog_journal is not None:
             return self.catalog_journal
-        return None if self.item_catalog is None else self.item_catalog + ".journal"
+        return None if self.item_catalog is None else default_journal_path(self.item_catalog)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))  # the installed sgrec package: never written
+
+
+def state_dir() -> str:
+    """Where sgrec keeps mutable state of its own: $XDG_STATE_HOME/sgrec (default ~/.local/state/sgrec)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "sgrec")
+
+
+def default_journal_path(catalog_path: str) -> str:
+    """`<catalog>.journal`, beside the catalog file; for a catalog inside the installed package (the
+    embedded demo's) the same name under state_dir(), so updates never write into the install."""
+    real = os.path.realpath(catalog_path)
+    if os.path.commonpath([real, PACKAGE_DIR]) == PACKAGE_DIR:
+        return os.path.join(state_dir(), os.path.relpath(real, PACKAGE_DIR) + ".journal")
+    return catalog_path + ".journal"

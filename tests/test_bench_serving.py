@@ -150,4 +150,4 @@ def test_failed_requests_are_counted_not_raised(server, tmp_path):
     (res,) = out["results"]
     assert (res["completed"], res["failed"]) == (2, 1)
     assert [r["output_tokens"] for r in res["requests"]] == [4, 0, 3]
-    assert list(res["errors"]) == ['HTTP 400: {"error":{"message":"max_new_tokens must be at least 0, got -1"}}']
+    assert list(res["errors"]) == ['HTTP 400: {"error":{"message":"sampling_params.max_new_tokens must be at least 0, got -1"}}']

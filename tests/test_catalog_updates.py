@@ -100,9 +100,9 @@ def test_an_update_that_keeps_every_path_keeps_the_rows_of_the_trie():
 
 
 @pytest.mark.parametrize("batch, message", [
-    ([{"id": "x", "token_ids": [1]}, {"id": "y"}], "items[1] ('y'): item 'y': give exactly one of"),
+    ([{"id": "x", "token_ids": [1]}, {"id": "y"}], "items[1] ('y'): give exactly one of items[1].text and items[1].token_ids"),
     ([{"id": "x", "token_ids": [1]}, {"id": "x", "token_ids": [2]}], "items[1] ('x'): duplicate item id"),
-    ([{"id": "x", "token_ids": [1]}, {"id": "z", "token_ids": [VOCAB + 5]}], "items[1]: item 'z': 'token_ids' holds"),
+    ([{"id": "x", "token_ids": [1]}, {"id": "z", "token_ids": [VOCAB + 5]}], "items[1] ('z'): items[1].token_ids holds"),
     ([{"id": "x", "token_ids": [1], "attrs": {"year": [1]}}], "items[0] ('x'): attrs.year must be"),
     ([], "items must be a non-empty list"),
     ("x", "items must be a non-empty list"),

@@ -48,17 +48,18 @@ def same(a: list[tuple], b: list[tuple]) -> None:
         assert abs(x[1] - y[1]) <= 1e-5 and abs(x[2] - y[2]) <= len(x[3]) * 1e-5
 
 
-CASES = [
-    ({"token_ids": [5, 6, 7, 8]}, 8, 6, None, {}, {}),
-    ({"id": "u2", "token_ids": [40, 41]}, 16, 10, 3, {"prefix": "user"}, {"exclude_items": ["i0", "i1"]}),
+CASES = [  # user, beam width, candidates, top_k, rank stage, filters, the prefixes the rank stage may use
+    # no prefix given: auto, which picks user- or item-as-prefix by the cache's state (§5.3), never none
+    ({"token_ids": [5, 6, 7, 8]}, 8, 6, None, {}, {}, {"user", "item"}),
+    ({"id": "u2", "token_ids": [40, 41]}, 16, 10, 3, {"prefix": "user"}, {"exclude_items": ["i0", "i1"]}, {"user"}),
     ({"id": "u3", "token_ids": [90, 91, 92]}, 8, 8, None, {"prefix": "item", "score_by": "semantic_id"},
-     {"include_items": [f"i{k}" for k in range(0, 30, 2)]}),
-    ({"token_ids": [7]}, 4, 4, 2, {"prefix": "none", "instruction": [3, 4]}, {}),
+     {"include_items": [f"i{k}" for k in range(0, 30, 2)]}, {"item"}),
+    ({"token_ids": [7]}, 4, 4, 2, {"prefix": "none", "instruction": [3, 4]}, {}, {"none"}),
 ]
 
 
-@pytest.mark.parametrize("user, bw, n, top_k, rank_args, filters", CASES)
-def test_engine_recommend_equals_retrieve_then_rank(engine, user, bw, n, top_k, rank_args, filters):
+@pytest.mark.parametrize("user, bw, n, top_k, rank_args, filters, prefix", CASES)
+def test_engine_recommend_equals_retrieve_then_rank(engine, user, bw, n, top_k, rank_args, filters, prefix):
     def retrieve(u, bw, n, **f):
         return engine.retrieve(u, beam_width=bw, num_items=n, **f)
 
@@ -70,7 +71,7 @@ def test_engine_recommend_equals_retrieve_then_rank(engine, user, bw, n, top_k, 
     assert len(want) == (top_k or n) and got["meta_info"]["catalog_version"] == 0
     same(as_rows(got), want)
     assert got["meta_info"]["retrieve"]["prompt_tokens"] == len(user["token_ids"])
-    assert got["meta_info"]["rank"]["prefix"] == rank_args.get("prefix", got["meta_info"]["rank"]["prefix"])
+    assert got["meta_info"]["rank"]["prefix"] in prefix
     engine.check_memory()
 
 
@@ -78,9 +79,9 @@ def test_engine_recommend_equals_retrieve_then_rank(engine, user, bw, n, top_k, 
     ({"retrieve": {"beam_width": 0}}, "retrieve.beam_width must be a positive integer"),
     ({"retrieve": {"beam_width": 4, "num_candidates": 5}}, "retrieve.num_candidates (5) must not exceed beam_width"),
     ({"retrieve": {"num_candidates": 21}}, "retrieve.num_candidates 21 exceeds --max-rank-candidates 20"),
-    ({"retrieve": {"width": 4}}, "unknown retrieve field(s): width"),
+    ({"retrieve": {"width": 4}}, "unknown field(s): retrieve.width"),
     ({"rank": {"prefix": "sideways"}}, "rank.prefix must be one of"),
-    ({"rank": {"items": ["i1"]}}, "unknown rank field(s): items"),
+    ({"rank": {"items": ["i1"]}}, "unknown field(s): rank.items"),
     ({"rank": "item"}, "rank must be an object"),
     ({"top_k": 0}, "top_k must be a positive integer"),
     ({"exclude_items": "i1"}, "exclude_items must be a list"),
@@ -106,12 +107,13 @@ def test_server_recommend_equals_the_two_calls(start_server, model, catalog):
     def rank(u, ids, k, **a):
         return post("/v1/rank", {"user": u, "items": ids, "top_k": k, **a})
 
-    for user, bw, n, top_k, rank_args, filters in CASES:
+    for user, bw, n, top_k, rank_args, filters, prefix in CASES:
         want = two_calls(retrieve, rank, user, bw, n, top_k, rank_args, **filters)
         got = post("/v1/recommend", {"user": user, "retrieve": {"beam_width": bw, "num_candidates": n},
                                      "rank": rank_args, "top_k": top_k, **filters})
         same(as_rows(got), want)
         assert got["meta_info"]["catalog_version"] == 0 and "id" in got["meta_info"]
+        assert got["meta_info"]["rank"]["prefix"] in prefix
     r = httpx.post(srv.url + "/v1/recommend", json={"user": {"token_ids": [5]}, "rank": {"prefix": 1}}, timeout=60)
     assert r.status_code == 400 and "rank.prefix must be one of" in r.json()["message"]
 

@@ -58,7 +58,6 @@ def test_laru_on_sglang_radix_cache_replays_like_sgrec(trace, cache_tokens, requ
     assert r["trainings"] > 0 and r["prediction_evictions"] > 0 and r["evicted"] > 0  # the model was used
     if trace == "multiturn":
         assert r["sglang_laru"] >= r["sglang_lru"]
-        assert round(r["sglang_laru"], 4) == 0.2903 and round(r["sglang_lru"], 4) == 0.1451
 
 
 def test_laru_bad_config_and_unsupported_trees_fail_at_start_up():

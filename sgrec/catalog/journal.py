@@ -23,12 +23,14 @@ import os
 import orjson
 
 from sgrec.catalog.item import CatalogError
+from sgrec.server_args import default_journal_path
 
 OPS = {"upsert": "items", "delete": "ids", "rollback": "to", "base": None}
 
 
 def default_path(catalog_path: str) -> str:
-    return catalog_path + ".journal"
+    """`<catalog>.journal`, or under the state directory for a catalog inside the installed package."""
+    return default_journal_path(catalog_path)
 
 
 def _check(rec, expect: int | None, first: bool) -> int:
@@ -116,6 +118,7 @@ class Journal:
     def hold(self):
         """Opens the journal for appending and takes its lock (CatalogError when another process has it)."""
         if self._f is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)  # a state directory's first use
             f = open(self.path, "ab")
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -13,6 +13,7 @@ an item whose attributes or semantic ID alone change keeps its KV.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,17 +38,30 @@ def parse_items(objs, tokenizer=None, vocab_size: int | None = None) -> Catalog:
         try:
             b.add(obj, k, tokenizer)
         except (ValueError, TypeError, OverflowError) as e:
-            raise UpdateError(f"items[{k}]{_named(obj)}: {e}") from None
+            raise UpdateError(f"items[{k}]{_named(obj)}: {_full_paths(str(e), k)}") from None
     try:
         return b.finish("items")
     except CatalogError as e:  # "items:K: ..." from the range check: K is the item's index
         where, _, rest = str(e).partition(": ")
-        raise UpdateError(f"items[{where.split(':')[1]}]: {rest}") from None
+        k = int(where.split(":")[1])
+        raise UpdateError(f"items[{k}]{_named(objs[k])}: {_full_paths(rest, k)}") from None
 
 
 def _named(obj) -> str:
     i = obj.get("id") if isinstance(obj, dict) else None
     return f" ({i!r})" if isinstance(i, str) else ""
+
+
+# a field quoted, or one whose name no word of a sentence has (`id`, `text` only quoted)
+_ITEM_FIELD = re.compile(r"'(id|text|token_ids|id_token|semantic_id|attrs)'|(?<![\w.\['])(token_ids|id_token|semantic_id)"
+                         r"(?![\w'])")
+
+
+def _full_paths(message: str, k: int) -> str:
+    """A catalog line's message (`item 'i9': 'text' must be ...`, written for a file's lines) with
+    each field named by its path in the update body: `items[3].text must be ...`."""
+    message = re.sub(r"^item '(?:[^'\\]|\\.)*': |^item \"(?:[^\"\\]|\\.)*\": ", "", message)
+    return _ITEM_FIELD.sub(lambda m: f"items[{k}].{m.group(1) or m.group(2)}", message)
 
 
 def canonical_lines(items: Catalog) -> list[dict]:

@@ -488,7 +488,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager, model_name: str) -> No
             body = await read_json(request)
             req = model_cls.model_validate(body)
             plan = build(req, tm)
-            sub = tm.submit(plan.native)
+            sub = tm.submit(plan.native, sampling_where="")  # the client sent them as top-level fields
         except HTTPError as e:  # malformed JSON
             return error_response(e.status, e.message, "Bad Request" if e.status == 400 else None)
         except ValidationError as e:

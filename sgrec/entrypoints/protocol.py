@@ -7,6 +7,7 @@ same messages; the models here only check JSON types and the OpenAI-only constra
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import (
@@ -270,8 +271,16 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
         return _UNION_MESSAGES[only], only
     parts, param = [], None
     for err in errors[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()))
+        # the field's path, without pydantic's union-member tags (`content.str`, `content.list[...]`)
+        field = [x for x in err.get("loc", ())]
+        tag = next((i for i, x in enumerate(field) if isinstance(x, str) and _UNION_TAG.match(x)), None)
+        loc = ".".join(str(x) for x in field[:tag])
         if param is None and err.get("loc"):
             param = str(err["loc"][0])
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        part = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
+        if part not in parts:
+            parts.append(part)
     return "; ".join(parts) or str(exc), param
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|dict|list)(\[.*\])?$|^[\w-]+\[.*\]$")

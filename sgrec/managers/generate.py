@@ -67,10 +67,13 @@ class RequestBuilder:
         token_ids_logprob=None,
         rid=None,
         extra_key=None,
+        sampling_where: str = "sampling_params",
     ) -> tuple[list[TokenizedGenerateReq], list[SamplingParams], bool]:
         """Returns (messages, their sampling params, whether the response is a list). Raises ValueError.
         Every given field is checked, also those that another one makes unused (text wins over
-        input_ids, as in SGLang, but bad input_ids beside it are still a 400)."""
+        input_ids, as in SGLang, but bad input_ids beside it are still a 400). Errors name a
+        sampling parameter by its full path: `sampling_params.top_p`, `sampling_params[1].top_p`,
+        or, with `sampling_where` "" (a body whose sampling fields are top-level), `top_p`."""
         if input_ids is not None:
             id_batch, id_lists = self._input_ids(input_ids)
         if text is not None:
@@ -94,12 +97,15 @@ class RequestBuilder:
         sps = _per_item(sampling_params, count, "sampling_params")
         if isinstance(sampling_params, list) and not all(isinstance(sp, dict) for sp in sps):
             raise ValueError("sampling_params must be an object or a list of objects, one per prompt")
-        params = [SamplingParams.from_dict(sp, self.limits.vocab_size) for sp in sps]
+        wheres = ([f"{sampling_where}[{i}]" for i in range(count)] if isinstance(sampling_params, list)
+                  and sampling_where else [sampling_where] * count)
+        params = [SamplingParams.from_dict(sp, self.limits.vocab_size, where) for sp, where in zip(sps, wheres)]
+        n_at = (lambda i: f"{wheres[i]}.n") if sampling_where else (lambda i: "n")
         n = params[0].n
         if n > self.limits.max_n:
-            raise ValueError(f"n = {n} exceeds --max-n {self.limits.max_n}")
-        if any(p.n != n for p in params):
-            raise ValueError("all prompts of a batch must use the same n")
+            raise ValueError(f"{n_at(0)} = {n} exceeds --max-n {self.limits.max_n}")
+        if (odd := next((i for i, p in enumerate(params) if p.n != n), None)) is not None:
+            raise ValueError(f"{n_at(odd)}: all prompts of a batch must use the same n")
         lp_args = zip(
             _per_item(return_logprob, count, "return_logprob"),
             _per_item(logprob_start_len, count, "logprob_start_len"),

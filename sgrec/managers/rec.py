@@ -11,6 +11,7 @@ import contextlib
 import uuid
 import zlib
 
+from sgrec.catalog.item import check_token_ids
 from sgrec.managers.generate import RequestBuilder, is_int
 from sgrec.managers.io_struct import TaskReq
 from sgrec.tokenizer import Tokenizer
@@ -26,9 +27,9 @@ def parse_user(user, tokenizer: Tokenizer, builder: RequestBuilder) -> tuple[str
         raise ValueError("user must be an object: {\"id\": ..., \"text\" | \"token_ids\": ...}")
     unknown = set(user) - {"id", "text", "token_ids"}
     if unknown:
-        raise ValueError(f"unknown user field(s): {', '.join(sorted(unknown))}")
+        raise ValueError(f"unknown field(s): {', '.join('user.' + k for k in sorted(unknown))}")
     if ("text" in user) == ("token_ids" in user):
-        raise ValueError("user needs exactly one of 'text' and 'token_ids'")
+        raise ValueError("user needs exactly one of user.text and user.token_ids")
     if "text" in user:
         if not isinstance(user["text"], str) or not user["text"]:
             raise ValueError("user.text must be a non-empty string")
@@ -103,6 +104,7 @@ def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_cand
         instr_ids = instr
     else:
         raise ValueError("instruction must be a non-empty string or a non-empty list of token ids")
+    check_token_ids(instr_ids, "instruction", builder.limits.vocab_size)
     prefix = obj.get("prefix")
     if prefix is not None and prefix not in ("auto", "user", "item", "none", "greedy"):
         raise ValueError(f"prefix must be one of auto, user, item, none, greedy; got {prefix!r}")
@@ -174,10 +176,11 @@ def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder,
     sp = obj["sampling_params"]
     unknown = set(sp) - BEAM_SAMPLING_KEYS
     if unknown:
-        raise ValueError(f"sampling_params {', '.join(sorted(unknown))} cannot be used with beam_width")
+        raise ValueError(f"{', '.join('sampling_params.' + k for k in sorted(unknown))} cannot be used with "
+                         "beam_width")
     mnt = sp.get("max_new_tokens", 0)
     if not is_int(mnt) or mnt < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative integer, got {mnt!r}")
+        raise ValueError(f"sampling_params.max_new_tokens must be a non-negative integer, got {mnt!r}")
     rid = obj.get("rid")
     if rid is not None and (not isinstance(rid, str) or not rid):
         raise ValueError("rid must be a non-empty string (one prompt with beam_width)")
@@ -192,11 +195,14 @@ def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder,
     user = {"text": text} if text is not None else {"token_ids": ids}
     beam_width, n = sp["beam_width"], sp.get("n", 1)
     if not is_int(n) or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+        raise ValueError(f"sampling_params.n must be a positive integer, got {n!r}")
     filters = {k: obj[k] for k in FILTER_FIELDS if obj.get(k) is not None}
-    task = build_retrieve_task({"user": user, "beam_width": beam_width, "top_k": beam_width, "num_items": n,
-                                "rid": obj.get("rid"), **filters}, tokenizer, builder, max_beam_width, max_filter_items)
-    return task
+    # the retrieve builder's errors, with its fields named as this body names them
+    with _renamed({"user.text": "text", "user.token_ids": "input_ids", "beam_width": "sampling_params.beam_width",
+                   "top_k": "sampling_params.beam_width", "num_items": "sampling_params.n"}):
+        return build_retrieve_task({"user": user, "beam_width": beam_width, "top_k": beam_width, "num_items": n,
+                                    "rid": obj.get("rid"), **filters}, tokenizer, builder, max_beam_width,
+                                   max_filter_items)
 
 
 RECOMMEND_FIELDS = {"user", "retrieve", "rank", "top_k", "rid", "routing_key", "model"}
@@ -213,21 +219,27 @@ def _stage(obj: dict, name: str, fields: set[str]) -> dict:
         raise ValueError(f"{name} must be an object with {', '.join(sorted(fields))}")
     unknown = set(stage) - fields
     if unknown:
-        raise ValueError(f"unknown {name} field(s): {', '.join(sorted(unknown))}")
+        raise ValueError(f"unknown field(s): {', '.join(f'{name}.{k}' for k in sorted(unknown))}")
     return stage
 
 
 @contextlib.contextmanager
-def _in_stage(stage: str, fields: set[str]):
-    """A stage builder's ValueError with its field named as the recommend body names it."""
+def _renamed(names: dict[str, str]):
+    """A builder's ValueError with the field it starts with (`beam_width must ...`, `user.text must
+    ...`) named as the calling body names it: its full path there."""
     try:
         yield
     except ValueError as e:
         msg = str(e)
-        field = next((f for f in fields if msg.startswith((f + " ", f + "."))), None)
+        field = max((f for f in names if msg.startswith((f + " ", f + ".", f + ":"))), key=len, default=None)
         if field is not None:
-            msg = f"{stage}.{'num_candidates' if field == 'num_items' else field}{msg[len(field):]}"
+            msg = names[field] + msg[len(field):]
         raise ValueError(msg) from None
+
+
+def _in_stage(stage: str, fields: set[str]):
+    """A stage builder's ValueError with its field named as the recommend body names it."""
+    return _renamed({f: f"{stage}.{'num_candidates' if f == 'num_items' else f}" for f in fields})
 
 
 def build_recommend_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int,

@@ -157,15 +157,17 @@ class TokenizerManager:
         if self.rank_load[rank] >= self.args.max_running_requests + limit:
             raise QueueFull()
 
-    def submit(self, obj: dict) -> Submission:
+    def submit(self, obj: dict, sampling_where: str = "sampling_params") -> Submission:
         """Validates, tokenizes and sends a native /generate request. Raises ValueError on bad input,
-        QueueFull (a RuntimeError) when the rank is full."""
+        QueueFull (a RuntimeError) when the rank is full. `sampling_where`: how errors name the
+        sampling parameters ("" where the client sent them as top-level fields: the OpenAI routes)."""
         self.admit(obj)
         check_generate_types(obj)
         msgs, params, is_list = self.builder.build(
             obj.get("text"), obj.get("input_ids"), obj.get("sampling_params"),
             obj.get("return_logprob", False), obj.get("logprob_start_len", -1),
             obj.get("top_logprobs_num", 0), obj.get("token_ids_logprob"), obj.get("rid"), obj.get("extra_key"),
+            sampling_where,
         )
         check_no_filters(obj)
         return self._send(msgs, params, is_list, bool(obj.get("return_text_in_logprobs", False)),

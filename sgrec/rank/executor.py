@@ -142,7 +142,7 @@ class RankExecutor:
         items = self.catalog.lookup(item_ids, full=False)
         if not instruction_ids:
             raise ValueError("the instruction must not be empty: its last token scores the candidates")
-        for name, ids in (("user token_ids", user_ids), ("instruction token_ids", instruction_ids)):
+        for name, ids in (("user.token_ids", user_ids), ("instruction", instruction_ids)):
             if ids:  # an empty user profile is allowed
                 check_token_ids(ids, name, self.vocab_size)
         return items

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -42,12 +43,21 @@ class Case:
     path: tuple  # keys (str) and indices (int) from the body's root to the broken value
     constraint: str  # e.g. "type", "minimum", "required", "additionalProperties", "items.type"
     body: Any
-    names: tuple[str, ...]  # the error message must name one of these
+    names: tuple[tuple, ...]  # full paths of fields; the error message must name one of them
 
     @property
     def id(self) -> str:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in self.path) or "."
         return f"{where} {self.constraint}: {json.dumps(self._value(), sort_keys=True)[:60]}"
+
+    @property
+    def named(self) -> list[str]:
+        """The field paths the message must name (one of them), dotted: `retrieve.beam_width`."""
+        return [dotted(n) for n in self.names]
+
+    def message_names_field(self, message: str) -> bool:
+        """Whether `message` names one of the fields by its full path (any when there is none)."""
+        return not self.names or any(names_path(message, n) for n in self.names)
 
     def _value(self):
         v = self.body
@@ -57,6 +67,27 @@ class Case:
             else:
                 return "<removed>"
         return v
+
+
+def dotted(path: tuple) -> str:
+    """`("retrieve", "beam_width")` -> `retrieve.beam_width`; indices as `[i]`: `messages[0].role`."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+
+
+def names_path(message: str, path: tuple) -> bool:
+    """Whether `message` names the field at `path` by its full path, not just its last key: the
+    dotted path as a whole word (an index either `[0]` or `.0`), not part of a longer key or of a
+    deeper field (`retrieve.beam_width` does not name `retrieve`); an index after it may follow
+    (`input_ids[0]` names `input_ids`)."""
+    if not path:
+        return True
+    parts = []
+    for i, p in enumerate(path):
+        if isinstance(p, int):
+            parts.append(rf"(?:\[{p}\]|\.{p})")
+        else:
+            parts.append(("" if i == 0 else r"\.") + re.escape(p))
+    return re.search(r"(?<![\w.\[])" + "".join(parts) + r"(?![\w\]]|\.[^\W\d])", message) is not None
 
 
 class Schemas:
@@ -241,9 +272,12 @@ _REMOVE = object()
 def _walk(sch: Schemas, s: dict, value, path: tuple) -> Iterator[tuple[tuple, str, Any, tuple, tuple]]:
     """(path, constraint, replacement or _REMOVE, names, sources) for the location `path` holding
     `value` (schema `s`) and every location below it."""
-    field = next((p for p in reversed(path) if isinstance(p, str)), None)
-    named = (field,) if field else ()
-    own = [(path, constraint, bad, (key,) if key else named, src) for constraint, bad, key, src in _bad_values(sch, s)
+    # the field holding the location: its full path, up to its last key (an element of a list is
+    # named by its list)
+    last = max((i for i, p in enumerate(path) if isinstance(p, str)), default=None)
+    named = (path[:last + 1],) if last is not None else ()
+    own = [(path, constraint, bad, (path + (key,),) if key else named, src)
+           for constraint, bad, key, src in _bad_values(sch, s)
            if path or constraint == "type"]  # the root's keys are walked below, each at its own path
     if path:
         yield from own
@@ -271,9 +305,9 @@ def _walk_inside(sch: Schemas, s: dict, value, path: tuple) -> Iterator[tuple[tu
                         yield from _walk(sch, extra, value[name], path + (name,))
             for name in b.get("required", []):
                 if name in value:
-                    yield path + (name,), "required", _REMOVE, (name,), ((id(b), "required", name),)
+                    yield path + (name,), "required", _REMOVE, (path + (name,),), ((id(b), "required", name),)
             if b.get("additionalProperties") is False:
-                yield path + (UNKNOWN_KEY,), "additionalProperties", 1, (UNKNOWN_KEY,), \
+                yield path + (UNKNOWN_KEY,), "additionalProperties", 1, (path + (UNKNOWN_KEY,),), \
                     ((id(b), "additionalProperties", None),)
             for kw in ("anyOf", "oneOf"):  # alternatives of required keys: none of them, or all at once
                 alts = [sch.resolve(m) for m in b.get(kw, []) if set(sch.resolve(m)) == {"required"}]
@@ -281,10 +315,11 @@ def _walk_inside(sch: Schemas, s: dict, value, path: tuple) -> Iterator[tuple[tu
                 if not keys:
                     continue
                 none = {k: v for k, v in value.items() if k not in keys}
-                yield path, "required", none, keys, tuple((id(m), "required", k) for m in alts for k in m["required"])
+                paths = tuple(path + (k,) for k in keys)
+                yield path, "required", none, paths, tuple((id(m), "required", k) for m in alts for k in m["required"])
                 if kw == "oneOf" and len(alts) > 1:
                     every = {**{k: example(sch, b["properties"][k]) for k in keys}, **value}
-                    yield path, "oneOf", every, keys, ((id(b), "oneOf", None),)
+                    yield path, "oneOf", every, paths, ((id(b), "oneOf", None),)
         elif isinstance(value, list) and value and (b.get("type") == "array" or "items" in b):
             if not sch.accepts(b, value):
                 continue
