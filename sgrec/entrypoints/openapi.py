@@ -377,6 +377,49 @@ OTHER_RESPONSES = {  # (path, method) -> the statuses and bodies of the routes w
 }
 
 
+# An OpenAI route's sampling field -> the native sampling_params key it becomes, whose range applies
+OPENAI_SAMPLING = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens", "n": "n", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias", "seed": "sampling_seed",
+}
+UNSET = {"enum": [None, "", [], {}, False]}  # what check_unsupported lets through for an unimplemented key
+OPENAI_RULES = {  # each model's own checks (protocol.py check_unsupported and validators), as schemas
+    "_common": {
+        **{k: UNSET for k in ("regex", "ebnf", "json_schema", "stop_regex", "lora_path", "custom_logit_processor",
+                              "custom_params", "return_hidden_states", "session_params")},
+        "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}}),
+    },
+    "CompletionRequest": {
+        "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+        "logprobs": _nullable({"type": "integer", "minimum": 0}),
+        "suffix": {"enum": [None, ""]},
+    },
+    "ChatCompletionRequest": {
+        "tools": {"enum": [None, []]}, "functions": {"enum": [None, []]},
+        "function_call": {"enum": [None, "none"]}, "tool_choice": {"enum": [None, "none", "auto"]},
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
+    },
+}
+
+
+def openai_schema(name: str, schema: dict, lim: SchemaLimits) -> dict:
+    """A pydantic model's schema with the checks it makes after parsing: the native sampling ranges of
+    the fields it passes on (SamplingParams.from_dict) and its own refusals (OPENAI_RULES)."""
+    native = sampling_params_schema(lim)["properties"]
+    props = schema["properties"]
+    for field, key in OPENAI_SAMPLING.items():
+        if field in props:
+            props[field] = _nullable(native[key])
+    props.update({k: v for k, v in {**OPENAI_RULES["_common"], **OPENAI_RULES[name]}.items() if k in props})
+    if name == "ChatCompletionRequest":  # top_logprobs above 0 needs logprobs
+        schema["if"] = {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer",
+                                                                                      "minimum": 1}}}
+        schema["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
+    return schema
+
+
 def build_openapi(app: FastAPI, lim: SchemaLimits, secured=None) -> dict:
     """The document; `secured(path, method)`: whether the route needs an API key (None: none does)."""
     auth = secured is not None
@@ -387,7 +430,7 @@ def build_openapi(app: FastAPI, lim: SchemaLimits, secured=None) -> dict:
     for model in (CompletionRequest, ChatCompletionRequest):
         schema = model.model_json_schema(ref_template=REF)
         comps.update(schema.pop("$defs", {}))
-        comps[model.__name__] = schema
+        comps[model.__name__] = openai_schema(model.__name__, schema, lim)
     comps.update({
         "SamplingParams": sampling_params_schema(lim), "GenerateReqInput": generate_schema(lim),
         "PlainGenerateReqInput": plain_generate_schema(lim), "BeamGenerateReqInput": beam_generate_schema(lim),
