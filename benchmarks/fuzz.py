@@ -82,7 +82,11 @@ def run_schemathesis(url: str, max_time: int | None, seed: int, workers: int, re
     cmd = [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()", "run",
            f"{url}/openapi.json", "--checks", ",".join(checks), "--seed", str(seed),
            "--workers", str(workers), "--request-timeout", "60", "--report", "json,junit", "--report-dir", report_dir,
-           "--no-color", "--output-sanitize", "false"]
+           "--no-color", "--output-sanitize", "false",
+           # every failure of an operation, not the first: an allowed data-dependent 400 must not hide
+           # a 500 or another check's failure on the same route (measured: 13 min instead of 4 at 60
+           # examples per operation on a 2-core EPYC)
+           "--continue-on-failure"]
     if max_examples is not None:
         cmd += ["--max-examples", str(max_examples), "--generation-deterministic",
                 "--suppress-health-check", "all"]

@@ -100,6 +100,11 @@ def test_generate_beam_form_honours_filters(server):
     assert r.status_code == 200, r.text
     got = [b["meta_info"]["item"] for b in r.json()["meta_info"]["beam_results"]]
     assert len(got) == 5 and not set(got) & set(drop) and len(set(got)) == 5
+    empty = server.client.post("/generate", json={**body, "include_items": []})  # no item allowed: was a 500
+    assert empty.status_code == 200, empty.text
+    out = empty.json()
+    assert (out["text"], out["output_ids"], out["meta_info"]["beam_results"]) == ("", [], [])
+    assert out["meta_info"]["finish_reason"] == {"type": "stop"}
 
 
 def test_rank_filters_drop_candidates(server):

@@ -342,8 +342,10 @@ def _error(why: str) -> dict:
 UNAUTHORIZED = _error("Missing or wrong API key (--api-key)")
 
 
+SSE_EVENT = {"type": "object", "required": ["data"],  # one event: a JSON chunk, or [DONE] last
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
 STREAMING_OK = {"description": "The result; with \"stream\": true, server-sent events ending with data: [DONE]",
-                "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}}}
+                "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": SSE_EVENT}}}
 JSON_OK = {"description": "The result", "content": {"application/json": {"schema": {}}}}
 BODIES = {  # path -> (component name, streams)
     "/generate": ("GenerateReqInput", True),

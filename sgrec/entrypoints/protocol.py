@@ -73,7 +73,7 @@ class _SamplingFields(_Model):
     skip_special_tokens: Optional[StrictBool] = None
     spaces_between_special_tokens: Optional[StrictBool] = None
     no_stop_trim: Optional[StrictBool] = None
-    rid: Optional[Union[StrictStr, List[StrictStr]]] = None
+    rid: Optional[Union[Text, List[Text]]] = None
     extra_key: Optional[StrictStr] = None
     cache_salt: Optional[StrictStr] = None
     priority: Optional[StrictInt] = None  # accepted; sgrec has no priority scheduling
@@ -101,7 +101,8 @@ class _SamplingFields(_Model):
             ("return_hidden_states", "hidden states are not returned"),
             ("session_params", "sessions are not supported"),
         ):
-            if getattr(self, name) not in (None, "", [], {}, False):
+            v = getattr(self, name)
+            if not (v is None or v is False or (type(v) in (str, list, dict) and not v)):  # 0 is no False here
                 raise RequestError(f"`{name}` is not supported by sgrec ({why})", name)
         if self.response_format is not None and self.response_format.type != "text":
             raise RequestError(

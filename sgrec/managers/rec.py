@@ -277,8 +277,10 @@ def beam_generate_response(state, tokenizer: Tokenizer) -> dict:
                       "meta_info": {"finish_reason": {"type": "length", "length": nd},
                                     "sequence_score": x["score"] / nd, "item": x["item"]}})
     meta = task_response(state)["meta_info"]
-    return {"text": beams[0]["text"], "output_ids": beams[0]["output_ids"], "meta_info": {
-        "id": state.msg.rid, "finish_reason": beams[0]["meta_info"]["finish_reason"],
+    # no path at all (the filters allow no item): an empty generation that stopped at once
+    top = beams[0] if beams else {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "stop"}}}
+    return {"text": top["text"], "output_ids": top["output_ids"], "meta_info": {
+        "id": state.msg.rid, "finish_reason": top["meta_info"]["finish_reason"],
         "prompt_tokens": len(state.msg.input_ids), "completion_tokens": sum(len(b["output_ids"]) for b in beams),
         "cached_tokens": meta.get("cached_tokens", 0), "e2e_latency": meta.get("e2e_latency"),
         "beam_results": beams,
