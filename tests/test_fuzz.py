@@ -21,6 +21,7 @@ ALLOWED_400S = {
     "an attribute value of another kind than the catalog's items have",
     "a semantic ID of another length than the catalog's",
     "a token id past the model's vocabulary (the OpenAI models do not carry the vocabulary size)",
+    "a prompt longer than the model's context (its token count depends on the tokenizer and chat template)",
     "best_of other than n (JSON Schema cannot require two fields' values to be equal)",
     "per-item label lists other in number than the items (JSON Schema cannot relate two arrays' lengths)",
 }
