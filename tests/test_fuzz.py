@@ -71,6 +71,15 @@ def test_openapi_document_has_a_body_schema_for_every_post_route(start_server, t
     ("CompletionRequest", {"prompt": ""}, False),
     ("CompletionRequest", {"prompt": [[]]}, False),
     ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "a"}], "input_ids": []}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user"}]}, False),  # content unless assistant
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": None}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "assistant"}, {"role": "user", "content": "a"}]}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "tool", "content": "a"}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2,
+                               "logprobs": True}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 0}, True),
 ])
 def test_openapi_document_states_the_rules_between_fields(name, body, valid):
     from fastapi import FastAPI

@@ -199,8 +199,9 @@ def score_schema(lim: SchemaLimits) -> dict:
     return {
         "type": "object",
         "required": ["items", "label_token_ids"],
-        "anyOf": [{"required": ["apply_softmax"], "properties": {"apply_softmax": {"const": True}}},
-                  {"properties": {"temperature": {"const": 1}}}],  # a temperature needs the softmax
+        # a temperature other than 1 needs the softmax
+        "if": {"required": ["temperature"], "properties": {"temperature": {"type": "number", "not": {"const": 1}}}},
+        "then": {"required": ["apply_softmax"], "properties": {"apply_softmax": {"const": True}}},
         "properties": {
             "query": _nullable({"anyOf": [{"type": "string"}, _token_ids(lim, 0)]}),
             "items": {"anyOf": [{"type": "string"},

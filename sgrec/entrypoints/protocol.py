@@ -66,7 +66,7 @@ class _SamplingFields(_Model):
     # SGLang extras
     top_k: Optional[StrictInt] = None
     min_p: Optional[Number] = None
-    min_tokens: Optional[StrictInt] = None
+    min_tokens: Optional[StrictInt] = Field(None, ge=0)
     repetition_penalty: Optional[Number] = None
     stop_token_ids: Optional[List[StrictInt]] = None
     ignore_eos: Optional[StrictBool] = None
@@ -106,7 +106,7 @@ class _SamplingFields(_Model):
                 raise RequestError(f"`{name}` is not supported by sgrec ({why})", name)
         if self.response_format is not None and self.response_format.type != "text":
             raise RequestError(
-                f"response_format type {self.response_format.type!r} is not supported by sgrec "
+                f"response_format.type {self.response_format.type!r} is not supported by sgrec "
                 "(constrained decoding is not implemented); only 'text' is", "response_format")
 
     def sampling_params(self, max_new_tokens: int) -> dict:
@@ -198,25 +198,26 @@ class ChatMessage(_Model):
     def template_dict(self, index: int) -> dict:
         where = f"messages[{index}]"
         if self.role not in ROLES:
-            raise RequestError(f"{where}: role {self.role!r} is not supported by sgrec "
+            raise RequestError(f"{where}.role {self.role!r} is not supported by sgrec "
                                "(supported: system, developer, user, assistant)", "messages")
-        if self.tool_calls is not None or self.tool_call_id is not None:
-            raise RequestError(f"{where}: tool calls are not supported by sgrec", "messages")
+        for key in ("tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                raise RequestError(f"{where}.{key}: tool calls are not supported by sgrec", "messages")
         content = self.content
         if content is None:
             if self.role != "assistant":
-                raise RequestError(f"{where}: content is required for role {self.role!r}", "messages")
+                raise RequestError(f"{where}.content is required for role {self.role!r}", "messages")
             content = ""
         elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 if part.get("type") != "text":
-                    raise RequestError(f"{where}.content[{j}]: content part type {part.get('type')!r} is not "
+                    raise RequestError(f"{where}.content[{j}].type {part.get('type')!r} is not "
                                        "supported by sgrec (text only)", "messages")
                 try:
                     texts.append(TextPart.model_validate(part).text)
                 except ValidationError:
-                    raise RequestError(f"{where}.content[{j}]: a text part needs a string `text`", "messages") from None
+                    raise RequestError(f"{where}.content[{j}].text must be a string", "messages") from None
             content = " ".join(texts)  # SGLang's flattening for string-content chat templates
         msg = {"role": self.role, "content": content}
         if self.name is not None:
@@ -242,10 +243,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools or self.functions:
-            raise RequestError("tool calling (`tools`/`functions`) is not supported by sgrec", "tools")
-        if self.function_call not in (None, "none") or self.tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool calling (`tool_choice`) is not supported by sgrec", "tool_choice")
+        for key, off in (("tools", (None, [])), ("functions", (None, [])), ("function_call", (None, "none")),
+                         ("tool_choice", (None, "none", "auto"))):
+            v = getattr(self, key)
+            if not any(v is o or (type(v) is type(o) and v == o) for o in off):
+                raise RequestError(f"{key}: tool calling is not supported by sgrec", key)
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= 20:
                 raise RequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")

@@ -159,8 +159,8 @@ def check_no_filters(obj: dict) -> None:
     """A /generate that is not the catalog beam form must not carry item filters (they would do nothing)."""
     for name in sorted(FILTER_FIELDS):
         if obj.get(name) is not None:
-            raise ValueError(f"{name} works only with catalog beam search (sampling_params.beam_width with "
-                             "\"constrain_to_catalog\": true)")
+            raise ValueError(f"{name} works only with catalog beam search: sampling_params with "
+                             "sampling_params.beam_width above 1, and \"constrain_to_catalog\": true")
 
 
 def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int,
