@@ -85,7 +85,8 @@ class ModelRunner:
         backend, unless --disable-cuda-graph. A capture that runs out of memory is logged, and decode
         runs eagerly; any other failure is raised (cuda_graph.try_capture)."""
         args = self.args
-        if self.device.type != "cuda" or args.disable_cuda_graph or not isinstance(self.backend, TritonBackend):
+        if (self.device.type != "cuda" or args.disable_cuda_graph or not isinstance(self.backend, TritonBackend)
+                or self.backend.deterministic):  # the batch-invariant kernel reads a meta built per step
             return None
         from sgrec.model.cuda_graph import DecodeGraphs, try_capture
 

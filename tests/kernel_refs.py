@@ -117,10 +117,11 @@ def pack(seqs, locs, T, block_m=None, causal=False):
     return meta
 
 
-def run_backends(backends, q, k, v, k_buf, v_buf, seqs, locs, scale):
-    """Each backend's attention output for one extend batch of these sequences over a pool layer that
-    holds k_buf/v_buf, and whether its prepare() chose the kernel path (a ColumnMeta)."""
-    pool = KVPool(k_buf.shape[0] - 1, 1, k.shape[1], k.shape[2], k_buf.dtype)  # slot 0 + the rest
+def run_backends(backends, q, k, v, k_buf, v_buf, seqs, locs, scale, device="cpu"):
+    """Each backend's attention output (on the CPU) for one extend batch of these sequences over a pool
+    layer on `device` that holds k_buf/v_buf, and whether its prepare() chose the kernel path (a ColumnMeta)."""
+    pool = KVPool(k_buf.shape[0] - 1, 1, k.shape[1], k.shape[2], k_buf.dtype, device)  # slot 0 + the rest
+    q, k, v, locs = (t.to(device) for t in (q, k, v, locs))
     outs, kernel = [], []
     for backend in backends:
         pool.k_buffer[0].copy_(k_buf)
@@ -128,6 +129,6 @@ def run_backends(backends, q, k, v, k_buf, v_buf, seqs, locs, scale):
         T = q.shape[0]
         batch = ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs, seqs, pool)
         backend.prepare(batch)
-        outs.append(backend.forward(q, k, v, 0, batch, scale))
+        outs.append(backend.forward(q, k, v, 0, batch, scale).cpu())
         kernel.append(isinstance(batch.attn_meta, ColumnMeta))
     return outs, kernel

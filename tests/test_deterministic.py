@@ -40,7 +40,7 @@ class Views:
         self.views.append((lay, vals, list(cached)))
         return len(self.views) - 1
 
-    def run(self, backend) -> list[dict[int, torch.Tensor]]:
+    def run(self, backend, device: str = "cpu") -> list[dict[int, torch.Tensor]]:
         from sgrec.model.attention import SeqLayout
 
         total = sum(len(lay) for lay, _, _ in self.views)
@@ -60,7 +60,7 @@ class Views:
             fresh_of.append(fresh)
             T += len(fresh)
         q, k, v = (torch.cat(t).to(self.dtype) for t in (q, k, v))
-        (out,), _ = run_backends([backend], q, k, v, k_buf, v_buf, seqs, torch.cat(locs), D ** -0.5)
+        (out,), _ = run_backends([backend], q, k, v, k_buf, v_buf, seqs, torch.cat(locs), D ** -0.5, device)
         self.seqs, self.qkv = seqs, (q, k, v, k_buf, v_buf)
         return [{r: out[s.q_start + i] for i, r in enumerate(fresh)} for s, fresh in zip(seqs, fresh_of)]
 
@@ -103,6 +103,46 @@ def test_kept_scores_equal_recomputed_ones():
     assert torch.equal(kept, again)
 
 
+def test_triton_tiles_list_each_rows_visible_columns_in_order():
+    """DetTiles (the Triton kernel's form of a DetMeta): for every row of rank layouts (cached columns
+    in and out of layout order, one sequence with a dense mask only) and of causal sequences, the
+    first cnt[row] entries of its group's list are the columns the row may see, in summation order;
+    rows share lists (fewer lists than rows)."""
+    from sgrec.model.attention import DetMeta, ForwardBatch, SeqLayout
+    from sgrec.model.kernels.det_attention import DetTiles
+
+    cases = []
+    for layouts in (rank_layouts(), big_rank_layouts()):
+        _, _, _, _, _, seqs, locs = rank_case(HQ, HKV, D, layouts, torch.float32, seed=5)
+        seqs[0] = SeqLayout(seqs[0].q_start, seqs[0].q_len, seqs[0].kv_indices, seqs[0].mask)  # dense only
+        cases.append((seqs, locs))
+    _, _, _, _, _, seqs, _, locs = causal_case(HQ, HKV, D, [(0, 300), (70, 1), (129, 40), (1, 33)], torch.float32, 2)
+    cases.append((seqs, locs))
+    for seqs, locs in cases:
+        T = locs.numel()
+        meta = DetMeta.of(ForwardBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), locs,
+                                       seqs, None))
+        tiles = DetTiles.of(meta, block_m=4)
+        lp = torch.full((T,), -1, dtype=torch.int64)
+        for r0, r1, off in zip(tiles.row0.tolist(), tiles.row1.tolist(), tiles.lp.tolist()):
+            assert (lp[r0:r1] == -1).all()
+            lp[r0:r1] = off
+        assert (lp >= 0).all() and len(set(tiles.lp.tolist())) < T
+        for b, s in enumerate(seqs):
+            lo, hi = int(meta.c_ptr[b]), int(meta.c_ptr[b + 1])
+            src, order, block = meta.c_idx[lo:hi], meta.c_order[lo:hi], meta.c_block[lo:hi]
+            for i in range(s.q_len):
+                r = s.q_start + i
+                if int(meta.m_ptr[b]) >= 0:
+                    m0 = int(meta.m_ptr[b]) + i * (hi - lo)
+                    vis = meta.mask[m0 : m0 + hi - lo]
+                else:
+                    x = meta.q_block[r]
+                    vis = (order <= meta.q_order[r]) & ((x < 0) | (block < 0) | (block == x))
+                got = tiles.lst[lp[r] : lp[r] + tiles.cnt[r]]
+                assert torch.equal(got, src[vis]), (b, i)
+
+
 def test_causal_batches_meta_equals_the_general_one():
     """DetMeta's loop-free form for plainly causal batches (prompts, decode steps) == its general form."""
     from sgrec.model.attention import DetMeta, ForwardBatch
@@ -139,9 +179,15 @@ def item_layout():
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_depends_on_its_visible_columns_alone(dtype):
+    visible_columns_alone(dtype, det)
+
+
+def visible_columns_alone(dtype, det, device: str = "cpu"):
     """The same layout computed: cold; with the header and every third item cached (columns out of
     layout order); alone or beside other sequences; and each item's rows computed in a layout of the
-    header and that item only (how the item store computes item KV): every shared row, bit for bit."""
+    header and that item only (how the item store computes item KV): every shared row, bit for bit.
+    det() -> the backend under test (here, in tests/triton_det_interpreted.py and, on a GPU, in
+    tests/test_kernels.py), on `device`."""
     lay, items = item_layout()
     vals = Views.values(len(lay), seed=1)
     cached = list(range(3)) + [c for s in lay.items()[::3] for c in range(s.start, s.stop)]
@@ -151,7 +197,7 @@ def test_a_row_depends_on_its_visible_columns_alone(dtype):
         b = Views(dtype)
         idx = [b.add(lay_, Views.values(len(lay_), seed=1) if lay_ is lay else Views.values(len(lay_), 9), c)
                for lay_, c in views]
-        got = b.run(det())
+        got = b.run(det(), device)
         runs.append(got[[i for i, (lay_, _) in zip(idx, views) if lay_ is lay][0]])
     assert same_rows(runs[0], runs[1]) and same_rows(runs[0], runs[2])
     for seg in lay.items():  # the item store's computation: header + the item, at the same positions
@@ -159,48 +205,56 @@ def test_a_row_depends_on_its_visible_columns_alone(dtype):
         pick = list(range(3)) + list(range(seg.start, seg.stop))
         b = Views(dtype)
         b.add(alone, tuple(t[pick] for t in vals))
-        got = b.run(det())[0]
+        got = b.run(det(), device)[0]
         for i in range(seg.length):
             assert torch.equal(got[3 + i], runs[0][seg.start + i])
 
 
 @needs_kernels
 def test_the_default_kernel_fails_that_check():
+    assert default_kernel_differs(NativeBackend)
+
+
+def default_kernel_differs(plain) -> bool:
     """Without the deterministic mode an item's rows inside a layout differ from the same rows
     computed with the header alone (the online softmax's tiles cut other columns): what the
-    deterministic kernel fixes is real."""
+    deterministic kernel fixes is real. plain() -> the backend without the mode."""
     lay, items = item_layout()
     vals = Views.values(len(lay), seed=1)
     b = Views(torch.float32)
     b.add(lay, vals)
-    full = b.run(NativeBackend())[0]
+    full = b.run(plain())[0]
     differs = False
     for seg in lay.items():
         alone = L.item_as_prefix([5, 6, 7], [items[seg.item]], [], [])
         pick = list(range(3)) + list(range(seg.start, seg.stop))
         c = Views(torch.float32)
         c.add(alone, tuple(t[pick] for t in vals))
-        got = c.run(NativeBackend())[0]
+        got = c.run(plain())[0]
         differs |= any(not torch.equal(got[3 + i], full[seg.start + i]) for i in range(seg.length))
-    assert differs
+    return differs
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_causal_prefill_gives_the_same_bits(dtype):
-    """A 300-token causal sequence at once, or in chunks of 37 (each chunk's prefix from the pool),
-    beside another sequence or alone: the same rows."""
-    lay = L.user_as_prefix(list(range(300)), [], [])  # a plain causal sequence as a layout
-    vals = Views.values(300, seed=3)
+    chunked_causal_prefill(dtype, det)
+
+
+def chunked_causal_prefill(dtype, det, n: int = 300, chunk: int = 37, device: str = "cpu"):
+    """An n-token causal sequence at once, or in chunks (each chunk's prefix from the pool), beside
+    another sequence: the same rows."""
+    lay = L.user_as_prefix(list(range(n)), [], [])  # a plain causal sequence as a layout
+    vals = Views.values(n, seed=3)
     b = Views(dtype)
     b.add(lay, vals)
-    whole = b.run(det())[0]
-    for start in range(0, 300, 37):
+    whole = b.run(det(), device)[0]
+    for start in range(0, n, chunk):
         c = Views(dtype)
         c.add(L.user_as_prefix(list(range(20)), [], []), Views.values(20, 4))
         i = c.add(lay, vals, cached=range(start))
-        got = c.run(det())[i]
-        got = {r: x for r, x in got.items() if r < start + 37}
+        got = c.run(det(), device)[i]
+        got = {r: x for r, x in got.items() if r < start + chunk}
         assert same_rows(got, whole)
 
 
@@ -226,9 +280,9 @@ def engines(tiny_model_dir, sem_catalog):
     def get(dtype: str, **kw) -> "Engine":
         key = (dtype, repr(sorted(kw.items())))
         if key not in made:
-            made[key] = Engine(tiny_model_dir("qwen3", seed=2), device="cpu", dtype=dtype, max_total_tokens=6000,
+            made[key] = Engine(tiny_model_dir("qwen3", seed=2), dtype=dtype, max_total_tokens=6000,
                                item_catalog=sem_catalog, max_rank_candidates=20, enable_deterministic_inference=True,
-                               **kw)
+                               **{"device": "cpu", **kw})
         return made[key]
 
     return get
@@ -398,14 +452,25 @@ def test_retrieve_with_a_cached_prefix_and_chunked_prefill(engines, dtype):
     assert [(it["item"], it["score"]) for it in got.items] == [(it["item"], it["score"]) for it in want.items]
 
 
-def test_only_the_native_kernels_run_the_flag_and_a_failing_layer_goes_row_by_row():
+def test_only_the_batch_invariant_kernels_run_the_flag_and_a_failing_layer_goes_row_by_row(monkeypatch):
+    import importlib.util
+
+    from sgrec.model.attention import TritonBackend
     from sgrec.model.backends import make_backend
     from sgrec.model.batch_invariant import RowwiseLinear, make_batch_invariant, rows_invariant
 
-    with pytest.raises(ValueError, match="attention-backend auto or native"):
+    with pytest.raises(ValueError, match="attention-backend auto, native or triton"):
         make_backend("torch", "cpu", deterministic=True)
-    with pytest.raises(ValueError, match="CPU only"):
+    with pytest.raises(ValueError, match="C kernels on CPU and Triton's on CUDA"):
         make_backend("auto", "meta", deterministic=True)
+    if importlib.util.find_spec("triton") is not None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            make_backend("triton", "cpu", deterministic=True)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        backend = make_backend("triton", "cpu", deterministic=True)
+        assert isinstance(backend, TritonBackend) and backend.deterministic
+        assert not make_backend("triton", "cpu").deterministic
     lin = torch.nn.Linear(16, 8)
 
     def bumpy(x):  # other bits for other row counts, as a GEMM's small-row kernels may give

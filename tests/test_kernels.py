@@ -15,15 +15,17 @@ pytest.importorskip("triton")
 from sgrec.model.backends import make_backend  # noqa: E402
 from sgrec.model.kernels.decode_attention import decode_attention  # noqa: E402
 from tests.kernel_refs import case, reference  # noqa: E402
+from tests.test_deterministic import engines, sem_catalog  # noqa: E402,F401 (fixtures of the CUDA engine test)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_kernels_under_the_triton_interpreter():
-    """Every case of tests/triton_interpreted.py passes, none skipped (TRITON_INTERPRET=1 must be
-    set before triton is imported, so they run in a fresh interpreter)."""
+@pytest.mark.parametrize("cases", ["tests/triton_interpreted.py", "tests/triton_det_interpreted.py"])
+def test_kernels_under_the_triton_interpreter(cases):
+    """Every case of the file passes, none skipped (TRITON_INTERPRET=1 must be set before triton is
+    imported, so they run in a fresh interpreter)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_interpreted.py"],
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", cases],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = out.stdout[-3000:] + out.stderr[-2000:]
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
@@ -165,3 +167,49 @@ def test_glue_compiled_on_cuda(monkeypatch, dtype):
     torch.testing.assert_close(k, want_k, **tol)
     gu = torch.randn(T, 2 * 6144, generator=g).to("cuda", dtype) * 3
     torch.testing.assert_close(glue.silu_mul(gu, 6144), F.silu(gu[:, :6144]) * gu[:, 6144:], **tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_det_attention_compiled_on_cuda(monkeypatch, dtype, tol):
+    """--enable-deterministic-inference's kernel compiled (tl.dot on the tensor cores, which the
+    interpreter does not run): float64 attention within tol; a row's bits from its visible columns
+    alone, also where it sits elsewhere in its tile (an item's rows inside a layout and beside the
+    header alone); a causal prefill in chunks gives the same bits."""
+    import tests.test_deterministic as td
+    from sgrec.model.attention import SeqLayout, TritonBackend
+    from tests.kernel_refs import bipartite_reference, rank_case, rank_layouts, run_backends
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def det():
+        return TritonBackend(deterministic=True)
+
+    q, k, v, k_buf, v_buf, seqs, locs = rank_case(td.HQ, td.HKV, td.D, rank_layouts(), dtype, seed=5)
+    seqs[0] = SeqLayout(seqs[0].q_start, seqs[0].q_len, seqs[0].kv_indices, seqs[0].mask)  # dense only
+    (out,), _ = run_backends([det()], q, k, v, k_buf, v_buf, seqs, locs, 0.3, "cuda")
+    assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, seqs, 0.3)).abs().max() <= tol
+    td.visible_columns_alone(dtype, det, "cuda")
+    td.chunked_causal_prefill(dtype, det, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_deterministic_engine_on_cuda(monkeypatch, engines, dtype):
+    """The engine under the flag on a GPU (auto picks the triton backend's batch-invariant kernel):
+    greedy generation alone, batched, cached, chunked and among threads, and a rank request in every
+    prefix mode alone, batched and from every cache: the same bits."""
+    import tests.test_deterministic as td
+    from sgrec.model.attention import TritonBackend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def on_cuda(dt: str, **kw):
+        e = engines(dt, device="cuda", **kw)
+        assert isinstance(e.runner.backend, TritonBackend) and e.runner.backend.deterministic
+        return e
+
+    td.test_generate_alone_batched_cached_and_chunked(on_cuda, dtype)
+    td.test_rank_alone_batched_and_from_every_cache(on_cuda, dtype, "id_token")

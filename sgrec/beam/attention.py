@@ -19,7 +19,8 @@ import torch
 
 from sgrec.beam.search import apply_schedule_, inplace_schedule
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import AttentionBackend, ColumnMeta, DetMeta, ForwardBatch, NativeBackend
+from sgrec.model.attention import AttentionBackend, ColumnMeta, DetMeta, ForwardBatch, NativeBackend, TritonBackend
+from sgrec.model.kernels.det_attention import DetTiles, det_attention
 
 
 def _partial(scores: torch.Tensor, v: torch.Tensor, eq: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,6 +225,10 @@ class StagedBeamBackend(AttentionBackend):
         if not isinstance(meta, (BeamStepMeta, BeamBatchMeta)):
             raise TypeError("StagedBeamBackend needs batch.attn_meta = BeamStepMeta(...), BeamBatchMeta(...) or "
                             "StagedMeta(...)")
+        backend = getattr(self.runner, "backend", None)
+        if isinstance(backend, TritonBackend) and backend.deterministic:  # the flag on triton: its batch-invariant kernel
+            batch.attn_meta = DetTiles.of(DetMeta.of_columns(beams_as_blocks(meta)))
+            return
         if self.triton:  # every request's staged attention in one kernel launch
             batch.attn_meta = StagedMeta.of(meta, batch.out_cache_loc.device)
             return
@@ -240,6 +245,8 @@ class StagedBeamBackend(AttentionBackend):
         meta = batch.attn_meta
         if isinstance(meta, ColumnMeta):
             return self.native.extend(q, k, v, k_buf, v_buf, meta, scale)
+        if isinstance(meta, DetTiles):
+            return det_attention(q, k, v, k_buf, v_buf, meta, scale)
         if isinstance(meta, StagedMeta):
             from sgrec.model.kernels.staged_attention import staged_attention_batched
 

@@ -114,7 +114,8 @@ class RetrieveExecutor:
         self.triton_select = triton
         if triton:  # a device round's steps read no position back (RotaryEmbedding.cos_sin's growth check)
             runner.model.rope.reserve(runner.context_len)
-        self.graphs = self._beam_graphs() if triton and runner.device.type == "cuda" else None
+        graphs = triton and runner.device.type == "cuda" and not runner.backend.deterministic
+        self.graphs = self._beam_graphs() if graphs else None
 
     def _beam_graphs(self):
         """Device-round beam steps replayed from CUDA graphs (sgrec.beam.graphs), unless --disable-cuda-graph."""
@@ -260,7 +261,10 @@ class RetrieveExecutor:
         """Prefill + the beam levels of the round's requests (all of one trie, so of one depth)."""
         from sgrec.policy.batching import run_fixed_round
 
-        if self.triton_select and all(kernel_step.fits(self.trie, d) for d in range(self.trie.depth)):
+        # under --enable-deterministic-inference each step's attention goes through the batch-invariant
+        # kernel, whose meta is built per step on the host: the per-step hooks, not the device round
+        if (self.triton_select and not self.runner.backend.deterministic
+                and all(kernel_step.fits(self.trie, d) for d in range(self.trie.depth))):
             from sgrec.beam.device_round import DeviceRound
 
             hooks = DeviceRound(self, reqs, search.GLOBAL_SELECT_MIN_K)  # no host read per step

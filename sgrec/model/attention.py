@@ -86,6 +86,8 @@ class ForwardBatch:
 class AttentionBackend:
     """Computes attention for one layer over a ForwardBatch, writing new K/V into the pool."""
 
+    deterministic = False  # --enable-deterministic-inference: every forward batch-invariant (see make_backend)
+
     def prepare(self, batch: ForwardBatch) -> None:
         """Build per-batch metadata once, before the first layer runs."""
 
@@ -413,6 +415,28 @@ class TritonBackend(_KernelBackend):
     any other extend batch as TorchBackend. Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
     BLOCK_M = 16  # new tokens per program of the bipartite kernel
+
+    def __init__(self, deterministic: bool = False):
+        # --enable-deterministic-inference: every forward, decode steps too, through the batch-invariant
+        # kernel (sgrec.model.kernels.det_attention), whatever the mask
+        self.deterministic = deterministic
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if self.deterministic:
+            from sgrec.model.kernels.det_attention import DetTiles
+
+            batch.attn_meta = DetTiles.of(DetMeta.of(batch))
+            return
+        super().prepare(batch)
+
+    def forward(self, q, k, v, layer, batch, scale):
+        from sgrec.model.kernels.det_attention import DetTiles, det_attention
+
+        if not isinstance(batch.attn_meta, DetTiles):
+            return super().forward(q, k, v, layer, batch, scale)
+        batch.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
+        k_buf, v_buf = batch.kv_pool.get_kv(layer)
+        return det_attention(q, k, v, k_buf, v_buf, batch.attn_meta, scale)
 
     def extend_meta(self, batch: ForwardBatch) -> "ColumnMeta | None":
         return ColumnMeta.of(batch, self.BLOCK_M)

@@ -56,16 +56,26 @@ def triton_decodes(device: torch.device) -> bool:
 
 def deterministic_backend(name: str, device: torch.device) -> AttentionBackend:
     """--enable-deterministic-inference: on CPU, sgrec's C kernels with the batch-invariant extend
-    (NativeBackend(deterministic=True)) under auto or native, whatever the ISA; anything else is a
-    start-up error saying why (torch's SDPA pads a decode batch to its longest sequence and tiles by
-    length; the GPU kernels have no batch-invariant mode yet)."""
+    (NativeBackend(deterministic=True)) under auto or native, whatever the ISA; on CUDA (or on CPU under
+    TRITON_INTERPRET=1, for tests) the triton backend with the batch-invariant Triton kernel
+    (TritonBackend(deterministic=True)) under auto or triton. Anything else is a start-up error saying
+    why (torch's SDPA pads a decode batch to its longest sequence and tiles by length; FlashInfer's
+    kernels split their work by the batch)."""
     from sgrec.model import native
 
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("--enable-deterministic-inference on the triton backend needs the triton package")
+        if device.type != "cuda" and not interpreted:
+            raise ValueError("--attention-backend triton runs on CUDA, or on CPU only under TRITON_INTERPRET=1 "
+                             "(Triton's interpreter: slow, for tests)")
+        return TritonBackend(deterministic=True)
     if device.type != "cpu":
-        raise ValueError("--enable-deterministic-inference runs on CPU only for now (sgrec's C kernels); "
-                         "the GPU attention kernels have no batch-invariant mode yet")
+        raise ValueError(f"--enable-deterministic-inference on {device.type} needs --attention-backend auto or "
+                         f"triton (the batch-invariant kernels are sgrec's C kernels on CPU and Triton's on CUDA)")
     if name not in ("auto", "native"):
-        raise ValueError(f"--enable-deterministic-inference needs --attention-backend auto or native on CPU, "
+        raise ValueError(f"--enable-deterministic-inference needs --attention-backend auto, native or triton, "
                          f"not {name}: torch's SDPA pads a decode batch to its longest sequence and picks tiles by "
                          f"length, so a request's bits would depend on its batch")
     if native.load() is None:

@@ -55,6 +55,7 @@ class FlashInferBackend(TritonBackend):
     """See the module doc."""
 
     def __init__(self):
+        super().__init__()
         self._wrappers: dict[str, object] = {}
 
     def wrapper(self, kind: str, device: torch.device):
