@@ -91,6 +91,128 @@ def registered():
     emit(model_modules=len(model_code))
 
 
+# ---- all or nothing --------------------------------------------------------------------------------
+def _errors_logged() -> list:
+    """The plugin's ERROR records from here on."""
+    import logging
+
+    records: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.ERROR:
+                records.append(record.getMessage())
+
+    logging.getLogger("sgrec.sglang_plugin").addHandler(Keep())
+    return records
+
+
+def _sgrec_hooks() -> int:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return sum(1 for hooks in HookRegistry._hooks.values() for _, hook, _ in hooks
+               if getattr(hook, "__module__", "").startswith("sgrec."))
+
+
+def _untouched(originals: dict) -> None:
+    """Nothing of the plugin in SGLang: no eviction factory, grammar backend, CLI choice or hook, and
+    the methods it would wrap are SGLang's own."""
+    import argparse
+
+    from sglang.srt.constrained.base_grammar_backend import GRAMMAR_BACKEND_REGISTRY
+    from sglang.srt.mem_cache.utils import _EVICTION_POLICY_FACTORIES
+    from sglang.srt.server_args import ServerArgs
+
+    from sgrec.sglang_plugin import FLAGS
+
+    assert "laru" not in _EVICTION_POLICY_FACTORIES and "sgrec-sid" not in GRAMMAR_BACKEND_REGISTRY
+    assert _sgrec_hooks() == 0
+    assert all(getattr(owner, name) is fn for (owner, name), fn in originals.items())
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for flag, name in FLAGS:
+        try:
+            parser.parse_args(["--model-path", "m", flag, name])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{flag} {name} was accepted")
+
+
+def _originals() -> dict:
+    """Methods only the plugin hooks (ServerArgs.add_cli_args is not one: another installed plugin,
+    smg-grpc-servicer, hooks it too)."""
+    from sglang.srt.managers.schedule_policy import SchedulePolicy
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    return {(RadixCache, "evict"): RadixCache.evict, (RadixCache, "_insert_helper"): RadixCache._insert_helper,
+            (SchedulePolicy, "calc_priority"): SchedulePolicy.calc_priority}
+
+
+def _remove_a_target() -> str:
+    """A hook target gone, as a rename in another SGLang release would leave it."""
+    from sglang.srt.beam_search.beam_group import BeamGroup
+
+    del BeamGroup.finalize
+    return "sglang.srt.beam_search.beam_group.BeamGroup.finalize"
+
+
+@case
+def missing_symbol():
+    import sgrec.sglang_plugin as plugin
+    from sglang.srt.plugins import load_plugins
+
+    gone, originals, logged = _remove_a_target(), _originals(), _errors_logged()
+    load_plugin()
+    _untouched(originals)
+    assert plugin.failure and f"missing symbol {gone}" in plugin.failure and logged == [plugin.failure]
+    load_plugins()  # again: a no-op
+    plugin.register()
+    _untouched(originals)
+    emit(failure=plugin.failure)
+
+
+@case
+def wrong_version():
+    import sgrec.sglang_plugin as plugin
+
+    originals, logged = _originals(), _errors_logged()
+    plugin.sglang_version = lambda: "0.6.0"
+    load_plugin()
+    _untouched(originals)
+    assert logged == [plugin.failure]
+    emit(failure=plugin.failure)
+
+
+@case
+def asked_but_missing():
+    """The launcher's command line asks for laru where the plugin could not install: it stops."""
+    _remove_a_target()
+    sys.argv = ["sglang.launch_server", "--model-path", "m", "--radix-eviction-policy", "laru"]
+    try:
+        load_plugin()
+    except SystemExit as e:
+        emit(message=str(e.code))
+    else:
+        raise AssertionError("the launcher went on")
+
+
+@case
+def twice():
+    """A second load_plugins() or register() adds nothing: the same hooks, the same patched targets."""
+    import sgrec.sglang_plugin as plugin
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    load_plugin()
+    hooks, patched = _sgrec_hooks(), set(HookRegistry._patched)
+    load_plugins()
+    plugin.register()
+    HookRegistry.apply_hooks()
+    assert _sgrec_hooks() == hooks and HookRegistry._patched == patched and plugin.failure is None
+    emit(hooks=hooks, targets=len({t for t, _, _ in plugin._hooks()}))
+
+
 # ---- laru on SGLang's RadixCache ---------------------------------------------------------------------
 class _RequestClock:
     """Stands in for `time` inside SGLang's radix_cache: monotonic() is the request index, the clock
@@ -358,14 +480,20 @@ def grammar_startup_errors():
 
 
 # ---- beams on the trie ---------------------------------------------------------------------------
-def _path_logits(path: tuple, vocab: int = V):
-    """Deterministic 'model' logits after a semantic-ID prefix."""
+def _path_logits(path: tuple, vocab: int = V, only: tuple = ()):
+    """Deterministic 'model' logits after a semantic-ID prefix; `only`: every other token -inf (as a
+    logit bias may leave them)."""
     import torch
 
-    return torch.randn(vocab, generator=torch.Generator().manual_seed(hash(path) % (1 << 31))) * 2
+    x = torch.randn(vocab, generator=torch.Generator().manual_seed(hash(path) % (1 << 31))) * 2
+    if only:
+        keep = x[list(only)].clone()
+        x.fill_(float("-inf"))
+        x[list(only)] = keep
+    return x
 
 
-def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3):
+def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3, only: dict | None = None):
     """SGLang's beam selection driven step by step as its scheduler does: the worker's pre-sample
     capture (hooked: the trie mask), `_rows_topk_logprobs`, `BeamCoordinator._select_group`
     (joint_select; hooked: the rows' trie nodes), the group's commit, then finalize."""
@@ -384,7 +512,8 @@ def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3):
     from sgrec.sglang_plugin.beam import BeamTrie
 
     group = BeamGroup(beam_width=beam_width, stop_token_ids=[EOS], max_new_tokens=max_new_tokens)
-    group.sgrec_sid = BeamTrie(g, group.stop_token_ids)  # what the validate_and_init hook attaches
+    if g is not None:  # else a plain SGLang beam request
+        group.sgrec_sid = BeamTrie(g, group.stop_token_ids)  # what the validate_and_init hook attaches
     req = Req("beam", "", array("q", [5, 6, 7]), SamplingParams(max_new_tokens=max_new_tokens))
     req.beam_group = group
     batch, fb = ScheduleBatch.__new__(ScheduleBatch), ForwardBatch.__new__(ForwardBatch)
@@ -393,7 +522,7 @@ def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3):
     paths = [()]
     tick = 0
     while group.state == BeamGroupState.DECODING:
-        logits = torch.stack([_path_logits(p) for p in paths])
+        logits = torch.stack([_path_logits(p, only=(only or {}).get(len(p), ())) for p in paths])
         out = LogitsProcessorOutput(next_token_logits=logits.clone())
         capture_pre_sample_logits(batch, fb, out)
         cap = out.beam
@@ -481,6 +610,21 @@ def beam_paths():
     errors["no catalog"] = BeamCoordinator.validate_and_init(None, req, None)
     assert "no item catalog" in errors["no catalog"]
     emit(beams=summary, errors=errors)
+
+
+@case
+def plain_beam(plugin: str):
+    """A plain SGLang beam request (no grammar) whose first step leaves fewer finite tokens than beams
+    and whose second step has only the stop token finite (so every unfinished candidate is -inf, which
+    the hook would end an sgrec-sid group on): its beams, scores and steps, in a process with the
+    plugin loaded or without."""
+    if plugin == "on":
+        load_plugin()
+        import sgrec.sglang_plugin as p
+
+        assert p.failure is None
+    results, steps = run_sglang_beam(None, 4, only={0: (30, 31), 1: (EOS,)})
+    emit(beams=[[list(r.tokens), r.cum_logprob] for r in results], steps=steps)
 
 
 # ---- srjf -------------------------------------------------------------------------------------------

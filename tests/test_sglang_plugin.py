@@ -37,6 +37,42 @@ def test_pyproject_declares_the_entry_point():
     assert "sglang==0.5.23" in tomllib.load(open(ROOT / "pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]
 
 
+def test_a_missing_target_patches_nothing_and_says_so():
+    """A hook target renamed away (BeamGroup.finalize deleted before loading): no factory, grammar
+    backend, CLI choice, hook or wrapped method of the plugin in SGLang; one ERROR naming the SGLang
+    version, the supported range and the missing symbol; a second load_plugins() changes nothing."""
+    failure = run_case("missing_symbol")["failure"]
+    assert "SGLang 0.5.23" in failure and ">=0.5.23,<0.5.24" in failure
+    assert "missing symbol sglang.srt.beam_search.beam_group.BeamGroup.finalize" in failure
+
+
+def test_an_unsupported_sglang_version_patches_nothing():
+    assert "SGLang 0.6.0 is outside the supported range >=0.5.23,<0.5.24" in run_case("wrong_version")["failure"]
+
+
+def test_a_command_line_asking_for_the_plugin_stops_when_it_could_not_install():
+    message = run_case("asked_but_missing")["message"]
+    assert "missing symbol sglang.srt.beam_search.beam_group.BeamGroup.finalize" in message
+    assert "--radix-eviction-policy laru" in message
+
+
+def test_loading_twice_adds_nothing():
+    r = run_case("twice")
+    assert r["hooks"] == r["targets"] == 18  # one hook per target
+
+
+def test_the_supported_range_is_the_one_the_extras_pin():
+    from packaging.specifiers import SpecifierSet
+
+    from sgrec.sglang_plugin import SUPPORTED_SGLANG
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert extras["sglang"] == [f"sglang{SUPPORTED_SGLANG}"]
+    pinned = [d for d in extras["test"] if d.startswith("sglang==")]
+    assert pinned and all(d.split("==")[1] in SpecifierSet(SUPPORTED_SGLANG) for d in pinned)
+
+
 def test_load_plugins_registers_the_three_names():
     """laru in SGLang's eviction factories, sgrec-sid in its grammar registry, all three in the CLI
     parser (ServerArgs.add_cli_args); registering imported no model code and started no thread."""
@@ -75,6 +111,14 @@ def test_sid_grammar_admits_exactly_the_valid_children():
     assert r["states"] == 192
     assert set(r["messages"]) == {"not json", "wrong type", "unknown key", "unknown include", "ids not strings",
                                   "bad filter", "nothing left"}
+
+
+def test_a_plain_beam_request_is_sglangs_own():
+    """joint_select's hook acts on sgrec-sid groups only: a plain beam request whose first step has
+    fewer finite candidates than beams gets the same beams and scores with the plugin loaded as
+    without it."""
+    on, off = run_case("plain_beam", "on"), run_case("plain_beam", "off")
+    assert on == off and len(on["beams"]) > 0
 
 
 def test_sid_catalog_errors_stop_start_up():

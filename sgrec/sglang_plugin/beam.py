@@ -14,9 +14,12 @@ request with `beam_width > 1` and an sgrec-sid structural_tag these hooks constr
                                      valid, allowed children (after a full path: the stop tokens)
                                      gets -inf, so the log-softmax and top-2k run over valid
                                      children only, exactly sgrec's children_logp
-  BeamCoordinator._select_group      after: advance each row's trie node by the selected (parent,
-                                     token); rows whose score is -inf are padding (dead)
-  joint_select                       after: -inf candidates are not beams: finished ones are dropped,
+  BeamCoordinator._select_group      around: marks the selection as an sgrec-sid group's (joint_select's
+                                     hook acts on those only), then advances each row's trie node by
+                                     the selected (parent, token); rows whose score is -inf are
+                                     padding (dead)
+  joint_select                       after, in an sgrec-sid group's selection only: -inf candidates
+                                     are not beams: finished ones are dropped,
                                      and when no finite survivor is left the group finishes (fewer
                                      valid paths than beam_width keep the width with dead rows)
   BeamGroup.finalize                 after: dead (-inf) beams are not returned
@@ -28,6 +31,7 @@ device-to-host copy per step for these requests only).
 
 from __future__ import annotations
 
+import contextvars
 import json
 
 import torch
@@ -150,8 +154,18 @@ def after_capture(result, batch, forward_batch, logits_output):
     return result
 
 
-def after_select_group(result, coordinator, group, top_logprobs, top_tokens, tick):
+_SID_SELECTION = contextvars.ContextVar("sgrec_sid_selection", default=False)
+
+
+def around_select_group(original, coordinator, group, top_logprobs, top_tokens, tick):
+    """SGLang's selection of one group, with joint_select's hook on for sgrec-sid groups only; then
+    each row's trie node advanced by the selection."""
     state = _state(group)
+    token = _SID_SELECTION.set(state is not None)
+    try:
+        result = original(coordinator, group, top_logprobs, top_tokens, tick)
+    finally:
+        _SID_SELECTION.reset(token)
     if state is not None:
         tokens, parents = result
         if parents is not None:  # a final (length-limited) step needs no next frontier
@@ -163,7 +177,10 @@ def after_select_group(result, coordinator, group, top_logprobs, top_tokens, tic
 
 
 def after_joint_select(sel, *args, **kwargs):
-    """Candidates scored -inf are masked-out tokens or extensions of dead rows, never beams."""
+    """In an sgrec-sid group's selection, candidates scored -inf are masked-out tokens or extensions of
+    dead rows, never beams (any other beam request's selection is SGLang's own)."""
+    if not _SID_SELECTION.get():
+        return sel
     k, c = sel.new_cum_logprobs.shape[0], sel.fin_cum_logprobs.shape[0]
     live = (torch.arange(k, device=sel.num_survivors.device) < sel.num_survivors) & torch.isfinite(sel.new_cum_logprobs)
     sel.num_survivors = torch.where(live.any(), sel.num_survivors, torch.zeros_like(sel.num_survivors))
@@ -180,7 +197,7 @@ def after_finalize(results, group):
 
 HOOKS = [
     (f"{COORDINATOR}.validate_and_init", around_validate_and_init, "around"),
-    (f"{COORDINATOR}._select_group", after_select_group, "after"),
+    (f"{COORDINATOR}._select_group", around_select_group, "around"),
     ("sglang.srt.beam_search.logits_capture.capture_pre_sample_logits", after_capture, "after"),
     ("sglang.srt.beam_search.joint_select.joint_select", after_joint_select, "after"),
     ("sglang.srt.beam_search.beam_group.BeamGroup.finalize", after_finalize, "after"),
