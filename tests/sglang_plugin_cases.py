@@ -493,10 +493,48 @@ def _path_logits(path: tuple, vocab: int = V, only: tuple = ()):
     return x
 
 
-def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3, only: dict | None = None):
+def sglang_coordinator():
+    """SGLang's BeamCoordinator over stand-ins for the scheduler's parts its validate_and_init reads
+    (model config, pools, tree cache), with a published default runtime config (page size 1, no
+    disaggregation): the path a beam request takes when a real server admits it."""
+    from types import SimpleNamespace
+
+    from sglang.srt.beam_search.coordinator import BeamCoordinator
+    from sglang.srt.runtime_context import _CONTEXT
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    _CONTEXT.override_server_args(page_size=1).install()
+    no = lambda: False  # noqa: E731
+    return BeamCoordinator(model_config=SimpleNamespace(is_encoder_decoder=False, vocab_size=V),
+                           spec_algorithm=SpeculativeAlgorithm.NONE, dllm_enabled=False, max_req_len=4096,
+                           req_to_token_pool=SimpleNamespace(size=64, device="cpu"), token_to_kv_pool_allocator=None,
+                           tree_cache=SimpleNamespace(supports_swa=no, supports_mamba=no), future_map=None)
+
+
+def admitted_beam(spec: dict | None, beam_width: int, max_new_tokens: int = ND + 3):
+    """An sgrec-sid beam request admitted through SGLang's own BeamCoordinator.validate_and_init
+    (wrapped by the plugin's hook): (the request, its beam group), or the request's error."""
+    from array import array
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req("beam", "", array("q", [5, 6, 7]),
+              SamplingParams(max_new_tokens=max_new_tokens, beam_width=beam_width, stop_token_ids=[EOS],
+                             structural_tag=None if spec is None else json.dumps(spec)))
+    recv = SimpleNamespace(session_params=None, return_logprob=False, return_hidden_states=False,
+                           return_sampling_mask=False, return_routed_experts=False)
+    error = sglang_coordinator().validate_and_init(req, recv)
+    return error if error is not None else (req, req.beam_group)
+
+
+def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3, only: dict | None = None, admitted=None):
     """SGLang's beam selection driven step by step as its scheduler does: the worker's pre-sample
     capture (hooked: the trie mask), `_rows_topk_logprobs`, `BeamCoordinator._select_group`
-    (joint_select; hooked: the rows' trie nodes), the group's commit, then finalize."""
+    (joint_select; hooked: the rows' trie nodes), the group's commit, then finalize. admitted: a
+    (request, group) from admitted_beam, else a group is made here (with g's trie attached by hand
+    where g is given)."""
     from array import array
 
     import torch
@@ -511,11 +549,14 @@ def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3, only: dict
 
     from sgrec.sglang_plugin.beam import BeamTrie
 
-    group = BeamGroup(beam_width=beam_width, stop_token_ids=[EOS], max_new_tokens=max_new_tokens)
-    if g is not None:  # else a plain SGLang beam request
-        group.sgrec_sid = BeamTrie(g, group.stop_token_ids)  # what the validate_and_init hook attaches
-    req = Req("beam", "", array("q", [5, 6, 7]), SamplingParams(max_new_tokens=max_new_tokens))
-    req.beam_group = group
+    if admitted is not None:
+        req, group = admitted
+    else:
+        group = BeamGroup(beam_width=beam_width, stop_token_ids=[EOS], max_new_tokens=max_new_tokens)
+        if g is not None:  # else a plain SGLang beam request
+            group.sgrec_sid = BeamTrie(g, group.stop_token_ids)  # what the validate_and_init hook attaches
+        req = Req("beam", "", array("q", [5, 6, 7]), SamplingParams(max_new_tokens=max_new_tokens))
+        req.beam_group = group
     batch, fb = ScheduleBatch.__new__(ScheduleBatch), ForwardBatch.__new__(ForwardBatch)
     batch.reqs, batch.beam_tail = [req], None
     fb.forward_mode, fb.positions = ForwardMode.EXTEND, torch.zeros(1, dtype=torch.int64)
@@ -610,6 +651,42 @@ def beam_paths():
     errors["no catalog"] = BeamCoordinator.validate_and_init(None, req, None)
     assert "no item catalog" in errors["no catalog"]
     emit(beams=summary, errors=errors)
+
+
+@case
+def beam_admitted():
+    """sgrec-sid beam requests admitted by SGLang's own validate_and_init (the hook compiles the
+    spec and attaches the trie), then driven through SGLang's selection: only catalog paths that
+    pass the request's filters, and with beam_width >= every level's allowed nodes exactly the top
+    paths; a plain beam request admitted beside them has no trie."""
+    from sgrec.sglang_plugin.beam import BeamTrie
+
+    load_plugin()
+    path = Path(tempfile.mkdtemp()) / "catalog.jsonl"
+    items = write_catalog(path)
+    backend = sid_backend(path)
+    summary = {}
+    for name, spec, width, exhaustive in (
+        ("include10", {"type": "sgrec-sid", "include_items": [f"i{i}" for i in range(10, 20)]}, 10, True),
+        ("exclude", {"type": "sgrec-sid", "exclude_items": [f"i{i}" for i in range(0, 40, 3)]}, 4, False),
+    ):
+        admitted = admitted_beam(spec, width)
+        assert not isinstance(admitted, str), admitted
+        req, group = admitted
+        assert isinstance(group.sgrec_sid, BeamTrie) and req.sampling_params.structural_tag is None
+        inc, exc = spec.get("include_items"), set(spec.get("exclude_items", []))
+        ok_items = [it for it in items if (inc is None or it["id"] in inc) and it["id"] not in exc]
+        allowed = {tuple(it["semantic_id"]) for it in ok_items}
+        results, _ = run_sglang_beam(None, width, admitted=admitted)
+        assert results and all(r.tokens[-1] == EOS and tuple(r.tokens[:-1]) in allowed for r in results), name
+        if exhaustive:
+            want = brute_force_top(ok_items, group.sgrec_sid.g.shared, group.sgrec_sid.g.filt, width)
+            assert [tuple(r.tokens[:-1]) for r in results] == [p for p, _ in want], name
+        summary[name] = len(results)
+    plain = admitted_beam(None, 4)
+    assert not isinstance(plain, str) and getattr(plain[1], "sgrec_sid", None) is None, plain
+    del backend
+    emit(beams=summary)
 
 
 @case

@@ -113,6 +113,13 @@ def test_sid_grammar_admits_exactly_the_valid_children():
                                   "bad filter", "nothing left"}
 
 
+def test_sid_beams_admitted_by_sglangs_validate_and_init():
+    """The success path of the validate_and_init hook: SGLang's own BeamCoordinator admits sgrec-sid
+    beam requests (the hook attaches the trie), and SGLang's selection returns only allowed catalog
+    paths (the exact top ones where the width covers every level); a plain beam request gets no trie."""
+    assert run_case("beam_admitted")["beams"] == {"include10": 10, "exclude": 4}
+
+
 def test_a_plain_beam_request_is_sglangs_own():
     """joint_select's hook acts on sgrec-sid groups only: a plain beam request whose first step has
     fewer finite candidates than beams gets the same beams and scores with the plugin loaded as
