@@ -132,3 +132,38 @@ def run_backends(backends, q, k, v, k_buf, v_buf, seqs, locs, scale, device="cpu
         outs.append(backend.forward(q, k, v, 0, batch, scale).cpu())
         kernel.append(isinstance(batch.attn_meta, ColumnMeta))
     return outs, kernel
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Records every tensor call that reads a value back to the host (on a GPU: waits for the
+    device) made by code that `counts`: .tolist(), .item(), bool()/int()/float(), nonzero and the
+    like, a boolean mask index, and a copy to another device (not a .to() of the tensor's own)."""
+
+    NAMES = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere", "numpy",
+             "cpu", "cuda", "unique", "unique_consecutive", "masked_select", "is_nonzero", "equal", "allclose"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def counts(self, caller: str) -> bool:
+        """Whether a read made by code in file `caller` is recorded (subclasses narrow it)."""
+        return True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import sys
+
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        caller = sys._getframe(1).f_code.co_filename
+        if self.counts(caller):
+            masks = [a for a in list(args[1:]) + list(kwargs.values()) if isinstance(a, (tuple, list))]
+            bool_index = name in ("__getitem__", "__setitem__", "index_put_", "index_put") and any(
+                isinstance(x, torch.Tensor) and x.dtype == torch.bool
+                for x in ([args[1]] if len(args) > 1 else []) + [y for m in masks for y in m])
+            targets = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (torch.device, str))]
+            to_device = name == "to" and any(
+                not isinstance(args[0], torch.Tensor) or torch.device(t).type != args[0].device.type for t in targets)
+            if name in self.NAMES or bool_index or to_device:
+                self.reads.append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
+        return func(*args, **kwargs)

@@ -529,12 +529,28 @@ def admitted_beam(spec: dict | None, beam_width: int, max_new_tokens: int = ND +
     return error if error is not None else (req, req.beam_group)
 
 
-def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3, only: dict | None = None, admitted=None):
+def plugin_reads():
+    """A HostReads (tests/kernel_refs.py) that records the plugin's own reads only."""
+    import sgrec.sglang_plugin
+    from tests.kernel_refs import HostReads
+
+    where = os.path.dirname(sgrec.sglang_plugin.__file__) + os.sep
+
+    class PluginReads(HostReads):
+        def counts(self, caller: str) -> bool:
+            return caller.startswith(where)
+
+    return PluginReads()
+
+
+def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3, only: dict | None = None, admitted=None,
+                    reads: list | None = None):
     """SGLang's beam selection driven step by step as its scheduler does: the worker's pre-sample
     capture (hooked: the trie mask), `_rows_topk_logprobs`, `BeamCoordinator._select_group`
     (joint_select; hooked: the rows' trie nodes), the group's commit, then finalize. admitted: a
     (request, group) from admitted_beam, else a group is made here (with g's trie attached by hand
-    where g is given)."""
+    where g is given). reads: a list that gets the plugin's host reads during the steps (capture and
+    selection), and then those of finalize as one more entry."""
     from array import array
 
     import torch
@@ -565,11 +581,14 @@ def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3, only: dict
     while group.state == BeamGroupState.DECODING:
         logits = torch.stack([_path_logits(p, only=(only or {}).get(len(p), ())) for p in paths])
         out = LogitsProcessorOutput(next_token_logits=logits.clone())
-        capture_pre_sample_logits(batch, fb, out)
-        cap = out.beam
-        pieces = [cap.leader_logits[0:1]] + ([cap.tail_logits] if cap.tail_logits is not None else [])
-        top_lp, top_tok = _rows_topk_logprobs(pieces, group.num_candidates)
-        tokens, parents = BeamCoordinator._select_group(None, group, top_lp, top_tok, tick)
+        with plugin_reads() as seen:
+            capture_pre_sample_logits(batch, fb, out)
+            cap = out.beam
+            pieces = [cap.leader_logits[0:1]] + ([cap.tail_logits] if cap.tail_logits is not None else [])
+            top_lp, top_tok = _rows_topk_logprobs(pieces, group.num_candidates)
+            tokens, parents = BeamCoordinator._select_group(None, group, top_lp, top_tok, tick)
+        if reads is not None:
+            reads.extend(seen.reads)
         if parents is not None:
             paths = [paths[p] + (t,) for p, t in zip(parents.tolist(), tokens.tolist())]
         group.commit_pending()
@@ -577,7 +596,11 @@ def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3, only: dict
         # the next forward is a decode over the leader and its member rows
         batch.beam_tail = BeamTail(num_base_rows=1, entries=[BeamTailEntry(group, 0, 0, beam_width - 1)])
         fb.forward_mode, fb.positions = ForwardMode.DECODE, torch.zeros(beam_width, dtype=torch.int64)
-    return group.finalize(), tick
+    with plugin_reads() as seen:
+        results = group.finalize()
+    if reads is not None:
+        reads.append(seen.reads)
+    return results, tick
 
 
 def brute_force_top(items: list[dict], shared, filt, k: int) -> list[tuple[tuple, float]]:
@@ -677,7 +700,11 @@ def beam_admitted():
         inc, exc = spec.get("include_items"), set(spec.get("exclude_items", []))
         ok_items = [it for it in items if (inc is None or it["id"] in inc) and it["id"] not in exc]
         allowed = {tuple(it["semantic_id"]) for it in ok_items}
-        results, _ = run_sglang_beam(None, width, admitted=admitted)
+        reads: list = []
+        results, _ = run_sglang_beam(None, width, admitted=admitted, reads=reads)
+        at_finalize = reads.pop()
+        assert reads == [], reads  # the steps read nothing back
+        assert len(at_finalize) == 1 and "__int__" in at_finalize[0], at_finalize  # the check sees reads
         assert results and all(r.tokens[-1] == EOS and tuple(r.tokens[:-1]) in allowed for r in results), name
         if exhaustive:
             want = brute_force_top(ok_items, group.sgrec_sid.g.shared, group.sgrec_sid.g.filt, width)

@@ -116,7 +116,10 @@ def test_sid_grammar_admits_exactly_the_valid_children():
 def test_sid_beams_admitted_by_sglangs_validate_and_init():
     """The success path of the validate_and_init hook: SGLang's own BeamCoordinator admits sgrec-sid
     beam requests (the hook attaches the trie), and SGLang's selection returns only allowed catalog
-    paths (the exact top ones where the width covers every level); a plain beam request gets no trie."""
+    paths (the exact top ones where the width covers every level); the plugin's hooks read nothing
+    back to the host during the steps (a TorchFunctionMode records .item(), int(), .tolist(),
+    nonzero, boolean indexing, device copies made by its code; at finalize it sees the one read
+    there is); a plain beam request gets no trie."""
     assert run_case("beam_admitted")["beams"] == {"include10": 10, "exclude": 4}
 
 

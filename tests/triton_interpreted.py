@@ -22,6 +22,7 @@ from sgrec.model.kernels.staged_attention import staged_attention  # noqa: E402
 from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
+import tests.kernel_refs as kernel_refs  # noqa: E402
 from tests.kernel_refs import (bipartite_reference, case, decode_logits, pack, rank_case, rank_layouts,  # noqa: E402
                                reference, run_backends)
 from tests.test_beam import assert_same, random_catalog  # noqa: E402
@@ -213,34 +214,11 @@ def test_trie_step_flat_dead_rows_change_nothing():
 TRITON_DIR = os.path.dirname(importlib.util.find_spec("triton").origin) + os.sep  # the triton package's files
 
 
-class HostReads(torch.overrides.TorchFunctionMode):
-    """Records every tensor call that reads a value back to the host (on a GPU: waits for the
-    device) made outside Triton's own (interpreter) code: .tolist(), .item(), bool()/int()/float(),
-    nonzero and the like, a boolean mask index, and a copy to another device."""
+class HostReads(kernel_refs.HostReads):
+    """HostReads, less the interpreter's own reads (Triton's code) that are not the engine's."""
 
-    NAMES = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere", "numpy",
-             "cpu", "cuda", "unique", "unique_consecutive", "masked_select", "is_nonzero", "equal", "allclose"}
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        import sys
-
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        caller = sys._getframe(1).f_code.co_filename
-        if not caller.startswith(TRITON_DIR):  # the interpreter's own reads are not the engine's
-            masks = [a for a in list(args[1:]) + list(kwargs.values()) if isinstance(a, (tuple, list))]
-            bool_index = name in ("__getitem__", "__setitem__", "index_put_", "index_put") and any(
-                isinstance(x, torch.Tensor) and x.dtype == torch.bool
-                for x in ([args[1]] if len(args) > 1 else []) + [y for m in masks for y in m])
-            to_device = name == "to" and ("device" in kwargs
-                                          or any(isinstance(a, (torch.device, str)) for a in args[1:]))
-            if name in self.NAMES or bool_index or to_device:
-                self.reads.append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
-        return func(*args, **kwargs)
+    def counts(self, caller: str) -> bool:
+        return not caller.startswith(TRITON_DIR)
 
 
 def test_device_round_steps_read_nothing_back(tiny_model_dir, monkeypatch):

@@ -25,8 +25,8 @@ request with `beam_width > 1` and an sgrec-sid structural_tag these hooks constr
   BeamGroup.finalize                 after: dead (-inf) beams are not returned
 
 Rows and beams line up as in SGLang: row 0 is the leader, then the member rows; `parent_idx`
-names the row a survivor extends. The state update reads the selection on the host (one small
-device-to-host copy per step for these requests only).
+names the row a survivor extends. The rows' trie nodes stay on the device: masks and advances read
+nothing back to the host per step (finalize reads one count, the rows that left the trie: none).
 """
 
 from __future__ import annotations
@@ -54,50 +54,70 @@ def sid_spec(structural_tag: str | None) -> bool:
 
 
 class BeamTrie:
-    """The trie position of every row of one beam group: a trie node per row (DEAD: a padding row)."""
+    """The trie position of every row of one beam group, as a tensor on the rows' device: a trie node
+    per row (DEAD: a padding row). Masks and advances are tensor operations over all rows at once:
+    no Python loop per row and nothing read back to the host per step (tests/test_sglang_plugin.py)."""
 
     def __init__(self, g: grammar.SidGrammar, stop_tokens: torch.Tensor):
-        self.g, self.stop_tokens = g, stop_tokens.cpu()
+        self.g, self.stop_tokens = g, stop_tokens
         self.depth = 0
-        self.nodes = [0]  # the prompt: one pseudo-row at the root
+        self.nodes = torch.zeros(1, dtype=torch.int64, device=stop_tokens.device)  # the prompt: the root
+        self.off_path = torch.zeros((), dtype=torch.int64, device=stop_tokens.device)  # read at finalize only
+        self._on: dict = {}
 
-    def allowed(self, node: int) -> torch.Tensor:
-        """Tokens a row at `node` (current depth) may take."""
+    def _level(self, name: str, device: torch.device) -> torch.Tensor:
+        """The trie's `name` tensor (child_ptr, child_tok, child_key) of the current depth on `device`."""
+        key = (name, self.depth, str(device))
+        if key not in self._on:
+            self._on[key] = getattr(self.g.shared.trie, name)[self.depth].to(device)
+        return self._on[key]
+
+    def allowed(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens [rows, C], ok [rows, C], live [rows]): row r may take tokens[r][ok[r]]; a dead row (or a
+        row with no node) is not live and keeps every token (its cumulative score is already -inf)."""
         trie = self.g.shared.trie
-        if self.depth == trie.depth:
-            return self.stop_tokens
-        ptr = trie.child_ptr[self.depth]
-        children = torch.arange(int(ptr[node]), int(ptr[node + 1]))
+        nodes = self.nodes.to(device)[:rows]
+        if nodes.numel() < rows:
+            nodes = torch.cat([nodes, torch.full((rows - nodes.numel(),), DEAD, dtype=torch.int64, device=device)])
+        live = nodes != DEAD
+        if self.depth == trie.depth:  # a complete path: only the stop tokens
+            toks = self.stop_tokens.to(device)[None, :].expand(rows, -1)
+            return toks, torch.ones(toks.shape, dtype=torch.bool, device=device), live
+        ptr, tok = self._level("child_ptr", device), self._level("child_tok", device)
+        n = nodes.clamp(min=0)
+        kids = ptr[n][:, None] + torch.arange(trie.max_children[self.depth], device=device)[None, :]
+        ok = kids < ptr[n + 1][:, None]
+        kids = torch.where(ok, kids, ptr[n][:, None]).clamp(max=tok.numel() - 1)  # past the last: a repeat
         if self.g.filt is not None:
-            children = children[self.g.filt.keep(self.depth + 1, children)]
-        return trie.child_tok[self.depth][children]
+            ok &= self.g.filt.keep(self.depth + 1, kids.reshape(-1)).view_as(kids)
+        return tok[kids], ok, live
 
     def mask_(self, logits: torch.Tensor) -> None:
-        """-inf on every token a row may not take (rows in frontier order; dead rows untouched: their
-        cumulative score is already -inf)."""
-        keep = torch.ones(logits.shape, dtype=torch.bool)
-        for r, node in enumerate(self.nodes[: logits.shape[0]]):
-            if node != DEAD:
-                keep[r] = False
-                keep[r, self.allowed(node)] = True
-        logits.masked_fill_(~keep.to(logits.device), float("-inf"))
+        """-inf on every token a row may not take (rows in frontier order): each live row set to -inf, then
+        its allowed children's logits put back (a token listed twice, once allowed: the max keeps it)."""
+        toks, ok, live = self.allowed(logits.shape[0], logits.device)
+        vals = logits.gather(1, toks)
+        vals = torch.where(ok | ~live[:, None], vals, float("-inf"))
+        logits.masked_fill_(live[:, None], float("-inf"))
+        logits.scatter_reduce_(1, toks, vals, "amax")
 
     def advance(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> None:
-        """Rows after a selection: row j extends row parents[j] by tokens[j] (dead if its score is -inf)."""
-        trie = self.g.shared.trie
-        nodes = []
-        for tok, par, score in zip(tokens.tolist(), parents.tolist(), scores.tolist()):
-            node = self.nodes[par] if par < len(self.nodes) else DEAD
-            if node == DEAD or score == float("-inf") or self.depth >= trie.depth:
-                nodes.append(DEAD)
-                continue
-            key = node * trie.vocab_size + tok
-            keys = trie.child_key[self.depth]
-            i = int(torch.searchsorted(keys, torch.tensor(key)))
-            if i >= keys.numel() or int(keys[i]) != key:
-                raise RuntimeError(f"{grammar.NAME}: beam search left the valid semantic-ID paths")
-            nodes.append(i)
-        self.nodes = nodes
+        """Rows after a selection: row j extends row parents[j] by tokens[j] (dead if its score is -inf).
+        A live row whose token is not a child of its node left the trie: counted in off_path, which
+        finalize checks."""
+        trie, dev = self.g.shared.trie, tokens.device
+        nodes, par = self.nodes.to(dev), parents.to(dev, torch.int64)
+        parent = torch.where(par < nodes.numel(), nodes[par.clamp(max=nodes.numel() - 1)], DEAD)
+        live = (parent != DEAD) & torch.isfinite(scores.to(dev))
+        if self.depth >= trie.depth:
+            self.nodes = torch.full_like(parent, DEAD)
+        else:
+            keys = self._level("child_key", dev)
+            key = parent.clamp(min=0) * trie.vocab_size + tokens.to(dev, torch.int64)
+            i = torch.searchsorted(keys, key).clamp(max=keys.numel() - 1)
+            found = keys[i] == key
+            self.off_path = self.off_path.to(dev) + (live & ~found).sum()
+            self.nodes = torch.where(live & found, i, DEAD)
         self.depth += 1
 
 
@@ -169,9 +189,10 @@ def around_select_group(original, coordinator, group, top_logprobs, top_tokens, 
     if state is not None:
         tokens, parents = result
         if parents is not None:  # a final (length-limited) step needs no next frontier
-            n = int(group._pending_steps[-1][1].num_survivors)  # the selection just staged
-            scores = group.frontier_cum_logprobs[: tokens.shape[0]].clone()
-            scores[n:] = float("-inf")  # slots past the survivors hold no beam
+            n = group._pending_steps[-1][1].num_survivors  # the selection just staged (on the device)
+            scores = group.frontier_cum_logprobs[: tokens.shape[0]]
+            slot = torch.arange(scores.shape[0], device=scores.device)
+            scores = torch.where(slot < n, scores, float("-inf"))  # slots past the survivors hold no beam
             state.advance(tokens, parents, scores)
     return result
 
@@ -190,8 +211,11 @@ def after_joint_select(sel, *args, **kwargs):
 
 
 def after_finalize(results, group):
-    if _state(group) is None:
+    state = _state(group)
+    if state is None:
         return results
+    if int(state.off_path):  # the one read of the group's trie state, at its end
+        raise RuntimeError(f"{grammar.NAME}: beam search left the valid semantic-ID paths")
     return [r for r in results if r.cum_logprob != float("-inf")]
 
 
