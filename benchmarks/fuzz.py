@@ -72,6 +72,8 @@ DATA_DEPENDENT_400S = [
      "best_of other than n (JSON Schema cannot require two fields' values to be equal)"),
     (r"POST /v1/score", r"^label_token_ids must have one list per item",
      "per-item label lists other in number than the items (JSON Schema cannot relate two arrays' lengths)"),
+    (r"POST /v1/(retrieve|recommend)|(POST|PUT) /generate", r"\(\d+\) must not exceed (\w+\.)?beam_width \(\d+\)",
+     "more items asked for than beams (JSON Schema cannot compare two fields' values)"),
 ]
 THREAD_SLACK = 4  # uvicorn/asyncio helper threads may come and go
 

@@ -24,6 +24,7 @@ ALLOWED_400S = {
     "a prompt longer than the model's context (its token count depends on the tokenizer and chat template)",
     "best_of other than n (JSON Schema cannot require two fields' values to be equal)",
     "per-item label lists other in number than the items (JSON Schema cannot relate two arrays' lengths)",
+    "more items asked for than beams (JSON Schema cannot compare two fields' values)",
 }
 
 

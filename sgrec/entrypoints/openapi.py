@@ -321,7 +321,7 @@ CATALOG_SCHEMAS = {
         "properties": {"ids": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}}},
     "CatalogRollbackRequest": lambda lim: {
         "type": "object", "required": ["version"],
-        "properties": {"version": {"type": "integer", "minimum": 0}}},
+        "properties": {"version": {"type": "integer", "minimum": 0, "maximum": 2 ** 63 - 1}}},
 }
 
 
@@ -386,6 +386,7 @@ OPENAI_SAMPLING = {
     "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
     "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens", "n": "n", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "logit_bias": "logit_bias", "seed": "sampling_seed",
+    "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
 }
 UNSET = {"enum": [None, "", [], {}, False]}  # what check_unsupported lets through for an unimplemented key
 OPENAI_RULES = {  # each model's own checks (protocol.py check_unsupported and validators), as schemas

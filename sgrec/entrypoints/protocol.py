@@ -248,6 +248,10 @@ class ChatCompletionRequest(_SamplingFields):
             v = getattr(self, key)
             if not any(v is o or (type(v) is type(o) and v == o) for o in off):
                 raise RequestError(f"{key}: tool calling is not supported by sgrec", key)
+        for key in ("max_tokens", "max_completion_tokens"):  # the field's own name, not max_new_tokens
+            v = getattr(self, key)
+            if v is not None and v < 0:
+                raise RequestError(f"{key} must be at least 0, got {v}", key)
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= 20:
                 raise RequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")

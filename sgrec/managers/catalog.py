@@ -58,8 +58,8 @@ class CatalogAdmin:
             if op == "delete":
                 return {"op": op, "ids": check_ids(body.get("ids"))}
             to = body.get("version")
-            if type(to) is not int or to < 0:
-                raise UpdateError("version must be a non-negative integer (a kept catalog version)")
+            if type(to) is not int or not 0 <= to < 2 ** 63:
+                raise UpdateError("version must be an integer in [0, 2^63) (a kept catalog version)")
             return {"op": op, "to": to}
         except UpdateError as e:
             raise CatalogRequestError(400, str(e)) from None
