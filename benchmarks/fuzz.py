@@ -74,6 +74,8 @@ DATA_DEPENDENT_400S = [
      "per-item label lists other in number than the items (JSON Schema cannot relate two arrays' lengths)"),
     (r"POST /v1/(retrieve|recommend)|(POST|PUT) /generate", r"\(\d+\) must not exceed (\w+\.)?beam_width \(\d+\)",
      "more items asked for than beams (JSON Schema cannot compare two fields' values)"),
+    (r"POST /v1/(completions|chat/completions)|(POST|PUT) /generate", r"min_new_tokens must be in \[0, max_new_tokens\]",
+     "min_tokens above max_tokens (JSON Schema cannot compare two fields' values)"),
 ]
 THREAD_SLACK = 4  # uvicorn/asyncio helper threads may come and go
 

@@ -75,6 +75,13 @@ def test_retrieve_filters_exclude_include_and_attributes(server, catalog):
     assert sorted(x["item"] for x in out["items"]) == ["i1", "i2"] and out["meta_info"]["exhausted"] is True
 
 
+def same_items(a: dict, b: dict) -> bool:
+    """The same items in the same order, scores within 1e-5: the second request may find the user's
+    prompt in the radix cache, and reuse equals recompute within 1e-5 in float32 (ARCHITECTURE.md)."""
+    return ([(x["item"], x["semantic_id"]) for x in a["items"]] == [(x["item"], x["semantic_id"]) for x in b["items"]]
+            and all(abs(x["score"] - y["score"]) <= 1e-5 for x, y in zip(a["items"], b["items"])))
+
+
 def test_a_bare_value_is_equality(server, catalog):
     """{"genre": "a"} is {"genre": {"eq": "a"}} (MongoDB-style): the same items, for each attribute kind."""
     rows = catalog[1]
@@ -83,10 +90,10 @@ def test_a_bare_value_is_equality(server, catalog):
         eq = retrieve(server, filter={attr: {"eq": value}}, num_items=len(allowed))
         bare = retrieve(server, filter={attr: value}, num_items=len(allowed))
         assert sorted(x["item"] for x in eq["items"]) == sorted(allowed), attr
-        assert bare["items"] == eq["items"], attr
+        assert same_items(bare, eq), attr
     mixed = retrieve(server, filter={"genre": "a", "year": {"gte": 1995}}, num_items=3)
     eq = retrieve(server, filter={"genre": {"eq": "a"}, "year": {"gte": 1995}}, num_items=3)
-    assert mixed["items"] == eq["items"]
+    assert same_items(mixed, eq)
     ranked = server.client.post("/v1/rank", json={"user": USER, "items": ["i10", "i11", "i12"],
                                                   "filter": {"kids": False}})
     assert ranked.status_code == 200 and {x["item"] for x in ranked.json()["ranking"]} == {"i10", "i11"}

@@ -25,6 +25,7 @@ ALLOWED_400S = {
     "best_of other than n (JSON Schema cannot require two fields' values to be equal)",
     "per-item label lists other in number than the items (JSON Schema cannot relate two arrays' lengths)",
     "more items asked for than beams (JSON Schema cannot compare two fields' values)",
+    "min_tokens above max_tokens (JSON Schema cannot compare two fields' values)",
 }
 
 
