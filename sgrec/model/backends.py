@@ -54,6 +54,16 @@ def triton_decodes(device: torch.device) -> bool:
     return ok
 
 
+def check_triton(device: torch.device) -> None:
+    """A start-up error unless the triton backend can run here: the triton package, and CUDA (or CPU
+    under Triton's interpreter)."""
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("--attention-backend triton needs the triton package")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--attention-backend triton runs on CUDA, or on CPU only under TRITON_INTERPRET=1 "
+                         "(Triton's interpreter: slow, for tests)")
+
+
 def deterministic_backend(name: str, device: torch.device) -> AttentionBackend:
     """--enable-deterministic-inference: on CPU, sgrec's C kernels with the batch-invariant extend
     (NativeBackend(deterministic=True)) under auto or native, whatever the ISA; on CUDA (or on CPU under
@@ -63,13 +73,8 @@ def deterministic_backend(name: str, device: torch.device) -> AttentionBackend:
     kernels split their work by the batch)."""
     from sgrec.model import native
 
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if name == "triton" or (name == "auto" and device.type == "cuda"):
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("--enable-deterministic-inference on the triton backend needs the triton package")
-        if device.type != "cuda" and not interpreted:
-            raise ValueError("--attention-backend triton runs on CUDA, or on CPU only under TRITON_INTERPRET=1 "
-                             "(Triton's interpreter: slow, for tests)")
+        check_triton(device)
         return TritonBackend(deterministic=True)
     if device.type != "cpu":
         raise ValueError(f"--enable-deterministic-inference on {device.type} needs --attention-backend auto or "
@@ -115,11 +120,7 @@ def make_backend(name: str, device: torch.device | str = "cpu", deterministic: b
                              "(see the warning above); --attention-backend torch needs none")
         return NativeBackend()
     if name == "triton":
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("--attention-backend triton needs the triton package")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("--attention-backend triton runs on CUDA, or on CPU only under TRITON_INTERPRET=1 "
-                             "(Triton's interpreter: slow, for tests)")
+        check_triton(device)
         return TritonBackend()
     if name == "flashinfer":
         if device.type != "cuda":
