@@ -192,7 +192,9 @@ def test_rollback_restores_the_earlier_answers(server):
     ("/v1/catalog/items", {"item": []}, 400, "items must be a non-empty list"),
     ("/v1/catalog/delete", {"ids": [1]}, 400, "ids must be a non-empty list of item id strings"),
     ("/v1/catalog/rollback", {"version": 10**6}, 404, "catalog version 1000000 is not kept"),  # never made
-    ("/v1/catalog/rollback", {"version": "1"}, 400, "version must be a non-negative integer"),
+    ("/v1/catalog/rollback", {"version": "1"}, 400, "version must be an integer in [0, 2^63)"),
+    ("/v1/catalog/rollback", {"version": -1}, 400, "version must be an integer in [0, 2^63)"),
+    ("/v1/catalog/rollback", {"version": 2**63}, 400, "version must be an integer in [0, 2^63)"),
 ])
 def test_bad_updates_change_nothing(server, path, body, status, message):
     v = info(server)
