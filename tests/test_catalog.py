@@ -53,6 +53,8 @@ def same_items(a: Catalog, items: list[Item]) -> None:
     assert got == items  # id, token_ids, id_token, semantic_id
     assert [g.attrs for g in got] == [it.attrs for it in items]
     assert [g.meta for g in got] == [it.meta for it in items]
+    assert len(a) == len(items) and sorted(a.index) == sorted(it.id for it in items)
+    assert [a.get(it.id) for it in items] == items  # the index finds each item's live row
 
 
 def test_jsonl_and_bundle_load_the_same_items(tmp_path):

@@ -1,13 +1,19 @@
 """Catalog updates as plain code (issue 22): a new version from a batch equals the catalog built
 from the expected items (columns, attributes, filters); a batch is all or nothing; the journal's
-torn last line is dropped and any other bad line named; versions, rollbacks and replay."""
+torn last line is dropped and any other bad line named; versions, rollbacks and replay. Versions
+share storage and cost what changed (issue 42): the trie follows an update without a rebuild and
+equals the one built from scratch."""
 
 import json
 import random
 
+import numpy as np
 import pytest
+import torch
 
+from sgrec.beam.trie import SemanticIdTrie
 from sgrec.catalog import Catalog, CatalogError, Item
+from sgrec.catalog.attrs import AttrColumn, AttrTable
 from sgrec.catalog import journal
 from sgrec.catalog.update import UpdateError, apply_update, canonical_lines, parse_items
 from sgrec.catalog.versions import CatalogVersions, UnknownVersionError, replay
@@ -16,12 +22,14 @@ from tests.test_retrieve_filters import passes, random_filter
 
 
 def expected_after(items: list[Item], upserts: list[Item], delete: list[str]) -> list[Item]:
-    """The obviously-right result: items in order, a replaced one in its place, deleted ones gone,
-    then the new ones in the batch's order."""
-    by_id = {u.id: u for u in upserts}
-    old = {it.id for it in items}
-    return ([by_id.get(it.id, it) for it in items if it.id not in set(delete)]
-            + [u for u in upserts if u.id not in old])
+    """The obviously-right result: items in order without the deleted and replaced ones, then the
+    batch's items (replacements and new ones) in the batch's order."""
+    gone = set(delete) | {u.id for u in upserts}
+    return [it for it in items if it.id not in gone] + list(upserts)
+
+
+def live_ids(cat: Catalog) -> list[str]:
+    return [it.id for it in cat.items]
 
 
 def test_take_and_concat_equal_the_catalog_of_those_items():
@@ -58,17 +66,22 @@ def test_updates_equal_the_catalog_built_from_the_expected_items(seed):
         same_items(cat, items)
         again = [Item(i, *_body(it)) for i, it in zip(rng.sample([it.id for it in items], 5),
                                                          mixed_items(random.Random(rng.random()), 5))]
-        res = apply_update(cat, Catalog(again))  # replacements only (Catalog.replace_rows)
-        assert res.catalog.index is cat.index and res.replaced == 5
+        res = apply_update(cat, Catalog(again))  # replacements only
+        assert res.replaced == 5 and res.catalog.ids is cat.ids  # the storage is shared, not copied
+        assert np.shares_memory(res.catalog.token_flat, cat.token_flat)
+        assert np.shares_memory(res.catalog.attrs.columns["year"].data, cat.attrs.columns["year"].data)
+        old_items = list(cat.items)
         cat, items = res.catalog, expected_after(items, again, [])
         same_items(cat, items)
-        ref = Catalog(items)  # filters see the new rows
+        same_items(Catalog(old_items), old_items)  # the old version reads as before
+        ref = Catalog(items)  # filters see the new rows, never a dead one
         for _ in range(10):
             spec = {k: v for k, v in random_filter(rng).items() if k in ref.attrs.columns}
             if "adult" in ref.attrs.columns and rng.random() < 0.5:
                 spec["adult"] = {"eq": rng.random() < 0.5}  # a bool column
-            assert cat.filter_mask(spec).tolist() == ref.filter_mask(spec).tolist() == [
+            assert cat.filter_mask(spec)[cat.live_rows()].tolist() == ref.filter_mask(spec).tolist() == [
                 passes(it.attrs, spec) for it in items]
+            assert not cat.filter_mask(spec)[~cat.alive_mask()].any()
 
 
 def _body(it: Item):
@@ -80,23 +93,90 @@ def test_changed_ids_and_counts():
     res = apply_update(cat, parse_items([{"id": "b", "token_ids": [9]}, {"id": "d", "token_ids": [4]}]), ["a", "zz"])
     assert res.changed == {"a", "b", "d"}
     assert res.counts() == {"inserted": 1, "replaced": 1, "deleted": 1, "unknown_ids": 1}
-    assert res.catalog.ids == ["b", "c", "d"] and res.catalog.get("b").token_ids == (9,)
+    assert live_ids(res.catalog) == ["c", "b", "d"] and res.catalog.get("b").token_ids == (9,)
+    assert res.removed_rows.tolist() == [0, 1] and res.added_from == 3 and res.catalog.num_rows == 5
     same_tokens = apply_update(cat, parse_items([{"id": "b", "token_ids": [2], "attrs": {"x": 1}}]))
     assert same_tokens.changed == set() and same_tokens.replaced == 1  # its item KV stays valid
-    assert not res.catalog.same_paths(cat)
-    assert cat.ids == ["a", "b", "c"] and cat.get("b").token_ids == (2,)  # the old version is untouched
+    assert live_ids(cat) == ["a", "b", "c"] and cat.get("b").token_ids == (2,)  # the old version is untouched
+    assert cat.index.get("d") is None and len(cat) == 3
 
 
-def test_an_update_that_keeps_every_path_keeps_the_rows_of_the_trie():
-    items = mixed_items(random.Random(3), 50)
-    cat = Catalog(items)
-    same = [Item(it.id, (7, 7), None, it.semantic_id, {}, {"year": 1}) for it in items[5:15]]
-    res = apply_update(cat, Catalog(same))
-    assert res.catalog.same_paths(cat) and res.catalog.ids == cat.ids
-    same_items(res.catalog, expected_after(items, same, []))
-    moved = [Item(items[7].id, (7,), None, (1, 1, 1))]
-    assert not apply_update(cat, Catalog(moved)).catalog.same_paths(cat)
-    assert not apply_update(cat, None, [items[0].id]).catalog.same_paths(cat)
+def same_trie(a: SemanticIdTrie, b: SemanticIdTrie) -> None:
+    for name in ("depth", "num_nodes", "max_children", "num_duplicate_paths"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in ("child_ptr", "child_tok", "child_key", "count", "level_tokens", "level_col"):
+        assert all(torch.equal(x, y) for x, y in zip(getattr(a, name), getattr(b, name))), name
+    assert torch.equal(a.row_leaf, b.row_leaf) and torch.equal(a.leaf_item, b.leaf_item)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed):
+    """SemanticIdTrie.updated (what a rank runs per update) against from_catalog, array for array:
+    small paths so that nodes are shared, emptied and made again, repeated paths, items without a
+    semantic ID, branches from older versions."""
+    rng = random.Random(seed)
+
+    def path():
+        return [rng.randrange(3), rng.randrange(4), rng.randrange(3)]
+
+    def line(i):
+        return {"id": i, "token_ids": [5], **({"semantic_id": path()} if rng.random() < 0.9 else {})}
+
+    cat = Catalog([Item(f"i{k}", (5,), None, tuple(path())) for k in range(25)])
+    trie, rows = SemanticIdTrie.from_catalog(cat, VOCAB)
+    versions = [(cat, trie, rows)]
+    for step in range(10):
+        cat, trie, rows = versions[-1] if rng.random() < 0.8 else rng.choice(versions)  # sometimes a branch
+        live = list(cat.index)
+        delete = rng.sample(live, rng.randint(0, min(5, len(live) - 1)))
+        ups = [line(rng.choice(live) if rng.random() < 0.4 else f"n{step}_{j}") for j in range(rng.randint(0, 6))]
+        ups = list({u["id"]: u for u in ups if u["id"] not in delete}.values())
+        res = apply_update(cat, parse_items(ups, None, VOCAB) if ups else None, delete)
+        if res.added_from is None or not res.catalog.semantic_rows().size:
+            continue
+        ref, ref_rows = SemanticIdTrie.from_catalog(res.catalog, VOCAB)
+        got, got_rows = trie.updated(rows, res.catalog, res.removed_rows, res.added_from)
+        assert np.array_equal(got_rows, ref_rows)
+        same_trie(got, ref)
+        fresh, _ = SemanticIdTrie.from_catalog(res.catalog.compacted(), VOCAB)  # the rows renumbered from 0
+        same_trie(SemanticIdTrie(res.catalog.semantic_ids[got_rows], VOCAB), fresh)
+        versions.append((res.catalog, got, got_rows))
+
+
+def test_an_update_costs_what_it_changed():
+    """Memory allocated by an update of a few items, past the first (which moves the loaded columns
+    into storage that grows): about the batch plus one bit per row (the dead rows), never a copy of
+    a column. Counted with tracemalloc (numpy reports its buffers), so it holds on any machine."""
+    import tracemalloc
+
+    n = 200_000
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 7, n)
+    ptr = np.concatenate([[0], np.cumsum(lens)])
+    attrs = AttrTable(n, {"year": AttrColumn("num", n, rng.integers(1950, 2026, n).astype(np.float64),
+                                             present=np.ones(n, bool)),
+                          "genre": AttrColumn("str", n, rng.integers(0, 3, n).astype(np.int32), values=["a", "b", "c"])})
+    cat = Catalog.from_columns([f"item{i}" for i in range(n)], rng.integers(3, VOCAB, ptr[-1]).astype(np.int32), ptr,
+                               rng.integers(3, VOCAB, n), rng.integers(0, VOCAB, (n, 3)).astype(np.int32),
+                               np.ones(n, bool), attrs)
+
+    def batch(k):
+        return parse_items([{"id": f"item{rng.integers(n)}" if j % 2 else f"new{rng.random()}", "token_ids": [5, 6],
+                             "semantic_id": [1, 2, 3], "attrs": {"year": 2000, "genre": "d"}} for j in range(k)],
+                           None, VOCAB)
+
+    cat = apply_update(cat, batch(10)).catalog  # the first: the columns move into growing storage
+    tracemalloc.start()
+    for _ in range(5):
+        b = batch(10)
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        res = apply_update(cat, b, [f"item{rng.integers(n)}"])
+        assert res.catalog.num_rows == cat.num_rows + 10
+        peak = tracemalloc.get_traced_memory()[1] - before
+        assert peak < n // 8 + 64 * 1024, peak  # one bit per row and the batch; a column is >= 800 KB
+        cat = res.catalog
+    tracemalloc.stop()
 
 
 @pytest.mark.parametrize("batch, message", [
@@ -205,7 +285,7 @@ def test_versions_rollback_returns_the_very_catalog_and_the_ids_changed_since():
         v.prepare({"version": 9, "op": "delete", "ids": ["a"]})
     p = v.prepare({"version": 4, "op": "rollback", "to": 2})
     assert p.applied.changed == {"a"}  # 3 changed a back; 2 -> 4 is 3's change
-    assert v0.ids == ["a", "b"]
+    assert live_ids(v0) == ["a", "b"]
 
 
 def test_replay_equals_the_live_versions_and_keeps_rollback_targets(tmp_path):
@@ -217,7 +297,7 @@ def test_replay_equals_the_live_versions_and_keeps_rollback_targets(tmp_path):
         if n in (6, 11):
             rec = {"version": n, "op": "rollback", "to": 1 if n == 6 else 4}  # 1 and 4: outside the window
         elif n % 3 == 0:
-            rec = {"version": n, "op": "delete", "ids": rng.sample(live.current.ids, 3)}
+            rec = {"version": n, "op": "delete", "ids": rng.sample(live_ids(live.current), 3)}
         else:
             ups = [Item(f"u{n}_{k}", *_body(it)) for k, it in enumerate(mixed_items(random.Random(n), 4))]
             rec = {"version": n, "op": "upsert", "items": canonical_lines(Catalog(ups))}

@@ -118,11 +118,13 @@ def test_server_recommend_equals_the_two_calls(start_server, model, catalog):
     assert r.status_code == 400 and "rank.prefix must be one of" in r.json()["message"]
 
 
-def test_an_update_that_keeps_every_path_keeps_the_trie_and_filters_see_it(model, catalog):
+def test_updates_follow_the_served_trie_and_filters_see_them(model, catalog, monkeypatch):
     """Catalog versions in-process (Scheduler.prepare_catalog / commit_catalog, what every rank runs):
-    new attributes keep the trie (same paths, same rows) and a filter on them sees the new values;
-    a new path builds a new trie."""
+    an update's trie follows from the served one (no trie built from the catalog's paths: counted)
+    and equals the one built from scratch; a filter on new attributes sees the new values."""
     from sgrec import Engine
+    from sgrec.beam.trie import SemanticIdTrie
+    from tests.test_catalog_updates import same_trie
 
     e = Engine(model, device="cpu", dtype="float32", max_total_tokens=4096, item_catalog=catalog)
     sched, user = e.scheduler, {"token_ids": [5, 6, 7, 8]}
@@ -130,17 +132,27 @@ def test_an_update_that_keeps_every_path_keeps_the_trie_and_filters_see_it(model
     top = [it["item"] for it in before["items"][:3]]
     upd = [{"id": it.id, "token_ids": list(it.token_ids), "id_token": it.id_token,
             "semantic_id": list(it.semantic_id), "attrs": {"hidden": True}} for it in sched.catalog.lookup(top)]
-    prepared, trie = sched.prepare_catalog({"version": 1, "op": "upsert", "items": upd})
-    assert trie[0] is sched.retriever.trie
-    sched.commit_catalog(prepared, trie)
-    after = e.retrieve(user, beam_width=8, num_items=6, filter={"hidden": {"not_in": [True]}})
-    assert after["meta_info"]["catalog_version"] == 1
-    excluded = e.retrieve(user, beam_width=8, num_items=6, exclude_items=top)  # the same items, by id
-    assert [it["item"] for it in after["items"]] == [it["item"] for it in excluded["items"]]
-    assert not set(top) & {it["item"] for it in after["items"]} and len(after["items"]) == 6
-    prepared, trie = sched.prepare_catalog({"version": 2, "op": "upsert", "items": [
-        {"id": "fresh", "token_ids": [3], "semantic_id": [1, 2, 0]}]})
-    assert trie[0] is not sched.retriever.trie
+    builds = []
+    init = SemanticIdTrie.__init__
+    monkeypatch.setattr(SemanticIdTrie, "__init__", lambda self, *a, **k: builds.append(1) or init(self, *a, **k))
+    records = [{"version": 1, "op": "upsert", "items": upd},
+               {"version": 2, "op": "upsert", "items": [{"id": "fresh", "token_ids": [3], "semantic_id": [1, 2, 0]}]},
+               {"version": 3, "op": "delete", "ids": [top[0], "fresh"]}]
+    for rec in records:
+        prepared, trie = sched.prepare_catalog(rec)
+        assert not builds and trie[0] is not sched.retriever.trie
+        sched.commit_catalog(prepared, trie)
+        monkeypatch.undo()
+        ref, rows = SemanticIdTrie.from_catalog(sched.catalog, sched.retriever.vocab_size)
+        same_trie(sched.retriever.trie, ref)
+        assert (sched.retriever._trie_rows == rows).all()
+        monkeypatch.setattr(SemanticIdTrie, "__init__", lambda self, *a, **k: builds.append(1) or init(self, *a, **k))
+        if rec["version"] == 1:
+            after = e.retrieve(user, beam_width=8, num_items=6, filter={"hidden": {"not_in": [True]}})
+            assert after["meta_info"]["catalog_version"] == 1
+            excluded = e.retrieve(user, beam_width=8, num_items=6, exclude_items=top)  # the same items, by id
+            assert [it["item"] for it in after["items"]] == [it["item"] for it in excluded["items"]]
+            assert not set(top) & {it["item"] for it in after["items"]} and len(after["items"]) == 6
     e.check_memory()
 
 

@@ -135,6 +135,13 @@ class RetrieveExecutor:
             return None, None
         return SemanticIdTrie.from_catalog(catalog, self.vocab_size, self.device)
 
+    def updated_trie(self, applied) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
+        """build_trie of an update's catalog (a catalog.update.Applied), from the served trie: it
+        costs what the update changed (SemanticIdTrie.updated), not a sort of the catalog."""
+        if self.trie is None or applied.added_from is None:
+            return self.build_trie(applied.catalog)
+        return self.trie.updated(self._trie_rows, applied.catalog, applied.removed_rows, applied.added_from)
+
     @property
     def built(self) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """The served trie and its row map, as build_trie returns them."""

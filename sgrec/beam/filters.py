@@ -111,7 +111,8 @@ class FilterCache:
 
 
 def trie_rows_of(trie_rows: np.ndarray, catalog_rows: list[int], catalog_size: int) -> np.ndarray:
-    """Trie rows of catalog rows, unique (negative rows and rows without a semantic ID left out)."""
+    """Trie rows of catalog rows, unique (negative rows and rows without a semantic ID left out);
+    catalog_size: the catalog's rows (num_rows, dead ones counted)."""
     r = np.unique(np.asarray(catalog_rows, dtype=np.int64))
     r = r[r >= 0]
     if not r.size or len(trie_rows) == catalog_size:  # every item has a semantic ID: the same rows
@@ -139,10 +140,10 @@ def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, 
         if None in rows:  # distinct ids no longer in the catalog
             ignored = len({i for i, r in zip(exclude, rows) if r is None})
             rows = [r for r in rows if r is not None]
-        ex = trie_rows_of(trie_rows, rows, len(catalog))
+        ex = trie_rows_of(trie_rows, rows, catalog.num_rows)
     none: list[torch.Tensor | None] = [None] * (D + 1)
     if include is not None:
-        inc = trie_rows_of(trie_rows, catalog.rows(include), len(catalog))
+        inc = trie_rows_of(trie_rows, catalog.rows(include), catalog.num_rows)
         if ok is not None:
             inc = inc[ok[inc]]
         inc = np.setdiff1d(inc, ex, assume_unique=True)

@@ -31,42 +31,49 @@ class SemanticIdTrie:
             raise ValueError("SemanticIdTrie needs a non-empty [num_items, ND] list of paths")
         if int(p.min()) < 0 or int(p.max()) >= vocab_size:
             raise ValueError(f"semantic id tokens must be in [0, {vocab_size})")
-        self.vocab_size = vocab_size
-        self.depth = p.shape[1]
-        self.device = torch.device(device)
         V = vocab_size
         parent_of_row = torch.zeros(p.shape[0], dtype=torch.int64)  # node at depth d of each row
-        self.num_nodes = [1]
+        keys: list[torch.Tensor] = []  # [d]: parent * V + token of each node at depth d + 1, ascending
+        for d in range(p.shape[1]):
+            key = parent_of_row * V + p[:, d]  # ascending key order == lexicographic prefix order
+            uniq, parent_of_row = torch.unique(key, sorted=True, return_inverse=True)
+            keys.append(uniq)
+        # count[d][node]: rows (items) under each node at depth d (filters subtract from these)
+        count = [torch.empty(0)] * (len(keys) + 1)
+        count[-1] = torch.bincount(parent_of_row, minlength=keys[-1].numel())
+        for d in range(len(keys) - 1, -1, -1):
+            count[d] = torch.zeros(1 if d == 0 else keys[d - 1].numel(), dtype=torch.int64).index_add_(
+                0, keys[d] // V, count[d + 1])
+        self._build(keys, count, parent_of_row, vocab_size, device)
+
+    def _build(self, keys: list[torch.Tensor], count: list[torch.Tensor], row_leaf: torch.Tensor, vocab_size: int,
+               device) -> None:
+        """The trie from its levels' sorted node keys, per-node item counts and each row's leaf
+        (host tensors); every other array derives from these."""
+        self.vocab_size = V = vocab_size
+        self.depth = len(keys)
+        self.device = torch.device(device)
+        self.num_nodes = [1] + [k.numel() for k in keys]
         self.child_ptr: list[torch.Tensor] = []  # [d]: [num_nodes[d] + 1]
         self.child_tok: list[torch.Tensor] = []  # [d]: token of each node at depth d + 1
         self.child_key: list[torch.Tensor] = []  # [d]: parent * V + token, ascending
         self.max_children: list[int] = []
-        for d in range(self.depth):
-            key = parent_of_row * V + p[:, d]  # ascending key order == lexicographic prefix order
-            uniq, inverse = torch.unique(key, sorted=True, return_inverse=True)
-            parents, toks = uniq // V, uniq % V
-            counts = torch.bincount(parents, minlength=self.num_nodes[d])
+        for d, uniq in enumerate(keys):
+            counts = torch.bincount(uniq // V, minlength=self.num_nodes[d])
             ptr = torch.zeros(self.num_nodes[d] + 1, dtype=torch.int64)
             ptr[1:] = torch.cumsum(counts, 0)
             self.child_ptr.append(ptr.to(self.device))
-            self.child_tok.append(toks.to(self.device))
+            self.child_tok.append((uniq % V).to(self.device))
             self.child_key.append(uniq.to(self.device))
             self.max_children.append(int(counts.max()))
-            self.num_nodes.append(uniq.numel())
-            parent_of_row = inverse
-        self.row_leaf = parent_of_row  # [rows]: the leaf (node at depth ND) of each row, on the CPU
-        # count[d][node]: rows (items) under each node at depth d (filters subtract from these)
-        self.count: list[torch.Tensor] = [torch.empty(0)] * (self.depth + 1)
-        self.count[self.depth] = torch.bincount(parent_of_row, minlength=self.num_nodes[-1])
-        for d in range(self.depth - 1, -1, -1):
-            self.count[d] = torch.zeros(self.num_nodes[d], dtype=torch.int64).index_add_(
-                0, self.parents(d + 1, self.child_key[d].cpu()), self.count[d + 1])
+        self.row_leaf = row_leaf  # [rows]: the leaf (node at depth ND) of each row, on the CPU
+        self.count = count
         # the leaf's item: the first row with that path
-        rows = torch.arange(p.shape[0], dtype=torch.int64)
-        leaf_item = torch.full((self.num_nodes[-1],), p.shape[0], dtype=torch.int64)
-        leaf_item.scatter_reduce_(0, parent_of_row, rows, reduce="amin")
+        n = row_leaf.numel()
+        leaf_item = torch.full((self.num_nodes[-1],), n, dtype=torch.int64)
+        leaf_item.scatter_reduce_(0, row_leaf, torch.arange(n, dtype=torch.int64), reduce="amin")
         self.leaf_item = leaf_item.to(self.device)
-        self.num_duplicate_paths = p.shape[0] - self.num_nodes[-1]
+        self.num_duplicate_paths = n - self.num_nodes[-1]
         # per depth d: the distinct tokens of the nodes at depth d + 1 (ascending), and each
         # vocabulary id's column among them: a beam step computes only these logits (`logit_columns`)
         self.level_tokens = [torch.bincount(t, minlength=V).nonzero().flatten() for t in self.child_tok]  # O(N)
@@ -77,6 +84,59 @@ class SemanticIdTrie:
             self.level_col.append(col)
         self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host: tuple | None = None
+
+    def updated(self, rows: np.ndarray, catalog: Catalog, removed_rows: np.ndarray, added_from: int
+                ) -> tuple["SemanticIdTrie", np.ndarray]:
+        """The trie of the catalog version after an update, from this trie (over catalog rows
+        `rows`): `removed_rows` died, rows [added_from, catalog.num_rows) are new (`Applied`). Equal
+        to `from_catalog(catalog)`, array for array, without sorting the catalog: each level's
+        surviving keys are renumbered and the new ones inserted (O(N) copies, O(k log N) searches).
+        This trie is left as it is."""
+        V, D = self.vocab_size, self.depth
+        host_leaf, host_key, host_count = self.host_arrays()
+        pos = np.searchsorted(rows, removed_rows)
+        pos = pos[(pos < len(rows)) & (rows[np.minimum(pos, len(rows) - 1)] == removed_rows)]
+        keep = np.ones(len(rows), dtype=bool)
+        keep[pos] = False
+        new_sem = np.flatnonzero(catalog.has_semantic[added_from:]) + added_from
+        paths = catalog.semantic_ids[new_sem].astype(np.int64) if new_sem.size else np.zeros((0, D), np.int64)
+        if paths.size and (paths.min() < 0 or paths.max() >= V):
+            raise ValueError(f"semantic id tokens must be in [0, {V})")
+        new_rows = np.concatenate([rows[keep], new_sem])
+        if not new_rows.size:
+            raise ValueError("the item catalog has no semantic_id; retrieval needs one per item")
+        # counts after the removals: each removed row's path, leaf up to depth 1
+        count = [c.copy() for c in host_count]
+        node = host_leaf[pos]
+        for d in range(D, 0, -1):
+            np.subtract.at(count[d], node, 1)
+            node = host_key[d - 1][node] // V
+        count[0] = np.array([new_rows.size], dtype=np.int64)
+        keys, remap = [], np.zeros(1, dtype=np.int64)  # remap: old node id -> new, at the level above
+        at = np.zeros(len(new_sem), dtype=np.int64)  # the new rows' nodes at the level above
+        for d in range(D):
+            old, c = host_key[d], count[d + 1]
+            live = c > 0
+            kept = old[live]
+            kept = remap[kept // V] * V + kept % V  # a live node's parent is live; renumbering keeps order
+            want = at * V + paths[:, d]
+            fresh = np.unique(want)
+            fresh = fresh[~_isin_sorted(fresh, kept)]
+            merged = np.insert(kept, np.searchsorted(kept, fresh), fresh)
+            moved = np.arange(kept.size, dtype=np.int64) + np.searchsorted(fresh, kept)  # kept node -> its new id
+            remap = np.full(old.size, -1, dtype=np.int64)
+            remap[live] = moved
+            cnt = np.zeros(merged.size, dtype=np.int64)
+            cnt[moved] = c[live]
+            at = np.searchsorted(merged, want)
+            np.add.at(cnt, at, 1)
+            keys.append(merged)
+            count[d + 1] = cnt
+        row_leaf = np.concatenate([remap[host_leaf[keep]], at])
+        out = SemanticIdTrie.__new__(SemanticIdTrie)
+        out._build([torch.from_numpy(k) for k in keys], [torch.from_numpy(c) for c in count],
+                   torch.from_numpy(row_leaf), V, self.device)
+        return out, new_rows
 
     @classmethod
     def from_catalog(cls, catalog: Catalog, vocab_size: int, device: str | torch.device = "cpu"
@@ -146,6 +206,14 @@ class SemanticIdTrie:
             self._leaf_rows = (order, ptr)
         order, ptr = self._leaf_rows
         return order[int(ptr[leaf]) : int(ptr[leaf + 1])].tolist()
+
+
+def _isin_sorted(x: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """x in s, elementwise, for a sorted `s`."""
+    if not s.size:
+        return np.zeros(x.shape, dtype=bool)
+    i = np.minimum(np.searchsorted(s, x), s.size - 1)
+    return s[i] == x
 
 
 def children_logp(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes: torch.Tensor, filt=None,

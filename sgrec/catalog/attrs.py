@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sgrec.catalog.grow import Buf
+
 KINDS = ("str", "num", "bool", "strs")
 RANGE_OPS = {"gt": np.greater, "gte": np.greater_equal, "lt": np.less, "lte": np.less_equal}
 OPS = ("eq", "in", "not_in", *RANGE_OPS)
@@ -65,9 +67,10 @@ class AttrColumn:
     data: np.ndarray  # str: codes; num: values; bool: int8; strs: codes (flat)
     present: np.ndarray | None = None  # num
     ptr: np.ndarray | None = None  # strs
-    values: list[str] = field(default_factory=list)  # str / strs vocabulary
+    values: list[str] = field(default_factory=list)  # str / strs vocabulary (append-only, shared by versions)
     _code: dict[str, int] | None = None
     _flat_rows: np.ndarray | None = None
+    _bufs: dict | None = None  # part -> Buf: the storage later versions append to (grow.py)
 
     def code(self, s: str) -> int:
         if self._code is None:
@@ -131,6 +134,36 @@ class AttrColumn:
             return AttrColumn("strs", n, flat, present=self.present[rows], ptr=ptr, values=self.values)
         present = None if self.present is None else self.present[rows]
         return AttrColumn(self.kind, n, self.data[rows], present=present, values=self.values)
+
+    def append(self, other: "AttrColumn") -> "AttrColumn":
+        """This column's rows, then `other`'s (of the same kind), as a new column that shares this
+        one's storage (grow.py: O(len(other)) when this column is the newest of its storage).
+        other's strings are coded in the storage's vocabulary, new strings appended to it."""
+        n, k = self.n, other.n
+        values, code, bufs = self.values, self._code, self._bufs
+        if bufs is None:  # the first append: storage (and a vocabulary) of this column's own
+            bufs = {p: Buf.of(getattr(self, p)) for p in ("data", "present", "ptr") if getattr(self, p) is not None}
+            values = list(values)
+            code = {v: i for i, v in enumerate(values)}
+        more = {"data": other.data, "present": other.present}
+        if self.kind in ("str", "strs"):
+            remap = []
+            for v in other.values:
+                c = code.get(v)
+                if c is None:
+                    c = code[v] = len(values)
+                    values.append(v)
+                remap.append(c)
+            remap = np.array(remap or [0], dtype=np.int32)
+            more["data"] = np.where(other.data >= 0, remap[np.maximum(other.data, 0)], -1).astype(np.int32)
+        size = {"data": n, "present": n}
+        if self.kind == "strs":
+            more["ptr"] = other.ptr[1:] + self.ptr[-1]
+            size = {"data": int(self.ptr[-1]), "present": n, "ptr": n + 1}
+        out = {part: buf.append(size[part], more[part]) for part, buf in bufs.items()}
+        views = {part: out[part].view(size[part] + len(more[part])) for part in out}
+        return AttrColumn(self.kind, n + k, views["data"], present=views.get("present"), ptr=views.get("ptr"),
+                          values=values, _code=code, _bufs=out)
 
     def concat(self, other: "AttrColumn") -> "AttrColumn":
         """This column's rows, then `other`'s (of the same kind); other's strings recoded into this
@@ -196,17 +229,30 @@ class AttrTable:
     def take(self, rows: np.ndarray) -> "AttrTable":
         return AttrTable(len(rows), {name: col.take(rows) for name, col in self.columns.items()})
 
-    def concat(self, other: "AttrTable") -> "AttrTable":
-        """This table's rows, then `other`'s; ValueError naming an attribute whose kinds differ."""
+    def check_kinds(self, other: "AttrTable") -> None:
+        """ValueError naming an attribute that `other` holds as another kind than this table."""
+        for name, b in other.columns.items():
+            a = self.columns.get(name)
+            if a is not None and a.kind != b.kind:
+                raise ValueError(f"attrs.{name} is {b.kind} here but {a.kind} in the catalog; one kind per attribute")
+
+    def _joined(self, other: "AttrTable", join) -> "AttrTable":
+        self.check_kinds(other)
         cols = {}
         for name in [*self.columns, *(k for k in other.columns if k not in self.columns)]:
             a, b = self.columns.get(name), other.columns.get(name)
-            if a is not None and b is not None and a.kind != b.kind:
-                raise ValueError(f"attrs.{name} is {b.kind} here but {a.kind} in the catalog; one kind per attribute")
-            a = a if a is not None else AttrColumn.absent(b.kind, self.n)
+            a = a if a is not None else AttrColumn.absent(b.kind, self.n)  # a new attribute: O(N), once
             b = b if b is not None else AttrColumn.absent(a.kind, other.n)
-            cols[name] = a.concat(b)
+            cols[name] = join(a, b)
         return AttrTable(self.n + other.n, cols)
+
+    def concat(self, other: "AttrTable") -> "AttrTable":
+        """This table's rows, then `other`'s, copied; ValueError naming an attribute whose kinds differ."""
+        return self._joined(other, AttrColumn.concat)
+
+    def append(self, other: "AttrTable") -> "AttrTable":
+        """concat, sharing this table's storage (AttrColumn.append); check_kinds first."""
+        return self._joined(other, AttrColumn.append)
 
     def evaluate(self, spec) -> np.ndarray:
         """bool [N]: the rows that pass every predicate of the filter (checked first)."""

@@ -33,6 +33,7 @@ def _text(obj) -> np.ndarray:
 
 
 def save(catalog: Catalog, path: str) -> None:
+    catalog = catalog.compacted()  # live rows only
     arrays = {
         "format": np.array([FORMAT], dtype=np.int64),
         "ids": _text(catalog.ids),

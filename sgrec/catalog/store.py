@@ -2,17 +2,25 @@
 array (-1: none), semantic IDs one [N, ND] array (rows without one: -1, `has_semantic` False),
 attributes as columns (`attrs.py`), ids in one list with one index. `items` is a sequence of
 `Item` views made on demand, so code that reads items one by one keeps working at 10^7 items.
+
+Versions share storage (issue 42): `appended` makes the next version by marking rows dead and
+appending the batch's rows to the columns in place (grow.py), so it costs what changed. A
+version's rows are `num_rows`, some of them dead (a deleted item, or an item's row before it was
+replaced); `len()` counts live items, `index` maps an id to its live row, `items` and
+`live_rows()` skip dead rows, and `filter_mask` / `semantic_rows` never pass one. `ids[row]`
+names a row's item, dead or alive. Rows keep their number in every later version.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import orjson
 
 from sgrec.catalog.attrs import AttrBuilder, AttrTable, take_ragged
+from sgrec.catalog.grow import Buf, bit, set_bits, unpack
 from sgrec.catalog.item import CatalogError, Item, UnknownItemError
 
 
@@ -70,21 +78,31 @@ class Catalog:
         self.semantic_ids = None if semantic_ids is None else np.asarray(semantic_ids, dtype=np.int32)
         self.attrs = attrs
         self.meta = meta
-        self.index: dict[str, int] = index if index is not None else dict(zip(ids, range(len(ids))))
-        if len(self.index) != len(ids):
+        rows: dict[str, int | tuple] = index if index is not None else dict(zip(ids, range(len(ids))))
+        if len(rows) != len(ids):
             seen: set[str] = set()
             dup = next(i for i in ids if i in seen or seen.add(i))
             raise CatalogError(f"duplicate item id {dup!r}")
         if len(ids) == 0:
             raise CatalogError("the item catalog has no items")
         self.semantic_id_len: int | None = None if self.semantic_ids is None else int(self.semantic_ids.shape[1])
+        self._version(rows, len(ids), None, len(ids), int(self.token_ptr[-1]), None)
+
+    def _version(self, rows: dict, num_rows: int, dead, live: int, live_tokens: int, bufs) -> None:
+        self._rows = rows  # id -> row, or the id's rows ascending (replaced): shared by the versions
+        self.num_rows = num_rows
+        self._dead = dead  # packed bits over num_rows (None: every row live)
+        self._live = live
+        self._live_tokens = live_tokens
+        self._bufs = bufs  # column -> Buf once a version was appended (shared storage)
+        self.index = RowIndex(rows, num_rows, dead, live)
 
     # ---- new catalogs from old (updates) --------------------------------------------------
     def take(self, rows) -> "Catalog":
         """A catalog of these rows, in this order (columns gathered, vectorised)."""
         rows = np.asarray(rows, dtype=np.int64)
         ptr, flat = take_ragged(self.token_ptr, self.token_flat, rows)
-        new_row = {int(r): k for k, r in enumerate(rows.tolist())} if self.meta else {}
+        new_row = {int(r): k for k, r in enumerate(rows.tolist())} if self.meta else {}  # rows < num_rows
         meta = {new_row[r]: m for r, m in self.meta.items() if r in new_row}
         ids = self.ids
         return Catalog.from_columns([ids[r] for r in rows.tolist()], flat, ptr, self.id_tokens[rows],
@@ -92,8 +110,9 @@ class Catalog:
                                     self.has_semantic[rows], self.attrs.take(rows), meta)
 
     def concat(self, other: "Catalog") -> "Catalog":
-        """This catalog's rows, then `other`'s. CatalogError when semantic IDs differ in length, an
-        attribute's kind differs, or an id is in both."""
+        """This catalog's live rows, then `other`'s, copied. CatalogError when semantic IDs differ in
+        length, an attribute's kind differs, or an id is in both."""
+        self, other = self.compacted(), other.compacted()
         self._check_nd(other)
         nd = self.semantic_id_len or other.semantic_id_len
         try:
@@ -106,7 +125,7 @@ class Catalog:
             for off, c in ((0, self), (len(self), other)):
                 if c.semantic_ids is not None:
                     sem[off:off + len(c)] = c.semantic_ids
-        index = dict(self.index)
+        index = dict(self._rows)
         n = len(self)
         for k, i in enumerate(other.ids):
             if index.setdefault(i, n + k) != n + k:
@@ -127,54 +146,90 @@ class Catalog:
         """Row's item token ids (a view of the column)."""
         return self.token_flat[self.token_ptr[row] : self.token_ptr[row + 1]]
 
-    def replace_rows(self, rows, other: "Catalog") -> "Catalog":
-        """This catalog with rows[j] replaced by other's row j (the same ids, so the id list and
-        index are shared with this catalog, which stays as it is)."""
-        self._check_nd(other)
-        rows = np.asarray(rows, dtype=np.int64)
-        n = len(self)
-        perm = np.arange(n, dtype=np.int64)
-        perm[rows] = n + np.arange(len(rows), dtype=np.int64)  # row r of the result: self's or other's
-        flat = np.concatenate([self.token_flat, other.token_flat])
-        ptr = np.concatenate([self.token_ptr, other.token_ptr[1:] + self.token_ptr[-1]])
-        token_ptr, token_flat = take_ragged(ptr, flat, perm)
-        id_tokens = self.id_tokens.copy()
-        id_tokens[rows] = other.id_tokens
-        has = self.has_semantic.copy()
-        has[rows] = other.has_semantic
-        nd = self.semantic_id_len or other.semantic_id_len
-        sem = None
-        if nd:
-            sem = np.full((n, nd), -1, dtype=np.int32) if self.semantic_ids is None else self.semantic_ids.copy()
-            sem[rows] = -1 if other.semantic_ids is None else other.semantic_ids
+    def appended(self, batch: "Catalog | None", dead_rows) -> "Catalog":
+        """The next version: this one with `dead_rows` (live rows) dead, then batch's items (if
+        any) as new rows. batch's ids must not be live here outside dead_rows. This version is left as it is.
+        Costs O(len(batch) + len(dead_rows)), plus num_rows / 8 bytes of dead bits, when this is
+        the newest version of its storage; from an older version (a branch) the storage is
+        copied once. CatalogError when batch does not fit (semantic-ID length, attribute kinds)."""
+        batch = _NO_ROWS if batch is None else batch.compacted()
+        self._check_nd(batch)
         try:
-            attrs = self.attrs.concat(other.attrs).take(perm)
+            self.attrs.check_kinds(batch.attrs)
         except ValueError as e:
             raise CatalogError(str(e)) from None
-        meta = dict(self.meta)
-        for j, r in enumerate(rows.tolist()):
-            if j in other.meta:
-                meta[r] = other.meta[j]
-            else:
-                meta.pop(r, None)
-        return Catalog.from_columns(self.ids, token_flat, token_ptr, id_tokens, sem, has, attrs, meta, self.index)
+        n, k, nd = self.num_rows, len(batch), self.semantic_id_len or batch.semantic_id_len
+        ids, rows, meta = self.ids, self._rows, self.meta
+        bufs = dict(self._bufs or {})
+        for name in ("token_flat", "token_ptr", "id_tokens", "has_semantic", "semantic_ids"):
+            if name not in bufs and getattr(self, name) is not None:
+                bufs[name] = Buf.of(getattr(self, name))
+        if nd and "semantic_ids" not in bufs:  # the first item with a semantic ID: O(N), once
+            bufs["semantic_ids"] = Buf.of(np.full((n, nd), -1, dtype=np.int32))
+        if len(ids) != n:  # a branch (ids, rows and meta are shared only along one line of versions)
+            ids = ids[:n]
+            rows = {}
+            for r in self.live_rows().tolist():
+                rows[ids[r]] = r
+            meta = {r: m for r, m in meta.items() if r < n}
+        sem = batch.semantic_ids if batch.semantic_ids is not None else np.full((k, nd or 0), -1, np.int32)
+        m = int(self.token_ptr[n])
+        more = {"token_flat": batch.token_flat, "token_ptr": batch.token_ptr[1:] + m, "id_tokens": batch.id_tokens,
+                "has_semantic": batch.has_semantic, "semantic_ids": sem}
+        size = {"token_flat": m, "token_ptr": n + 1}
+        cols = {}
+        for name, buf in bufs.items():
+            at = size.get(name, n)
+            bufs[name] = buf.append(at, more[name])
+            cols[name] = bufs[name].view(at + len(more[name]))
+        attrs = self.attrs.append(batch.attrs)
+        # rows are written; now name them (a version older than this one reads no row >= its num_rows)
+        ids.extend(batch.ids)
+        for r, mt in batch.meta.items():
+            meta[n + r] = mt
+        for j, i in enumerate(batch.ids):
+            old = rows.get(i)
+            rows[i] = n + j if old is None else (old, n + j) if type(old) is int else (*old, n + j)
+        dead_rows = np.asarray(dead_rows, dtype=np.int64)
+        dead = set_bits(self._dead, n, n + k, dead_rows) if dead_rows.size or self._dead is not None else None
+        gone = int((self.token_ptr[dead_rows + 1] - self.token_ptr[dead_rows]).sum()) if dead_rows.size else 0
+        out = Catalog.__new__(Catalog)
+        out.ids, out.meta, out.attrs = ids, meta, attrs
+        out.token_flat, out.token_ptr, out.id_tokens = cols["token_flat"], cols["token_ptr"], cols["id_tokens"]
+        out.has_semantic, out.semantic_ids = cols["has_semantic"], cols.get("semantic_ids")
+        out.semantic_id_len = nd or None
+        out._version(rows, n + k, dead, self._live - len(dead_rows) + k,
+                     self._live_tokens - gone + int(batch.token_ptr[-1]), bufs)
+        return out
 
-    def same_paths(self, other: "Catalog") -> bool:
-        """Whether both catalogs hold the same semantic IDs on the same rows (then one trie and its
-        row map serve both)."""
-        if len(self) != len(other) or not np.array_equal(self.has_semantic, other.has_semantic):
-            return False
-        if self.semantic_ids is None or other.semantic_ids is None:
-            return self.semantic_ids is None and other.semantic_ids is None
-        return self.semantic_ids.shape == other.semantic_ids.shape and bool(
-            (self.semantic_ids[self.has_semantic] == other.semantic_ids[other.has_semantic]).all())
+    def compacted(self) -> "Catalog":
+        """This version with its live rows only, renumbered from 0 (itself when it has no dead row
+        and owns its storage's every row): what a file or a from-scratch build holds."""
+        if self._dead is None and len(self.ids) == self.num_rows:
+            return self
+        return self.take(self.live_rows())
+
+    def live_rows(self) -> np.ndarray:
+        """Rows of live items, ascending (kept: a version does not change)."""
+        out = self.__dict__.get("_live_rows")
+        if out is None:
+            out = self._live_rows = (np.arange(self.num_rows, dtype=np.int64) if self._dead is None
+                                     else np.flatnonzero(self.alive_mask()))
+        return out
+
+    def alive_mask(self) -> np.ndarray:
+        """bool [num_rows]: live rows. Negated: unpack gives the dead bits."""
+        return ~unpack(self._dead, self.num_rows)
+
+    def is_live(self, row: int) -> bool:
+        return not bit(self._dead, row)
 
     # ---- lookups ------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.ids)
+        return self._live
 
     def __contains__(self, item_id: str) -> bool:
-        return item_id in self.index
+        return self.index.get(item_id) is not None
 
     @property
     def items(self) -> "ItemsView":
@@ -210,11 +265,13 @@ class Catalog:
 
     @property
     def max_item_len(self) -> int:
+        """The most tokens of an item (dead rows counted: a bound)."""
         return int(np.diff(self.token_ptr).max(initial=0))
 
     @property
     def total_tokens(self) -> int:
-        return int(self.token_ptr[-1])
+        """Tokens of the live items."""
+        return self._live_tokens
 
     def filter_mask(self, spec: dict) -> np.ndarray:
         """bool [N]: the rows passing an attribute filter (ValueError naming a bad predicate); the
@@ -225,14 +282,16 @@ class Catalog:
             masks.move_to_end(key)
             return masks[key]
         ok = self.attrs.evaluate(spec)
+        if self._dead is not None:
+            ok &= self.alive_mask()
         masks[key] = ok
         while len(masks) > FILTER_MASKS:
             masks.popitem(last=False)
         return ok
 
     def semantic_rows(self) -> np.ndarray:
-        """Rows that carry a semantic ID, ascending."""
-        return np.flatnonzero(self.has_semantic)
+        """Live rows that carry a semantic ID, ascending."""
+        return np.flatnonzero(self.has_semantic if self._dead is None else self.has_semantic & self.alive_mask())
 
     def nbytes(self) -> int:
         """Bytes of the array columns (ids and their index not counted)."""
@@ -242,24 +301,80 @@ class Catalog:
         return sum(a.nbytes for a in arrays)
 
 
+class _NoRows:
+    """An empty batch for `Catalog.appended` (a catalog cannot be empty)."""
+
+    ids: list = []
+    meta: dict = {}
+    semantic_ids = semantic_id_len = None
+    token_flat = np.zeros(0, np.int32)
+    token_ptr = np.zeros(1, np.int64)
+    id_tokens = np.zeros(0, np.int64)
+    has_semantic = np.zeros(0, bool)
+    attrs = AttrTable(0)
+
+    def __len__(self) -> int:
+        return 0
+
+
+_NO_ROWS = _NoRows()
+
+
 class ItemsView(Sequence):
-    """The catalog's items in catalog order, each made on access."""
+    """The catalog's live items in row order, each made on access."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
+        self.rows = catalog.live_rows()
 
     def __len__(self) -> int:
-        return len(self.catalog.ids)
+        return len(self.rows)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self.catalog.item(r) for r in range(*i.indices(len(self)))]
+            return [self.catalog.item(int(r)) for r in self.rows[i]]
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return self.catalog.item(i)
+        return self.catalog.item(int(self.rows[i]))
 
     def __iter__(self):
         item = self.catalog.item
-        return (item(r) for r in range(len(self)))
+        return (item(r) for r in self.rows.tolist())
+
+
+class RowIndex(Mapping):
+    """One version's id -> live row, over the id -> row(s) dict its line of versions shares: an id's
+    row here is its newest row below num_rows, when that row is live here."""
+
+    __slots__ = ("_rows", "_n", "_dead", "_live")
+
+    def __init__(self, rows: dict, n: int, dead, live: int):
+        self._rows, self._n, self._dead, self._live = rows, n, dead, live
+
+    def get(self, item_id, default=None):
+        v = self._rows.get(item_id)
+        if v is None:
+            return default
+        if type(v) is not int:
+            v = next((r for r in reversed(v) if r < self._n), self._n)
+        if v >= self._n or (self._dead is not None and self._dead[v >> 3] >> (v & 7) & 1):
+            return default
+        return v
+
+    def __getitem__(self, item_id) -> int:
+        r = self.get(item_id)
+        if r is None:
+            raise KeyError(item_id)
+        return r
+
+    def __contains__(self, item_id) -> bool:
+        return self.get(item_id) is not None
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __iter__(self):
+        get = self.get
+        return (i for i in self._rows if get(i) is not None)

@@ -4,11 +4,13 @@ started on it finishes on it and a rollback can return to it).
 
 A batch is all or nothing: `parse_items` names the first bad item (`items[3] ('i9'): ...`) and
 `apply_update` raises UpdateError before anything changes when the batch does not fit the catalog
-(semantic IDs of another length, an attribute of another kind, every item deleted). A replaced
-item keeps its row (so an update that leaves every semantic ID as it was leaves the trie as it was:
-`Catalog.same_paths`); new items follow the kept rows in the batch's order. `changed` (ids
-inserted, deleted, or replaced with other tokens) is what caches of item KV keyed by id must drop;
-an item whose attributes or semantic ID alone change keeps its KV.
+(semantic IDs of another length, an attribute of another kind, every item deleted). The new
+version shares the old one's storage and costs what the batch changed (`Catalog.appended`): a
+deleted item's row dies, a replaced item's old row dies and its new row follows, with the new
+items, in the batch's order. `removed_rows` and `added_from` say which rows changed (the trie
+follows them: `SemanticIdTrie.updated`). `changed` (ids inserted, deleted, or replaced with other
+tokens) is what caches of item KV keyed by id must drop; an item whose attributes or semantic ID
+alone change keeps its KV.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class Applied:
     replaced: int = 0
     deleted: int = 0
     unknown: int = 0  # deleted ids the catalog did not have (ignored)
+    removed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # rows now dead, ascending
+    added_from: int | None = None  # the new rows are [added_from, catalog.num_rows)
 
     def counts(self) -> dict:
         return {"inserted": self.inserted, "replaced": self.replaced, "deleted": self.deleted,
@@ -91,10 +95,12 @@ class Applied:
 
 
 def apply_update(catalog: Catalog, upserts: Catalog | None = None, delete: Sequence[str] = ()) -> Applied:
-    """The catalog after inserting / replacing `upserts` (by id) and deleting `delete` (unknown ids
-    ignored and counted); UpdateError when the result cannot be built. A replaced item keeps its
-    row; new items follow the kept rows in the batch's order."""
+    """The next version after inserting / replacing `upserts` (by id) and deleting `delete` (unknown
+    ids ignored and counted); UpdateError when it cannot be built, with nothing changed. A replaced
+    item's old row dies and the batch's items follow the live rows in the batch's order
+    (`Catalog.appended`: O(batch), the rows before are shared with this version)."""
     index = catalog.index
+    upserts = None if upserts is None else upserts.compacted()
     out = Applied(catalog)
     gone = []
     for i in dict.fromkeys(delete):
@@ -105,48 +111,25 @@ def apply_update(catalog: Catalog, upserts: Catalog | None = None, delete: Seque
             gone.append(r)
             out.changed.add(i)
     out.deleted = len(gone)
-    rep_rows, rep_pos, new_pos = [], [], []  # replaced rows and their batch positions; new items' positions
     if upserts is not None:
         for j, i in enumerate(upserts.ids):
             r = index.get(i)
             if r is None:
-                new_pos.append(j)
+                out.inserted += 1
                 out.changed.add(i)
                 continue
-            rep_rows.append(r)
-            rep_pos.append(j)
+            out.replaced += 1
+            gone.append(r)
             if not np.array_equal(catalog.token_ids(r), upserts.token_ids(j)):
                 out.changed.add(i)  # new tokens: its item KV is stale
-        out.replaced, out.inserted = len(rep_rows), len(new_pos)
     if not gone and upserts is None:
         return out
-    n = len(catalog)
-    if len(gone) == n and not new_pos:
+    if out.deleted == len(catalog) and not out.inserted and upserts is None:
         raise UpdateError("the update would delete every item of the catalog")
-    if not gone and not new_pos:  # replacements only: the rows, ids and index stay
-        try:
-            out.catalog = catalog.replace_rows(np.asarray(rep_rows, dtype=np.int64)[np.argsort(rep_pos)], upserts)
-        except CatalogError as e:
-            raise UpdateError(str(e)) from None
-        return out
-    alive = np.ones(n, dtype=bool)
-    alive[np.asarray(gone, dtype=np.int64)] = False
-    kept = alive.copy()
-    kept[np.asarray(rep_rows, dtype=np.int64)] = False  # rows whose old version goes
-    base_rows = np.flatnonzero(kept)
-    base = catalog if len(base_rows) == n else catalog.take(base_rows) if len(base_rows) else None
+    removed = np.unique(np.asarray(gone, dtype=np.int64))
     try:
-        if upserts is None:
-            out.catalog = base
-            return out
-        joined = upserts if base is None else base.concat(upserts)
+        out.catalog = catalog.appended(upserts, removed)
     except CatalogError as e:
         raise UpdateError(str(e)) from None
-    if not rep_rows:  # inserts only: the new items already follow the kept rows
-        out.catalog = joined
-        return out
-    nb = len(base_rows)
-    perm = np.cumsum(kept) - 1  # an old row's place in base
-    perm[np.asarray(rep_rows, dtype=np.int64)] = nb + np.asarray(rep_pos, dtype=np.int64)
-    out.catalog = joined.take(np.concatenate([perm[alive], nb + np.asarray(new_pos, dtype=np.int64)]))
+    out.removed_rows, out.added_from = removed, catalog.num_rows
     return out

@@ -115,13 +115,14 @@ def replay(catalog: Catalog, journal_path: str | None, keep: int = 8, vocab_size
 
 def catalog_facts(catalog: Catalog, versions: CatalogVersions) -> dict:
     """What GET /v1/catalog reports about the current version."""
+    live = catalog.alive_mask()
     return {
         "version": versions.version,
         "kept_versions": versions.kept(),
         "num_items": len(catalog),
         "semantic_id_len": catalog.semantic_id_len,
-        "num_with_id_token": int((catalog.id_tokens >= 0).sum()),
-        "num_with_semantic_id": int(catalog.has_semantic.sum()),
-        "num_with_attrs": int(catalog.attrs.present_rows().sum()),
+        "num_with_id_token": int(((catalog.id_tokens >= 0) & live).sum()),
+        "num_with_semantic_id": int((catalog.has_semantic & live).sum()),
+        "num_with_attrs": int((catalog.attrs.present_rows() & live).sum()),
         "attributes": {name: col.kind for name, col in catalog.attrs.columns.items()},
     }

@@ -199,9 +199,9 @@ def make_plan(item_ids: Sequence[str], item_lens: Sequence[int], freqs: Sequence
 def catalog_freqs(catalog) -> list[float]:
     """Static item frequencies for placement: catalog popularity + 1 (the items' `popularity` key).
     Every server computes the same numbers, so all agree on the owners (run-time access counts
-    differ between servers)."""
+    differ between servers). One per live item, in row order."""
     meta = catalog.meta
-    return [float(meta[r].get("popularity", 0)) + 1.0 if r in meta else 1.0 for r in range(len(catalog))]
+    return [float(meta[r].get("popularity", 0)) + 1.0 if r in meta else 1.0 for r in catalog.live_rows().tolist()]
 
 
 def mean_item_tokens(catalog) -> float:
@@ -230,7 +230,8 @@ def plan_catalog(catalog, n: int, prefill_time: Callable[[float, float], float],
     c = min(100, max_candidates, len(catalog))
     bandwidth = bandwidth_gbps * 1e9 / 8 / bytes_per_token
     rep = compute_replication_ratio(bandwidth, freqs, tau_u, mean_item_tokens(catalog), alpha, c, n, prefill_time)
-    return plan_placement(catalog.ids, freqs, rep.ratio, n), rep
+    ids = catalog.ids
+    return plan_placement([ids[r] for r in catalog.live_rows().tolist()], freqs, rep.ratio, n), rep
 
 
 def format_plan(plan: Plan) -> str:

@@ -259,7 +259,7 @@ class ItemStore:
                      key=lambda r: (-self.hotness(cat.ids[r]), r))
         yield from (cat.item(r) for r in hot)
         seen = set(hot)
-        yield from (cat.item(r) for r in range(len(cat)) if r not in seen)
+        yield from (cat.item(r) for r in cat.live_rows().tolist() if r not in seen)
 
     def _compute_and_keep(self, items: list[Item]) -> int:
         header = self.ensure_header()

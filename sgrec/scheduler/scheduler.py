@@ -227,10 +227,12 @@ class Scheduler:
         if self.versions is None:
             raise UpdateError("this server has no item catalog (--item-catalog)")
         prepared = self.versions.prepare(record, self.runner.config.vocab_size)
-        new = prepared.applied.catalog
-        if new.same_paths(self.versions.current):  # texts, tokens or attributes only: the trie stays
+        applied = prepared.applied
+        if applied.catalog is self.versions.current:  # nothing changed (unknown ids deleted)
             return prepared, self.retriever.built
-        return prepared, self.retriever.build_trie(new)
+        if prepared.op == "rollback":  # another line of rows: the version's trie from scratch
+            return prepared, self.retriever.build_trie(applied.catalog)
+        return prepared, self.retriever.updated_trie(applied)
 
     def commit_catalog(self, prepared: Prepared, trie) -> None:
         """Serves the prepared version from the next step on (call between steps): the executors

@@ -1,0 +1,156 @@
+"""Catalog versions at scale (issue 42): what an update costs a rank, in time and memory, on this
+tree and on the commit before issue 42 (each in its own process, one after the other).
+
+    python benchmarks/bench_catalog_versions.py                       # 10^6 and 10^7 items
+    python benchmarks/bench_catalog_versions.py --sizes 1000000 --updates 4
+    python benchmarks/bench_catalog_versions.py --baseline-rev none   # this tree only
+
+Each side builds an N-item catalog in memory (columns made directly: 1-6 item tokens, an id token,
+a 3-level semantic ID of 1024 codes per level, a genre and a year) and its semantic-ID trie, then
+applies --updates upserts of --batch items each (half replace random items with new semantic IDs,
+half are new items), one after the other, keeping every version (CatalogVersions, keep 8, as the
+server's --catalog-history default). Timed per update: what a rank's prepare does off the step
+(the next version and its trie: `Scheduler.prepare_catalog`'s work, each tree's own way), and the
+commit. Memory: the process's RSS once the catalog and trie are built (one version), and after the
+updates (kept versions and the served trie). Targets (issue 42, at 10^7): a 100-item update
+acknowledged in under 0.5 s; memory after 8 kept versions within 10% of one version's. The ack
+time of a server adds the journal's fsync and the messages (not measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from bench_catalog import header, md_table, verdict  # noqa: E402
+from bench_serving_ab import worktree  # noqa: E402
+
+BASELINE_REV = "302ae15"  # the last commit before issue 42's work
+
+# Runs in the tree under test; uses only what both trees have: Catalog.from_columns, AttrColumn,
+# AttrTable, CatalogVersions.prepare / commit, SemanticIdTrie.from_catalog, and (this tree only)
+# SemanticIdTrie.updated, as each tree's Scheduler.prepare_catalog uses them.
+CHILD = r"""
+import json, sys, time
+import numpy as np
+
+from sgrec.beam.trie import SemanticIdTrie
+from sgrec.catalog import Catalog
+from sgrec.catalog.attrs import AttrColumn, AttrTable
+from sgrec.catalog.versions import CatalogVersions
+
+n, updates, batch, seed = map(int, sys.argv[1:5])
+V, CODES, ND = 4096, 1024, 3
+BASE = V - ND * CODES
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+rng = np.random.default_rng(seed)
+lens = rng.integers(1, 7, n)
+ptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+attrs = AttrTable(n, {"genre": AttrColumn("str", n, rng.integers(0, 8, n).astype(np.int32), values=[f"g{k}" for k in range(8)]),
+                      "year": AttrColumn("num", n, rng.integers(1950, 2026, n).astype(np.float64), present=np.ones(n, bool))})
+sem = (BASE + np.arange(ND) * CODES + rng.integers(0, CODES, (n, ND))).astype(np.int32)
+cat = Catalog.from_columns([f"item{i}" for i in range(n)], rng.integers(3, BASE, int(ptr[-1])).astype(np.int32), ptr,
+                           rng.integers(3, BASE, n), sem, np.ones(n, bool), attrs)
+del sem, ptr, lens, attrs
+t = time.perf_counter()
+trie, rows = SemanticIdTrie.from_catalog(cat, V)
+build_s = time.perf_counter() - t
+versions = CatalogVersions(cat, 0, keep=8)
+rss_one = rss()
+incremental = hasattr(SemanticIdTrie, "updated")
+prepare_s, commit_s = [], []
+for u in range(1, updates + 1):
+    items = []
+    for j in range(batch):
+        item_id = f"item{int(rng.integers(n))}" if j % 2 else f"new{u}_{j}"
+        items.append({"id": item_id, "token_ids": rng.integers(3, BASE, 4).tolist(), "id_token": 7,
+                      "semantic_id": (BASE + np.arange(ND) * CODES + rng.integers(0, CODES, ND)).tolist(),
+                      "attrs": {"genre": "g1", "year": 2001}})
+    items = list({it["id"]: it for it in items}.values())
+    t = time.perf_counter()
+    prepared = versions.prepare({"version": u, "op": "upsert", "items": items}, V)
+    applied = prepared.applied
+    if incremental:
+        new_trie = trie.updated(rows, applied.catalog, applied.removed_rows, applied.added_from)
+    else:
+        new_trie = SemanticIdTrie.from_catalog(applied.catalog, V)
+    t2 = time.perf_counter()
+    versions.commit(prepared)
+    trie, rows = new_trie
+    commit_s.append(time.perf_counter() - t2)
+    prepare_s.append(t2 - t)
+print(json.dumps({"n": n, "build_s": build_s, "prepare_s": prepare_s, "commit_s": commit_s, "rss_one": rss_one,
+                  "rss_after": rss(), "kept": len(versions.kept()), "incremental": incremental}))
+"""
+
+
+def run_side(tree: str, n: int, updates: int, batch: int, seed: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": tree}
+    out = subprocess.run([sys.executable, "-c", CHILD, str(n), str(updates), str(batch), str(seed)], cwd=tree, env=env,
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10**6, 10**7])
+    ap.add_argument("--updates", type=int, default=8, help="upserts applied, every version kept (keep 8)")
+    ap.add_argument("--batch", type=int, default=100, help="items per upsert")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline-rev", default=BASELINE_REV, help="the commit to compare with; none: this tree only")
+    args = ap.parse_args(argv)
+    cmd = ("python benchmarks/bench_catalog_versions.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
+    print(header(cmd, "bench_catalog_versions"), flush=True)
+    tmp = tempfile.mkdtemp()
+    sides = [("this tree", ROOT)]
+    base = None
+    if args.baseline_rev != "none":
+        base = worktree(args.baseline_rev, tmp)
+        sides.insert(0, (f"sgrec at {args.baseline_rev} (before issue 42)", base))
+    rows = []
+    try:
+        for n in args.sizes:
+            got = {}
+            for name, tree in sides:
+                r = got[name] = run_side(tree, n, args.updates, args.batch, args.seed)
+                p = sorted(r["prepare_s"])
+                rows.append([f"{n:.0e}", name, f"{r['build_s']:.2f}", f"{p[len(p) // 2]:.3f}", f"{p[-1]:.3f}",
+                             f"{max(r['commit_s']) * 1e3:.2f}", f"{r['rss_one'] / 2**30:.2f}",
+                             f"{r['rss_after'] / 2**30:.2f}", f"{r['rss_after'] / r['rss_one']:.2f}x"])
+                print(" | ".join(rows[-1]), flush=True)
+            if len(got) == 2:
+                (_, a), (_, b) = got.items()
+                rows.append([f"{n:.0e}", "ratio (before / this tree)", f"{a['build_s'] / b['build_s']:.2f}x",
+                             f"{sorted(a['prepare_s'])[len(a['prepare_s']) // 2] / sorted(b['prepare_s'])[len(b['prepare_s']) // 2]:.1f}x",
+                             f"{max(a['prepare_s']) / max(b['prepare_s']):.1f}x", "", "",
+                             f"{a['rss_after'] / b['rss_after']:.2f}x", ""])
+    finally:
+        if base is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT, capture_output=True)
+    print()
+    print(md_table(["items", "tree", "trie build s", "update P50 s", "update max s", "commit max ms", "RSS 1 version GiB",
+                    f"RSS after {args.updates} GiB", "growth"], rows))
+    last = {r[1]: r for r in rows if r[0] == f"{max(args.sizes):.0e}"}.get("this tree")
+    if last is not None:
+        print(f"\ntargets at {max(args.sizes):.0e} items: update max {last[4]} s < 0.5 s: "
+              f"{verdict(float(last[4]) < 0.5)}; memory after {args.updates} versions {last[8]} within 1.10x: "
+              f"{verdict(float(last[8][:-1]) <= 1.10)}")
+
+
+if __name__ == "__main__":
+    main()
