@@ -75,8 +75,8 @@ class ServerArgs:
         "install is never written; created on the first update). `python -m sgrec.catalog compact` folds "
         "it into the catalog file.")
     catalog_history: int = _arg(
-        8, "Catalog versions kept for POST /v1/catalog/rollback (the current one included); each keeps its "
-        "own copy of the catalog's columns and trie in memory.")
+        8, "Catalog versions kept for POST /v1/catalog/rollback (the current one included); versions share "
+        "the catalog's storage, each costs what its update changed.")
     admin_api_key: str | None = _arg(
         None, "Require 'Authorization: Bearer KEY' on the catalog update routes (default: --api-key when set).")
     item_cache_tokens: int | None = _arg(

@@ -143,6 +143,28 @@ def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed):
         versions.append((res.catalog, got, got_rows))
 
 
+def test_the_trie_follows_updates_on_a_large_catalog():
+    """As above with 60,000 items (ids past the small tables SemanticIdTrie.updated reads per
+    bucket of ids), repeated paths, and updates that empty and create nodes at every level."""
+    rng = np.random.default_rng(1)
+    n = 60_000
+    cat = Catalog.from_columns([f"i{k}" for k in range(n)], np.full(n, 5, np.int32), np.arange(n + 1), np.full(n, -1),
+                               rng.integers(0, [40, 60, 50], (n, 3)).astype(np.int32), np.ones(n, bool), AttrTable(n))
+    trie, rows = SemanticIdTrie.from_catalog(cat, VOCAB)
+    for step in range(4):
+        live = cat.live_rows()
+        delete = [cat.ids[r] for r in rng.choice(live, 300, replace=False)]
+        ups = [{"id": cat.ids[r] if k % 2 else f"n{step}_{k}", "token_ids": [5],
+                "semantic_id": rng.integers(0, [45, 60, 55]).tolist()} for k, r in enumerate(rng.choice(live, 200))]
+        ups = list({u["id"]: u for u in ups if u["id"] not in delete}.values())
+        res = apply_update(cat, parse_items(ups, None, VOCAB), delete)
+        got, got_rows = trie.updated(rows, res.catalog, res.removed_rows, res.added_from)
+        ref, ref_rows = SemanticIdTrie.from_catalog(res.catalog, VOCAB)
+        assert np.array_equal(got_rows, ref_rows)
+        same_trie(got, ref)
+        cat, trie, rows = res.catalog, got, got_rows
+
+
 def test_an_update_costs_what_it_changed():
     """Memory allocated by an update of a few items, past the first (which moves the loaded columns
     into storage that grows): about the batch plus one bit per row (the dead rows), never a copy of

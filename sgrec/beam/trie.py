@@ -50,92 +50,147 @@ class SemanticIdTrie:
                device) -> None:
         """The trie from its levels' sorted node keys, per-node item counts and each row's leaf
         (host tensors); every other array derives from these."""
+        V = vocab_size
+        ptrs, maxc = [], []
+        for d, uniq in enumerate(keys):
+            counts = torch.bincount(uniq // V, minlength=1 if d == 0 else keys[d - 1].numel())
+            ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+            ptr[1:] = torch.cumsum(counts, 0)
+            ptrs.append(ptr.numpy())
+            maxc.append(int(counts.max()))
+        # the leaf's item: the first row with that path
+        n = row_leaf.numel()
+        leaf_item = torch.full((keys[-1].numel(),), n, dtype=torch.int64)
+        leaf_item.scatter_reduce_(0, row_leaf, torch.arange(n, dtype=torch.int64), reduce="amin")
+        toks = [(k % V).numpy() for k in keys]
+        self._assign([k.numpy() for k in keys], toks, ptrs, [c.numpy() for c in count], row_leaf.numpy(),
+                     leaf_item.numpy(), [np.bincount(t, minlength=V) for t in toks], maxc, V, device)
+
+    def _assign(self, keys, toks, ptrs, count, row_leaf, leaf_item, tok_count, max_children, vocab_size, device
+                ) -> None:
+        """Sets the trie's arrays from host (numpy) ones: per depth d the sorted keys, tokens and
+        item counts of the nodes at depth d + 1 and the CSR pointers of the nodes at depth d; each
+        row's leaf; each leaf's first row; per depth how many nodes carry each token."""
         self.vocab_size = V = vocab_size
         self.depth = len(keys)
         self.device = torch.device(device)
-        self.num_nodes = [1] + [k.numel() for k in keys]
-        self.child_ptr: list[torch.Tensor] = []  # [d]: [num_nodes[d] + 1]
-        self.child_tok: list[torch.Tensor] = []  # [d]: token of each node at depth d + 1
-        self.child_key: list[torch.Tensor] = []  # [d]: parent * V + token, ascending
-        self.max_children: list[int] = []
-        for d, uniq in enumerate(keys):
-            counts = torch.bincount(uniq // V, minlength=self.num_nodes[d])
-            ptr = torch.zeros(self.num_nodes[d] + 1, dtype=torch.int64)
-            ptr[1:] = torch.cumsum(counts, 0)
-            self.child_ptr.append(ptr.to(self.device))
-            self.child_tok.append((uniq % V).to(self.device))
-            self.child_key.append(uniq.to(self.device))
-            self.max_children.append(int(counts.max()))
-        self.row_leaf = row_leaf  # [rows]: the leaf (node at depth ND) of each row, on the CPU
-        self.count = count
-        # the leaf's item: the first row with that path
-        n = row_leaf.numel()
-        leaf_item = torch.full((self.num_nodes[-1],), n, dtype=torch.int64)
-        leaf_item.scatter_reduce_(0, row_leaf, torch.arange(n, dtype=torch.int64), reduce="amin")
-        self.leaf_item = leaf_item.to(self.device)
-        self.num_duplicate_paths = n - self.num_nodes[-1]
+        self.num_nodes = [1] + [k.size for k in keys]
+        dev = self.device
+        self.child_ptr = [torch.from_numpy(p).to(dev) for p in ptrs]  # [d]: [num_nodes[d] + 1]
+        self.child_tok = [torch.from_numpy(t).to(dev) for t in toks]  # [d]: token of each node at depth d + 1
+        self.child_key = [torch.from_numpy(k).to(dev) for k in keys]  # [d]: parent * V + token, ascending
+        self.max_children = max_children
+        self.row_leaf = torch.from_numpy(row_leaf)  # [rows]: the leaf (node at depth ND) of each row, on the CPU
+        self.count = [torch.from_numpy(c) for c in count]  # [d]: items under each node at depth d
+        self.leaf_item = torch.from_numpy(leaf_item).to(dev)  # the first row with each leaf's path
+        self.num_duplicate_paths = row_leaf.size - keys[-1].size
+        self._tok_count = tok_count
         # per depth d: the distinct tokens of the nodes at depth d + 1 (ascending), and each
         # vocabulary id's column among them: a beam step computes only these logits (`logit_columns`)
-        self.level_tokens = [torch.bincount(t, minlength=V).nonzero().flatten() for t in self.child_tok]  # O(N)
+        self.level_tokens = [torch.from_numpy(np.flatnonzero(c)).to(dev) for c in tok_count]
         self.level_col = []
-        for toks in self.level_tokens:
-            col = torch.zeros(V, dtype=torch.int64, device=self.device)
-            col[toks] = torch.arange(toks.numel(), device=self.device)
+        for t in self.level_tokens:
+            col = torch.zeros(V, dtype=torch.int64, device=dev)
+            col[t] = torch.arange(t.numel(), device=dev)
             self.level_col.append(col)
         self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._host: tuple | None = None
+        self._host = (row_leaf, keys, count) if dev.type == "cpu" else None
+        self._host_all = (keys, toks, ptrs, leaf_item) if dev.type == "cpu" else None
 
     def updated(self, rows: np.ndarray, catalog: Catalog, removed_rows: np.ndarray, added_from: int
                 ) -> tuple["SemanticIdTrie", np.ndarray]:
         """The trie of the catalog version after an update, from this trie (over catalog rows
         `rows`): `removed_rows` died, rows [added_from, catalog.num_rows) are new (`Applied`). Equal
-        to `from_catalog(catalog)`, array for array, without sorting the catalog: each level's
-        surviving keys are renumbered and the new ones inserted (O(N) copies, O(k log N) searches).
-        This trie is left as it is."""
+        to `from_catalog(catalog)`, array for array, without sorting the catalog: per level, the
+        nodes left without items are deleted and the new ones inserted (memmoves), node ids shift
+        by searches over the few changed ones, and the per-parent and per-token counts change by
+        what changed. This trie is left as it is."""
         V, D = self.vocab_size, self.depth
         host_leaf, host_key, host_count = self.host_arrays()
+        keys0, toks0, ptrs0, leaf_item0 = self._host_all or (
+            host_key, [t.cpu().numpy() for t in self.child_tok], [p.cpu().numpy() for p in self.child_ptr],
+            self.leaf_item.cpu().numpy())
         pos = np.searchsorted(rows, removed_rows)
-        pos = pos[(pos < len(rows)) & (rows[np.minimum(pos, len(rows) - 1)] == removed_rows)]
-        keep = np.ones(len(rows), dtype=bool)
-        keep[pos] = False
+        pos = pos[(pos < len(rows)) & (rows[np.minimum(pos, len(rows) - 1)] == removed_rows)]  # removed trie rows
         new_sem = np.flatnonzero(catalog.has_semantic[added_from:]) + added_from
         paths = catalog.semantic_ids[new_sem].astype(np.int64) if new_sem.size else np.zeros((0, D), np.int64)
         if paths.size and (paths.min() < 0 or paths.max() >= V):
             raise ValueError(f"semantic id tokens must be in [0, {V})")
-        new_rows = np.concatenate([rows[keep], new_sem])
+        new_rows = _splice(rows, pos, np.full(new_sem.size, len(rows) - pos.size), new_sem)
         if not new_rows.size:
             raise ValueError("the item catalog has no semantic_id; retrieval needs one per item")
-        # counts after the removals: each removed row's path, leaf up to depth 1
-        count = [c.copy() for c in host_count]
-        node = host_leaf[pos]
+        # items leaving each node: the removed rows' paths, leaf up to depth 1 (few nodes)
+        gone_nodes, gone_count = [None] * (D + 1), [None] * (D + 1)
+        node, cnt = np.unique(host_leaf[pos], return_counts=True)
         for d in range(D, 0, -1):
-            np.subtract.at(count[d], node, 1)
-            node = host_key[d - 1][node] // V
-        count[0] = np.array([new_rows.size], dtype=np.int64)
-        keys, remap = [], np.zeros(1, dtype=np.int64)  # remap: old node id -> new, at the level above
-        at = np.zeros(len(new_sem), dtype=np.int64)  # the new rows' nodes at the level above
+            gone_nodes[d], gone_count[d] = node, cnt
+            node, inv = np.unique(host_key[d - 1][node] // V, return_inverse=True)
+            cnt = np.bincount(inv, weights=cnt, minlength=node.size).astype(np.int64)
+        keys, toks, ptrs, count, tok_count, maxc = [], [], [], [np.array([new_rows.size], np.int64)], [], []
+        dead_up = ins_up = np.zeros(0, np.int64)  # the level above: dead old ids; new nodes' places among survivors
+        at = np.zeros(len(new_sem), dtype=np.int64)  # the new rows' nodes at the level above (new ids)
+        none = np.zeros(0, dtype=np.int64)
         for d in range(D):
-            old, c = host_key[d], count[d + 1]
-            live = c > 0
-            kept = old[live]
-            kept = remap[kept // V] * V + kept % V  # a live node's parent is live; renumbering keeps order
+            K, T, C = host_key[d], toks0[d], host_count[d + 1]
+            g, gc = gone_nodes[d + 1], gone_count[d + 1]
+            left = C[g] - gc
+            dead = g[left == 0]  # old ids of nodes with no item left (ascending)
+            if dead_up.size or ins_up.size:  # renumbered as their parents were
+                p = K // V  # ascending: the table is read in order
+                K = K + V * (_renumbered(host_key[d - 1].size, dead_up, ins_up)[p] - p)
+                K[dead] = -1  # a dead node's parent may be dead (no new number): take the key before it
+                np.maximum.accumulate(K, out=K)  # so K stays sorted for the searches
             want = at * V + paths[:, d]
             fresh = np.unique(want)
-            fresh = fresh[~_isin_sorted(fresh, kept)]
-            merged = np.insert(kept, np.searchsorted(kept, fresh), fresh)
-            moved = np.arange(kept.size, dtype=np.int64) + np.searchsorted(fresh, kept)  # kept node -> its new id
-            remap = np.full(old.size, -1, dtype=np.int64)
-            remap[live] = moved
-            cnt = np.zeros(merged.size, dtype=np.int64)
-            cnt[moved] = c[live]
-            at = np.searchsorted(merged, want)
-            np.add.at(cnt, at, 1)
-            keys.append(merged)
-            count[d + 1] = cnt
-        row_leaf = np.concatenate([remap[host_leaf[keep]], at])
+            idx = np.minimum(np.searchsorted(K, fresh), K.size - 1)  # among the old nodes, dead ones too
+            hit = (K[idx] == fresh) & ~_isin_sorted(idx, dead)
+            fresh, idx = fresh[~hit], np.searchsorted(K, fresh[~hit])
+            ins = idx - np.searchsorted(dead, idx)  # new nodes' places among the survivors
+            survivors = g[left > 0]
+            K, T, C = _splice(K, dead, ins, fresh), _splice(T, dead, ins, fresh % V), _splice(C, dead, ins, 0)
+            if C is host_count[d + 1]:
+                C = C.copy()
+            t = survivors - np.searchsorted(dead, survivors)
+            C[t + np.searchsorted(ins, t, side="right")] = left[left > 0]
+            at = np.searchsorted(K, want)
+            np.add.at(C, at, 1)
+            # per-parent child counts: less the dead children of surviving parents, renumbered, plus the new
+            per = np.diff(ptrs0[d])
+            parent = host_key[d][dead] // V
+            np.subtract.at(per, parent[~_isin_sorted(parent, dead_up)], 1)
+            per = _splice(per, dead_up, ins_up, 0)
+            np.add.at(per, fresh // V, 1)
+            ptr = np.zeros(per.size + 1, dtype=np.int64)
+            np.cumsum(per, out=ptr[1:])
+            tc = self._tok_count[d].copy()
+            np.subtract.at(tc, host_key[d][dead] % V, 1)
+            np.add.at(tc, fresh % V, 1)
+            keys.append(K)
+            toks.append(T)
+            ptrs.append(ptr)
+            count.append(C)
+            tok_count.append(tc)
+            maxc.append(int(per.max()))
+            dead_up, ins_up = dead, ins
+        # rows: the removed ones out, leaf ids shifted as the leaves were, the new rows' leaves after
+        leaf_new = _renumbering(dead_up, ins_up)
+        row_leaf = np.concatenate([_shifted(_splice(host_leaf, pos, none, 0), *leaf_new), at])
+        # each leaf's first row: a surviving leaf keeps its first old row (renumbered) unless that
+        # row was removed (then found again below); a new row comes after every old one
+        lost = host_leaf[pos]
+        lost = np.unique(lost[leaf_item0[lost] == pos])
+        lost = lost[~_isin_sorted(lost, dead_up)]  # and the leaf keeps other rows
+        li = _shifted(_splice(leaf_item0, dead_up, none, 0), *_renumbering(pos, none))
+        li = _splice(li, none, ins_up, new_rows.size)
+        leaves, first = np.unique(at, return_index=True)
+        np.minimum.at(li, leaves, first + (len(rows) - pos.size))
+        if lost.size:  # leaves whose first row was removed and which keep other rows: look again
+            lost = _shifted(lost, *leaf_new)
+            hit = np.flatnonzero(_isin_sorted(row_leaf, lost))
+            leaves, first = np.unique(row_leaf[hit], return_index=True)
+            li[leaves] = hit[first]
         out = SemanticIdTrie.__new__(SemanticIdTrie)
-        out._build([torch.from_numpy(k) for k in keys], [torch.from_numpy(c) for c in count],
-                   torch.from_numpy(row_leaf), V, self.device)
+        out._assign(keys, toks, ptrs, count, row_leaf, li, tok_count, maxc, V, self.device)
         return out, new_rows
 
     @classmethod
@@ -206,6 +261,74 @@ class SemanticIdTrie:
             self._leaf_rows = (order, ptr)
         order, ptr = self._leaf_rows
         return order[int(ptr[leaf]) : int(ptr[leaf + 1])].tolist()
+
+
+def _splice(a: np.ndarray, dead: np.ndarray, ins: np.ndarray, vals) -> np.ndarray:
+    """np.insert(np.delete(a, dead), ins, vals) as one copy of the runs between the few changes
+    (dead: ascending indices of a; ins: ascending places among the survivors)."""
+    if not dead.size and not ins.size:
+        return a
+    out = np.empty(a.size - dead.size + ins.size, dtype=a.dtype)
+    vals = np.broadcast_to(np.asarray(vals, dtype=a.dtype), ins.shape)
+    bounds = [-1, *dead.tolist(), a.size]
+    places = ins.tolist()
+    o = t = j = 0
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        s0 = lo + 1
+        while True:
+            while j < len(places) and places[j] == t:  # new entries before survivor t
+                out[o] = vals[j]
+                o, j = o + 1, j + 1
+            stop = hi if j == len(places) else min(hi, s0 + places[j] - t)
+            if stop <= s0:
+                break
+            out[o : o + stop - s0] = a[s0:stop]
+            o, t, s0 = o + stop - s0, t + stop - s0, stop
+    return out
+
+
+def _renumbered(m: int, dead: np.ndarray, ins: np.ndarray) -> np.ndarray:
+    """New ids of ids [0, m) after deleting `dead` (ascending; their entries are meaningless) and
+    inserting new ids before the survivors at places `ins` (np.insert's positions): a table read in
+    one gather, instead of a search per id."""
+    step = np.ones(m, dtype=np.int8)
+    step[0] = 0
+    step[dead[dead + 1 < m] + 1] = 0  # an id after a dead one takes no new place
+    q = np.cumsum(step, dtype=np.int64)  # id - dead ids before it: the place among the survivors
+    if ins.size:  # a new entry before survivor t moves it and every later one
+        moved = np.zeros(m + 1, dtype=np.int32)
+        np.add.at(moved, np.searchsorted(q, ins), 1)
+        q += np.cumsum(moved[:m], dtype=np.int64)
+    return q
+
+
+def _renumbering(dead: np.ndarray, ins: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """_renumbered's new id - old id as a step function (breaks, steps): steps[j] for ids in
+    [breaks[j - 1], breaks[j]) (steps[0] below breaks[0]); meaningless for dead ids."""
+    # it steps where a dead id ends and where survivor t (a new entry's place) starts
+    first_after = ins + np.searchsorted(dead - np.arange(dead.size), ins, side="right")  # old id of survivor t
+    breaks = np.unique(np.concatenate([dead + 1, first_after]))
+    at = np.concatenate([[0], breaks])
+    q = at - np.searchsorted(dead, at)
+    return breaks, q + np.searchsorted(ins, q, side="right") - at
+
+
+def _shifted(x: np.ndarray, breaks: np.ndarray, steps: np.ndarray, bucket_bits: int = 12) -> np.ndarray:
+    """x + the step function (breaks, steps) at x, for a large unordered x and few steps: each x
+    reads a small per-bucket table, and only the x in the few buckets that hold a break are
+    searched (a search or a table as large as the ids per x costs several times more)."""
+    if not breaks.size:
+        return x + steps[0]
+    nb = (int(breaks[-1]) >> bucket_bits) + 2  # ids past the last bucket with a break: the last step
+    starts = np.arange(nb, dtype=np.int64) << bucket_bits
+    first = np.searchsorted(breaks, starts, side="right")
+    coarse = steps[first]
+    mixed = first != np.searchsorted(breaks, starts + (1 << bucket_bits) - 1, side="right")
+    b = np.minimum(x >> bucket_bits, nb - 1)
+    out = x + coarse[b]
+    fix = np.flatnonzero(mixed[b])
+    out[fix] = x[fix] + steps[np.searchsorted(breaks, x[fix], side="right")]
+    return out
 
 
 def _isin_sorted(x: np.ndarray, s: np.ndarray) -> np.ndarray:

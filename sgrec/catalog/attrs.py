@@ -135,6 +135,16 @@ class AttrColumn:
         present = None if self.present is None else self.present[rows]
         return AttrColumn(self.kind, n, self.data[rows], present=present, values=self.values)
 
+    def with_room(self, spare: float) -> "AttrColumn":
+        """This column in storage that `append` extends in place (Catalog.with_room)."""
+        if self._bufs is not None:
+            return self
+        bufs = {p: Buf.roomy(getattr(self, p), spare) for p in ("data", "present", "ptr") if getattr(self, p) is not None}
+        views = {p: b.view(b.used) for p, b in bufs.items()}
+        values = list(self.values)
+        return AttrColumn(self.kind, self.n, views["data"], present=views.get("present"), ptr=views.get("ptr"),
+                          values=values, _code={v: i for i, v in enumerate(values)}, _bufs=bufs)
+
     def append(self, other: "AttrColumn") -> "AttrColumn":
         """This column's rows, then `other`'s (of the same kind), as a new column that shares this
         one's storage (grow.py: O(len(other)) when this column is the newest of its storage).

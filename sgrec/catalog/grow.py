@@ -30,6 +30,13 @@ class Buf:
         """A full buffer over an existing array (read-only arrays included: the first append copies)."""
         return cls(arr, len(arr))
 
+    @classmethod
+    def roomy(cls, arr: np.ndarray, spare: float) -> "Buf":
+        """A buffer holding a copy of arr with room for spare * len(arr) more rows."""
+        data = np.empty((max(int(len(arr) * (1 + spare)), MIN_CAPACITY), *arr.shape[1:]), dtype=arr.dtype)
+        data[: len(arr)] = arr
+        return cls(data, len(arr))
+
     def view(self, n: int) -> np.ndarray:
         return self.data[:n]
 

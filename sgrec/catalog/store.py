@@ -202,6 +202,25 @@ class Catalog:
                      self._live_tokens - gone + int(batch.token_ptr[-1]), bufs)
         return out
 
+    def with_room(self, spare: float = 0.5) -> "Catalog":
+        """This version with its columns moved into storage that later versions append to in
+        place (`appended`), with room for `spare` times its rows more (address space: untouched
+        room is not resident). One copy of the columns, once (at start-up), so that no update pays
+        it; the ids, their index and meta are shared, not copied."""
+        if self._bufs is not None:
+            return self
+        out = Catalog.__new__(Catalog)
+        out.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_masks", "_live_rows")})
+        bufs = {}
+        for name in ("token_flat", "token_ptr", "id_tokens", "has_semantic", "semantic_ids"):
+            arr = getattr(self, name)
+            if arr is not None:
+                bufs[name] = Buf.roomy(arr, spare)
+                setattr(out, name, bufs[name].view(len(arr)))
+        out.attrs = AttrTable(self.attrs.n, {k: c.with_room(spare) for k, c in self.attrs.columns.items()})
+        out._bufs = bufs
+        return out
+
     def compacted(self) -> "Catalog":
         """This version with its live rows only, renumbered from 0 (itself when it has no dead row
         and owns its storage's every row): what a file or a from-scratch build holds."""

@@ -40,6 +40,7 @@ class CatalogVersions:
         if keep < 1:
             raise ValueError("keep at least the current version")
         self.keep = keep
+        catalog = catalog.with_room()  # columns copied once here, so that no update copies them
         self.catalogs: OrderedDict[int, Catalog] = OrderedDict({version: catalog})
         self.changed: dict[int, set[str]] = {}  # version -> ids it changed (vs the version before)
 
