@@ -95,7 +95,7 @@ class SemanticIdTrie:
             self.level_col.append(col)
         self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host = (row_leaf, keys, count) if dev.type == "cpu" else None
-        self._host_all = (keys, toks, ptrs, leaf_item) if dev.type == "cpu" else None
+        self._host_more = (toks, ptrs, leaf_item) if dev.type == "cpu" else None
 
     def updated(self, rows: np.ndarray, catalog: Catalog, removed_rows: np.ndarray, added_from: int
                 ) -> tuple["SemanticIdTrie", np.ndarray]:
@@ -107,8 +107,8 @@ class SemanticIdTrie:
         what changed. This trie is left as it is."""
         V, D = self.vocab_size, self.depth
         host_leaf, host_key, host_count = self.host_arrays()
-        keys0, toks0, ptrs0, leaf_item0 = self._host_all or (
-            host_key, [t.cpu().numpy() for t in self.child_tok], [p.cpu().numpy() for p in self.child_ptr],
+        toks0, ptrs0, leaf_item0 = self._host_more or (
+            [t.cpu().numpy() for t in self.child_tok], [p.cpu().numpy() for p in self.child_ptr],
             self.leaf_item.cpu().numpy())
         pos = np.searchsorted(rows, removed_rows)
         pos = pos[(pos < len(rows)) & (rows[np.minimum(pos, len(rows) - 1)] == removed_rows)]  # removed trie rows
@@ -137,7 +137,7 @@ class SemanticIdTrie:
             dead = g[left == 0]  # old ids of nodes with no item left (ascending)
             if dead_up.size or ins_up.size:  # renumbered as their parents were
                 p = K // V  # ascending: the table is read in order
-                K = K + V * (_renumbered(host_key[d - 1].size, dead_up, ins_up)[p] - p)
+                K = K + V * (_shifted(p, *_renumbering(dead_up, ins_up)) - p)
                 K[dead] = -1  # a dead node's parent may be dead (no new number): take the key before it
                 np.maximum.accumulate(K, out=K)  # so K stays sorted for the searches
             want = at * V + paths[:, d]
@@ -287,24 +287,10 @@ def _splice(a: np.ndarray, dead: np.ndarray, ins: np.ndarray, vals) -> np.ndarra
     return out
 
 
-def _renumbered(m: int, dead: np.ndarray, ins: np.ndarray) -> np.ndarray:
-    """New ids of ids [0, m) after deleting `dead` (ascending; their entries are meaningless) and
-    inserting new ids before the survivors at places `ins` (np.insert's positions): a table read in
-    one gather, instead of a search per id."""
-    step = np.ones(m, dtype=np.int8)
-    step[0] = 0
-    step[dead[dead + 1 < m] + 1] = 0  # an id after a dead one takes no new place
-    q = np.cumsum(step, dtype=np.int64)  # id - dead ids before it: the place among the survivors
-    if ins.size:  # a new entry before survivor t moves it and every later one
-        moved = np.zeros(m + 1, dtype=np.int32)
-        np.add.at(moved, np.searchsorted(q, ins), 1)
-        q += np.cumsum(moved[:m], dtype=np.int64)
-    return q
-
-
 def _renumbering(dead: np.ndarray, ins: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """_renumbered's new id - old id as a step function (breaks, steps): steps[j] for ids in
-    [breaks[j - 1], breaks[j]) (steps[0] below breaks[0]); meaningless for dead ids."""
+    """New id - old id of the ids left after deleting `dead` (ascending) and inserting new ids
+    before the survivors at places `ins` (np.insert's positions), as a step function (breaks,
+    steps) for `_shifted`: steps[j] for ids in [breaks[j - 1], breaks[j]), steps[0] below breaks[0]."""
     # it steps where a dead id ends and where survivor t (a new entry's place) starts
     first_after = ins + np.searchsorted(dead - np.arange(dead.size), ins, side="right")  # old id of survivor t
     breaks = np.unique(np.concatenate([dead + 1, first_after]))

@@ -79,7 +79,3 @@ def unpack(bits: np.ndarray | None, n: int) -> np.ndarray:
     if bits is None:
         return np.zeros(n, dtype=bool)
     return np.unpackbits(bits, count=n, bitorder="little").view(bool)
-
-
-def bit(bits: np.ndarray | None, row: int) -> bool:
-    return bits is not None and bool(bits[row >> 3] >> (row & 7) & 1)

@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 
 from sgrec.catalog.attrs import AttrBuilder, AttrTable, take_ragged
-from sgrec.catalog.grow import Buf, bit, set_bits, unpack
+from sgrec.catalog.grow import Buf, set_bits, unpack
 from sgrec.catalog.item import CatalogError, Item, UnknownItemError
 
 
@@ -237,11 +237,8 @@ class Catalog:
         return out
 
     def alive_mask(self) -> np.ndarray:
-        """bool [num_rows]: live rows. Negated: unpack gives the dead bits."""
+        """bool [num_rows]: live rows."""
         return ~unpack(self._dead, self.num_rows)
-
-    def is_live(self, row: int) -> bool:
-        return not bit(self._dead, row)
 
     # ---- lookups ------------------------------------------------------------------------
     def __len__(self) -> int:
