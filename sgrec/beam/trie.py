@@ -299,20 +299,20 @@ def _renumbering(dead: np.ndarray, ins: np.ndarray) -> tuple[np.ndarray, np.ndar
     return breaks, q + np.searchsorted(ins, q, side="right") - at
 
 
-def _shifted(x: np.ndarray, breaks: np.ndarray, steps: np.ndarray, bucket_bits: int = 12) -> np.ndarray:
-    """x + the step function (breaks, steps) at x, for a large unordered x and few steps: each x
-    reads a small per-bucket table, and only the x in the few buckets that hold a break are
-    searched (a search or a table as large as the ids per x costs several times more)."""
+def _shifted(x: np.ndarray, breaks: np.ndarray, steps: np.ndarray, bucket_bits: int = 8) -> np.ndarray:
+    """x + the step function (breaks, steps) at x (x >= 0), for a large unordered x and few steps:
+    each x reads a small per-bucket table of the step, and only the x in the few buckets that hold
+    a break are searched (a search per x, or a table as large as the ids, costs several times more)."""
     if not breaks.size:
         return x + steps[0]
-    nb = (int(breaks[-1]) >> bucket_bits) + 2  # ids past the last bucket with a break: the last step
-    starts = np.arange(nb, dtype=np.int64) << bucket_bits
+    bound = max(int(x.max(initial=0)), int(breaks[-1])) + 1
+    starts = np.arange((bound >> bucket_bits) + 1, dtype=np.int64) << bucket_bits
     first = np.searchsorted(breaks, starts, side="right")
-    coarse = steps[first]
     mixed = first != np.searchsorted(breaks, starts + (1 << bucket_bits) - 1, side="right")
-    b = np.minimum(x >> bucket_bits, nb - 1)
-    out = x + coarse[b]
-    fix = np.flatnonzero(mixed[b])
+    flag = np.int64(1) << 52  # a bucket with a break inside: larger than any id plus step
+    out = np.take(np.where(mixed, flag, steps[first]), x >> bucket_bits)
+    out += x
+    fix = np.flatnonzero(out >= flag >> 1)
     out[fix] = x[fix] + steps[np.searchsorted(breaks, x[fix], side="right")]
     return out
 
