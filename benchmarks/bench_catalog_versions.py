@@ -132,7 +132,7 @@ def main(argv=None) -> None:
                 rows.append([f"{n:.0e}", name, f"{r['build_s']:.2f}", f"{p[len(p) // 2]:.3f}", f"{p[-1]:.3f}",
                              f"{max(r['commit_s']) * 1e3:.2f}", f"{r['rss_one'] / 2**30:.2f}",
                              f"{r['rss_after'] / 2**30:.2f}", f"{r['rss_after'] / r['rss_one']:.2f}x"])
-                print(" | ".join(rows[-1]), flush=True)
+                print(" | ".join(rows[-1]), "| each update, s:", " ".join(f"{x:.3f}" for x in r["prepare_s"]), flush=True)
             if len(got) == 2:
                 (_, a), (_, b) = got.items()
                 rows.append([f"{n:.0e}", "ratio (before / this tree)", f"{a['build_s'] / b['build_s']:.2f}x",
