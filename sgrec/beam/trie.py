@@ -66,11 +66,12 @@ class SemanticIdTrie:
         self._assign([k.numpy() for k in keys], toks, ptrs, [c.numpy() for c in count], row_leaf.numpy(),
                      leaf_item.numpy(), [np.bincount(t, minlength=V) for t in toks], maxc, V, device)
 
-    def _assign(self, keys, toks, ptrs, count, row_leaf, leaf_item, tok_count, max_children, vocab_size, device
-                ) -> None:
+    def _assign(self, keys, toks, ptrs, count, row_leaf, leaf_item, tok_count, max_children, vocab_size, device,
+                same_tokens: "SemanticIdTrie | None" = None) -> None:
         """Sets the trie's arrays from host (numpy) ones: per depth d the sorted keys, tokens and
         item counts of the nodes at depth d + 1 and the CSR pointers of the nodes at depth d; each
-        row's leaf; each leaf's first row; per depth how many nodes carry each token."""
+        row's leaf; each leaf's first row; per depth how many nodes carry each token. A level whose
+        tokens are `same_tokens`'s shares its token columns."""
         self.vocab_size = V = vocab_size
         self.depth = len(keys)
         self.device = torch.device(device)
@@ -87,11 +88,15 @@ class SemanticIdTrie:
         self._tok_count = tok_count
         # per depth d: the distinct tokens of the nodes at depth d + 1 (ascending), and each
         # vocabulary id's column among them: a beam step computes only these logits (`logit_columns`)
-        self.level_tokens = [torch.from_numpy(np.flatnonzero(c)).to(dev) for c in tok_count]
-        self.level_col = []
-        for t in self.level_tokens:
-            col = torch.zeros(V, dtype=torch.int64, device=dev)
-            col[t] = torch.arange(t.numel(), device=dev)
+        self.level_tokens, self.level_col = [], []
+        for d, c in enumerate(tok_count):
+            if same_tokens is not None and np.array_equal(c > 0, same_tokens._tok_count[d] > 0):
+                t, col = same_tokens.level_tokens[d], same_tokens.level_col[d]  # the same tokens: shared
+            else:
+                t = torch.from_numpy(np.flatnonzero(c)).to(dev)
+                col = torch.zeros(V, dtype=torch.int64, device=dev)
+                col[t] = torch.arange(t.numel(), device=dev)
+            self.level_tokens.append(t)
             self.level_col.append(col)
         self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host = (row_leaf, keys, count) if dev.type == "cpu" else None
@@ -190,7 +195,7 @@ class SemanticIdTrie:
             leaves, first = np.unique(row_leaf[hit], return_index=True)
             li[leaves] = hit[first]
         out = SemanticIdTrie.__new__(SemanticIdTrie)
-        out._assign(keys, toks, ptrs, count, row_leaf, li, tok_count, maxc, V, self.device)
+        out._assign(keys, toks, ptrs, count, row_leaf, li, tok_count, maxc, V, self.device, same_tokens=self)
         return out, new_rows
 
     @classmethod
@@ -268,6 +273,8 @@ def _splice(a: np.ndarray, dead: np.ndarray, ins: np.ndarray, vals) -> np.ndarra
     (dead: ascending indices of a; ins: ascending places among the survivors)."""
     if not dead.size and not ins.size:
         return a
+    if (dead.size + ins.size) * 256 > a.size:  # many changes for the size: numpy's own passes
+        return np.insert(np.delete(a, dead), ins, vals)
     out = np.empty(a.size - dead.size + ins.size, dtype=a.dtype)
     vals = np.broadcast_to(np.asarray(vals, dtype=a.dtype), ins.shape)
     bounds = [-1, *dead.tolist(), a.size]
