@@ -2,6 +2,7 @@
 then rank of the retrieved candidates, called separately on the same catalog version."""
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.test_rec_server import write_catalog
@@ -145,7 +146,7 @@ def test_updates_follow_the_served_trie_and_filters_see_them(model, catalog, mon
         monkeypatch.undo()
         ref, rows = SemanticIdTrie.from_catalog(sched.catalog, sched.retriever.vocab_size)
         same_trie(sched.retriever.trie, ref)
-        assert (sched.retriever._trie_rows == rows).all()
+        assert np.array_equal(sched.retriever._trie_rows, rows)
         monkeypatch.setattr(SemanticIdTrie, "__init__", lambda self, *a, **k: builds.append(1) or init(self, *a, **k))
         if rec["version"] == 1:
             after = e.retrieve(user, beam_width=8, num_items=6, filter={"hidden": {"not_in": [True]}})

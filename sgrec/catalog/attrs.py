@@ -149,12 +149,10 @@ class AttrColumn:
         """This column's rows, then `other`'s (of the same kind), as a new column that shares this
         one's storage (grow.py: O(len(other)) when this column is the newest of its storage).
         other's strings are coded in the storage's vocabulary, new strings appended to it."""
+        if self._bufs is None:  # the first append: storage (and a vocabulary) of this column's own
+            return self.with_room(0.5).append(other)
         n, k = self.n, other.n
         values, code, bufs = self.values, self._code, self._bufs
-        if bufs is None:  # the first append: storage (and a vocabulary) of this column's own
-            bufs = {p: Buf.of(getattr(self, p)) for p in ("data", "present", "ptr") if getattr(self, p) is not None}
-            values = list(values)
-            code = {v: i for i, v in enumerate(values)}
         more = {"data": other.data, "present": other.present}
         if self.kind in ("str", "strs"):
             remap = []

@@ -40,9 +40,6 @@ class Buf:
     def view(self, n: int) -> np.ndarray:
         return self.data[:n]
 
-    def at_end(self, n: int) -> bool:
-        return self.used == n
-
     def append(self, n: int, more: np.ndarray) -> "Buf":
         """The buffer holding this buffer's first n rows and then `more`: this one when n is its
         end and `more` fits, else a new one."""

@@ -158,12 +158,11 @@ class Catalog:
             self.attrs.check_kinds(batch.attrs)
         except ValueError as e:
             raise CatalogError(str(e)) from None
+        if self._bufs is None:  # the first version appended to: storage of its own (one copy)
+            return self.with_room().appended(None if batch is _NO_ROWS else batch, dead_rows)
         n, k, nd = self.num_rows, len(batch), self.semantic_id_len or batch.semantic_id_len
         ids, rows, meta = self.ids, self._rows, self.meta
-        bufs = dict(self._bufs or {})
-        for name in ("token_flat", "token_ptr", "id_tokens", "has_semantic", "semantic_ids"):
-            if name not in bufs and getattr(self, name) is not None:
-                bufs[name] = Buf.of(getattr(self, name))
+        bufs = dict(self._bufs)
         if nd and "semantic_ids" not in bufs:  # the first item with a semantic ID: O(N), once
             bufs["semantic_ids"] = Buf.of(np.full((n, nd), -1, dtype=np.int32))
         if len(ids) != n:  # a branch (ids, rows and meta are shared only along one line of versions)
