@@ -24,6 +24,10 @@ real shape with random weights (`make_tiny_model --shape`), written to a JSON fi
    --gen-tokens tokens for batches of 1 and 16 prompts of --gen-prompt tokens, against sgrec's
    runner and Engine on the same work; rank against the naive way (every candidate its own prompt,
    user + item, in batches of 8). Ratios are HF time / sgrec time.
+5. FP8 (`--quantization fp8`, on GPUs with FP8 tensor cores; --no-fp8 leaves it out): the FP8 GEMM
+   peak (torch._scaled_mm of 8192^3), prefill at each length, next-token logprobs against bf16,
+   retrieve's whole last beam against bf16's for the same prompts (issue 41: at least 95% overlap),
+   and retrieve latency and concurrency as in 2.
 """
 
 from __future__ import annotations
@@ -84,12 +88,23 @@ def prefill_flops(cfg, n_params: int, tokens: int) -> float:
     return 2 * n_params * tokens + attn
 
 
-def bench_prefill(model_dir: str, a, dtype: str, backend: str = "auto") -> list[dict]:
+def prefill_runner(model_dir: str, a, dtype: str, backend: str = "auto", quantization: str | None = None):
     longest = max(a.lengths)
-    runner = ModelRunner(ServerArgs.from_kwargs(model_path=model_dir, device=a.device, dtype=dtype,
-                                                max_total_tokens=longest + 16, chunked_prefill_size=-1,
-                                                context_length=longest + 16, attention_backend=backend,
-                                                disable_cuda_graph=True))
+    return ModelRunner(ServerArgs.from_kwargs(model_path=model_dir, device=a.device, dtype=dtype,
+                                              max_total_tokens=longest + 16, chunked_prefill_size=-1,
+                                              context_length=longest + 16, attention_backend=backend,
+                                              disable_cuda_graph=True, quantization=quantization))
+
+
+def last_logprobs(runner, ids: list[int]) -> torch.Tensor:
+    n = len(ids)
+    slots = torch.arange(1, n + 1, device=runner.device)
+    batch = runner.make_batch(ids, list(range(n)), slots, [SeqLayout(0, n, slots)])
+    return torch.log_softmax(runner.forward(batch, [n - 1])[0], -1)
+
+
+def bench_prefill(model_dir: str, a, dtype: str, backend: str = "auto", quantization: str | None = None) -> list[dict]:
+    runner = prefill_runner(model_dir, a, dtype, backend, quantization)
     cfg = runner.config
     n_params = non_embedding_params(cfg)
     rows = []
@@ -144,7 +159,7 @@ def write_catalog(model_dir: str, a, work: str) -> tuple[str, list[list[int]]]:
     return cat, tokens
 
 
-def engine(model_dir: str, a, dtype: str, cat: str):
+def engine(model_dir: str, a, dtype: str, cat: str, quantization: str | None = None):
     from sgrec import Engine
 
     widest = max([a.beam_width, *a.wide_beams])
@@ -152,7 +167,7 @@ def engine(model_dir: str, a, dtype: str, cat: str):
     pool = max(a.concurrency * (a.context + a.beam_width * 4), a.context + widest * 4, rank_len) + 64
     return Engine(model_dir, device=a.device, dtype=dtype, item_catalog=cat, max_beam_width=widest,
                   max_total_tokens=pool, context_length=max(a.context, rank_len) + 16, item_cache_tokens=0,
-                  max_rank_candidates=max(a.rank_candidates))
+                  max_rank_candidates=max(a.rank_candidates), quantization=quantization)
 
 
 def prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -189,6 +204,52 @@ def bench_retrieve(e, a) -> dict:
         except (RuntimeError, ValueError) as err:  # out of memory (torch), or the engine's 4xx / 5xx
             wide.append({"beam_width": bw, "error": str(err)[:300]})
     res["wide_beams"] = wide
+    return res
+
+
+def fp8_gemm_peak(device: str, n: int, repeats: int) -> float:
+    """torch._scaled_mm (cuBLASLt FP8, row-wise scales, bf16 out) of n^3 on random data: FLOP/s."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+    sa, sb = torch.rand(n, 1, device=device) + 0.5, torch.rand(1, n, device=device) + 0.5
+    return 2 * n**3 / timed(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+                            device, repeats)
+
+
+def bench_fp8(model_dir: str, a, dtype: str, cat: str, e, peak: float) -> dict:
+    """--quantization fp8 against the bf16 path (module doc, 5): prefill; next-token logprobs of
+    --fp8-prompts 1K prompts (top-1 agreement, mean and max |difference| over bf16's 20 likeliest
+    tokens); retrieve's items (num_items = beam width: the whole last beam) overlapping bf16's for the
+    same prompts; retrieve latency and concurrency as in part 2."""
+    res: dict = {"gemm_peak_tflops": fp8_gemm_peak(a.device, 512 if a.quick else 8192, a.repeats) / 1e12}
+    res["prefill"] = bench_prefill(model_dir, a, dtype, quantization="fp8")
+    for r in res["prefill"]:
+        r["mfu_bf16_peak"] = r["tflops"] * 1e12 / peak
+    ref_runner, fp8_runner = prefill_runner(model_dir, a, dtype), prefill_runner(model_dir, a, dtype, quantization="fp8")
+    top1, mean_d, max_d = [], [], []
+    for seed in range(a.fp8_prompts):
+        ids = prompt(ref_runner.config.vocab_size, min(1024, max(a.lengths)), 7700 + seed)
+        want, got = last_logprobs(ref_runner, ids), last_logprobs(fp8_runner, ids)
+        top = torch.topk(want, 20).indices
+        d = (got[top] - want[top]).abs()
+        top1.append(bool(got.argmax() == want.argmax()))
+        mean_d.append(d.mean().item())
+        max_d.append(d.max().item())
+    res["logprobs"] = {"prompts": a.fp8_prompts, "top1_agree": sum(top1) / len(top1),
+                       "mean_abs_diff_top20": statistics.mean(mean_d), "max_abs_diff_top20": max(max_d)}
+    del ref_runner, fp8_runner
+    e8 = engine(model_dir, a, dtype, cat, quantization="fp8")
+    overlaps = []
+    for seed in range(a.fp8_prompts):
+        user = {"token_ids": prompt(e.vocab_size, a.context, 8800 + seed)}
+        want = {it["item"] for it in e.retrieve(user, beam_width=a.beam_width, num_items=a.beam_width)["items"]}
+        got = {it["item"] for it in e8.retrieve(user, beam_width=a.beam_width, num_items=a.beam_width)["items"]}
+        overlaps.append(len(want & got) / max(1, len(want)))
+    res["retrieve_overlap"] = {"beam_width": a.beam_width, "prompts": a.fp8_prompts,
+                               "mean": statistics.mean(overlaps), "min": min(overlaps)}
+    wide, a.wide_beams = a.wide_beams, []
+    res["retrieve"] = bench_retrieve(e8, a)
+    a.wide_beams = wide
     return res
 
 
@@ -278,6 +339,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-prompt", type=int, default=256)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true", help="leave out the HF transformers comparison")
+    ap.add_argument("--no-fp8", action="store_true", help="leave out --quantization fp8 (part 5)")
+    ap.add_argument("--fp8-prompts", type=int, default=4, help="prompts of part 5's logprob and overlap checks")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: the code path, not a measurement")
     ap.add_argument("--out", required=True, help="JSON file of the results")
@@ -316,6 +379,11 @@ def main(argv=None) -> int:
     save("rank")
     res["hf"] = None if a.no_hf else bench_hf(model, a, dtype, e, prefill, items)
     save("hf")
+    from sgrec.model.fp8 import fp8_unsupported
+
+    why = "--no-fp8" if a.no_fp8 else fp8_unsupported(torch.device(a.device))
+    res["fp8"] = {"skipped": why} if why else bench_fp8(model, a, dtype, cat, e, peak)
+    save("fp8")
     print(json.dumps(res, indent=1))
     return 0
 

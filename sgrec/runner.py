@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -34,6 +35,23 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def check_quantization(args: ServerArgs, device: torch.device) -> None:
+    """--quantization fp8 and --kv-cache-dtype fp8_e4m3 where they cannot run: a start-up error saying why."""
+    if args.kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not built yet (issue 41); use auto")
+    if args.quantization is None:
+        return
+    from sgrec.model.fp8 import fp8_unsupported
+
+    why = fp8_unsupported(device)
+    if why is None and importlib.util.find_spec("triton") is None:
+        why = "its activation kernel needs the triton package"
+    if why is None and args.enable_deterministic_inference:
+        why = "--enable-deterministic-inference is not checked with FP8 GEMMs; leave one of the two out"
+    if why is not None:
+        raise ValueError(f"--quantization {args.quantization}: {why}")
+
+
 def _peak_rss() -> int:
     import resource
 
@@ -54,15 +72,19 @@ class ModelRunner:
     def __init__(self, args: ServerArgs, show_progress: bool = False):
         if not args.model_path or not os.path.isdir(args.model_path):
             raise ValueError(f"model_path {args.model_path!r} is not a directory")
-        self.args = args
         self.device = resolve_device(args.device)
+        on_gpu = self.device.type == "cuda"
+        self.device_memory = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else None
+        self.args = args = args.sized_for(self.device.type, self.device_memory)  # chunk and batch sizes by device
         self.config = ModelConfig.from_dir(args.model_path)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
         torch.manual_seed(args.random_seed)
         self.packed = not args.disable_weight_packing and packing_available(self.device, self.dtype)
         det = args.enable_deterministic_inference
-        self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed, det)
+        check_quantization(args, self.device)
+        self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed, det,
+                                args.quantization)
         self.backend = make_backend(args.attention_backend, self.device, deterministic=det)
         if isinstance(self.backend, NativeBackend):  # sgrec's C kernels: attention, and the float32 glue
             from sgrec.model import native

@@ -7,6 +7,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+DEFAULT_BATCH_TOKENS = 16384  # --max-batch-tokens on CPU, and its least on CUDA
+DEVICE_SIZED = ("chunked_prefill_size", "max_batch_tokens")  # left to ServerArgs.sized_for by default
+
 
 def _arg(default, help: str, choices=None, **kw):
     return field(default=default, metadata={"help": help, "choices": choices, **kw})
@@ -31,7 +34,10 @@ class ServerArgs:
     max_total_tokens: int | None = _arg(None, "KV pool size in tokens (default: from --mem-fraction-static).")
     mem_fraction_static: float | None = _arg(
         None, "Share of free memory for the KV pool (default 0.1 on CPU, capped at 131072 tokens; 0.85 on CUDA).")
-    chunked_prefill_size: int = _arg(2048, "Most prompt tokens in one prefill batch (longer prompts are split across steps); -1 disables chunking.")
+    chunked_prefill_size: int | None = _arg(
+        None, "Most prompt tokens in one prefill batch (longer prompts are split across steps); -1 disables "
+        "chunking. Default: 2048 on CPU; on CUDA by the GPU's memory, as SGLang picks it: 2048 under 35 GB, "
+        "8192 under 160 GB (A100, H100, H200), else 16384.")
     max_prefill_tokens: int = _arg(16384, "Most tokens in one prefill batch.")
     max_running_requests: int = _arg(256, "Most requests decoding at once (per data-parallel rank).")
     max_queued_requests: int | None = _arg(
@@ -90,9 +96,11 @@ class ServerArgs:
     max_beam_width: int = _arg(512, "Largest beam_width of a retrieve request.")
     max_filter_items: int = _arg(
         100000, "Most item ids in one request's exclude_items or include_items (rank, retrieve, beam /generate).")
-    max_batch_tokens: int = _arg(
-        16384, "Concurrent execution (xGR): token capacity of one batch of rank or retrieve requests; a batch "
-        "is dispatched once the next request would not fit (1: every request runs alone).")
+    max_batch_tokens: int | None = _arg(
+        None, "Concurrent execution (xGR): token capacity of one batch of rank or retrieve requests; a batch "
+        "is dispatched once the next request would not fit (1: every request runs alone). Default: 16384, "
+        "and on CUDA at least 4 x --chunked-prefill-size (32768 on an H100 or H200: four 5000-token "
+        "retrieve prompts with 256 beams in one round).")
     batch_wait_ms: float | None = _arg(
         None, "Longest wait of a batch's oldest request before the batch is dispatched unfilled (default: "
         "derived per kind from --slo-ms as (SLO - 2 x measured batch time) / 2, else 2 ms).")
@@ -138,6 +146,15 @@ class ServerArgs:
         False, "On CPU, do not prepack float32 (or natively multiplied bfloat16) weights for oneDNN "
         "matmuls (packing is the default: faster decode; float32 logprobs differ from HF transformers by up "
         "to ~1e-3, within the 2e-3 agreement of ARCHITECTURE.md).")
+    quantization: str | None = _arg(
+        None, "SGLang's flag. fp8: the decoder layers' linear layers in FP8 (float8_e4m3fn weights with one "
+        "scale per output channel, taken from the checkpoint at load; activations quantized per token on "
+        "every call by a Triton kernel; cuBLASLt's FP8 GEMM); the output layer stays in --dtype. Needs a CUDA "
+        "GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper) and triton; elsewhere a "
+        "start-up error says why.", [None, "fp8"])
+    kv_cache_dtype: str = _arg(
+        "auto", "SGLang's flag. KV pool dtype: auto (the model's dtype) or fp8_e4m3 (not built yet: a start-up "
+        "error).", ["auto", "fp8_e4m3"])
     enable_deterministic_inference: bool = _arg(
         False, "SGLang's flag: a request gets bit-identical outputs whatever else is batched with it, however "
         "many requests run concurrently, however its prefill is chunked and whether its prefix or its items "
@@ -169,7 +186,7 @@ class ServerArgs:
         "drop an idle pooled connection, so such a client never sends on a connection the server is closing.")
 
     def __post_init__(self) -> None:
-        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+        if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError("chunked_prefill_size must be positive or -1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens must be at least 2")
@@ -195,7 +212,7 @@ class ServerArgs:
             raise ValueError("jct_fairness must be non-negative")
         if self.max_rank_candidates < 1 or self.max_beam_width < 1 or self.max_filter_items < 1:
             raise ValueError("max_rank_candidates, max_beam_width and max_filter_items must be at least 1")
-        if self.max_batch_tokens < 1:
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be at least 1")
         if self.slo_ms is not None and self.slo_ms <= 0:
             raise ValueError("slo_ms must be positive")
@@ -225,6 +242,19 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"Unknown {f.name} {getattr(self, f.name)!r}; choose one of {choices}")
+
+    def sized_for(self, device_type: str, device_memory: int | None = None) -> "ServerArgs":
+        """These arguments with the sizes left to the device filled in (chunked_prefill_size,
+        max_batch_tokens; see their help), device_memory the GPU's total bytes on CUDA. Idempotent."""
+        chunk, batch = self.chunked_prefill_size, self.max_batch_tokens
+        if chunk is None:
+            gib = (device_memory or 0) / 2**30 if device_type == "cuda" else 0
+            chunk = 16384 if gib >= 160 else 8192 if gib >= 35 else 2048
+        if batch is None:
+            batch = max(DEFAULT_BATCH_TOKENS, 4 * chunk) if device_type == "cuda" else DEFAULT_BATCH_TOKENS
+        if (chunk, batch) == (self.chunked_prefill_size, self.max_batch_tokens):
+            return self
+        return dataclasses.replace(self, chunked_prefill_size=chunk, max_batch_tokens=batch)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "ServerArgs":

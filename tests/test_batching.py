@@ -190,8 +190,29 @@ def test_from_server_args():
 
     bf = batch_former_from_args(ServerArgs(max_batch_tokens=32, slo_ms=40.0))
     assert bf.max_batch_tokens == 32 and bf.quota("rank") == pytest.approx(0.010)
-    assert batch_former_from_args(ServerArgs(batch_wait_ms=3.0)).wait_quota == FixedWaitQuota(0.003)
+    assert batch_former_from_args(ServerArgs(batch_wait_ms=3.0).sized_for("cpu")).wait_quota == FixedWaitQuota(0.003)
     with pytest.raises(ValueError, match="below slo_ms"):
         ServerArgs(batch_wait_ms=50.0, slo_ms=40.0)
     with pytest.raises(ValueError, match="max_batch_tokens"):
         ServerArgs(max_batch_tokens=0)
+
+
+def test_sizes_follow_the_device_unless_given():
+    """chunked_prefill_size and max_batch_tokens: 2048 and 16384 on CPU; on CUDA by the GPU's memory
+    (SGLang's tiers for the chunk), the batch at least four chunks; a value given is kept."""
+    from sgrec.server_args import ServerArgs
+
+    gib = 2**30
+    sizes = lambda a: (a.chunked_prefill_size, a.max_batch_tokens)  # noqa: E731
+    assert sizes(ServerArgs().sized_for("cpu")) == (2048, 16384)
+    assert sizes(ServerArgs().sized_for("cpu", 200 * gib)) == (2048, 16384)  # memory counts on CUDA only
+    assert sizes(ServerArgs().sized_for("cuda", 24 * gib)) == (2048, 16384)  # an RTX 4090
+    assert sizes(ServerArgs().sized_for("cuda", 80 * gib)) == (8192, 32768)  # an H100
+    assert sizes(ServerArgs().sized_for("cuda", 140 * gib)) == (8192, 32768)  # an H200 (143771 MiB)
+    assert sizes(ServerArgs().sized_for("cuda", 180 * gib)) == (16384, 65536)  # a B200
+    given = ServerArgs(chunked_prefill_size=512, max_batch_tokens=1000)
+    assert given.sized_for("cuda", 80 * gib) is given
+    assert sizes(ServerArgs(chunked_prefill_size=-1).sized_for("cuda", 80 * gib)) == (-1, 16384)
+    assert sizes(ServerArgs(max_batch_tokens=99).sized_for("cuda", 80 * gib)) == (8192, 99)
+    once = ServerArgs().sized_for("cuda", 80 * gib)
+    assert once.sized_for("cuda", 80 * gib) is once

@@ -20,7 +20,8 @@ from tests.test_deterministic import engines, sem_catalog  # noqa: E402,F401 (fi
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("cases", ["tests/triton_interpreted.py", "tests/triton_det_interpreted.py"])
+@pytest.mark.parametrize("cases", ["tests/triton_interpreted.py", "tests/triton_det_interpreted.py",
+                                   "tests/triton_fp8_interpreted.py"])
 def test_kernels_under_the_triton_interpreter(cases):
     """Every case of the file passes, none skipped (TRITON_INTERPRET=1 must be set before triton is
     imported, so they run in a fresh interpreter)."""
@@ -198,9 +199,11 @@ def test_det_attention_compiled_on_cuda(monkeypatch, dtype, tol):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_deterministic_engine_on_cuda(monkeypatch, engines, dtype):
-    """The engine under the flag on a GPU (auto picks the triton backend's batch-invariant kernel):
-    greedy generation alone, batched, cached, chunked and among threads, and a rank request in every
-    prefix mode alone, batched and from every cache: the same bits."""
+    """The engine under the flag on a GPU (auto picks the triton backend's batch-invariant kernel), the
+    CPU tests of tests/test_deterministic.py on CUDA: greedy generation alone, batched, cached, chunked
+    and among threads; score; rank in every prefix mode and both score_by alone, batched and from
+    every cache (whole or partial); retrieve and recommend alone and batched, with a cached prefix and
+    chunked; hybrid prefilling: the same bits."""
     import tests.test_deterministic as td
     from sgrec.model.attention import TritonBackend
 
@@ -212,4 +215,10 @@ def test_deterministic_engine_on_cuda(monkeypatch, engines, dtype):
         return e
 
     td.test_generate_alone_batched_cached_and_chunked(on_cuda, dtype)
-    td.test_rank_alone_batched_and_from_every_cache(on_cuda, dtype, "id_token")
+    td.test_score_alone_and_among_other_items(on_cuda, dtype)
+    for score_by in ("id_token", "semantic_id"):
+        td.test_rank_alone_batched_and_from_every_cache(on_cuda, dtype, score_by)
+        td.test_rank_partial_item_cache(on_cuda, dtype, score_by)
+    td.test_retrieve_and_recommend_alone_and_batched(on_cuda, dtype, monkeypatch)
+    td.test_hybrid_prefill_equals_the_normal_forward(on_cuda, dtype)
+    td.test_retrieve_with_a_cached_prefix_and_chunked_prefill(on_cuda, dtype)

@@ -152,6 +152,7 @@ def test_info_routes(server, model):
     sinfo = c.get("/server_info").json()
     assert sinfo["version"] == "0.5.23" and sinfo["max_total_num_tokens"] == 4096 and sinfo["status"] == "ready"
     assert c.get("/get_server_info").status_code == 200 and len(sinfo["internal_states"]) == 1
+    assert (sinfo["chunked_prefill_size"], sinfo["max_batch_tokens"]) == (2048, 16384)  # sized for the CPU
     models = c.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
     assert models["data"][0]["max_model_len"] == 2048

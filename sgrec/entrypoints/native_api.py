@@ -128,6 +128,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, launch
         stats = [tm.stats.get(r) for r in range(args.dp_size)]
         return {
             **args.to_dict(),
+            **(tm.ready[0].sizes or {}),  # the sizes the scheduler picked for its device
             "api_key": None,
             "launch_command": redact(launch.get("launch_command"), args.api_key),
             "status": "dead" if tm.dead else "ready",

@@ -106,6 +106,7 @@ class SchedulerReady:
     vocab_size: int
     max_input_len: int
     catalog: dict | None = None  # the catalog's facts (GET /v1/catalog), None without one
+    sizes: dict | None = None  # the server arguments sized by the device (ServerArgs.sized_for)
 
 
 @dataclass

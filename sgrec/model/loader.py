@@ -33,10 +33,11 @@ def iter_safetensors(path: str, show_progress: bool = False) -> Iterator[tuple[s
 
 def load_model(
     path: str, config: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = False,
-    pack_weights: bool = False, deterministic: bool = False,
+    pack_weights: bool = False, deterministic: bool = False, quantization: str | None = None,
 ) -> CausalLM:
     """pack_weights: prepack for oneDNN (cpu_linear); deterministic: every layer packed (where
-    pack_weights) and batch-invariant (CausalLM.make_batch_invariant)."""
+    pack_weights) and batch-invariant (CausalLM.make_batch_invariant); quantization "fp8": the decoder
+    layers' linear layers in FP8 (sgrec.model.fp8)."""
     with torch.device("meta"):
         model = CausalLM(config, device)
     model.to_empty(device=device)
@@ -46,4 +47,8 @@ def load_model(
         model.pack_for_cpu(0 if deterministic else MIN_PACKED_NUMEL)
     if deterministic:
         model.make_batch_invariant()
+    if quantization == "fp8":
+        from sgrec.model.fp8 import quantize_linears
+
+        quantize_linears(model)
     return model.eval()

@@ -25,7 +25,7 @@ from sgrec.managers import io_struct as io
 from sgrec.runner import ModelRunner
 from sgrec.sampling import SamplingParams
 from sgrec.scheduler.scheduler import Scheduler
-from sgrec.server_args import ServerArgs
+from sgrec.server_args import DEVICE_SIZED, ServerArgs
 from sgrec.tokenizer import Tokenizer
 
 logger = logging.getLogger("sgrec.scheduler")
@@ -105,7 +105,7 @@ class SchedulerLoop:
     def run(self) -> None:
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
                                     self.runner.config.vocab_size, self.runner.max_input_len,
-                                    self.scheduler.catalog_info()))
+                                    self.scheduler.catalog_info(), {k: getattr(self.scheduler.args, k) for k in DEVICE_SIZED}))
         while True:
             wait = self.scheduler.idle_wait()  # rank / retrieve batches waiting for their quota: sleep till due
             ready = dict(self.poller.poll(IDLE_POLL_MS if wait is None else min(IDLE_POLL_MS, math.ceil(wait * 1000))))

@@ -41,7 +41,7 @@ DECODE_RESERVE_CLIP = 512
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner, tokenizer: Tokenizer, show_progress: bool = False,
                  dp_rank: int = 0):
-        self.args = args
+        self.args = args = args.sized_for(runner.device.type, runner.device_memory)
         self.runner = runner
         self.tokenizer = tokenizer
         eos = set(runner.config.eos_token_ids)

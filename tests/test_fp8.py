@@ -1,0 +1,85 @@
+"""--quantization fp8 and --kv-cache-dtype (issue 41): start-up errors where FP8 cannot run, and on a
+GPU with FP8 tensor cores the compiled kernel and an engine in FP8. The kernel and the layer on CPU
+under Triton's interpreter: tests/triton_fp8_interpreted.py (run by tests/test_kernels.py)."""
+
+import pytest
+import torch
+
+from sgrec.runner import ModelRunner
+from sgrec.server_args import ServerArgs
+
+
+def fp8_gpu() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from sgrec.model.fp8 import fp8_unsupported
+
+    return fp8_unsupported(torch.device("cuda")) is None
+
+
+def test_fp8_is_a_startup_error_where_it_cannot_run(tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    with pytest.raises(ValueError, match=r"--quantization fp8: FP8 needs a CUDA GPU .* the device is cpu"):
+        ModelRunner(ServerArgs(model_path=path, device="cpu", quantization="fp8", max_total_tokens=64))
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 is not built yet"):
+        ModelRunner(ServerArgs(model_path=path, device="cpu", kv_cache_dtype="fp8_e4m3", max_total_tokens=64))
+    with pytest.raises(ValueError, match="Unknown quantization"):
+        ServerArgs(quantization="int4")
+
+
+def test_the_flags_are_sglangs():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    a = p.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"])
+    assert (a.quantization, a.kv_cache_dtype) == ("fp8", "fp8_e4m3")
+    assert (p.parse_args([]).quantization, p.parse_args([]).kv_cache_dtype) == (None, "auto")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores (none here)")
+def test_fp8_compiled_on_cuda(monkeypatch):
+    """The compiled activation kernel gives the reference's bits; the layer (cuBLASLt's FP8 GEMM)
+    equals the quantize-dequantize reference within bf16 rounding, at the qwen3-1.7b layer sizes."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from sgrec.model.fp8 import Fp8Linear, linear_ref, quantize_rows, quantize_rows_ref
+
+    torch.manual_seed(0)
+    for m, k in [(1, 2048), (7, 6144), (300, 2048), (5, 8208)]:
+        x = (torch.randn(m, k, device="cuda") * torch.logspace(-2, 2, m, device="cuda")[:, None]).to(torch.bfloat16)
+        q, s = quantize_rows(x)
+        qr, sr = quantize_rows_ref(x)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr), (m, k)
+    for n, k, bias in [(4096, 2048, False), (2048, 6144, True), (12288, 2048, False)]:
+        lin = torch.nn.Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16)
+        layer = Fp8Linear(lin)
+        x = torch.randn(37, k, device="cuda", dtype=torch.bfloat16)
+        out = layer(x)
+        ref = linear_ref(x, layer.qweight, layer.wscale, layer.bias)
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2, (n, k)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores (none here)")
+def test_fp8_engine_on_cuda(monkeypatch, tiny_model_dir):
+    """An engine with --quantization fp8 on the GPU (triton backend, CUDA graphs): generates, and its
+    greedy tokens follow the bf16 engine's for the first steps; the decode graphs replay FP8 layers."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from sgrec import Engine
+    from sgrec.model.fp8 import Fp8Linear
+
+    path = tiny_model_dir("qwen3", seed=4)
+    kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=4096)
+    ref, fp8 = Engine(path, **kw), Engine(path, quantization="fp8", **kw)
+    assert any(isinstance(m, Fp8Linear) for m in fp8.runner.model.modules())
+    assert fp8.runner.graphs is not None
+    prompts = [list(range(5 + i, 60 + i)) for i in range(4)]
+    sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    want = ref.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+    got = fp8.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+    first = [o["output_ids"][0] for o in got]
+    assert sum(f == w["output_ids"][0] for f, w in zip(first, want)) >= 3
+    for o, w in zip(got, want):
+        lp, wl = o["meta_info"]["output_token_logprobs"][0][0], w["meta_info"]["output_token_logprobs"][0][0]
+        assert abs(lp - wl) < 0.5
