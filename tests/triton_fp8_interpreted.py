@@ -42,11 +42,13 @@ def test_quantize_rows_edges():
     x[2, 0] = 1.0  # the rest lands in e4m3's subnormals
     x[3] = torch.linspace(-3, 3, 32)
     x[4, ::2] = 7.0
+    x[4, 1:6] = torch.tensor([-1e-9, 1e-9, -0.0, -3e-3, 2e-3])  # round to -0, +0, -0, and e4m3's least values
     q, s = quantize_rows(x)
     qr, sr = quantize_rows_ref(x)
     assert same_bits(q, qr) and torch.equal(s, sr)
     assert s[0] > 0 and (q[0].float() == 0).all()
     assert q[1, 0].float() == FP8_MAX and q[1, 1].float() == -FP8_MAX and q[1, 2].float() == 128
+    assert q[4, 1:4].view(torch.uint8).tolist() == [0x80, 0, 0x80]
     wide = torch.randn(4, 96)
     q2, s2 = quantize_rows(wide[:, 8:72])  # rows 96 apart
     qr2, sr2 = quantize_rows_ref(wide[:, 8:72])

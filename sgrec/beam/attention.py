@@ -227,7 +227,8 @@ class StagedBeamBackend(AttentionBackend):
                             "StagedMeta(...)")
         backend = getattr(self.runner, "backend", None)
         if isinstance(backend, TritonBackend) and backend.deterministic:  # the flag on triton: its batch-invariant kernel
-            batch.attn_meta = DetTiles.of(DetMeta.of_columns(beams_as_blocks(meta)))
+            # a beam step's meta is built on the host: its tiles go where the kernel reads them
+            batch.attn_meta = DetTiles.of(DetMeta.of_columns(beams_as_blocks(meta)), device=batch.out_cache_loc.device)
             return
         if self.triton:  # every request's staged attention in one kernel launch
             batch.attn_meta = StagedMeta.of(meta, batch.out_cache_loc.device)

@@ -5,7 +5,8 @@ cores (compute capability 8.9 and newer: Ada, Hopper).
   (scale = max |w| of the row / 448, the largest e4m3 value).
 - Activations: one scale per token (row), taken on every call by a Triton kernel (`quantize_rows`:
   the row's max |x|, then each element times 448 / max, rounded to the nearest e4m3 value, ties to
-  even). The rounding is done in float32 before the cast, so that the cast is exact: Triton's
+  even; a negative value that rounds to zero gives -0, as torch's cast does). The rounding is done
+  in float32 before the cast, so that the cast is exact: Triton's
   interpreter rounds a float32 that rounds up across a power of two to half its value (seen with
   Triton 3.8: 125.9 became 64, not 128), and the compiled kernel and the interpreter then agree.
 - The product: torch._scaled_mm (cuBLASLt's FP8 GEMM with row-wise scales) into the activations'
@@ -76,10 +77,12 @@ def _kernel():
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
             # round to e4m3's grid in float32 (3 mantissa bits; below 2^-6 the subnormal step 2^-9):
             # adding and taking away 1.5 * 2^23 steps rounds to a whole step, ties to even
-            e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            bits = y.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) - 127
             step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
             big = step * 12582912.0  # 1.5 * 2^23
-            y = (y + big) - big
+            y = tl.abs((y + big) - big)
+            y = tl.where(bits < 0, -y, y)  # the sign kept where the value rounds to zero (-0, as the cast gives)
             tl.store(q_ptr + row * stride_q + k0 + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, tl.math.div_rn(m, tl.full([], 448.0, tl.float32)))
 

@@ -130,15 +130,16 @@ class DetTiles:
     lp: torch.Tensor
 
     @classmethod
-    def of(cls, meta, block_m: int = BLOCK_M) -> "DetTiles":
+    def of(cls, meta, block_m: int = BLOCK_M, device: torch.device | None = None) -> "DetTiles":
         """From a DetMeta (sgrec.model.attention): each sequence's rows split into groups (see the
-        module doc), each group's list and each row's count."""
+        module doc), each group's list and each row's count; on `device` (default: the meta's)."""
+        dev = meta.q_start.device if device is None else device
         c = {name: getattr(meta, name).cpu() for name in ("q_start", "q_end", "q_order", "q_block", "c_idx",
                                                             "c_ptr", "c_order", "c_block", "m_ptr")}
         lens = c["c_ptr"][1:] - c["c_ptr"][:-1]
         offsets = torch.arange(c["c_order"].numel()) - torch.repeat_interleave(c["c_ptr"][:-1], lens)
         if bool((c["m_ptr"] < 0).all() and (c["c_block"] < 0).all() and torch.equal(c["c_order"], offsets)):
-            return cls._causal(c, block_m, meta.q_start.device)
+            return cls._causal(c, block_m, dev)
         mask = meta.mask.cpu()
         T = c["q_order"].numel()
         cnt = torch.zeros(T, dtype=torch.int64)
@@ -172,7 +173,6 @@ class DetTiles:
                     row1.append(q0 + min(e, t0 + block_m))
                     lp.append(offset)
                 offset += pick.numel()
-        dev = meta.q_start.device
 
         def on(x) -> torch.Tensor:
             return torch.as_tensor(x, dtype=torch.int64).to(dev)
