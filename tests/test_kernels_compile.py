@@ -169,6 +169,22 @@ def test_trie_step_compiles_for_sm90(monkeypatch, restricted):
         assert compile_launch(fn, a, k).asm["cubin"]
 
 
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp16", "*fp32"])
+def test_fp8_quantize_compiles_for_sm90(monkeypatch, dtype):
+    """--quantization fp8's activation kernel: it compiles, its divisions are IEEE (div.rn, as the
+    reference's: an approximate one would move scales by an ulp) and its casts round to nearest."""
+    from sgrec.model import fp8
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    sig = {"x_ptr": dtype, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "stride_q": "i32",
+           "BLOCK": "constexpr"}
+    out = triton.compile(ASTSource(fn=fp8._kernel(), signature=sig, constexprs={"BLOCK": 2048}), target=TARGET,
+                         options={"num_warps": 8})
+    ptx = out.asm["ptx"]
+    assert out.asm["cubin"] and "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
 def test_a_kernel_the_compiler_rejects_fails_here(monkeypatch):
     """The check can fail: a kernel the interpreter would run but the compiler rejects (tl.dot of 1-D
     blocks) does not compile here."""

@@ -81,8 +81,10 @@ def _kernel():
             e = ((bits >> 23) & 0xFF) - 127
             step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
             big = step * 12582912.0  # 1.5 * 2^23
-            y = tl.abs((y + big) - big)
-            y = tl.where(bits < 0, -y, y)  # the sign kept where the value rounds to zero (-0, as the cast gives)
+            y = tl.abs((y + big) - big).to(tl.int32, bitcast=True)
+            # the sign put back bit-wise, so that a negative value rounding to zero gives -0 as the cast does
+            # (compiled, Triton's -y is 0 - y, which is +0 there: seen on an H200)
+            y = (y | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
             tl.store(q_ptr + row * stride_q + k0 + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, tl.math.div_rn(m, tl.full([], 448.0, tl.float32)))
 
