@@ -164,7 +164,7 @@ class ServerArgs:
         "and checked at start-up to give a row the same bits at any row count (one row per matmul where not). "
         "On CUDA (attention backend auto or triton; torch and flashinfer are refused): the triton backend's "
         "batch-invariant kernel, each row's columns tiled at fixed places of the list of columns it sees, CUDA "
-        "graphs off, linear layers checked as on CPU (not yet run on a GPU). Off by default: it cost 6 to 22 percent on rank and retrieve and 7 "
+        "graphs off, linear layers checked as on CPU (run on an H200). Off by default: it cost 6 to 22 percent on rank and retrieve and 7 "
         "percent on saturated serving (BENCHMARKS.md). Candidate order never changes rank scores, with or without it.")
     random_seed: int = _arg(0, "Seed of the shared sampling generator.")
     dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.")
