@@ -37,19 +37,19 @@ def resolve_device(device: str) -> torch.device:
 
 def check_quantization(args: ServerArgs, device: torch.device) -> None:
     """--quantization fp8 and --kv-cache-dtype fp8_e4m3 where they cannot run: a start-up error saying why."""
-    if args.kv_cache_dtype != "auto":
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not built yet (issue 41); use auto")
-    if args.quantization is None:
-        return
     from sgrec.model.fp8 import fp8_unsupported
 
-    why = fp8_unsupported(device)
-    if why is None and importlib.util.find_spec("triton") is None:
-        why = "its activation kernel needs the triton package"
-    if why is None and args.enable_deterministic_inference:
-        why = "--enable-deterministic-inference is not checked with FP8 GEMMs; leave one of the two out"
-    if why is not None:
-        raise ValueError(f"--quantization {args.quantization}: {why}")
+    for flag, on in ((f"--quantization {args.quantization}", args.quantization is not None),
+                     (f"--kv-cache-dtype {args.kv_cache_dtype}", args.kv_cache_dtype != "auto")):
+        if not on:
+            continue
+        why = fp8_unsupported(device)
+        if why is None and flag.startswith("--quantization") and importlib.util.find_spec("triton") is None:
+            why = "its activation kernel needs the triton package"
+        if why is None and args.enable_deterministic_inference:
+            why = "--enable-deterministic-inference is not checked with FP8; leave one of the two out"
+        if why is not None:
+            raise ValueError(f"{flag}: {why}")
 
 
 def _peak_rss() -> int:
@@ -83,6 +83,7 @@ class ModelRunner:
         self.packed = not args.disable_weight_packing and packing_available(self.device, self.dtype)
         det = args.enable_deterministic_inference
         check_quantization(args, self.device)
+        self.kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype  # the KV pool's
         self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed, det,
                                 args.quantization)
         self.backend = make_backend(args.attention_backend, self.device, deterministic=det)
@@ -118,7 +119,7 @@ class ModelRunner:
 
     def _new_pool(self, size: int) -> KVPool:
         cfg = self.config
-        return KVPool(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        return KVPool(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device, self.dtype)
 
     def profile_peak_bytes(self, n: int) -> int:
         """Peak memory of one prefill-only forward of n tokens, all KV discarded (PrefillOnly §3.1's
@@ -144,7 +145,7 @@ class ModelRunner:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
         cfg = self.config
-        per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         on_cpu = self.device.type == "cpu"
         fraction = self.args.mem_fraction_static or (CPU_MEM_FRACTION if on_cpu else CUDA_MEM_FRACTION)
         size = int(max(_available_memory(self.device) - reserve, 0) * fraction) // per_token

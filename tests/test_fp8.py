@@ -21,10 +21,47 @@ def test_fp8_is_a_startup_error_where_it_cannot_run(tiny_model_dir):
     path = tiny_model_dir("qwen3")
     with pytest.raises(ValueError, match=r"--quantization fp8: FP8 needs a CUDA GPU .* the device is cpu"):
         ModelRunner(ServerArgs(model_path=path, device="cpu", quantization="fp8", max_total_tokens=64))
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 is not built yet"):
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8_e4m3: FP8 needs a CUDA GPU"):
         ModelRunner(ServerArgs(model_path=path, device="cpu", kv_cache_dtype="fp8_e4m3", max_total_tokens=64))
     with pytest.raises(ValueError, match="Unknown quantization"):
         ServerArgs(quantization="int4")
+
+
+def fp8_kv_engines(mp, path: str, tmp_path_factory, **kw):
+    """(an engine on an FP8 KV pool, the same on a pool of the model's dtype that rounds what it stores
+    through e4m3): the kernels read both as the same float32 values, so every output must be the same.
+    `mp` (a MonkeyPatch) holds the rounding until it is undone."""
+    from sgrec import Engine
+    from sgrec.mem.kv_pool import FP8_MAX, KVPool
+    from tests.test_rec_server import write_catalog
+
+    plain = KVPool.set_kv
+
+    def rounding(self, layer, loc, k, v):  # an FP8 pool stores the same rounded values: its bits unchanged
+        rt = lambda t: t.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(t.dtype)  # noqa: E731
+        plain(self, layer, loc, rt(k), rt(v))
+
+    mp.setattr(KVPool, "set_kv", rounding)
+    cat = write_catalog(tmp_path_factory.mktemp("fp8kv") / "catalog.jsonl", n=30, semantic=True)
+    kw = dict(max_total_tokens=3000, item_catalog=cat, max_rank_candidates=20, **kw)
+    return Engine(path, kv_cache_dtype="fp8_e4m3", **kw), Engine(path, **kw)
+
+
+def assert_same_outputs(e8, ref) -> None:
+    """Generate (prefill and decode), rank in every prefix mode, retrieve: the same tokens, logprobs,
+    scores and items on the FP8 pool as on the rounding one."""
+    assert e8.runner.kv_pool.dtype == torch.float8_e4m3fn and e8.runner.kv_pool.attn_dtype == e8.runner.dtype
+    assert ref.runner.kv_pool.dtype == ref.runner.dtype
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    prompts = [list(range(7, 50)), list(range(60, 71))]
+    a, b = (e.generate(input_ids=prompts, sampling_params=sp, return_logprob=True) for e in (e8, ref))
+    assert [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in a] == \
+        [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in b]
+    for prefix in ("user", "item", "none"):
+        r8, rr = (e.rank({"token_ids": list(range(80, 130))}, ["i3", "i7", "i1", "i12"], prefix=prefix) for e in (e8, ref))
+        assert r8["ranking"] == rr["ranking"] and len(r8["ranking"]) == 4
+    t8, tr = (e.retrieve({"token_ids": list(range(200, 240))}, beam_width=8, num_items=5) for e in (e8, ref))
+    assert t8["items"] == tr["items"] and t8["items"]
 
 
 def test_the_flags_are_sglangs():
@@ -100,3 +137,15 @@ def test_fp8_engine_on_cuda(monkeypatch, tiny_model_dir):
     # measured 0.069 on an H200: where the GEMMs round differently an activation lands on the other side
     # of an e4m3 step, and such flips compound through the layers (a wrong scale or layout: ~1 and more)
     assert ((got - want).norm() / want.norm()).item() < 0.15
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores (none here)")
+def test_fp8_kv_cache_on_cuda(monkeypatch, tiny_model_dir, tmp_path_factory):
+    """--kv-cache-dtype fp8_e4m3 on a GPU (bf16 model, triton backend, CUDA graphs): every output equal
+    to the engine whose bf16 pool holds the same rounded values."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    e8, ref = fp8_kv_engines(monkeypatch, tiny_model_dir("qwen3", seed=6), tmp_path_factory, dtype="bfloat16",
+                             device="cuda")
+    assert e8.runner.graphs is not None
+    assert_same_outputs(e8, ref)

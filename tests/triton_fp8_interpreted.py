@@ -104,3 +104,71 @@ def test_a_model_in_fp8_follows_its_bf16_self(tiny_model_dir):
     want, got = last_logits(ref_runner.model), last_logits(fp8)
     assert ((got - want).norm() / want.norm()).item() < 0.2  # measured 0.13 (a transposed weight: ~1.4)
     assert torch.topk(got, 1).indices[0] in torch.topk(want, 5).indices
+
+
+# ---- the FP8 KV pool (--kv-cache-dtype fp8_e4m3) ----------------------------------------------------
+def fp8_pool(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the e4m3 buffer, the same values in float32) of a random float32 buffer, saturated as KVPool does."""
+    q = buf.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, q.float()
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_kernel_reads_an_fp8_pool_as_its_values(splits):
+    """The decode kernel on an e4m3 pool gives the bits it gives on a float32 pool of the same values."""
+    from sgrec.model.kernels.decode_attention import decode_attention
+    from tests.kernel_refs import case
+
+    q, k_buf, v_buf, idx, ptr = case(8, 2, 32, [5, 40, 17], torch.float32, seed=11)
+    k8, kf = fp8_pool(k_buf * 30)
+    v8, vf = fp8_pool(v_buf)
+    got = decode_attention(q, k8, v8, idx, ptr, 0.2, splits=splits)
+    assert torch.equal(got, decode_attention(q, kf, vf, idx, ptr, 0.2, splits=splits))
+
+
+def test_beam_and_rank_kernels_read_an_fp8_pool_as_its_values():
+    """The staged beam-step kernel and the bipartite (rank / extend) kernel likewise."""
+    from sgrec.beam.attention import BeamStepMeta, beams_as_blocks
+    from sgrec.model.kernels.bipartite_attention import bipartite_attention
+    from sgrec.model.kernels.staged_attention import staged_attention
+
+    g = torch.Generator().manual_seed(5)
+    buf = torch.randn(200, 2, 32, generator=g) * 4
+    (k8, kf), (v8, vf) = fp8_pool(buf), fp8_pool(buf.flip(0))
+    q = torch.randn(6, 8, 32, generator=g)
+    shared, unshared = torch.arange(1, 101), torch.arange(101, 119).view(6, 3)
+    assert torch.equal(staged_attention(q, k8, v8, shared, unshared, 0.2), staged_attention(q, kf, vf, shared, unshared, 0.2))
+    c = beams_as_blocks(BeamStepMeta(shared, unshared))
+    new = torch.randn(6, 2, 32, generator=g)
+    args = (c.q_start, c.q_end, c.q_order, c.q_block, c.c_idx, c.c_ptr, c.c_order, c.c_block, 0.2)
+    assert torch.equal(bipartite_attention(q, new, new, k8, v8, *args), bipartite_attention(q, new, new, kf, vf, *args))
+
+
+def test_pool_saturates_what_it_stores():
+    from sgrec.mem.kv_pool import KVPool
+
+    pool = KVPool(8, 1, 1, 4, FP8, attn_dtype=torch.float32)
+    k = torch.tensor([[[1000.0, -1000.0, 0.3, -2.0]]])
+    pool.set_kv(0, torch.tensor([3]), k, -k)
+    assert pool.k_buffer[0][3, 0].float().tolist() == [448.0, -448.0, 0.3125, -2.0]
+    assert pool.v_buffer[0][3, 0].float().tolist() == [-448.0, 448.0, -0.3125, 2.0]
+    assert KVPool.bytes_per_token(2, 4, 8, FP8) * 2 == KVPool.bytes_per_token(2, 4, 8, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def kv_engines(tiny_model_dir, tmp_path_factory):
+    """tests/test_fp8.py's pair on CPU: float32 model, triton backend, FP8's GPU check waived."""
+    import sgrec.model.fp8 as fp8
+    from tests.test_fp8 import fp8_kv_engines
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fp8, "fp8_unsupported", lambda device: None)
+    yield fp8_kv_engines(mp, tiny_model_dir("qwen3", seed=6), tmp_path_factory, dtype="float32", device="cpu",
+                         attention_backend="triton")
+    mp.undo()
+
+
+def test_an_fp8_kv_engine_equals_one_that_rounds_its_kv(kv_engines):
+    from tests.test_fp8 import assert_same_outputs
+
+    assert_same_outputs(*kv_engines)

@@ -29,6 +29,7 @@ import torch
 from sgrec.beam.attention import StagedMeta
 from sgrec.beam.kernel_step import level_filter
 from sgrec.beam.search import BeamBuffers
+from sgrec.mem.kv_pool import copyable
 from sgrec.model.kernels.staged_attention import BLOCK_B, beam_blocks
 from sgrec.model.kernels.trie_step import plan_step, trie_step_flat
 
@@ -131,7 +132,7 @@ class DeviceRound:
                 rows, kv_dst = keep_kv
                 kv_src = self.slots[rows[parents], :step].reshape(-1)
                 for layer in range(ex.pool.num_layers):
-                    for buf in ex.pool.get_kv(layer):
+                    for buf in map(copyable, ex.pool.get_kv(layer)):
                         buf.index_copy_(0, kv_dst, buf.index_select(0, kv_src))
         self.tokens[dst, step] = tokens
         self.scores[dst] = new_scores

@@ -16,6 +16,7 @@ import torch
 
 from sgrec.beam.filters import TrieFilter
 from sgrec.beam.trie import SemanticIdTrie, children_logp
+from sgrec.mem.kv_pool import copyable
 
 # per-beam top-k at or above this k (and >= the beams kept) is replaced by one global selection; both
 # give the same beams: below it the per-row top-k is as fast (measured: [512, 3392] scores, k 128)
@@ -134,6 +135,7 @@ def apply_schedule_(buf: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, chu
     """buf[dst[j]] = buf[src[j]] in schedule order, `chunk` writes at a time (each chunk reads its
     sources, then writes): one buffer, at most `chunk` rows in flight. dst/src index dim 0 of buf;
     they may be [W, c] (a row of c buffer rows per write)."""
+    buf = copyable(buf)
     for a in range(0, dst.shape[0], chunk):
         d, s = dst[a:a + chunk].reshape(-1), src[a:a + chunk].reshape(-1)
         buf.index_copy_(0, d, buf.index_select(0, s))

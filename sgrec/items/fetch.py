@@ -74,7 +74,7 @@ EMA_WEIGHT = 0.2
 PROBE_SHARE = 0.02  # an owner the model skips is probed every latency / PROBE_SHARE seconds ...
 PROBE_MIN_S, PROBE_MAX_S = 0.1, 10.0  # ... within these bounds
 FETCH_POLICIES = ("cost", "always", "never")
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn)}
 
 
 def header_key(header_ids: Sequence[int]) -> str:
@@ -87,20 +87,19 @@ def write_item_kv(kv_pool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dev = kv_pool.device
     loc = slots.to(dev)
     for layer in range(kv_pool.num_layers):
-        kv_pool.set_kv(layer, loc, k[layer].to(dev, kv_pool.dtype), v[layer].to(dev, kv_pool.dtype))
+        kv_pool.set_kv(layer, loc, k[layer].to(dev), v[layer].to(dev))  # the pool casts (an fp8 one saturating)
+
+
+NO_NUMPY = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}  # sent as their bits
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().tobytes()
-    return t.numpy().tobytes()
+    return t.view(NO_NUMPY.get(t.dtype, t.dtype)).numpy().tobytes()
 
 
 def _tensor_from(buf, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.bfloat16:
-        return torch.frombuffer(bytearray(buf), dtype=torch.int16).view(torch.bfloat16).reshape(shape)
-    return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
+    return torch.frombuffer(bytearray(buf), dtype=NO_NUMPY.get(dtype, dtype)).view(dtype).reshape(shape)
 
 
 @dataclass

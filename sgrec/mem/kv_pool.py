@@ -49,8 +49,19 @@ class TokenAllocator:
         self._pending, self._pending_n = [], 0
 
 
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
+
+
+def copyable(buf: torch.Tensor) -> torch.Tensor:
+    """buf, or its bytes for a float8 buffer (index_copy_ has no float8 kernel on CPU): for copying rows."""
+    return buf.view(torch.uint8) if buf.dtype == torch.float8_e4m3fn else buf
+
+
 class KVPool:
-    """Preallocated K/V buffers, one [size + 1, num_kv_heads, head_dim] pair per layer."""
+    """Preallocated K/V buffers, one [size + 1, num_kv_heads, head_dim] pair per layer, stored in
+    `dtype`; attention computes in `attn_dtype` (the model's; default `dtype`). A float8_e4m3fn pool
+    (--kv-cache-dtype fp8_e4m3) saturates what it stores to +-448 (scale 1, as SGLang's default); the
+    kernels read it back in float32."""
 
     def __init__(
         self,
@@ -60,10 +71,13 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        attn_dtype: torch.dtype | None = None,
     ):
         self.size = size
         self.num_layers = num_layers
         self.dtype = dtype
+        self.attn_dtype = dtype if attn_dtype is None else attn_dtype
+        self.fp8 = dtype == torch.float8_e4m3fn
         self.device = torch.device(device)
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
@@ -75,6 +89,10 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.dtype != self.dtype:  # an fp8 pool saturates: the cast of a larger value would give NaN
+            if self.fp8:
+                k, v = k.clamp(-FP8_MAX, FP8_MAX), v.clamp(-FP8_MAX, FP8_MAX)
+            k, v = k.to(self.dtype), v.to(self.dtype)
         self.k_buffer[layer][loc] = k
         self.v_buffer[layer][loc] = v
 

@@ -139,7 +139,7 @@ class TorchBackend(AttentionBackend):
             rows = (kv_idx[:, None, :] * hkv + torch.arange(hkv, device=dev)[None, :, None]).reshape(-1)
             batch.attn_meta = _DecodeMeta(rows, (len(lens), hkv, width), mask)
             return
-        masks, fresh, dtype = [], [], batch.kv_pool.dtype
+        masks, fresh, dtype = [], [], batch.kv_pool.attn_dtype
         for s in batch.seqs:
             prefix = s.kv_len - s.q_len
             if s.masked:
@@ -170,8 +170,8 @@ class TorchBackend(AttentionBackend):
             gqa = False
         if isinstance(meta, _DecodeMeta):
             d = k_buf.shape[-1]  # index_select: ~4x faster than 2-D advanced indexing here
-            kk = k_buf.view(-1, d).index_select(0, meta.rows).view(*meta.shape, d)  # [B, Hkv, L, D]
-            vv = v_buf.view(-1, d).index_select(0, meta.rows).view(*meta.shape, d)
+            kk = k_buf.view(-1, d).index_select(0, meta.rows).view(*meta.shape, d).to(q.dtype)  # [B, Hkv, L, D]
+            vv = v_buf.view(-1, d).index_select(0, meta.rows).view(*meta.shape, d).to(q.dtype)  # (an fp8 pool's too)
             if expand:
                 kk, vv = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (kk, vv))
             out = F.scaled_dot_product_attention(
@@ -185,8 +185,8 @@ class TorchBackend(AttentionBackend):
                 kk, vv = k[sl], v[sl]
             else:  # the cached prefix from the pool, the new tokens' K/V as computed (equal to the pool's)
                 prefix = s.kv_indices[: s.kv_len - s.q_len]
-                kk = torch.cat([k_buf.index_select(0, prefix), k[sl]])
-                vv = torch.cat([v_buf.index_select(0, prefix), v[sl]])
+                kk = torch.cat([k_buf.index_select(0, prefix).to(k.dtype), k[sl]])
+                vv = torch.cat([v_buf.index_select(0, prefix).to(v.dtype), v[sl]])
             if expand:  # [L, Hkv, D] -> [L, Hq, D]
                 kk, vv = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (kk, vv))
             o = F.scaled_dot_product_attention(

@@ -100,7 +100,7 @@ class RankExecutor:
         """Algorithm 1 over this server's dp_size ranks (the same plan on every rank)."""
         cfg = self.runner.config
         per_token = self.runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                                        self.runner.dtype)
+                                                        self.runner.kv_pool.dtype)
         prefill = hrcs.fit_catalog_prefill(self.runner, self.catalog, self.args.max_rank_candidates)
         placement, rep = hrcs.plan_catalog(self.catalog, self.args.dp_size, prefill, per_token, self.args.max_rank_candidates,
                                            hrcs.DEFAULT_TAU_U, hrcs.DEFAULT_BANDWIDTH_GBPS, hrcs.DEFAULT_ALPHA)

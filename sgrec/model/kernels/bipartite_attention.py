@@ -39,6 +39,8 @@ import torch
 
 from sgrec.model.kernels import built, pow2
 
+FP8 = torch.float8_e4m3fn  # an fp8 KV pool (--kv-cache-dtype fp8_e4m3): read in float32 like any other
+
 _KERNELS: dict[bool, object] = {}
 
 
@@ -133,8 +135,8 @@ def bipartite_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf
     hkv = k.shape[1]
     if hq % hkv or k_buf.shape[1] != hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
-    if len({t.dtype for t in (q, k, v, k_buf, v_buf)}) != 1:
-        raise ValueError("q, k, v, k_buf and v_buf need one dtype")
+    if len({t.dtype for t in (q, k, v)}) != 1 or k_buf.dtype != v_buf.dtype or k_buf.dtype not in (q.dtype, FP8):
+        raise ValueError("q, k and v need one dtype, and k_buf and v_buf theirs or float8_e4m3fn (an fp8 pool)")
     if min(k.stride(-1), v.stride(-1), k_buf.stride(-1), v_buf.stride(-1)) != 1:
         raise ValueError("k, v, k_buf and v_buf need a contiguous last dimension")
     q = q.contiguous()
