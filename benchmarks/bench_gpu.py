@@ -28,6 +28,9 @@ real shape with random weights (`make_tiny_model --shape`), written to a JSON fi
    peak (torch._scaled_mm of 8192^3), prefill at each length, next-token logprobs against bf16,
    retrieve's whole last beam against bf16's for the same prompts (issue 41: at least 95% overlap),
    and retrieve latency and concurrency as in 2.
+6. FlashRec's shape (--no-flashrec leaves it out): a 300-token prompt, beam width 50, a catalog of
+   4-level semantic IDs (ND 4), 32 requests at once: req/s and median latency, next to FlashRec's
+   28.1 req/s (OneRec-1.7B, a Qwen3-1.7B shape, on an RTX 5090: another GPU).
 """
 
 from __future__ import annotations
@@ -143,16 +146,16 @@ def vocab_of(model_dir: str) -> int:
         return json.load(f)["vocab_size"]
 
 
-def write_catalog(model_dir: str, a, work: str) -> tuple[str, list[list[int]]]:
-    """--items items: 16 random tokens, an id token and a random 3-level semantic ID each. Returns the
-    file and every item's tokens."""
+def write_catalog(model_dir: str, a, work: str, levels: int = 3) -> tuple[str, list[list[int]]]:
+    """--items items: 16 random tokens, an id token and a random semantic ID of `levels` levels each.
+    Returns the file and every item's tokens."""
     vocab = vocab_of(model_dir)
-    codes = min(256, (vocab - 10) // 3)  # semantic-ID codes: three levels of token ranges from id 10 up
+    codes = min(256, (vocab - 10) // levels)  # semantic-ID codes: a range of tokens per level from id 10 up
     rng = np.random.default_rng(0)
-    cat, tokens = os.path.join(work, "catalog.jsonl"), []
+    cat, tokens = os.path.join(work, f"catalog{levels}.jsonl"), []
     with open(cat, "w") as f:
         for k in range(a.items):
-            sem = (np.arange(3) * codes + rng.integers(0, codes, 3) + 10).tolist()
+            sem = (np.arange(levels) * codes + rng.integers(0, codes, levels) + 10).tolist()
             tokens.append(rng.integers(10, vocab, ITEM_TOKENS).tolist())
             f.write(json.dumps({"id": f"i{k}", "token_ids": tokens[-1], "id_token": int(rng.integers(10, vocab)),
                                 "semantic_id": sem}) + "\n")
@@ -253,6 +256,34 @@ def bench_fp8(model_dir: str, a, dtype: str, cat: str, e, peak: float) -> dict:
     return res
 
 
+def bench_flashrec(model_dir: str, a, dtype: str, work: str) -> dict:
+    """FlashRec's shape (module doc, 6): --flashrec-concurrency threads at once, each sending
+    --repeats retrieve requests of a --flashrec-prompt-token prompt at beam width --flashrec-beam over
+    a catalog of 4-level semantic IDs (ND 4), after one warm-up round: req/s and median latency."""
+    from sgrec import Engine
+
+    cat, _ = write_catalog(model_dir, a, work, levels=4)
+    conc, plen, bw = a.flashrec_concurrency, a.flashrec_prompt, a.flashrec_beam
+    e = Engine(model_dir, device=a.device, dtype=dtype, item_catalog=cat, max_beam_width=bw, item_cache_tokens=0,
+               max_total_tokens=2 * conc * (plen + bw * 4) + 64, context_length=plen + 16)
+
+    def one(seed: int) -> float:
+        t = time.perf_counter()
+        out = e.retrieve({"token_ids": prompt(e.vocab_size, plen, seed)}, beam_width=bw, num_items=min(10, bw))
+        sync(a.device)
+        assert out["items"], out
+        return time.perf_counter() - t
+
+    with ThreadPoolExecutor(conc) as pool:
+        list(pool.map(one, range(conc)))  # warm-up: the round's beam-step graphs are captured
+        t0 = time.perf_counter()
+        lat = list(pool.map(one, range(10_000, 10_000 + conc * a.repeats)))
+        wall = time.perf_counter() - t0
+    return {"prompt_tokens": plen, "beam_width": bw, "levels": 4, "concurrency": conc, "requests": len(lat),
+            "median_s": statistics.median(lat), "req_per_s": len(lat) / wall,
+            "peer": "FlashRec: 28.1 req/s (OneRec-1.7B, beam 50, an RTX 5090)"}
+
+
 def bench_rank(e, a) -> list[dict]:
     vocab, rows = e.vocab_size, []
     for n in a.rank_candidates:
@@ -340,6 +371,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true", help="leave out the HF transformers comparison")
     ap.add_argument("--no-fp8", action="store_true", help="leave out --quantization fp8 (part 5)")
+    ap.add_argument("--no-flashrec", action="store_true", help="leave out FlashRec's shape (part 6)")
+    ap.add_argument("--flashrec-concurrency", type=int, default=32)
+    ap.add_argument("--flashrec-prompt", type=int, default=300)
+    ap.add_argument("--flashrec-beam", type=int, default=50)
     ap.add_argument("--fp8-prompts", type=int, default=4, help="prompts of part 5's logprob and overlap checks")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: the code path, not a measurement")
@@ -350,6 +385,7 @@ def main(argv=None) -> int:
         a.shape, a.lengths, a.context, a.beam_width, a.items, a.repeats = None, [64, 128], 64, 8, 500, 2
         a.concurrency, a.wide_beams, a.rank_user, a.rank_candidates = 2, [16], 64, [4, 8]
         a.gen_prompt, a.gen_tokens = 16, 4
+        a.flashrec_concurrency, a.flashrec_prompt, a.flashrec_beam = 4, 32, 8
     dtype = a.dtype if a.device == "cuda" else "float32"
     tdtype = getattr(torch, dtype)
     longest = max(max(a.lengths), a.context, a.rank_user + max(a.rank_candidates) * ITEM_TOKENS)
@@ -384,6 +420,9 @@ def main(argv=None) -> int:
     why = "--no-fp8" if a.no_fp8 else fp8_unsupported(torch.device(a.device))
     res["fp8"] = {"skipped": why} if why else bench_fp8(model, a, dtype, cat, e, peak)
     save("fp8")
+    del e
+    res["flashrec"] = None if a.no_flashrec else bench_flashrec(model, a, dtype, os.path.dirname(cat))
+    save("flashrec")
     print(json.dumps(res, indent=1))
     return 0
 
