@@ -147,11 +147,14 @@ class RetrieveExecutor:
         """The served trie and its row map, as build_trie returns them."""
         return self.trie, self._trie_rows
 
-    def use_catalog(self, catalog: Catalog | None, built) -> None:
-        """Serves a catalog version (between scheduler steps): its trie from `build_trie`."""
+    def use_catalog(self, catalog: Catalog | None, built) -> tuple:
+        """Serves a catalog version (between scheduler steps): its trie from `build_trie`. Returns
+        what it replaced (the old trie, its rows, its filter cache), for the caller to free."""
+        old = getattr(self, "trie", None), getattr(self, "_trie_rows", None), getattr(self, "filter_cache", None)
         self.catalog = catalog
         self.trie, self._trie_rows = built
         self.filter_cache = FilterCache()  # per-node counts of the old trie
+        return old
 
     # ---- public API ---------------------------------------------------------------------
     def tokens(self, payload: dict) -> int:

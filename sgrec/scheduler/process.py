@@ -24,6 +24,7 @@ from sgrec.catalog.versions import UnknownVersionError
 from sgrec.managers import io_struct as io
 from sgrec.runner import ModelRunner
 from sgrec.sampling import SamplingParams
+from sgrec.scheduler.release import Releaser
 from sgrec.scheduler.scheduler import Scheduler
 from sgrec.server_args import DEVICE_SIZED, ServerArgs
 from sgrec.tokenizer import Tokenizer
@@ -58,6 +59,7 @@ class SchedulerLoop:
         self.send_sock = ctx.socket(zmq.PUSH)
         self.send_sock.connect(out_addr)
         self.catalog_prepared: dict[str, tuple] = {}  # update uid -> (Prepared, trie), awaiting commit
+        self.releaser = Releaser()
         tokenizer = Tokenizer(args.tokenizer_path or args.model_path)
         show = dp_rank == 0
         self.runner = ModelRunner(args, show_progress=show)
@@ -174,7 +176,7 @@ class SchedulerLoop:
             prepared = self.catalog_prepared.pop(msg.uid, None)
             if msg.commit and prepared is not None:  # here, between two steps
                 try:
-                    sched.commit_catalog(*prepared)
+                    self.releaser.drop(sched.commit_catalog(*prepared))  # the old trie freed off the step
                     reply = io.CatalogReply(msg.uid, self.dp_rank, "committed", info=sched.catalog_info())
                 except Exception as e:  # journaled but not served: only a restart brings the ranks together
                     logger.error("catalog commit failed:\n%s", traceback.format_exc())

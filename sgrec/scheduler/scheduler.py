@@ -234,13 +234,15 @@ class Scheduler:
             return prepared, self.retriever.build_trie(applied.catalog)
         return prepared, self.retriever.updated_trie(applied)
 
-    def commit_catalog(self, prepared: Prepared, trie) -> None:
+    def commit_catalog(self, prepared: Prepared, trie) -> tuple:
         """Serves the prepared version from the next step on (call between steps): the executors
-        switch catalogs and the item store drops the KV of changed items."""
+        switch catalogs and the item store drops the KV of changed items. Returns what the switch
+        replaced (the old trie and its parts), which a server frees off the step (release.py)."""
         self.versions.commit(prepared)
         self.catalog = self.versions.current
-        self.retriever.use_catalog(self.catalog, trie)
+        old = self.retriever.use_catalog(self.catalog, trie)
         self.rank_executor.use_catalog(self.catalog, prepared.applied.changed)
+        return old
 
     def catalog_info(self) -> dict | None:
         """GET /v1/catalog's facts about the current version."""
