@@ -174,7 +174,7 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
                         "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0 and r["done"] == "hf"
+    assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0 and r["done"] == "flashrec"
     assert [x["tokens"] for x in r["prefill"]] == [64, 128] and all(0 < x["mfu"] for x in r["prefill"])
     assert r["prefill"][-1]["profile"] and all(x["ms"] >= 0 and x["calls"] > 0 for x in r["prefill"][-1]["profile"])
     assert [(x["tokens"], x["backend"]) for x in r["prefill_torch_backend"]] == [(64, "TorchBackend"), (128, "TorchBackend")]
@@ -187,6 +187,9 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     hf = r["hf"]  # transformers is a test dependency
     assert [x["tokens"] for x in hf["prefill"]] == [64, 128] and [x["batch"] for x in hf["generate"]] == [1, 16]
     assert all(x["hf_s"] > 0 and x["sgrec_s"] > 0 for part in ("prefill", "generate", "rank") for x in hf[part])
+    assert r["fp8"]["skipped"].startswith("FP8 needs a CUDA GPU")  # part 5 runs on FP8 GPUs only
+    fr = r["flashrec"]
+    assert (fr["levels"], fr["concurrency"], fr["requests"], fr["beam_width"]) == (4, 4, 8, 8) and fr["req_per_s"] > 0
 
 
 def test_bench_roofline_counts_the_work_it_ran(tmp_path, tiny_model_dir):
