@@ -41,7 +41,7 @@ BASELINE_REV = "302ae15"  # the last commit before issue 42's work
 # AttrTable, CatalogVersions.prepare / commit, SemanticIdTrie.from_catalog, and (this tree only)
 # SemanticIdTrie.updated, as each tree's Scheduler.prepare_catalog uses them.
 CHILD = r"""
-import json, sys, time
+import gc, json, sys, time
 import numpy as np
 
 from sgrec.beam.trie import SemanticIdTrie
@@ -74,6 +74,8 @@ t = time.perf_counter()
 trie, rows = SemanticIdTrie.from_catalog(versions.current, V)
 build_s = time.perf_counter() - t
 rss_one = rss()
+gc.collect()
+gc.freeze()  # as a server's scheduler does after start-up: no full collection scans the catalog mid-update
 incremental = hasattr(SemanticIdTrie, "updated")
 try:
     from sgrec.scheduler.release import take_apart
@@ -144,7 +146,8 @@ def main(argv=None) -> None:
     base = None
     if args.baseline_rev != "none":
         base = worktree(args.baseline_rev, tmp)
-        sides.insert(0, (f"sgrec at {args.baseline_rev} (before issue 42)", base))
+        sides.insert(0, (f"sgrec at {args.baseline_rev}" + (" (before issue 42)" if args.baseline_rev == BASELINE_REV else ""),
+                         base))
     rows = []
     try:
         for n in args.sizes:
