@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from sgrec.mem.kv_pool import KVPool
+from sgrec.mem.kv_pool import FP8, KVPool
 from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, TritonBackend
 from sgrec.model.backends import make_backend
 from sgrec.model.config import ModelConfig, resolve_dtype
@@ -83,7 +83,7 @@ class ModelRunner:
         self.packed = not args.disable_weight_packing and packing_available(self.device, self.dtype)
         det = args.enable_deterministic_inference
         check_quantization(args, self.device)
-        self.kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else self.dtype  # the KV pool's
+        self.kv_dtype = FP8 if args.kv_cache_dtype == "fp8_e4m3" else self.dtype  # the KV pool's
         self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed, det,
                                 args.quantization)
         self.backend = make_backend(args.attention_backend, self.device, deterministic=det)

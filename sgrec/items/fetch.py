@@ -66,6 +66,8 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from sgrec.mem.kv_pool import FP8
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_MS = 200
@@ -74,7 +76,7 @@ EMA_WEIGHT = 0.2
 PROBE_SHARE = 0.02  # an owner the model skips is probed every latency / PROBE_SHARE seconds ...
 PROBE_MIN_S, PROBE_MAX_S = 0.1, 10.0  # ... within these bounds
 FETCH_POLICIES = ("cost", "always", "never")
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn)}
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, FP8)}
 
 
 def header_key(header_ids: Sequence[int]) -> str:
@@ -90,7 +92,7 @@ def write_item_kv(kv_pool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         kv_pool.set_kv(layer, loc, k[layer].to(dev), v[layer].to(dev))  # the pool casts (an fp8 one saturating)
 
 
-NO_NUMPY = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}  # sent as their bits
+NO_NUMPY = {torch.bfloat16: torch.int16, FP8: torch.uint8}  # sent as their bits
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

@@ -49,12 +49,13 @@ class TokenAllocator:
         self._pending, self._pending_n = [], 0
 
 
+FP8 = torch.float8_e4m3fn  # --kv-cache-dtype fp8_e4m3 (and the FP8 linear layers' dtype)
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
 
 
 def copyable(buf: torch.Tensor) -> torch.Tensor:
     """buf, or its bytes for a float8 buffer (index_copy_ has no float8 kernel on CPU): for copying rows."""
-    return buf.view(torch.uint8) if buf.dtype == torch.float8_e4m3fn else buf
+    return buf.view(torch.uint8) if buf.dtype == FP8 else buf
 
 
 class KVPool:
@@ -77,7 +78,7 @@ class KVPool:
         self.num_layers = num_layers
         self.dtype = dtype
         self.attn_dtype = dtype if attn_dtype is None else attn_dtype
-        self.fp8 = dtype == torch.float8_e4m3fn
+        self.fp8 = dtype == FP8
         self.device = torch.device(device)
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]

@@ -21,9 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sgrec.mem.kv_pool import FP8_MAX
-
-FP8 = torch.float8_e4m3fn
+from sgrec.mem.kv_pool import FP8, FP8_MAX
 TINY = 1e-12  # the least row max: an all-zero row gets a finite scale
 MAX_BLOCK = 4096  # columns one program holds at once; wider rows loop
 

@@ -46,13 +46,12 @@ def take_apart(box: list, pause=lambda: time.sleep(0)) -> int:
 class Releaser:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._busy = 0
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._busy = 0  # handed over, not yet dropped
+        self._idle = threading.Condition()
         threading.Thread(target=self._run, daemon=True, name="catalog-release").start()
 
     def drop(self, garbage) -> None:
-        with self._lock:
+        with self._idle:
             self._busy += 1
         self._queue.put(garbage)
 

@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from sgrec.mem.kv_pool import FP8  # an fp8 KV pool (--kv-cache-dtype fp8_e4m3): read in float32 like any other
 from sgrec.model.kernels import built, pow2
-
-FP8 = torch.float8_e4m3fn  # an fp8 KV pool (--kv-cache-dtype fp8_e4m3): read in float32 like any other
 
 _KERNELS: dict[bool, object] = {}
 
