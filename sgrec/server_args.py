@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 DEFAULT_BATCH_TOKENS = 16384  # --max-batch-tokens on CPU, and its least on CUDA
+HICACHE_EXTRA_KEYS = frozenset({"file_storage_path", "prefetch_timeout_base", "prefetch_timeout_per_ki_token"})
 DEVICE_SIZED = ("chunked_prefill_size", "max_batch_tokens")  # left to ServerArgs.sized_for by default
 
 
@@ -70,6 +71,33 @@ class ServerArgs:
         None, "JSON object configuring the eviction policy, e.g. "
         '\'{"b": 2, "lambda_rule": "paper", "mode": "sync", "retrain_interval": 1000, "window": 10000}\'; '
         "also lambda_reset (phase, or the opt-in carry/bets), train_async, k_div, num_trees ... (README).")
+    enable_hierarchical_cache: bool = _arg(
+        False, "SGLang's flag: KV that the radix tree evicts goes down to a host tier (and the storage tier "
+        "below it) instead of vanishing, and a prefix found there is loaded back, bit for bit, instead of "
+        "recomputed (generate, score, rank's user prefix, retrieve's prompt).")
+    hicache_ratio: float | None = _arg(
+        None, "Host tier size as a multiple of the KV pool (default 2.0 as SGLang's). On CPU the host tier is "
+        "a second store of pages in the same memory.")
+    hicache_size: int = _arg(0, "Host tier size in GB; overrides --hicache-ratio when positive.")
+    hicache_write_policy: str = _arg(
+        "write_through", "When KV is written down a tier early: write_through (when the tree takes it), "
+        "write_through_selective (at a prefix's second hit), write_back (only when evicted). Evicted KV goes "
+        "down whatever the policy.", ["write_back", "write_through", "write_through_selective"])
+    hicache_page_size: int = _arg(
+        64, "sgrec's own: tokens per page of the lower tiers (a page is the unit written, keyed and loaded; "
+        "the tail of a prefix shorter than a page is recomputed).")
+    hicache_storage_backend: str | None = _arg(
+        None, "SGLang's flag: the storage tier below the host tier, shared by the servers that point at the "
+        "same place: file (a directory: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the extra config's "
+        "file_storage_path, else /tmp/hicache).", [None, "file"])
+    hicache_storage_prefetch_policy: str = _arg(
+        "timeout", "SGLang's flag: how long a request waits in the queue (never the step) for its pages to come "
+        "up from storage: best_effort (not at all), wait_complete (until read), timeout (at most "
+        "prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024 seconds; 1 and 0.25 by default).",
+        ["best_effort", "wait_complete", "timeout"])
+    hicache_storage_backend_extra_config: str | None = _arg(
+        None, "SGLang's flag: JSON object of the storage tier's settings: file_storage_path, "
+        "prefetch_timeout_base, prefetch_timeout_per_ki_token.")
     item_catalog: str | None = _arg(
         None, "Item catalog for /v1/rank and /v1/retrieve: JSON Lines (id, text or token_ids, optional "
         "id_token, semantic_id, attrs) or the binary .npz bundle of `python -m sgrec.catalog convert`.")
@@ -241,10 +269,43 @@ class ServerArgs:
             raise ValueError("item_peers needs item_kv_port (peers reach this server's item KV over TCP)")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
+        self._check_hicache()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"Unknown {f.name} {getattr(self, f.name)!r}; choose one of {choices}")
+
+    def _check_hicache(self) -> None:
+        if self.hicache_ratio is not None and self.hicache_ratio <= 0:
+            raise ValueError("hicache_ratio must be positive")
+        if self.hicache_size < 0:
+            raise ValueError("hicache_size must be non-negative")
+        if self.hicache_page_size < 1:
+            raise ValueError("hicache_page_size must be at least 1")
+        self.hicache_extra_config()
+        if not self.enable_hierarchical_cache and (self.hicache_storage_backend or self.hicache_ratio or self.hicache_size):
+            raise ValueError("hicache_ratio, hicache_size and hicache_storage_backend need enable_hierarchical_cache")
+
+    def hicache_extra_config(self) -> dict:
+        """--hicache-storage-backend-extra-config as a dict (ValueError naming the flag when it is not a JSON object
+        of known keys)."""
+        import json
+
+        if not self.hicache_storage_backend_extra_config:
+            return {}
+        try:
+            extra = json.loads(self.hicache_storage_backend_extra_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
+        unknown = sorted(set(extra) - HICACHE_EXTRA_KEYS)
+        if unknown:
+            raise ValueError(f"hicache_storage_backend_extra_config: unknown key(s) {unknown}; known: {sorted(HICACHE_EXTRA_KEYS)}")
+        for k in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token"):
+            if k in extra and (not isinstance(extra[k], (int, float)) or extra[k] < 0):
+                raise ValueError(f"hicache_storage_backend_extra_config: {k} must be a non-negative number")
+        return extra
 
     def sized_for(self, device_type: str, device_memory: int | None = None) -> "ServerArgs":
         """These arguments with the sizes left to the device filled in (chunked_prefill_size,

@@ -96,6 +96,7 @@ class SchedulerStats:
     kv_total: int
     kv_cached: int
     last_gen_throughput: float
+    hicache: dict | None = None  # the lower tiers' counters (radix/hicache.py HiCache.stats), None without them
 
 
 @dataclass

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from sgrec.managers.generate import ReqState
 from sgrec.managers.io_struct import ReqOutput, SchedulerStats
 
+TIER_COUNTERS = ("hits", "misses", "writes", "bytes_written", "bytes_read", "failures", "evictions")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
@@ -37,6 +38,12 @@ class Metrics:
         self.num_aborted_requests = counter("num_aborted_requests", "Requests that ended with an abort.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.hicache = Gauge("sgrec:hicache", "The KV tiers below the pool (--enable-hierarchical-cache), all ranks: "
+                             "per tier (host, storage), pages hit and missed on lookup, pages and bytes written and "
+                             "read, failures (storage errors, missing or corrupt objects), evictions.",
+                             [*names, "tier", "counter"], registry=self.registry)
+        self.hicache_loaded = Gauge("sgrec:hicache_loaded_tokens", "Tokens loaded back into the KV pool from a "
+                                    "lower tier instead of recomputed, by tier.", [*names, "tier"], registry=self.registry)
         self._prompt_total = 0
         self._cached_total = 0
 
@@ -46,6 +53,14 @@ class Metrics:
         self.num_queue_reqs.set(sum(s.num_queue_reqs for s in ranks))
         total = sum(s.kv_total for s in ranks)
         self.token_usage.set(sum(s.kv_used for s in ranks) / total if total else 0.0)
+        tiers = [s.hicache for s in ranks if s.hicache]
+        for tier in ("host", "storage"):
+            for counter in TIER_COUNTERS:
+                if any(tier in t for t in tiers):
+                    self.hicache.labels(**self.labels, tier=tier, counter=counter).set(
+                        sum(t[tier].get(counter, 0) for t in tiers if tier in t))
+            if tiers:
+                self.hicache_loaded.labels(**self.labels, tier=tier).set(sum(t["loaded_tokens"][tier] for t in tiers))
 
     def on_output(self, state: ReqState, out: ReqOutput, had_first_token: bool) -> None:
         self.generation_tokens.inc(len(out.new_output_ids))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from sgrec.mem.kv_pool import TokenAllocator
+from sgrec.radix.hicache import HiCache
 from sgrec.radix.eviction import EvictionPolicy, is_evictable, make_policy
 from sgrec.radix.node import TreeNode, child_key
 
@@ -44,8 +45,9 @@ class RadixCache:
     """Prefix tree of token ids -> KV slots with lock counting and policy-ordered leaf eviction."""
 
     def __init__(self, allocator: TokenAllocator | None, policy: str | EvictionPolicy = "lru",
-                 disable: bool = False, clock: Callable[[], float] = time.monotonic):
+                 disable: bool = False, clock: Callable[[], float] = time.monotonic, hicache: HiCache | None = None):
         self.allocator = allocator
+        self.hicache = hicache  # the tiers below the pool (--enable-hierarchical-cache), or None
         self.policy = make_policy(policy)
         self.disable = disable
         self.clock = clock
@@ -60,8 +62,32 @@ class RadixCache:
         if self.disable:
             return MatchResult(self._empty(), self.root)
         key = _as_list(key)
-        node, _, parts = self._walk(key, extra_key, self.clock())
+        node, i, parts = self._walk(key, extra_key, self.clock())
+        if self.hicache is not None and i < len(key):
+            node = self._load_back(key, extra_key, node, i, parts)
         return MatchResult(torch.cat(parts) if parts else self._empty(), node)
+
+    def _load_back(self, key: list[int], extra_key: str | None, node: TreeNode, i: int,
+                   parts: list[torch.Tensor]) -> TreeNode:
+        """Extends a match that ends at node (depth i) with the host tier's pages: they are copied
+        into fresh slots and inserted below node. Returns the deepest matched node (parts grows)."""
+        plan = self.hicache.plan_load(key, extra_key, i)
+        if plan is None:
+            return node
+        end, k, v = plan
+        self.inc_lock_ref(node)  # making room must not evict the part already matched
+        try:
+            room = self.make_room(end - i)
+        finally:
+            self.dec_lock_ref(node)
+        if not room:
+            return node
+        slots = self.allocator.alloc(end - i)
+        self.hicache.load(slots, k, v)
+        self.insert(key[:end], torch.cat([*parts, slots]), extra_key)
+        new = node.children[child_key(extra_key, key[i])]
+        parts.append(new.value)
+        return new
 
     def peek_prefix_len(self, key: Sequence[int], extra_key: str | None = None) -> int:
         """Length of the cached prefix of `key`, read without touching the tree (no access-time
@@ -115,6 +141,8 @@ class RadixCache:
             self.evictable_size_ += len(new.key)
             self.policy.on_insert(new)
             self.policy.on_update(node)
+            if self.hicache is not None:
+                self.hicache.on_insert(new)
         return i
 
     # ---- eviction and locks --------------------------------------------------------------------
@@ -166,6 +194,8 @@ class RadixCache:
     def _delete_leaf(self, node: TreeNode) -> int:
         parent = node.parent
         assert parent is not None
+        if self.hicache is not None:  # down a tier instead of gone
+            self.hicache.on_evict(node)
         del parent.children[child_key(node.extra_key, node.key[0])]
         self._free(node.value)
         self.evictable_size_ -= len(node.key)
@@ -225,6 +255,8 @@ class RadixCache:
                     self._free(node.value)
                 node.parent, node.children, node.lock_ref = None, {}, 0
             self.policy.on_reset()
+            if self.hicache is not None:
+                self.hicache.reset()
         self.root = TreeNode(now=self.clock())
         self.root.lock_ref = 1  # never evictable, never counted
         self.evictable_size_ = 0
@@ -278,6 +310,8 @@ class RadixCache:
         node.last_access_time, node.access_tick = now, self._tick
         node.access_count += 1
         self.policy.on_access(node)
+        if self.hicache is not None:
+            self.hicache.on_hit(node)
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut child's edge after m tokens; the new prefix node inherits lock_ref, times and counts.

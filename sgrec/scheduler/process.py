@@ -257,6 +257,7 @@ class SchedulerLoop:
             kv_total=pool.size,
             kv_cached=sched.cached_size(),
             last_gen_throughput=self.gen_tokens / max(now - self.gen_since, 1e-9),
+            hicache=None if sched.hicache is None else sched.hicache.stats(),
         ))
         self.gen_tokens, self.gen_since, self.last_stats = 0, now, now
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 import torch
 
 from sgrec.model.attention import SeqLayout
 from sgrec.radix.eviction import make_policy
+from sgrec.radix.hicache import make_hicache
 from sgrec.radix.tree import RadixCache
 from sgrec.runner import ModelRunner
 from sgrec.sampling import GREEDY_EPS, Sampler
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 DECODE_RESERVE_RATIO = 0.3  # fraction of running requests' remaining tokens kept free at admission
 DECODE_RESERVE_CLIP = 512
+PREFETCH_POLL_S = 0.002  # how often an idle loop looks at storage reads that requests wait for
 
 
 class Scheduler:
@@ -49,8 +52,10 @@ class Scheduler:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.allocator = runner.kv_pool.allocator
+        self.hicache = None if args.disable_radix_cache else make_hicache(args, runner.kv_pool, runner.model)
         self.tree = RadixCache(self.allocator, policy=make_policy(args.radix_eviction_policy, args.radix_eviction_policy_config),
-                               disable=args.disable_radix_cache)
+                               disable=args.disable_radix_cache, hicache=self.hicache)
+        self.prefetching: list[tuple[list[Future], float, Req | Task]] = []  # held back while storage pages come up
         self.sampler = Sampler(args.random_seed, runner.device)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -117,19 +122,71 @@ class Scheduler:
             cache_prefix_len=msg.cache_prefix_len,
             arrival=self.clock(),
         )
+        if self._hold(req, [(req.fill_ids[: req.prefix_match_limit()], req.extra_key)]):
+            return req
+        self._queue(req)
+        return req
+
+    def _queue(self, req: Req) -> None:
         if req.is_prefill_only:
             req.cached_on_arrival = self._peek_cached(req)
             self.prefill_only.append(req)
         else:
             self.waiting.append(req)
-        return req
 
     def add_task(self, msg: TaskReq) -> Task:
-        return self.tasks.add(msg)
+        """Queues a rank / retrieve / recommend task (once its prefixes are up from storage, see _hold)."""
+        task = Task(msg)
+        if self._hold(task, self._task_prefixes(msg)):
+            return task
+        return self.tasks.add(msg, task)
+
+    # ---- the storage tier's prefetch (--hicache-storage-backend) ----------------------------
+    def _task_prefixes(self, msg: TaskReq) -> list[tuple[list[int], str | None]]:
+        """The prefixes a task will look up in the radix tree: retrieve's prompt, rank's user."""
+        p = msg.payload if isinstance(msg.payload, dict) else {}
+        out = []
+        for kind, part in ((msg.kind, p), ("retrieve", p.get("retrieve")), ("rank", p.get("rank"))):
+            if not isinstance(part, dict):
+                continue
+            if kind == "retrieve" and isinstance(part.get("input_ids"), list):
+                out.append((part["input_ids"][:-1], part.get("extra_key")))
+            elif kind == "rank" and isinstance(part.get("user_ids"), list) and self.rank_executor is not None:
+                out.append((part["user_ids"], self.rank_executor.user_extra_key))
+        return out
+
+    def _hold(self, item, prefixes: list[tuple[list[int], str | None]]) -> bool:
+        """Starts reading the prefixes' pages from storage; True when `item` waits for them (policy
+        timeout or wait_complete) in `prefetching`, never in a step."""
+        h = self.hicache
+        if h is None or h.storage is None or self.tree.disable:
+            return False
+        futures = [f for ids, key in prefixes
+                   if all(isinstance(t, int) for t in ids)
+                   and (f := h.prefetch(ids, key, self.tree.peek_prefix_len(ids, key))) is not None]
+        if not futures or h.prefetch_policy == "best_effort":
+            return False
+        tokens = sum(len(ids) for ids, _ in prefixes)
+        deadline = float("inf") if h.prefetch_policy == "wait_complete" else self.clock() + h.timeout(tokens)
+        self.prefetching.append((futures, deadline, item))
+        return True
+
+    def _release_prefetched(self) -> None:
+        """Queues what waited for storage and whose reads are done (or past their deadline)."""
+        now, keep = self.clock(), []
+        for entry in self.prefetching:
+            futures, deadline, item = entry
+            if now < deadline and not all(f.done() for f in futures):
+                keep.append(entry)
+            elif isinstance(item, Req):
+                self._queue(item)
+            else:
+                self.tasks.add(item.msg, item)  # a refused task is reported by the next run, as on arrival
+        self.prefetching = keep
 
     def num_queued(self) -> int:
         """Requests not yet started: generate prompts, prefill-only requests and tasks."""
-        return len(self.waiting) + len(self.prefill_only) + len(self.tasks)
+        return len(self.waiting) + len(self.prefill_only) + len(self.tasks) + len(self.prefetching)
 
     def cached_size(self) -> int:
         """KV slots held by the caches: the radix tree and the item store."""
@@ -144,7 +201,7 @@ class Scheduler:
         return next((s for s in req.sampling.stop if s in tail), None)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.prefill_only or self.tasks)
+        return bool(self.waiting or self.running or self.chunked or self.prefill_only or self.tasks or self.prefetching)
 
     def idle_wait(self) -> float | None:
         """Seconds until a step has something to run: 0 when it has now, the time left until the
@@ -152,7 +209,10 @@ class Scheduler:
         if self.waiting or self.running or self.chunked or self.prefill_only:
             return 0.0
         due = self.tasks.next_deadline()
-        return None if due is None else max(0.0, due - self.clock())
+        wait = None if due is None else max(0.0, due - self.clock())
+        if self.prefetching:  # poll the storage reads
+            wait = PREFETCH_POLL_S if wait is None else min(wait, PREFETCH_POLL_S)
+        return wait
 
     def step(self) -> list[Req]:
         """Runs one batch; returns the requests that got a new token or finished.
@@ -161,6 +221,8 @@ class Scheduler:
         request waits at most one prefill batch (at most chunked_prefill_size tokens) per token.
         Due rank / retrieve batches go before prompts, but not twice in a row while prompts or
         prefill-only requests wait: a steady stream of rank / retrieve requests cannot starve them."""
+        if self.prefetching:
+            self._release_prefetched()
         if not (self.last_was_prefill and self.running):
             due = self.tasks.next_deadline()
             after_tasks, self.last_ran_tasks = self.last_ran_tasks, False
@@ -182,7 +244,7 @@ class Scheduler:
 
     def _all_reqs(self) -> list[Req]:
         return [*self.waiting, *self.prefill_only, *self.tasks.tasks(), *self.running,
-                *([self.chunked] if self.chunked else [])]
+                *([self.chunked] if self.chunked else []), *(item for _, _, item in self.prefetching)]
 
     def abort(self, rid: str, message: str = "Request aborted", status_code: int = 400) -> Req | None:
         """Ends a queued or running request; returns it (to report), or None if unknown."""
@@ -190,6 +252,8 @@ class Scheduler:
             if req.rid == rid:
                 if req is self.chunked:
                     self.chunked = None
+                elif any(item is req for _, _, item in self.prefetching):
+                    self.prefetching = [e for e in self.prefetching if e[2] is not req]
                 elif req in self.running:
                     self.running.remove(req)
                 elif req in self.prefill_only:
@@ -208,6 +272,7 @@ class Scheduler:
         for req in reqs:
             self._finish_abort(req, message, status_code)
         self.waiting, self.running, self.chunked, self.prefill_only = [], [], None, []
+        self.prefetching = []
         self.tasks.clear()
         return reqs
 

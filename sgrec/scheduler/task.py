@@ -105,8 +105,9 @@ class TaskQueue:
     def tasks(self) -> list[Task]:
         return [*self.queued.values(), *self._finished, *self.inflight]
 
-    def add(self, msg: TaskReq) -> Task:
-        task = Task(msg)
+    def add(self, msg: TaskReq, task: Task | None = None) -> Task:
+        """Queues msg as `task` (a new Task by default)."""
+        task = Task(msg) if task is None else task
         kind = self.kinds.get(msg.kind)
         if kind is None:
             task.finish_reason = abort_reason(f"{msg.kind} requests need {NEEDS.get(msg.kind, 'a known kind')}", 400)

@@ -1,0 +1,200 @@
+"""KV below the pool (--enable-hierarchical-cache): page keys, the host tier and the storage backends.
+
+A page is the K and V of `page_size` consecutive tokens of one prefix, for every layer. Its key names
+the whole prefix up to the page's end (a chained hash over the namespace, the extra key and every
+token from the first), so equal keys mean equal KV wherever they were computed: the namespace holds
+the model's fingerprint and the KV dtype. Pages are stored as the pool's bytes, so a page loaded
+back is the KV it replaces bit for bit. Encoded pages (the storage tier) carry a digest: a corrupt or
+truncated object reads as missing, and the caller recomputes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sgrec.mem.kv_pool import KVPool, copyable
+
+DEFAULT_PAGE_SIZE = 64
+_MAGIC = b"SGRKV1"
+_DIGEST = 16
+
+
+def page_keys(namespace: str, extra_key: str | None, tokens: list[int], page_size: int) -> list[str]:
+    """One key per full page of `tokens`: key k names tokens[: (k + 1) * page_size] in the namespace."""
+    n = len(tokens) // page_size
+    if n == 0:
+        return []
+    h = hashlib.blake2b(f"{namespace}\0{extra_key!r}\0{page_size}".encode(), digest_size=_DIGEST)
+    arr = np.asarray(tokens[: n * page_size], dtype=np.int64).reshape(n, page_size)
+    keys = []
+    for row in arr:
+        h.update(row.tobytes())
+        keys.append(h.copy().hexdigest())
+    return keys
+
+
+@dataclass
+class Page:
+    """One page's rows as the pool stores them (float8 pools as bytes): k and v are [layers, page, heads, dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+def read_pages(pool: KVPool, slots: torch.Tensor, page_size: int) -> list[Page]:
+    """The pool's rows at `slots` (a multiple of page_size), copied to host memory, one Page per page."""
+    k = torch.stack([copyable(b)[slots] for b in pool.k_buffer]).cpu()
+    v = torch.stack([copyable(b)[slots] for b in pool.v_buffer]).cpu()
+    return [Page(k[:, i : i + page_size].clone(), v[:, i : i + page_size].clone())
+            for i in range(0, len(slots), page_size)]
+
+
+def write_rows(pool: KVPool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Stores [layers, n, heads, dim] rows (host or device) into the pool at `slots`."""
+    k, v = k.to(pool.device), v.to(pool.device)
+    for layer in range(pool.num_layers):
+        copyable(pool.k_buffer[layer])[slots] = k[layer]
+        copyable(pool.v_buffer[layer])[slots] = v[layer]
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def encode(page: Page) -> bytes:
+    """A page as bytes for a storage backend: magic, shape, payload and its digest."""
+    payload = _bytes(page.k) + _bytes(page.v)
+    head = _MAGIC + struct.pack("<4I", *page.k.shape)
+    return head + payload + hashlib.blake2b(head + payload, digest_size=_DIGEST).digest()
+
+
+def decode(data: bytes, like: Page) -> Page | None:
+    """The page in `data` if it is whole and has `like`'s shape and dtype; None if corrupt or foreign."""
+    head_len = len(_MAGIC) + 16
+    half = like.k.numel() * like.k.element_size()
+    if len(data) != head_len + 2 * half + _DIGEST or not data.startswith(_MAGIC):
+        return None
+    if struct.unpack("<4I", data[len(_MAGIC) : head_len]) != tuple(like.k.shape):
+        return None
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if hashlib.blake2b(body, digest_size=_DIGEST).digest() != digest:
+        return None
+    flat = torch.frombuffer(bytearray(body[head_len:]), dtype=like.k.dtype)
+    n = like.k.numel()
+    return Page(flat[:n].view(like.k.shape), flat[n:].view(like.k.shape))
+
+
+@dataclass
+class TierStats:
+    """What one tier did: pages hit / missed on lookup, pages and bytes written and read, failures."""
+
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    failures: int = 0
+    evictions: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "extra"} | self.extra
+
+
+class HostTier:
+    """Pages in host memory, up to `capacity` pages, least recently used out first. Thread-safe:
+    the storage prefetcher adds pages while the scheduler reads them."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"the host tier must hold at least one page, got {capacity}")
+        self.capacity = capacity
+        self.pages: OrderedDict[str, Page] = OrderedDict()
+        self.lock = threading.Lock()
+        self.stats = TierStats()
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.pages
+
+    def get(self, key: str) -> Page | None:
+        with self.lock:
+            page = self.pages.get(key)
+            if page is None:
+                self.stats.misses += 1
+                return None
+            self.pages.move_to_end(key)
+            self.stats.hits += 1
+            self.stats.bytes_read += page.nbytes
+            return page
+
+    def put(self, key: str, page: Page) -> list[tuple[str, Page]]:
+        """Keeps the page (most recent); returns the pages it pushed out."""
+        with self.lock:
+            if key in self.pages:
+                self.pages.move_to_end(key)
+                return []
+            self.pages[key] = page
+            self.stats.writes += 1
+            self.stats.bytes_written += page.nbytes
+            out = []
+            while len(self.pages) > self.capacity:
+                out.append(self.pages.popitem(last=False))
+            self.stats.evictions += len(out)
+            return out
+
+    def clear(self) -> None:
+        with self.lock:
+            self.pages.clear()
+
+
+class FileStorage:
+    """--hicache-storage-backend file: one file per page under a directory that servers may share.
+    A write goes to a temporary name and is renamed into place, so a reader sees a whole page or none."""
+
+    name = "file"
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.path, os.W_OK):
+            raise OSError(f"the file storage directory {self.path} is not writable")
+
+    def _file(self, key: str) -> Path:
+        return self.path / f"{key}.kv"
+
+    def exists(self, key: str) -> bool:
+        return self._file(key).exists()
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self._file(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def put(self, key: str, data: bytes) -> None:
+        target = self._file(key)
+        tmp = target.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+
+    def remove(self, key: str) -> None:
+        self._file(key).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        pass

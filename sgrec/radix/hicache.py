@@ -1,0 +1,293 @@
+"""The radix tree's lower tiers (--enable-hierarchical-cache): a node that leaves the KV pool goes
+down to the host tier instead of vanishing, a match that reaches past the pool loads pages back from
+the host tier, and a storage backend (shared by servers) sits below the host tier.
+
+Write policies (SGLang's names) decide when a page is written down early:
+- write_through: every page, when the tree takes it (the storage tier too, off the step);
+- write_through_selective: a page when its node is hit for the second time (SGLang's threshold);
+- write_back: nothing early.
+Whatever the policy, a node the tree evicts is written to the host tier first, and a page the host
+tier pushes out is written to storage if it is not there yet. A policy that guesses wrong (writes
+too little early) therefore costs a copy at eviction, never a lost page: the same rule that keeps
+LARU within a bound of LRU (its LRU fallback) keeps selective writing within write_back's hits.
+
+Loads from the host tier are copies of pool rows (bit for bit) done in the match that needs them.
+Reads from storage never run on the step: `prefetch` starts them when a request arrives, in a
+thread, into the host tier; the scheduler holds the request back while its prefetch runs (policy
+`timeout` or `wait_complete`), or not at all (`best_effort`). A failing storage tier (an error, a
+missing or corrupt object, a timeout) only costs a recompute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from sgrec.mem.kv_pool import KVPool, copyable
+from sgrec.mem.tiers import (
+    FileStorage, HostTier, Page, TierStats, decode, encode, page_keys, read_pages, write_rows,
+)
+from sgrec.radix.node import TreeNode
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+SELECTIVE_HITS = 2  # write_through_selective writes a node down at its second hit
+WRITE_QUEUE = 4096  # pages waiting for the storage writer; beyond that a write is dropped (counted)
+
+
+def model_fingerprint(model: torch.nn.Module, kv_dtype: torch.dtype, extra: str = "") -> str:
+    """Names the KV a model computes: every parameter's name, shape, dtype and leading bytes, and the
+    KV dtype. Servers with the same weights get the same name on any machine; other weights (even of
+    the same shape) get another, so their pages never mix."""
+    h = hashlib.blake2b(f"{kv_dtype}\0{extra}".encode(), digest_size=16)
+    for name, p in model.state_dict().items():
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        head = p.detach().reshape(-1)[:1024].cpu().contiguous()
+        h.update(head.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def path_of(node: TreeNode) -> tuple[list[int], torch.Tensor]:
+    """Tokens and KV slots from the root down to node's end."""
+    keys, values = [], []
+    while node.parent is not None:
+        keys.append(node.key)
+        values.append(node.value)
+        node = node.parent
+    tokens = [t for k in reversed(keys) for t in k]
+    return tokens, torch.cat(values[::-1]) if values else torch.empty(0, dtype=torch.int64)
+
+
+class HiCache:
+    def __init__(self, pool: KVPool, namespace: str, host_pages: int, page_size: int,
+                 write_policy: str = "write_through", storage=None, prefetch_policy: str = "timeout",
+                 timeout_base: float = 1.0, timeout_per_ki_token: float = 0.25):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"--hicache-storage-prefetch-policy must be one of {', '.join(PREFETCH_POLICIES)}, "
+                             f"got {prefetch_policy!r}")
+        if page_size < 1:
+            raise ValueError(f"--hicache-page-size must be positive, got {page_size}")
+        self.pool, self.namespace, self.page_size = pool, namespace, page_size
+        self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
+        self.timeout_base, self.timeout_per_ki_token = timeout_base, timeout_per_ki_token
+        self.host = HostTier(host_pages)
+        self.storage = storage
+        self.storage_stats = TierStats()
+        self.loaded_tokens = {"host": 0, "storage": 0}  # tokens loaded back into the pool, by the tier they came from
+        self._from_storage: set[str] = set()  # host pages that a prefetch brought up (not yet loaded)
+        L, _, H, D = (pool.num_layers, 0, *pool.k_buffer[0].shape[1:])
+        dtype = copyable(pool.k_buffer[0]).dtype
+        self._like = Page(torch.empty(L, page_size, H, D, dtype=dtype), torch.empty(L, page_size, H, D, dtype=dtype))
+        self._writes: queue.Queue | None = None
+        self._fetcher: ThreadPoolExecutor | None = None
+        if storage is not None:
+            self._writes = queue.Queue(WRITE_QUEUE)
+            threading.Thread(target=self._write_loop, name="hicache-writer", daemon=True).start()
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="hicache-prefetch")
+
+    # ---- the tree's hooks -------------------------------------------------------------------
+    def on_insert(self, node: TreeNode) -> None:
+        if self.write_policy == "write_through":
+            self._save(node, through=True)
+
+    def on_hit(self, node: TreeNode) -> None:
+        if self.write_policy == "write_through_selective" and node.access_count == SELECTIVE_HITS:
+            self._save(node, through=True)
+
+    def on_evict(self, node: TreeNode) -> None:
+        """node (still linked to its parent) leaves the pool: its pages go down to the host tier."""
+        self._save(node, through=False)
+
+    def reset(self) -> None:
+        self.host.clear()
+
+    def _save(self, node: TreeNode, through: bool) -> None:
+        """Writes the full pages that end inside node's edge and are not in the host tier yet."""
+        P, depth = self.page_size, node.depth
+        first, last = (depth - len(node.key)) // P, depth // P  # pages first .. last-1 end inside the edge
+        if last <= first:
+            return
+        tokens, slots = path_of(node)
+        keys = page_keys(self.namespace, node.extra_key, tokens, P)
+        todo = [k for k in range(first, last) if keys[k] not in self.host]
+        if not todo:
+            return
+        rows = torch.cat([slots[k * P : (k + 1) * P] for k in todo])
+        for k, page in zip(todo, read_pages(self.pool, rows, P)):
+            self._host_put(keys[k], page, through)
+
+    def _host_put(self, key: str, page: Page, through: bool) -> None:
+        pushed = self.host.put(key, page)
+        if self._writes is None:
+            return
+        if through:
+            self._write(key, page)
+        for k, p in pushed:  # leaving the host tier: down to storage unless it is there
+            self._from_storage.discard(k)
+            self._write(k, p)
+
+    # ---- loading back -----------------------------------------------------------------------
+    def plan_load(self, key: list[int], extra_key: str | None, start: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """The host tier's pages continuing key past `start` (tokens the pool holds): (end, k rows,
+        v rows) for tokens start..end-1, or None when the next page is not in the host tier."""
+        P = self.page_size
+        if (start // P + 1) * P > len(key):
+            return None
+        keys = page_keys(self.namespace, extra_key, key, P)
+        pages, k0 = [], start // P
+        for k in range(k0, len(keys)):
+            page = self.host.get(keys[k])
+            if page is None:
+                break
+            pages.append((keys[k], page))
+        if not pages:
+            return None
+        off, end = start - k0 * P, (k0 + len(pages)) * P
+        kr = torch.cat([p.k for _, p in pages], dim=1)[:, off:]
+        vr = torch.cat([p.v for _, p in pages], dim=1)[:, off:]
+        for i, (k, _) in enumerate(pages):
+            tier = "storage" if k in self._from_storage else "host"
+            self._from_storage.discard(k)
+            self.loaded_tokens[tier] += P - (off if i == 0 else 0)
+        return end, kr, vr
+
+    def load(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        write_rows(self.pool, slots, k, v)
+
+    # ---- the storage tier -------------------------------------------------------------------
+    def prefetch(self, key: list[int], extra_key: str | None, cached: int) -> Future | None:
+        """Starts reading, from storage into the host tier, the pages of key past `cached` tokens
+        that the host tier lacks; None when there is nothing to read (or no storage tier)."""
+        if self._fetcher is None:
+            return None
+        P = self.page_size
+        keys = page_keys(self.namespace, extra_key, key, P)[cached // P :]
+        while keys and keys[0] in self.host:
+            keys = keys[1:]
+        if not keys:
+            return None
+        return self._fetcher.submit(self._fetch, keys)
+
+    def timeout(self, tokens: int) -> float:
+        return self.timeout_base + self.timeout_per_ki_token * tokens / 1024
+
+    def _fetch(self, keys: list[str]) -> int:
+        """Reads consecutive pages until one is missing, corrupt or unreadable; returns pages read."""
+        n = 0
+        for key in keys:
+            if key in self.host:
+                n += 1
+                continue
+            try:
+                data = self.storage.get(key)
+            except Exception as e:  # noqa: BLE001 - any storage failure costs a recompute
+                self.storage_stats.failures += 1
+                logger.warning("hicache storage read of %s failed: %s", key, e)
+                return n
+            if data is None:
+                self.storage_stats.misses += 1
+                return n
+            page = decode(data, self._like)
+            if page is None:
+                self.storage_stats.failures += 1
+                logger.warning("hicache storage object %s is corrupt; it is recomputed and written again", key)
+                try:
+                    self.storage.remove(key)
+                except Exception:  # noqa: BLE001 - still counted; the next write replaces it
+                    pass
+                return n
+            self.storage_stats.hits += 1
+            self.storage_stats.bytes_read += len(data)
+            self._from_storage.add(key)
+            self._host_put(key, page, through=False)
+            n += 1
+        return n
+
+    def _write(self, key: str, page: Page) -> None:
+        try:
+            self._writes.put_nowait((key, page))
+        except queue.Full:
+            self.storage_stats.extra["dropped_writes"] = self.storage_stats.extra.get("dropped_writes", 0) + 1
+
+    def _write_loop(self) -> None:
+        while True:
+            key, page = self._writes.get()
+            try:
+                if not self.storage.exists(key):
+                    data = encode(page)
+                    self.storage.put(key, data)
+                    self.storage_stats.writes += 1
+                    self.storage_stats.bytes_written += len(data)
+            except Exception as e:  # noqa: BLE001 - a lost write costs a later recompute
+                self.storage_stats.failures += 1
+                logger.warning("hicache storage write of %s failed: %s", key, e)
+            finally:
+                self._writes.task_done()
+
+    def flush(self) -> None:
+        """Waits until every queued storage write has been done (or has failed)."""
+        if self._writes is not None:
+            self._writes.join()
+
+    def pending_writes(self) -> int:
+        return 0 if self._writes is None else self._writes.unfinished_tasks
+
+    def stats(self) -> dict:
+        out = {"page_size": self.page_size, "write_policy": self.write_policy,
+               "loaded_tokens": dict(self.loaded_tokens),
+               "host": self.host.stats.as_dict() | {"pages": len(self.host), "capacity_pages": self.host.capacity}}
+        if self.storage is not None:
+            out["storage"] = self.storage_stats.as_dict() | {"backend": self.storage.name,
+                                                             "pending_writes": self.pending_writes()}
+        return out
+
+
+def make_storage(backend: str | None, extra: dict):
+    if backend is None:
+        return None
+    if backend == "file":
+        import os
+
+        path = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or extra.get("file_storage_path") or "/tmp/hicache"
+        return FileStorage(path)
+    raise ValueError(f"--hicache-storage-backend {backend!r} is not supported (choose file)")
+
+
+def host_pages(pool_tokens: int, page_bytes: int, page_size: int, ratio: float | None, size_gb: int,
+               available: int | None = None) -> int:
+    """Pages of the host tier: --hicache-size GB when given, else --hicache-ratio (2.0) times the pool.
+    ValueError naming the flag when that does not fit the memory available (or holds no page)."""
+    import os
+
+    want = size_gb * 10**9 // page_bytes if size_gb > 0 else int((ratio or 2.0) * pool_tokens) // page_size
+    flag = "--hicache-size" if size_gb > 0 else "--hicache-ratio"
+    if want < 1:
+        raise ValueError(f"{flag} leaves the host tier less than one page ({page_bytes} bytes)")
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if want * page_bytes > available:
+        raise ValueError(f"{flag}: the host tier needs {want * page_bytes / 1e9:.2f} GB but "
+                         f"{available / 1e9:.2f} GB of memory is available")
+    return want
+
+
+def make_hicache(args, pool: KVPool, model: torch.nn.Module) -> HiCache | None:
+    """The tiers the server arguments ask for (None without --enable-hierarchical-cache)."""
+    if not args.enable_hierarchical_cache:
+        return None
+    extra = args.hicache_extra_config()
+    P = args.hicache_page_size
+    page_bytes = KVPool.bytes_per_token(pool.num_layers, *pool.k_buffer[0].shape[1:], pool.dtype) * P
+    pages = host_pages(pool.size, page_bytes, P, args.hicache_ratio, args.hicache_size)
+    return HiCache(pool, model_fingerprint(model, pool.dtype), pages, P, args.hicache_write_policy,
+                   make_storage(args.hicache_storage_backend, extra), args.hicache_storage_prefetch_policy,
+                   extra.get("prefetch_timeout_base", 1.0), extra.get("prefetch_timeout_per_ki_token", 0.25))

@@ -1,0 +1,295 @@
+"""The KV tiers below the pool (--enable-hierarchical-cache, issue 40): page keys, the host tier,
+the file storage tier, the radix tree's demotion and load-back, and engines sharing a storage tier.
+
+Every load is checked bit for bit: against the pool rows it replaces (tree level) and against a
+cold engine's logprobs (engine level)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sgrec.mem.kv_pool import FP8, KVPool, copyable
+from sgrec.mem.tiers import FileStorage, HostTier, Page, decode, encode, page_keys, read_pages
+from sgrec.radix.hicache import HiCache, host_pages
+from sgrec.radix.tree import RadixCache
+from sgrec.server_args import ServerArgs
+
+P = 4  # page size of the tree-level tests
+
+
+# ---- pages and keys ----------------------------------------------------------------------------
+def test_page_keys_name_whole_prefixes():
+    toks = list(range(10, 30))
+    keys = page_keys("m", None, toks, 4)
+    assert len(keys) == 5 and len(set(keys)) == 5
+    assert page_keys("m", None, toks[:13], 4) == keys[:3]  # a page's key depends only on the tokens up to its end
+    changed = toks.copy()
+    changed[1] += 1  # an early token changes every later key
+    assert all(a != b for a, b in zip(page_keys("m", None, changed, 4), keys))
+    assert page_keys("m", "user", toks, 4)[0] != keys[0]  # extra_key namespaces pages as it does the tree
+    assert page_keys("other model", None, toks, 4)[0] != keys[0]
+    assert page_keys("m", None, toks, 5)[0] != keys[0]
+    assert page_keys("m", None, toks[:3], 4) == []
+
+
+def _page(seed: int, dtype=torch.float32) -> Page:
+    g = torch.Generator().manual_seed(seed)
+    return Page(torch.randn(2, P, 3, 8, generator=g).to(dtype), torch.randn(2, P, 3, 8, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_encode_decode_round_trip_and_corruption(dtype):
+    page = _page(0, dtype) if dtype != torch.uint8 else Page(*(torch.randint(0, 255, (2, P, 3, 8), dtype=dtype)
+                                                              for _ in range(2)))
+    data = encode(page)
+    back = decode(data, page)
+    assert torch.equal(back.k.view(torch.uint8), page.k.view(torch.uint8))
+    assert torch.equal(back.v.view(torch.uint8), page.v.view(torch.uint8))
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 1
+    assert decode(bytes(flipped), page) is None  # one bit: the digest catches it
+    assert decode(data[:-1], page) is None  # truncated
+    assert decode(b"", page) is None
+    other = Page(page.k[:, :2].contiguous(), page.v[:, :2].contiguous())
+    assert decode(encode(other), page) is None  # another shape (another model)
+
+
+def test_host_tier_keeps_the_most_recent_pages():
+    host = HostTier(2)
+    assert host.put("a", _page(0)) == [] and host.put("b", _page(1)) == []
+    assert host.get("a") is not None  # a is now the most recent
+    pushed = host.put("c", _page(2))
+    assert [k for k, _ in pushed] == ["b"] and "a" in host and "c" in host
+    assert host.get("b") is None
+    assert (host.stats.hits, host.stats.misses, host.stats.evictions) == (1, 1, 1)
+    with pytest.raises(ValueError):
+        HostTier(0)
+
+
+def test_file_storage_writes_whole_objects(tmp_path):
+    st = FileStorage(tmp_path / "kv")
+    assert st.get("k") is None and not st.exists("k")
+    st.put("k", b"abc")
+    st.put("k", b"abcd")  # a rewrite replaces the object whole
+    assert st.get("k") == b"abcd" and st.exists("k")
+    assert [p.name for p in (tmp_path / "kv").iterdir()] == ["k.kv"]  # no temporary file left
+
+
+# ---- the tree ----------------------------------------------------------------------------------
+def _pool(size: int, dtype=torch.float32) -> KVPool:
+    pool = KVPool(size, num_layers=2, num_kv_heads=3, head_dim=8, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    for buf in (*pool.k_buffer, *pool.v_buffer):  # every slot holds distinct values
+        copyable(buf).copy_(torch.randn(buf.shape, generator=g).to(dtype).view(copyable(buf).dtype)
+                            if dtype != FP8 else torch.randint(0, 120, buf.shape, generator=g, dtype=torch.uint8))
+    return pool
+
+
+def _tree(pool: KVPool, policy: str = "write_through", host: int = 64) -> RadixCache:
+    return RadixCache(pool.allocator, hicache=HiCache(pool, "ns", host, P, policy))
+
+
+def _rows(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
+    return [copyable(b)[slots].clone() for b in (*pool.k_buffer, *pool.v_buffer)]
+
+
+def _cache(tree: RadixCache, key: list[int], rows: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Inserts key with fresh slots (as a request would leave its KV), holding `rows` when given (a
+    recompute gives the same bits); returns the rows it holds."""
+    slots = tree.allocator.alloc(len(key))
+    if rows is not None:
+        for buf, want in zip((*tree.hicache.pool.k_buffer, *tree.hicache.pool.v_buffer), rows):
+            copyable(buf)[slots] = want[: len(key)]
+    tree.insert(key, slots)
+    return _rows(tree.hicache.pool, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_evicted_prefix_loads_back_bit_for_bit(dtype, policy):
+    pool = _pool(40, dtype)
+    tree = _tree(pool, policy)
+    key = list(range(100, 118))  # 18 tokens: 4 full pages and a 2-token tail
+    rows = _cache(tree, key)
+    if policy == "write_through":
+        assert len(tree.hicache.host) == 4  # written when the tree took it
+    else:
+        assert len(tree.hicache.host) == 0  # nothing early: only at eviction (or at the second hit)
+    assert tree.evict(100) == 18 and tree.total_size() == 0
+    assert len(tree.hicache.host) == 4  # every policy writes an evicted node down
+    res = tree.match_prefix(key + [7, 8])
+    assert res.indices.numel() == 16  # whole pages come back; the tail is recomputed
+    assert all(torch.equal(got, want[:16]) for got, want in zip(_rows(pool, res.indices), rows))
+    assert tree.hicache.loaded_tokens["host"] == 16
+    tree.check_integrity()
+    assert tree.total_size() == 16
+
+
+def test_selective_writes_at_the_second_hit():
+    pool = _pool(40)
+    tree = _tree(pool, "write_through_selective")
+    key = list(range(8))
+    _cache(tree, key)
+    assert len(tree.hicache.host) == 0
+    tree.match_prefix(key)  # the second access of the node
+    assert len(tree.hicache.host) == 2
+
+
+def test_load_back_joins_a_partly_cached_prefix_mid_page():
+    """The pool holds 6 tokens of a 16-token prefix whose 4 pages are in the host tier: the load
+    starts mid-page 1, and the result is the original rows."""
+    pool = _pool(60)
+    tree = _tree(pool)
+    key = list(range(300, 316))
+    rows = _cache(tree, key)
+    tree.evict(100)
+    _cache(tree, key[:6], rows)  # the first 6 tokens recomputed into other slots
+    six = tree.match_prefix(key[:6]).indices
+    res = tree.match_prefix(key)
+    assert res.indices.numel() == 16 and torch.equal(res.indices[:6], six)
+    assert all(torch.equal(got, want) for got, want in zip(_rows(pool, res.indices), rows))
+    assert tree.hicache.loaded_tokens["host"] == 10
+    tree.check_integrity()
+
+
+def test_load_back_makes_room_without_evicting_the_matched_part():
+    pool = _pool(24)
+    tree = _tree(pool)
+    a, b = list(range(16)), list(range(50, 66))
+    rows_a = _cache(tree, a)
+    tree.evict(100)
+    _cache(tree, b)
+    _cache(tree, a[:4], rows_a)  # the pool is full: 16 of b + 4 of a (+4 free)
+    res = tree.match_prefix(a)  # needs 12 more slots: b is evicted (to the host tier), a[:4] is kept
+    assert res.indices.numel() == 16
+    assert all(torch.equal(got, want) for got, want in zip(_rows(pool, res.indices), rows_a))
+    tree.check_integrity()
+
+
+def test_no_room_means_recompute():
+    pool = _pool(20)
+    tree = _tree(pool)
+    key = list(range(16))
+    _cache(tree, key)
+    tree.evict(100)
+    other = list(range(40, 56))
+    slots = tree.allocator.alloc(16)
+    tree.insert(other, slots)
+    tree.inc_lock_ref(tree.match_prefix(other).last_node)  # a running request holds 16 of the 20 slots
+    assert tree.match_prefix(key).indices.numel() == 0  # the 16 pages do not fit: a miss, nothing broken
+    tree.check_integrity()
+
+
+def test_host_tier_size_is_checked_against_memory():
+    with pytest.raises(ValueError, match="--hicache-size"):
+        host_pages(1000, 4096, 64, None, 10**6)
+    with pytest.raises(ValueError, match="--hicache-ratio"):
+        host_pages(1000, 4096, 64, 2.0, 0, available=4096)
+    assert host_pages(1000, 4096, 64, None, 0, available=10**9) == 31  # 2 x 1000 tokens in pages of 64
+    assert host_pages(1000, 4096, 64, 1.0, 1, available=10**12) == 10**9 // 4096
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"hicache_storage_backend": "file"}, "need enable_hierarchical_cache"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend_extra_config": "{"}, "not JSON"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend_extra_config": '{"colour": 1}'}, "unknown key"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend_extra_config": '{"prefetch_timeout_base": -1}'},
+     "non-negative"),
+    ({"enable_hierarchical_cache": True, "hicache_write_policy": "sometimes"}, "hicache_write_policy"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "tape"}, "hicache_storage_backend"),
+    ({"enable_hierarchical_cache": True, "hicache_ratio": 0.0}, "hicache_ratio"),
+    ({"enable_hierarchical_cache": True, "hicache_page_size": 0}, "hicache_page_size"),
+])
+def test_bad_flags_name_themselves(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ServerArgs(**kw)
+
+
+# ---- engines -----------------------------------------------------------------------------------
+SP = {"max_new_tokens": 4, "temperature": 0}
+
+
+def _users(n: int, length: int = 300, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 200, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _engine(path, dtype="float32", **kw):
+    from sgrec import Engine
+
+    return Engine(path, device="cpu", dtype=dtype, max_total_tokens=600, enable_hierarchical_cache=True,
+                  hicache_page_size=16, **kw)
+
+
+def _run(engine, users):
+    return [engine.generate(input_ids=u, sampling_params=SP, return_logprob=True) for u in users]
+
+
+def _same_answers(a, b):
+    for x, y in zip(a, b):
+        assert x["output_ids"] == y["output_ids"]
+        assert x["meta_info"]["output_token_logprobs"] == y["meta_info"]["output_token_logprobs"]
+
+
+@pytest.fixture(scope="module")
+def path(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_reloads_evicted_users_from_the_host_tier(path, dtype):
+    """Four 300-token users through a 600-token pool: each is evicted before it returns, and comes
+    back from the host tier with the logprobs of its cold run, bit for bit."""
+    eng = _engine(path, dtype)
+    users = _users(4)
+    cold = _run(eng, users)
+    assert [o["meta_info"]["cached_tokens"] for o in cold] == [0] * 4
+    warm = _run(eng, users)
+    assert [o["meta_info"]["cached_tokens"] for o in warm] == [288] * 4  # 18 pages of 16; the tail recomputed
+    _same_answers(cold, warm)
+    assert eng.scheduler.hicache.loaded_tokens == {"host": 4 * 288, "storage": 0}
+    eng.scheduler.check_memory()
+
+
+def test_users_move_between_engines_through_file_storage(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "store"))
+    a, b = _engine(path, hicache_storage_backend="file"), _engine(path, hicache_storage_backend="file")
+    users = _users(3, seed=1)
+    first = _run(a, users)
+    a.scheduler.hicache.flush()  # every page written (the writer is off the step)
+    assert len(os.listdir(tmp_path / "store")) == 3 * 18
+    moved = _run(b, users)  # each user's next visit lands on the other engine
+    assert [o["meta_info"]["cached_tokens"] for o in moved] == [288] * 3
+    _same_answers(first, moved)
+    stats = b.scheduler.hicache.stats()
+    assert stats["loaded_tokens"]["storage"] == 3 * 288 and stats["storage"]["failures"] == 0
+    b.scheduler.check_memory()
+
+
+def test_a_failing_storage_tier_costs_a_recompute(path, tmp_path, monkeypatch):
+    """A corrupt object and a missing one: the pages before them load, the rest is recomputed, the
+    answers stay the same, and the corrupt object is replaced by the recomputed page."""
+    store = tmp_path / "store"
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(store))
+    a = _engine(path, hicache_storage_backend="file")
+    users = _users(3, seed=2)
+    first = _run(a, users)
+    a.scheduler.hicache.flush()
+    keys = [page_keys(a.scheduler.hicache.namespace, None, u, 16) for u in users]
+    bad = store / f"{keys[0][5]}.kv"
+    data = bytearray(bad.read_bytes())
+    data[100] ^= 0xFF
+    bad.write_bytes(bytes(data))  # user 0: page 5 corrupt
+    (store / f"{keys[1][10]}.kv").unlink()  # user 1: page 10 missing
+    b = _engine(path, hicache_storage_backend="file")
+    again = _run(b, users)
+    _same_answers(first, again)
+    assert [o["meta_info"]["cached_tokens"] for o in again] == [5 * 16, 10 * 16, 288]
+    st = b.scheduler.hicache.stats()["storage"]
+    assert (st["failures"], st["misses"]) == (1, 1)
+    b.scheduler.hicache.flush()
+    assert decode(bad.read_bytes(), b.scheduler.hicache._like) is not None  # written again, whole
+    b.scheduler.check_memory()
