@@ -8,7 +8,10 @@ import os
 from dataclasses import dataclass, field
 
 DEFAULT_BATCH_TOKENS = 16384  # --max-batch-tokens on CPU, and its least on CUDA
-HICACHE_EXTRA_KEYS = frozenset({"file_storage_path", "prefetch_timeout_base", "prefetch_timeout_per_ki_token"})
+HICACHE_EXTRA_KEYS = frozenset({  # --hicache-storage-backend-extra-config (SGLang's names)
+    "file_storage_path", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",  # any backend / file
+    "master_server_address", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",  # mooncake
+    "local_hostname"})
 DEVICE_SIZED = ("chunked_prefill_size", "max_batch_tokens")  # left to ServerArgs.sized_for by default
 
 
@@ -89,7 +92,9 @@ class ServerArgs:
     hicache_storage_backend: str | None = _arg(
         None, "SGLang's flag: the storage tier below the host tier, shared by the servers that point at the "
         "same place: file (a directory: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the extra config's "
-        "file_storage_path, else /tmp/hicache).", [None, "file"])
+        "file_storage_path, else /tmp/hicache); mooncake (Mooncake Store: a mooncake_master named by the extra "
+        "config's master_server_address or $MOONCAKE_MASTER; needs pip install 'sgrec[mooncake]').",
+        [None, "file", "mooncake"])
     hicache_storage_prefetch_policy: str = _arg(
         "timeout", "SGLang's flag: how long a request waits in the queue (never the step) for its pages to come "
         "up from storage: best_effort (not at all), wait_complete (until read), timeout (at most "
@@ -97,7 +102,9 @@ class ServerArgs:
         ["best_effort", "wait_complete", "timeout"])
     hicache_storage_backend_extra_config: str | None = _arg(
         None, "SGLang's flag: JSON object of the storage tier's settings: file_storage_path, "
-        "prefetch_timeout_base, prefetch_timeout_per_ki_token.")
+        "prefetch_timeout_base, prefetch_timeout_per_ki_token; for mooncake master_server_address, metadata_server "
+        "(P2PHANDSHAKE), global_segment_size (bytes this server adds to the store, 256 MiB), local_buffer_size "
+        "(64 MiB), protocol (tcp), local_hostname (127.0.0.1).")
     item_catalog: str | None = _arg(
         None, "Item catalog for /v1/rank and /v1/retrieve: JSON Lines (id, text or token_ids, optional "
         "id_token, semantic_id, attrs) or the binary .npz bundle of `python -m sgrec.catalog convert`.")

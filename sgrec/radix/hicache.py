@@ -24,6 +24,7 @@ import hashlib
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+STORAGE_BACKOFF_S = 2.0  # after a storage error, reads and writes skip the storage tier this long
 SELECTIVE_HITS = 2  # write_through_selective writes a node down at its second hit
 WRITE_QUEUE = 4096  # pages waiting for the storage writer; beyond that a write is dropped (counted)
 
@@ -82,6 +84,7 @@ class HiCache:
         self.host = HostTier(host_pages)
         self.storage = storage
         self.storage_stats = TierStats()
+        self._down_until = 0.0  # storage failed: skipped until then (a recompute, never a wait)
         self.loaded_tokens = {"host": 0, "storage": 0}  # tokens loaded back into the pool, by the tier they came from
         self._from_storage: set[str] = set()  # host pages that a prefetch brought up (not yet loaded)
         L, _, H, D = (pool.num_layers, 0, *pool.k_buffer[0].shape[1:])
@@ -167,7 +170,7 @@ class HiCache:
     def prefetch(self, key: list[int], extra_key: str | None, cached: int) -> Future | None:
         """Starts reading, from storage into the host tier, the pages of key past `cached` tokens
         that the host tier lacks; None when there is nothing to read (or no storage tier)."""
-        if self._fetcher is None:
+        if self._fetcher is None or not self._storage_up():
             return None
         P = self.page_size
         keys = page_keys(self.namespace, extra_key, key, P)[cached // P :]
@@ -190,8 +193,7 @@ class HiCache:
             try:
                 data = self.storage.get(key)
             except Exception as e:  # noqa: BLE001 - any storage failure costs a recompute
-                self.storage_stats.failures += 1
-                logger.warning("hicache storage read of %s failed: %s", key, e)
+                self._storage_failed("read", key, e)
                 return n
             if data is None:
                 self.storage_stats.misses += 1
@@ -216,20 +218,33 @@ class HiCache:
         try:
             self._writes.put_nowait((key, page))
         except queue.Full:
-            self.storage_stats.extra["dropped_writes"] = self.storage_stats.extra.get("dropped_writes", 0) + 1
+            self._count("dropped_writes")
+
+    def _count(self, what: str) -> None:
+        self.storage_stats.extra[what] = self.storage_stats.extra.get(what, 0) + 1
+
+    def _storage_up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _storage_failed(self, op: str, key: str, e: Exception) -> None:
+        self.storage_stats.failures += 1
+        self._down_until = time.monotonic() + STORAGE_BACKOFF_S
+        logger.warning("hicache storage %s of %s failed (%s); the storage tier is skipped for %.0f s",
+                       op, key, e, STORAGE_BACKOFF_S)
 
     def _write_loop(self) -> None:
         while True:
             key, page = self._writes.get()
             try:
-                if not self.storage.exists(key):
+                if not self._storage_up():
+                    self._count("dropped_writes")
+                elif not self.storage.exists(key):
                     data = encode(page)
                     self.storage.put(key, data)
                     self.storage_stats.writes += 1
                     self.storage_stats.bytes_written += len(data)
             except Exception as e:  # noqa: BLE001 - a lost write costs a later recompute
-                self.storage_stats.failures += 1
-                logger.warning("hicache storage write of %s failed: %s", key, e)
+                self._storage_failed("write", key, e)
             finally:
                 self._writes.task_done()
 
@@ -259,7 +274,11 @@ def make_storage(backend: str | None, extra: dict):
 
         path = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or extra.get("file_storage_path") or "/tmp/hicache"
         return FileStorage(path)
-    raise ValueError(f"--hicache-storage-backend {backend!r} is not supported (choose file)")
+    if backend == "mooncake":
+        from sgrec.mem.mooncake import MooncakeStorage
+
+        return MooncakeStorage(extra)
+    raise ValueError(f"--hicache-storage-backend {backend!r} is not supported (choose file or mooncake)")
 
 
 def host_pages(pool_tokens: int, page_bytes: int, page_size: int, ratio: float | None, size_gb: int,
