@@ -87,8 +87,9 @@ class ServerArgs:
         "write_through_selective (at a prefix's second hit), write_back (only when evicted). Evicted KV goes "
         "down whatever the policy.", ["write_back", "write_through", "write_through_selective"])
     hicache_page_size: int = _arg(
-        64, "sgrec's own: tokens per page of the lower tiers (a page is the unit written, keyed and loaded; "
-        "the tail of a prefix shorter than a page is recomputed).")
+        16, "sgrec's own: tokens per page of the lower tiers (a page is the unit written, keyed and loaded; "
+        "the tail of a prefix shorter than a page is recomputed). Small, as recommendation prefixes are a few "
+        "hundred tokens; larger pages mean fewer, larger storage objects.")
     hicache_storage_backend: str | None = _arg(
         None, "SGLang's flag: the storage tier below the host tier, shared by the servers that point at the "
         "same place: file (a directory: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the extra config's "

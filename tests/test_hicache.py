@@ -371,3 +371,77 @@ def test_no_master_is_a_start_up_error(path):
         _mooncake(path, f"127.0.0.1:{free_port()}")
     with pytest.raises(ValueError, match="master_server_address"):
         _engine(path, hicache_storage_backend="mooncake")
+
+
+def test_rank_and_retrieve_find_users_in_storage(path, tmp_path, monkeypatch):
+    """rank's user prefix and retrieve's prompt go through the same tiers: a user ranked and retrieved on
+    one engine is found on another, with the answers of the first (invariant 1: 1e-5 a log-prob)."""
+    from sgrec import Engine
+    from tests.test_rec_server import write_catalog
+
+    catalog = write_catalog(tmp_path / "catalog.jsonl", n=30, semantic=True)
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "store"))
+
+    def engine():
+        return Engine(path, device="cpu", dtype="float32", max_total_tokens=900, item_catalog=catalog,
+                      enable_hierarchical_cache=True, hicache_page_size=16, hicache_storage_backend="file")
+
+    a, b = engine(), engine()
+    users = [{"token_ids": u} for u in _users(3, length=200, seed=5)]
+    items = [f"i{k}" for k in range(0, 30, 3)]
+    ranked = [a.rank(u, items, prefix="user") for u in users]
+    found = [a.retrieve(u, beam_width=8, num_items=5) for u in users]
+    a.scheduler.hicache.flush()
+    for u, r, f in zip(users, ranked, found):
+        r2, f2 = b.rank(u, items, prefix="user"), b.retrieve(u, beam_width=8, num_items=5)
+        assert [x["item"] for x in r2["ranking"]] == [x["item"] for x in r["ranking"]]
+        assert all(abs(x["score"] - y["score"]) <= 1e-5 for x, y in zip(r["ranking"], r2["ranking"]))
+        assert [x["item"] for x in f2["items"]] == [x["item"] for x in f["items"]]
+        assert all(abs(x["score"] - y["score"]) <= 3e-5 for x, y in zip(f["items"], f2["items"]))
+    assert b.scheduler.hicache.loaded_tokens["storage"] >= 3 * 192  # each user's 12 pages came up at least once
+    b.scheduler.check_memory()
+
+
+def _wait_for(get, check, what: str, tries: int = 600):
+    """Polls the server until check(get()) holds (the scheduler reports its stats every 0.5 s)."""
+    import time
+
+    for _ in range(tries):
+        value = get()
+        if check(value):
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"the server never showed {what}: {value}")
+
+
+def test_two_servers_share_users_through_mooncake(path, master, start_server):
+    """Two real servers on one master: a user served by one is a hit on the other, and each server
+    shows its tiers in /get_server_info and /metrics."""
+    import json
+
+    flags = ["--max-total-tokens", "600", "--enable-hierarchical-cache", "--hicache-page-size", "16",
+             "--hicache-storage-backend", "mooncake", "--hicache-storage-prefetch-policy", "wait_complete",
+             "--hicache-storage-backend-extra-config",
+             json.dumps({"master_server_address": master.address, "global_segment_size": 64 << 20,
+                         "local_buffer_size": 16 << 20}), "--enable-metrics"]
+    one, two = start_server(path, *flags), start_server(path, *flags)
+    user = _users(1, seed=6)[0]
+    body = {"input_ids": user, "sampling_params": SP, "return_logprob": True}
+    first = one.client.post("/generate", json=body).json()
+    assert first["meta_info"]["cached_tokens"] == 0
+
+    def tiers(srv):
+        return srv.client.get("/get_server_info").json()["internal_states"][0]["hicache"]
+
+    _wait_for(lambda: tiers(one), lambda t: t and t["storage"]["writes"] >= 18 and t["storage"]["pending_writes"] == 0,
+              "the user's 18 pages written to storage (and the warm-up's)")
+    moved = two.client.post("/generate", json=body).json()
+    assert moved["meta_info"]["cached_tokens"] == 288
+    assert moved["meta_info"]["output_token_logprobs"] == first["meta_info"]["output_token_logprobs"]
+    t = _wait_for(lambda: tiers(two), lambda t: t and t["loaded_tokens"]["storage"] == 288, "288 tokens loaded")
+    assert t["storage"]["hits"] == 18 and t["storage"]["backend"] == "mooncake" and t["storage"]["failures"] == 0
+    metrics = two.client.get("/metrics").text
+    assert 'sgrec:hicache_loaded_tokens{model_name=' in metrics
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("sgrec:hicache{") and 'tier="storage"' in ln
+                and 'counter="hits"' in ln)
+    assert float(line.split()[-1]) == 18

@@ -23,7 +23,6 @@ import torch
 
 from sgrec.mem.kv_pool import KVPool, copyable
 
-DEFAULT_PAGE_SIZE = 64
 _MAGIC = b"SGRKV1"
 _DIGEST = 16
 
