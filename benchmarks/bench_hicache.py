@@ -1,0 +1,212 @@
+"""The hierarchical KV cache (issue 40) on the returning-user trace, with a KV pool ten times too small.
+
+    python benchmarks/bench_hicache.py                       # all configurations, then two servers
+    python benchmarks/bench_hicache.py --configs none host --requests 500
+    python benchmarks/bench_hicache.py --no-two-servers
+
+The trace is `gr-users` (sgrec.radix.sim.traces): MovieLens-100K interactions in time order from
+--start, each a request of that user (a shared system prompt, the user's history of up to
+--max-history (item, rating) pairs, the candidates). MovieLens users rate in sessions, so by default
+a request is a user's visit: the first interaction of each run of one user's consecutive
+interactions (--every-interaction sends them all). MovieLens raters rated one after another, so in
+the data's time order about two users are active at any time and a small pool already holds the
+returning user; by default the users' visits are merged at random (seeded, each user's own order
+kept), as many concurrent users would send them (--order time keeps the data's order). Requests are /generate with max_new_tokens 1, one
+at a time, so a request's latency is its time to first token. The working set is the longest prompt of every user in
+the window; the pool (--max-total-tokens) is that divided by --pool-ratio (10).
+
+1. One server per configuration, each on the same requests: `none` (no hierarchy: what the pool
+   evicts is recomputed), `host` (--enable-hierarchical-cache, a host tier that holds the working
+   set), `file` and `mooncake` (a host tier of --hicache-ratio 1 over a storage tier; a fresh
+   directory, a fresh mooncake_master). Reported: hit rate (cached / prompt tokens), TTFT P50 / P99,
+   requests per second, and the P50's ratio against `none` (target: 2x).
+2. Two servers on one mooncake_master. Each request goes to one of them chosen at random (seeded),
+   as a random-policy router would, so the client knows which server served it: a request whose
+   user's previous request went to the other server is a moving user's. Reported: hit rate of moving
+   and of staying users' requests (target: moving within 10% of staying), and the same for two servers
+   without the hierarchy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_catalog import header  # noqa: E402
+
+from sgrec.radix.sim.traces import build_gr_requests  # noqa: E402
+from sgrec.tools.local_server import LocalServer  # noqa: E402
+
+CONFIGS = ("none", "host", "file", "mooncake")
+
+
+def requests(n: int, start: int, max_history: int, every: bool, order: str, seed: int) -> tuple[list, int]:
+    """The first n visits (or interactions, every=True) from `start`, in the data's time order or
+    interleaved (each user's own order kept), and the working set in tokens."""
+    reqs = build_gr_requests(n if every else 40 * n, start=start, max_history=max_history)
+    if not every:  # a visit: the first of a run of one user's consecutive interactions
+        reqs = [r for i, r in enumerate(reqs) if i == 0 or reqs[i - 1].user != r.user][:n]
+    if order == "interleaved":  # a random merge of the users' sequences
+        queues: dict[int, list] = {}
+        for r in reqs:
+            queues.setdefault(r.user, []).append(r)
+        slots = [u for u in queues for _ in queues[u]]
+        random.Random(seed).shuffle(slots)
+        reqs = [queues[u].pop(0) for u in slots]
+    longest: dict[int, int] = {}
+    for r in reqs:
+        longest[r.user] = max(longest.get(r.user, 0), len(r.tokens()))
+    return reqs, sum(longest.values())
+
+
+def flags_for(config: str, pool: int, work: str, master: str | None) -> list[str]:
+    base = ["--max-total-tokens", str(pool), "--dtype", "float32", "--chunked-prefill-size", "-1"]
+    if config == "none":
+        return base
+    hier = [*base, "--enable-hierarchical-cache"]
+    if config == "host":
+        return [*hier, "--hicache-ratio", "20"]  # the working set fits the host tier
+    if config == "file":
+        return [*hier, "--hicache-ratio", "1", "--hicache-storage-backend", "file",
+                "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": os.path.join(work, "kv")})]
+    return [*hier, "--hicache-ratio", "1", "--hicache-storage-backend", "mooncake",
+            "--hicache-storage-backend-extra-config", json.dumps({"master_server_address": master})]
+
+
+def send(client: httpx.Client, r) -> tuple[float, int, int]:
+    body = {"input_ids": r.tokens(), "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    t = time.perf_counter()
+    out = client.post("/generate", json=body)
+    dt = time.perf_counter() - t
+    out.raise_for_status()
+    meta = out.json()["meta_info"]
+    return dt, meta["prompt_tokens"], meta["cached_tokens"]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def tiers(srv: LocalServer) -> dict | None:
+    return httpx.get(srv.url + "/get_server_info", timeout=30).json()["internal_states"][0].get("hicache")
+
+
+def one_config(config: str, model: str, reqs: list, pool: int, work: str, master: str | None) -> dict:
+    with LocalServer(["--model-path", model, "--device", "cpu", *flags_for(config, pool, work, master)],
+                     log_path=os.path.join(work, f"{config}.log")) as srv:
+        client = httpx.Client(base_url=srv.url, timeout=300)
+        for r in reqs[:3]:  # warm the code paths (their users come back in the trace: a few hits for all)
+            send(client, r)
+        t0 = time.perf_counter()
+        rows = [send(client, r) for r in reqs]
+        wall = time.perf_counter() - t0
+        info = tiers(srv)
+    lat = [x[0] for x in rows]
+    return {"config": config, "hit": sum(x[2] for x in rows) / sum(x[1] for x in rows),
+            "p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "rps": len(rows) / wall, "tiers": info}
+
+
+def two_servers(model: str, reqs: list, pool: int, work: str, master: str | None, seed: int) -> dict:
+    config = "mooncake" if master else "none"
+    flags = ["--model-path", model, "--device", "cpu", *flags_for(config, pool, work, master)]
+    with LocalServer(flags, log_path=os.path.join(work, f"two-{config}-a.log")) as a, \
+            LocalServer(flags, log_path=os.path.join(work, f"two-{config}-b.log")) as b:
+        clients = [httpx.Client(base_url=s.url, timeout=300) for s in (a, b)]
+        rng, last = random.Random(seed), {}
+        tok = {"moving": [0, 0], "staying": [0, 0]}
+        for r in reqs:
+            k = rng.randrange(2)
+            _, prompt, cached = send(clients[k], r)
+            if r.user in last:
+                kind = "staying" if last[r.user] == k else "moving"
+                tok[kind][0] += cached
+                tok[kind][1] += prompt
+            last[r.user] = k
+    return {k: c / max(p, 1) for k, (c, p) in tok.items()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M, prepared from its wheel)")
+    ap.add_argument("--requests", type=int, default=150)
+    ap.add_argument("--max-history", type=int, default=1000, help="most (item, rating) pairs in a profile")
+    ap.add_argument("--every-interaction", action="store_true", help="a request per interaction, not per visit")
+    ap.add_argument("--order", choices=("interleaved", "time"), default="interleaved",
+                    help="time: the data's order (about two users at a time); interleaved: the users' visits "
+                         "merged at random, each user's own order kept (many users at a time, as in production)")
+    ap.add_argument("--start", type=int, default=80000,
+                    help="first MovieLens-100K interaction of the window (late: users with long histories)")
+    ap.add_argument("--pool-ratio", type=float, default=10.0, help="working set / KV pool")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--no-two-servers", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    model = args.model
+    if model is None:
+        from sgrec.tools.prepare_smollm2 import default_dir
+
+        model = default_dir()
+        if not os.path.exists(os.path.join(model, "config.json")):
+            sys.exit(f"no model at {model}: run python -m sgrec.tools.prepare_smollm2 (README), or pass --model")
+    reqs, working = requests(args.requests, args.start, args.max_history, args.every_interaction, args.order,
+                             args.seed)
+    pool = max(int(working / args.pool_ratio), max(len(r.tokens()) for r in reqs) + 8)
+    print(header("python benchmarks/bench_hicache.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "bench_hicache"))
+    kind = "interactions" if args.every_interaction else "visits"
+    print(f"model {model}; {len(reqs)} {kind} of {len({r.user for r in reqs})} users from interaction "
+          f"{args.start}; working set {working} tokens, pool {pool} tokens (1/{args.pool_ratio:g})")
+    work = tempfile.mkdtemp(prefix="bench_hicache_")
+    master = None
+    needs_master = "mooncake" in args.configs or not args.no_two_servers
+    if needs_master:
+        from sgrec.tools.mooncake_master import MooncakeMaster, missing
+
+        if missing():
+            sys.exit(f"mooncake: {missing()}")
+        master = MooncakeMaster(os.path.join(work, "master.log")).start()
+    try:
+        results = []
+        for config in args.configs:
+            results.append(one_config(config, model, reqs, pool, work, master.address if master else None))
+            r = results[-1]
+            print(f"  {config}: hit {r['hit']:.1%}, P50 {r['p50']:.1f} ms", flush=True)
+        base = next((r for r in results if r["config"] == "none"), None)
+        print("\n| configuration | hit rate | TTFT P50 ms | TTFT P99 ms | req/s | P50 vs none |")
+        print("|---|---|---|---|---|---|")
+        for r in results:
+            ratio = f"{base['p50'] / r['p50']:.2f}x" if base else "-"
+            print(f"| {r['config']} | {r['hit']:.1%} | {r['p50']:.1f} | {r['p99']:.1f} | {r['rps']:.1f} | {ratio} |")
+        for r in results:
+            if r["tiers"]:
+                t = r["tiers"]
+                print(f"{r['config']} tiers: loaded {t['loaded_tokens']}; host {t['host']}"
+                      + (f"; storage {t['storage']}" if "storage" in t else ""))
+        if not args.no_two_servers:
+            print("\nTwo servers, each request to one of them at random (seed %d):" % args.seed)
+            print("| servers | moving users' hit rate | staying users' hit rate | moving / staying |")
+            print("|---|---|---|---|")
+            for m in (None, master.address):
+                h = two_servers(model, reqs, pool, work, m, args.seed)
+                print(f"| {'mooncake' if m else 'no hierarchy'} | {h['moving']:.1%} | {h['staying']:.1%} | "
+                      f"{h['moving'] / max(h['staying'], 1e-9):.2f} |", flush=True)
+    finally:
+        if master is not None:
+            master.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print("\nrerun: python benchmarks/bench_hicache.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
