@@ -445,3 +445,52 @@ def test_two_servers_share_users_through_mooncake(path, master, start_server):
     line = next(ln for ln in metrics.splitlines() if ln.startswith("sgrec:hicache{") and 'tier="storage"' in ln
                 and 'counter="hits"' in ln)
     assert float(line.split()[-1]) == 18
+
+
+def test_item_kv_is_shared_through_storage(path, tmp_path, monkeypatch):
+    """BAT's item KV through the storage tier: items one engine computed are loaded by another whose
+    item store keeps nothing (item_cache_tokens 0), with the scores of a run that computes them (1e-5);
+    an item whose tokens change (a catalog update) is never served the old KV."""
+    from sgrec import Engine
+    from tests.test_rec_server import write_catalog
+
+    catalog = write_catalog(tmp_path / "catalog.jsonl", n=30, semantic=True)
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "store"))
+
+    def engine(**kw):
+        return Engine(path, device="cpu", dtype="float32", max_total_tokens=2000, item_catalog=catalog,
+                      item_cache_tokens=0, **kw)
+
+    tiered = dict(enable_hierarchical_cache=True, hicache_storage_backend="file")
+    plain, a, b = engine(), engine(**tiered), engine(**tiered)
+    user = {"token_ids": _users(1, length=40, seed=7)[0]}
+    items = [f"i{k}" for k in range(0, 30, 2)]
+    want = plain.rank(user, items, prefix="item")
+    first = a.rank(user, items, prefix="item")
+    a.scheduler.hicache.flush()
+    assert a.scheduler.hicache.item_tokens["stored"] > 0
+    got = b.rank(user, items, prefix="item")
+    for r in (first, got):
+        assert [x["item"] for x in r["ranking"]] == [x["item"] for x in want["ranking"]]
+        assert all(abs(x["score"] - y["score"]) <= 1e-5 for x, y in zip(r["ranking"], want["ranking"]))
+    stored = a.scheduler.hicache.item_tokens["stored"]
+    assert b.scheduler.hicache.item_tokens["loaded"] == stored  # every candidate came from storage
+    assert got["meta_info"]["cached_tokens"] >= stored
+    b.scheduler.check_memory()
+
+    # the same ids with new tokens for two items (as after a catalog update): those are recomputed
+    import json
+
+    rows = [json.loads(ln) for ln in open(catalog)]
+    for r in rows[:4:2]:  # i0 and i2, both candidates
+        r["token_ids"] = [t + 1 for t in r["token_ids"]]
+    updated = tmp_path / "updated.jsonl"
+    updated.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    catalog = str(updated)
+    c, fresh = engine(**tiered), engine()
+    new = c.rank(user, items, prefix="item")
+    want = fresh.rank(user, items, prefix="item")
+    assert [x["item"] for x in new["ranking"]] == [x["item"] for x in want["ranking"]]
+    assert all(abs(x["score"] - y["score"]) <= 1e-5 for x, y in zip(new["ranking"], want["ranking"]))
+    changed = sum(len(r["token_ids"]) for r in rows[:4:2])
+    assert c.scheduler.hicache.item_tokens["loaded"] == stored - changed  # not the old KV of i0 and i2

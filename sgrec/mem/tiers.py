@@ -41,6 +41,17 @@ def page_keys(namespace: str, extra_key: str | None, tokens: list[int], page_siz
     return keys
 
 
+def item_key(namespace: str, header_ids: list[int], token_ids: list[int]) -> str:
+    """The key of one item's KV (BAT's item-as-prefix block: its tokens after the shared header, at
+    the same positions in every request): the model, the header and the item's own tokens, so a
+    catalog update that changes an item's tokens never finds the old KV."""
+    h = hashlib.blake2b(f"{namespace}\0item".encode(), digest_size=_DIGEST)
+    h.update(struct.pack("<q", len(header_ids)))
+    h.update(np.asarray(header_ids, dtype=np.int64).tobytes())
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
 @dataclass
 class Page:
     """One page's rows as the pool stores them (float8 pools as bytes): k and v are [layers, page, heads, dim]."""

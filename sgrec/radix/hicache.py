@@ -86,10 +86,12 @@ class HiCache:
         self.storage_stats = TierStats()
         self._down_until = 0.0  # storage failed: skipped until then (a recompute, never a wait)
         self.loaded_tokens = {"host": 0, "storage": 0}  # tokens loaded back into the pool, by the tier they came from
+        self.item_tokens = {"stored": 0, "loaded": 0}  # BAT item KV written down / taken from the tiers (rank)
         self._from_storage: set[str] = set()  # host pages that a prefetch brought up (not yet loaded)
         L, _, H, D = (pool.num_layers, 0, *pool.k_buffer[0].shape[1:])
         dtype = copyable(pool.k_buffer[0]).dtype
-        self._like = Page(torch.empty(L, page_size, H, D, dtype=dtype), torch.empty(L, page_size, H, D, dtype=dtype))
+        self._shape, self._dtype = (L, H, D), dtype
+        self._like = self.like(page_size)
         self._writes: queue.Queue | None = None
         self._fetcher: ThreadPoolExecutor | None = None
         if storage is not None:
@@ -166,6 +168,35 @@ class HiCache:
     def load(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         write_rows(self.pool, slots, k, v)
 
+    def like(self, tokens: int) -> Page:
+        """An empty page of `tokens` rows: the shape and dtype a stored object must have."""
+        L, H, D = self._shape
+        return Page(torch.empty(L, tokens, H, D, dtype=self._dtype), torch.empty(L, tokens, H, D, dtype=self._dtype))
+
+    # ---- BAT's item KV ----------------------------------------------------------------------
+    def save_item(self, key: str, slots: torch.Tensor) -> None:
+        """An item's freshly computed KV (at `slots`): into the host tier and through to storage."""
+        if key in self.host:
+            return
+        self._host_put(key, read_pages(self.pool, slots, len(slots))[0], through=True)
+        self.item_tokens["stored"] += len(slots)
+
+    def item(self, key: str) -> Page | None:
+        """An item's KV from the host tier (where prefetch_items put what storage had), or None."""
+        page = self.host.get(key)
+        if page is not None:
+            self._from_storage.discard(key)
+            self.item_tokens["loaded"] += page.k.shape[1]
+        return page
+
+    def prefetch_items(self, wanted: list[tuple[str, int]]) -> Future | None:
+        """Starts reading these items' KV ((key, tokens)) from storage into the host tier, each on
+        its own (a missing one does not stop the others); None when there is nothing to read."""
+        wanted = [(k, n) for k, n in wanted if k not in self.host]
+        if self._fetcher is None or not wanted or not self._storage_up():
+            return None
+        return self._fetcher.submit(self._fetch, [k for k, _ in wanted], [n for _, n in wanted])
+
     # ---- the storage tier -------------------------------------------------------------------
     def prefetch(self, key: list[int], extra_key: str | None, cached: int) -> Future | None:
         """Starts reading, from storage into the host tier, the pages of key past `cached` tokens
@@ -183,13 +214,17 @@ class HiCache:
     def timeout(self, tokens: int) -> float:
         return self.timeout_base + self.timeout_per_ki_token * tokens / 1024
 
-    def _fetch(self, keys: list[str]) -> int:
-        """Reads consecutive pages until one is missing, corrupt or unreadable; returns pages read."""
+    def _fetch(self, keys: list[str], sizes: list[int] | None = None) -> int:
+        """Reads consecutive pages until one is missing, corrupt or unreadable (or, given `sizes`,
+        each item of that many tokens on its own); returns the objects read."""
         n = 0
-        for key in keys:
+        for i, key in enumerate(keys):
             if key in self.host:
                 n += 1
                 continue
+            chained = sizes is None
+            if not self._storage_up():
+                return n
             try:
                 data = self.storage.get(key)
             except Exception as e:  # noqa: BLE001 - any storage failure costs a recompute
@@ -197,8 +232,10 @@ class HiCache:
                 return n
             if data is None:
                 self.storage_stats.misses += 1
-                return n
-            page = decode(data, self._like)
+                if chained:
+                    return n
+                continue
+            page = decode(data, self._like if chained else self.like(sizes[i]))
             if page is None:
                 self.storage_stats.failures += 1
                 logger.warning("hicache storage object %s is corrupt; it is recomputed and written again", key)
@@ -206,7 +243,9 @@ class HiCache:
                     self.storage.remove(key)
                 except Exception:  # noqa: BLE001 - still counted; the next write replaces it
                     pass
-                return n
+                if chained:
+                    return n
+                continue
             self.storage_stats.hits += 1
             self.storage_stats.bytes_read += len(data)
             self._from_storage.add(key)
@@ -258,7 +297,7 @@ class HiCache:
 
     def stats(self) -> dict:
         out = {"page_size": self.page_size, "write_policy": self.write_policy,
-               "loaded_tokens": dict(self.loaded_tokens),
+               "loaded_tokens": dict(self.loaded_tokens), "item_tokens": dict(self.item_tokens),
                "host": self.host.stats.as_dict() | {"pages": len(self.host), "capacity_pages": self.host.capacity}}
         if self.storage is not None:
             out["storage"] = self.storage_stats.as_dict() | {"backend": self.storage.name,
@@ -307,6 +346,6 @@ def make_hicache(args, pool: KVPool, model: torch.nn.Module) -> HiCache | None:
     P = args.hicache_page_size
     page_bytes = KVPool.bytes_per_token(pool.num_layers, *pool.k_buffer[0].shape[1:], pool.dtype) * P
     pages = host_pages(pool.size, page_bytes, P, args.hicache_ratio, args.hicache_size)
-    return HiCache(pool, model_fingerprint(model, pool.dtype), pages, P, args.hicache_write_policy,
+    return HiCache(pool, model_fingerprint(model, pool.dtype, pool.device.type), pages, P, args.hicache_write_policy,
                    make_storage(args.hicache_storage_backend, extra), args.hicache_storage_prefetch_policy,
                    extra.get("prefetch_timeout_base", 1.0), extra.get("prefetch_timeout_per_ki_token", 0.25))

@@ -39,6 +39,7 @@ import torch
 from sgrec.catalog import Catalog, Item, check_token_ids
 from sgrec.items import hrcs
 from sgrec.items.fetch import write_item_kv
+from sgrec.mem.tiers import item_key, write_rows
 from sgrec.items.store import ItemStore, fingerprint
 from sgrec import layout as L
 from sgrec.rank import semantic
@@ -72,6 +73,9 @@ class RankExecutor:
         self.user_extra_key = user_extra_key
         # Cross-rank item KV (sgrec.items.fetch.ItemFetcher): fetch_many([(item_id, n)]) -> fetched chunks
         self.fetcher = None
+        # The storage tier (radix/hicache.py HiCache with a storage backend), or None: item KV computed
+        # here is written there, and a miss found there is loaded instead of recomputed
+        self.tiers = None
         self.token_time: float | None = None  # measured forward seconds per computed token (moving average)
         # Hard cap on the user-prefix cache (the radix tree's share of the pool). None: the rest of the
         # pool (the tree grows into whatever the item store and running requests leave free).
@@ -436,6 +440,8 @@ class RankExecutor:
         borrowed: list[torch.Tensor] = []  # fetched item KV: used by this request only, then freed
         fresh: dict[str, torch.Tensor | None] = {}
         try:
+            if self.tiers is not None:
+                self._load_stored(lay, slots, borrowed)
             if self.fetcher is not None:
                 self._fetch_remote(lay, item_ids, slots, borrowed)
             cached: dict[int, torch.Tensor] = {}
@@ -449,6 +455,8 @@ class RankExecutor:
             scores = yield Forward(lay, cached, targets, fresh)
             for seg, item_id in zip(lay.items(), item_ids):
                 kv = fresh.pop(f"item{seg.item}", None)
+                if kv is not None and self.tiers is not None:
+                    self.tiers.save_item(self._item_key(lay.token_ids[seg.start:seg.stop]), kv)
                 if kv is not None and not store.admit(item_id, kv):
                     self.allocator.free(kv)
         finally:
@@ -459,6 +467,44 @@ class RankExecutor:
             if borrowed:
                 self.allocator.free(torch.cat(borrowed))
         return scores, sum(len(s) for s in cached.values()), sum(len(b) for b in borrowed)
+
+    def _item_key(self, token_ids) -> str:
+        return item_key(self.tiers.namespace, self.header_ids, [int(t) for t in token_ids])
+
+    def stored_items(self, payload: dict) -> list[tuple[str, int]]:
+        """(key, tokens) of a rank request's candidates that the item store lacks: what the storage
+        tier is asked for when the request arrives (the scheduler's prefetch)."""
+        if self.tiers is None:
+            return []
+        cat, out = self.catalog, []
+        for item_id in payload.get("item_ids") or []:
+            row = cat.index.get(item_id, -1) if isinstance(item_id, str) else -1
+            if row >= 0 and item_id not in self.store:
+                toks = cat.token_ids(row)
+                out.append((self._item_key(toks), len(toks)))
+        return out
+
+    def _load_stored(self, lay: L.RankLayout, slots: list, borrowed: list) -> None:
+        """Fills misses with item KV the storage tier had (brought up to the host tier when the
+        request arrived): copied into borrowed slots, as KV fetched from a peer."""
+        segs = lay.items()
+        found = []
+        for j, s in enumerate(slots):
+            if s is None:
+                page = self.tiers.item(self._item_key(lay.token_ids[segs[j].start:segs[j].stop]))
+                if page is not None and page.k.shape[1] == segs[j].length:
+                    found.append((j, page))
+        if not found:
+            return
+        n = sum(p.k.shape[1] for _, p in found)
+        self._make_room(n)
+        got = self.allocator.alloc(n)
+        borrowed.append(got)
+        write_rows(self.runner.kv_pool, got, torch.cat([p.k for _, p in found], 1), torch.cat([p.v for _, p in found], 1))
+        off = 0
+        for j, p in found:
+            slots[j] = got[off : off + p.k.shape[1]]
+            off += p.k.shape[1]
 
     def _fetch_remote(self, lay: L.RankLayout, item_ids: Sequence[str], slots: list, borrowed: list) -> None:
         """Fills the misses of items owned by other ranks with their KV, fetched from the owners in

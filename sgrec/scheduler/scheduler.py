@@ -80,6 +80,8 @@ class Scheduler:
             self.versions = replay(catalog, args.journal_path, args.catalog_history, vocab)
             self.catalog = self.versions.current
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
+            if self.hicache is not None and self.hicache.storage is not None:
+                self.rank_executor.tiers = self.hicache  # item KV shared through the storage tier
             self.rank_executor.precompute(progress=show_progress)
             self.retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width,
                                               units=stage_units(args, backend))
@@ -137,7 +139,7 @@ class Scheduler:
     def add_task(self, msg: TaskReq) -> Task:
         """Queues a rank / retrieve / recommend task (once its prefixes are up from storage, see _hold)."""
         task = Task(msg)
-        if self._hold(task, self._task_prefixes(msg)):
+        if self._hold(task, self._task_prefixes(msg), self._task_items(msg)):
             return task
         return self.tasks.add(msg, task)
 
@@ -155,18 +157,26 @@ class Scheduler:
                 out.append((part["user_ids"], self.rank_executor.user_extra_key))
         return out
 
-    def _hold(self, item, prefixes: list[tuple[list[int], str | None]]) -> bool:
-        """Starts reading the prefixes' pages from storage; True when `item` waits for them (policy
-        timeout or wait_complete) in `prefetching`, never in a step."""
+    def _task_items(self, msg: TaskReq) -> list[tuple[str, int]]:
+        """The rank candidates' item KV to look for in storage ((key, tokens), see RankExecutor.stored_items)."""
+        if msg.kind != "rank" or self.rank_executor is None or not isinstance(msg.payload, dict):
+            return []
+        return self.rank_executor.stored_items(msg.payload)
+
+    def _hold(self, item, prefixes: list[tuple[list[int], str | None]], items: list[tuple[str, int]] = ()) -> bool:
+        """Starts reading the prefixes' pages (and the items' KV) from storage; True when `item` waits
+        for them (policy timeout or wait_complete) in `prefetching`, never in a step."""
         h = self.hicache
         if h is None or h.storage is None or self.tree.disable:
             return False
         futures = [f for ids, key in prefixes
                    if all(isinstance(t, int) for t in ids)
                    and (f := h.prefetch(ids, key, self.tree.peek_prefix_len(ids, key))) is not None]
+        if items and (f := h.prefetch_items(items)) is not None:
+            futures.append(f)
         if not futures or h.prefetch_policy == "best_effort":
             return False
-        tokens = sum(len(ids) for ids, _ in prefixes)
+        tokens = sum(len(ids) for ids, _ in prefixes) + sum(n for _, n in items)
         deadline = float("inf") if h.prefetch_policy == "wait_complete" else self.clock() + h.timeout(tokens)
         self.prefetching.append((futures, deadline, item))
         return True
