@@ -69,6 +69,10 @@ def requests(n: int, start: int, max_history: int, every: bool, order: str, seed
     return reqs, sum(longest.values())
 
 
+PREFETCH = ["--hicache-storage-prefetch-policy", "timeout"]  # main() sets the policy
+MOONCAKE_SEGMENT = 4 << 30  # each server's share of the store: the working set fits (main() may change it)
+
+
 def flags_for(config: str, pool: int, work: str, master: str | None) -> list[str]:
     base = ["--max-total-tokens", str(pool), "--dtype", "float32", "--chunked-prefill-size", "-1"]
     if config == "none":
@@ -77,10 +81,11 @@ def flags_for(config: str, pool: int, work: str, master: str | None) -> list[str
     if config == "host":
         return [*hier, "--hicache-ratio", "20"]  # the working set fits the host tier
     if config == "file":
-        return [*hier, "--hicache-ratio", "1", "--hicache-storage-backend", "file",
+        return [*hier, *PREFETCH, "--hicache-ratio", "1", "--hicache-storage-backend", "file",
                 "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": os.path.join(work, "kv")})]
-    return [*hier, "--hicache-ratio", "1", "--hicache-storage-backend", "mooncake",
-            "--hicache-storage-backend-extra-config", json.dumps({"master_server_address": master})]
+    return [*hier, *PREFETCH, "--hicache-ratio", "1", "--hicache-storage-backend", "mooncake",
+            "--hicache-storage-backend-extra-config",
+            json.dumps({"master_server_address": master, "global_segment_size": MOONCAKE_SEGMENT})]
 
 
 def send(client: httpx.Client, r) -> tuple[float, int, int]:
@@ -151,7 +156,13 @@ def main(argv=None) -> None:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--no-two-servers", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefetch-policy", default="timeout", choices=("best_effort", "wait_complete", "timeout"))
+    ap.add_argument("--mooncake-segment-gb", type=float, default=4.0,
+                    help="memory each server adds to Mooncake Store (the working set of SmolLM2 fits 4)")
     args = ap.parse_args(argv)
+    PREFETCH[-1] = args.prefetch_policy
+    global MOONCAKE_SEGMENT
+    MOONCAKE_SEGMENT = int(args.mooncake_segment_gb * 2**30)
     model = args.model
     if model is None:
         from sgrec.tools.prepare_smollm2 import default_dir

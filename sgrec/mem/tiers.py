@@ -23,7 +23,7 @@ import torch
 
 from sgrec.mem.kv_pool import KVPool, copyable
 
-_MAGIC = b"SGRKV1"
+_MAGIC = b"SGRKV1".ljust(16, b"\0")  # with the 16-byte shape: rows start 32-byte aligned
 _DIGEST = 16
 
 
@@ -80,29 +80,34 @@ def write_rows(pool: KVPool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tens
         copyable(pool.v_buffer[layer])[slots] = v[layer]
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
 def encode(page: Page) -> bytes:
-    """A page as bytes for a storage backend: magic, shape, payload and its digest."""
-    payload = _bytes(page.k) + _bytes(page.v)
+    """A page as bytes for a storage backend: magic, shape, K and V, and a digest of all of it (one
+    copy of the rows, hashed in place)."""
     head = _MAGIC + struct.pack("<4I", *page.k.shape)
-    return head + payload + hashlib.blake2b(head + payload, digest_size=_DIGEST).digest()
+    n = page.k.numel() * page.k.element_size()
+    out = bytearray(len(head) + 2 * n + _DIGEST)
+    out[: len(head)] = head
+    view = memoryview(out)
+    for i, t in enumerate((page.k, page.v)):
+        view[len(head) + i * n : len(head) + (i + 1) * n] = t.contiguous().view(torch.uint8).numpy().reshape(-1)
+    view[-_DIGEST:] = hashlib.blake2b(view[:-_DIGEST], digest_size=_DIGEST).digest()
+    return out  # a bytearray: every backend takes a buffer
 
 
-def decode(data: bytes, like: Page) -> Page | None:
-    """The page in `data` if it is whole and has `like`'s shape and dtype; None if corrupt or foreign."""
+def decode(data: bytes | bytearray, like: Page) -> Page | None:
+    """The page in `data` if it is whole and has `like`'s shape and dtype; None if corrupt or foreign.
+    The page's tensors share `data`'s memory when it is writable (no copy)."""
     head_len = len(_MAGIC) + 16
     half = like.k.numel() * like.k.element_size()
     if len(data) != head_len + 2 * half + _DIGEST or not data.startswith(_MAGIC):
         return None
     if struct.unpack("<4I", data[len(_MAGIC) : head_len]) != tuple(like.k.shape):
         return None
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    if hashlib.blake2b(body, digest_size=_DIGEST).digest() != digest:
+    view = memoryview(data)
+    if hashlib.blake2b(view[:-_DIGEST], digest_size=_DIGEST).digest() != bytes(view[-_DIGEST:]):
         return None
-    flat = torch.frombuffer(bytearray(body[head_len:]), dtype=like.k.dtype)
+    buf = data if isinstance(data, bytearray) else bytearray(data)
+    flat = torch.frombuffer(buf, dtype=like.k.dtype, offset=head_len, count=2 * like.k.numel())
     n = like.k.numel()
     return Page(flat[:n].view(like.k.shape), flat[n:].view(like.k.shape))
 
@@ -191,9 +196,11 @@ class FileStorage:
     def exists(self, key: str) -> bool:
         return self._file(key).exists()
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytearray | None:
         try:
-            return self._file(key).read_bytes()
+            with open(self._file(key), "rb") as f:
+                buf = bytearray(os.fstat(f.fileno()).st_size)
+                return buf if f.readinto(buf) == len(buf) else None
         except FileNotFoundError:
             return None
 

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_BACKOFF_S = 2.0  # after a storage error, reads and writes skip the storage tier this long
+STORAGE_STALL_S = 2.0  # a read in flight this long sets the storage tier aside as an error does
+READERS = 4  # storage reads in flight for one prefetch
 SELECTIVE_HITS = 2  # write_through_selective writes a node down at its second hit
 WRITE_QUEUE = 4096  # pages waiting for the storage writer; beyond that a write is dropped (counted)
 
@@ -85,6 +87,7 @@ class HiCache:
         self.storage = storage
         self.storage_stats = TierStats()
         self._down_until = 0.0  # storage failed: skipped until then (a recompute, never a wait)
+        self._reading: dict[object, float] = {}  # reads in flight -> when each started
         self.loaded_tokens = {"host": 0, "storage": 0}  # tokens loaded back into the pool, by the tier they came from
         self.item_tokens = {"stored": 0, "loaded": 0}  # BAT item KV written down / taken from the tiers (rank)
         self._from_storage: set[str] = set()  # host pages that a prefetch brought up (not yet loaded)
@@ -98,6 +101,7 @@ class HiCache:
             self._writes = queue.Queue(WRITE_QUEUE)
             threading.Thread(target=self._write_loop, name="hicache-writer", daemon=True).start()
             self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="hicache-prefetch")
+            self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="hicache-read")
 
     # ---- the tree's hooks -------------------------------------------------------------------
     def on_insert(self, node: TreeNode) -> None:
@@ -214,35 +218,47 @@ class HiCache:
     def timeout(self, tokens: int) -> float:
         return self.timeout_base + self.timeout_per_ki_token * tokens / 1024
 
+    def _read(self, key: str):
+        """One object from storage: its bytes, None when missing, or the exception it raised (at once
+        while the storage tier is set aside after an error)."""
+        if not self._storage_up():
+            return OSError("the storage tier is set aside after an error")
+        token = object()
+        self._reading[token] = time.monotonic()
+        try:
+            return self.storage.get(key)
+        except Exception as e:  # noqa: BLE001 - any storage failure costs a recompute
+            return e
+        finally:
+            del self._reading[token]
+
     def _fetch(self, keys: list[str], sizes: list[int] | None = None) -> int:
-        """Reads consecutive pages until one is missing, corrupt or unreadable (or, given `sizes`,
-        each item of that many tokens on its own); returns the objects read."""
+        """Reads the objects (READERS at a time) into the host tier: consecutive pages up to the first
+        that is missing, corrupt or unreadable, or, given `sizes`, each item of that many tokens on its
+        own. Returns the objects now in the host tier."""
+        chained = sizes is None
+        todo = [i for i, k in enumerate(keys) if k not in self.host]
+        got = dict(zip(todo, self._readers.map(self._read, [keys[i] for i in todo]))) if self._storage_up() else {}
         n = 0
         for i, key in enumerate(keys):
-            if key in self.host:
+            if i not in todo:
                 n += 1
                 continue
-            chained = sizes is None
-            if not self._storage_up():
+            data = got.get(i)
+            if isinstance(data, Exception):
+                self._storage_failed("read", key, data)
                 return n
-            try:
-                data = self.storage.get(key)
-            except Exception as e:  # noqa: BLE001 - any storage failure costs a recompute
-                self._storage_failed("read", key, e)
-                return n
+            page = None if data is None else decode(data, self._like if chained else self.like(sizes[i]))
             if data is None:
                 self.storage_stats.misses += 1
-                if chained:
-                    return n
-                continue
-            page = decode(data, self._like if chained else self.like(sizes[i]))
-            if page is None:
+            elif page is None:
                 self.storage_stats.failures += 1
                 logger.warning("hicache storage object %s is corrupt; it is recomputed and written again", key)
                 try:
                     self.storage.remove(key)
                 except Exception:  # noqa: BLE001 - still counted; the next write replaces it
                     pass
+            if page is None:
                 if chained:
                     return n
                 continue
@@ -262,8 +278,14 @@ class HiCache:
     def _count(self, what: str) -> None:
         self.storage_stats.extra[what] = self.storage_stats.extra.get(what, 0) + 1
 
+    def storage_up(self) -> bool:
+        """False for a while after a storage error, and while a read has taken longer than
+        STORAGE_STALL_S (a master gone quiet): requests then stop waiting for their reads."""
+        return self._storage_up()
+
     def _storage_up(self) -> bool:
-        return time.monotonic() >= self._down_until
+        now = time.monotonic()
+        return now >= self._down_until and not any(now - t > STORAGE_STALL_S for t in list(self._reading.values()))
 
     def _storage_failed(self, op: str, key: str, e: Exception) -> None:
         self.storage_stats.failures += 1

@@ -55,7 +55,7 @@ class Scheduler:
         self.hicache = None if args.disable_radix_cache else make_hicache(args, runner.kv_pool, runner.model)
         self.tree = RadixCache(self.allocator, policy=make_policy(args.radix_eviction_policy, args.radix_eviction_policy_config),
                                disable=args.disable_radix_cache, hicache=self.hicache)
-        self.prefetching: list[tuple[list[Future], float, Req | Task]] = []  # held back while storage pages come up
+        self.prefetching: list[tuple[list[Future], float, Req | Task, int]] = []  # held back while storage pages come up
         self.sampler = Sampler(args.random_seed, runner.device)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -178,15 +178,16 @@ class Scheduler:
             return False
         tokens = sum(len(ids) for ids, _ in prefixes) + sum(n for _, n in items)
         deadline = float("inf") if h.prefetch_policy == "wait_complete" else self.clock() + h.timeout(tokens)
-        self.prefetching.append((futures, deadline, item))
+        self.prefetching.append((futures, deadline, item, h.storage_stats.failures))  # a new failure releases it
         return True
 
     def _release_prefetched(self) -> None:
         """Queues what waited for storage and whose reads are done (or past their deadline)."""
         now, keep = self.clock(), []
         for entry in self.prefetching:
-            futures, deadline, item = entry
-            if now < deadline and not all(f.done() for f in futures):
+            futures, deadline, item, failures = entry
+            if (now < deadline and not all(f.done() for f in futures) and self.hicache.storage_up()
+                    and self.hicache.storage_stats.failures == failures):
                 keep.append(entry)
             elif isinstance(item, Req):
                 self._queue(item)
@@ -254,7 +255,7 @@ class Scheduler:
 
     def _all_reqs(self) -> list[Req]:
         return [*self.waiting, *self.prefill_only, *self.tasks.tasks(), *self.running,
-                *([self.chunked] if self.chunked else []), *(item for _, _, item in self.prefetching)]
+                *([self.chunked] if self.chunked else []), *(e[2] for e in self.prefetching)]
 
     def abort(self, rid: str, message: str = "Request aborted", status_code: int = 400) -> Req | None:
         """Ends a queued or running request; returns it (to report), or None if unknown."""
@@ -262,7 +263,7 @@ class Scheduler:
             if req.rid == rid:
                 if req is self.chunked:
                     self.chunked = None
-                elif any(item is req for _, _, item in self.prefetching):
+                elif any(e[2] is req for e in self.prefetching):
                     self.prefetching = [e for e in self.prefetching if e[2] is not req]
                 elif req in self.running:
                     self.running.remove(req)
