@@ -88,6 +88,7 @@ class HiCache:
         self.storage_stats = TierStats()
         self._down_until = 0.0  # storage failed: skipped until then (a recompute, never a wait)
         self._reading: dict[object, float] = {}  # reads in flight -> when each started
+        self._stalled: set[object] = set()  # reads in flight counted as timed out
         self.loaded_tokens = {"host": 0, "storage": 0}  # tokens loaded back into the pool, by the tier they came from
         self.item_tokens = {"stored": 0, "loaded": 0}  # BAT item KV written down / taken from the tiers (rank)
         self._from_storage: set[str] = set()  # host pages that a prefetch brought up (not yet loaded)
@@ -231,6 +232,7 @@ class HiCache:
             return e
         finally:
             del self._reading[token]
+            self._stalled.discard(token)
 
     def _fetch(self, keys: list[str], sizes: list[int] | None = None) -> int:
         """Reads the objects (READERS at a time) into the host tier: consecutive pages up to the first
@@ -285,7 +287,11 @@ class HiCache:
 
     def _storage_up(self) -> bool:
         now = time.monotonic()
-        return now >= self._down_until and not any(now - t > STORAGE_STALL_S for t in list(self._reading.values()))
+        for token, t in list(self._reading.items()):
+            if now - t > STORAGE_STALL_S and token not in self._stalled:  # a timeout: counted as a failure
+                self._stalled.add(token)
+                self._storage_failed("read", "(in flight)", TimeoutError(f"no answer in {STORAGE_STALL_S} s"))
+        return now >= self._down_until
 
     def _storage_failed(self, op: str, key: str, e: Exception) -> None:
         self.storage_stats.failures += 1
