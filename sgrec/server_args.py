@@ -104,7 +104,7 @@ class ServerArgs:
     hicache_storage_backend_extra_config: str | None = _arg(
         None, "SGLang's flag: JSON object of the storage tier's settings: file_storage_path, "
         "prefetch_timeout_base, prefetch_timeout_per_ki_token; for mooncake master_server_address, metadata_server "
-        "(P2PHANDSHAKE), global_segment_size (bytes this server adds to the store, 256 MiB), local_buffer_size "
+        "(P2PHANDSHAKE), global_segment_size (bytes this server adds to the store, 4 GiB), local_buffer_size "
         "(64 MiB), protocol (tcp), local_hostname (127.0.0.1).")
     item_catalog: str | None = _arg(
         None, "Item catalog for /v1/rank and /v1/retrieve: JSON Lines (id, text or token_ids, optional "

@@ -13,7 +13,7 @@ import socket
 DEFAULTS = {
     "master_server_address": None,  # host:port of mooncake_master; $MOONCAKE_MASTER
     "metadata_server": "P2PHANDSHAKE",  # $MOONCAKE_TE_META_DATA_SERVER
-    "global_segment_size": 256 << 20,  # bytes this server adds to the pool; $MOONCAKE_GLOBAL_SEGMENT_SIZE
+    "global_segment_size": 4 << 30,  # bytes this server adds to the store (SGLang's 4 GiB); $MOONCAKE_GLOBAL_SEGMENT_SIZE
     "local_buffer_size": 64 << 20,  # the client's transfer buffer (at least one page)
     "protocol": "tcp",  # $MOONCAKE_PROTOCOL
     "local_hostname": "127.0.0.1",  # how the others reach this server's segment; $MOONCAKE_LOCAL_HOSTNAME
