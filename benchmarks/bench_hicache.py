@@ -25,6 +25,11 @@ the window; the pool (--max-total-tokens) is that divided by --pool-ratio (10).
    user's previous request went to the other server is a moving user's. Reported: hit rate of moving
    and of staying users' requests (target: moving within 10% of staying), and the same for two servers
    without the hierarchy.
+3. Item KV across servers (--item-fetch): the same items' KV fetched by `--item-peers`'s path (an
+   ItemKVServer on the owner's item store, over tcp://127.0.0.1, one request for all of a rank
+   request's cold items) and from Mooncake Store (the storage tier's reads, READERS at a time, and
+   its decode), against recomputing them (the runner's measured recompute time per item token, as the
+   fetch cost model uses). Reported per request of k items: milliseconds and bytes moved.
 """
 
 from __future__ import annotations
@@ -141,6 +146,77 @@ def two_servers(model: str, reqs: list, pool: int, work: str, master: str | None
     return {k: c / max(p, 1) for k, (c, p) in tok.items()}
 
 
+def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int = 20) -> None:
+    """Part 3 (see the module docstring): an in-process engine's item store as the owner."""
+    import concurrent.futures as cf
+
+    import zmq
+
+    from sgrec import Engine
+    from sgrec.items.fetch import ItemKVClient, ItemKVServer, header_key
+    from sgrec.items.peers import measure_recompute_per_token
+    from sgrec.items.store import fingerprint
+    from sgrec.mem.mooncake import MooncakeStorage
+    from sgrec.mem.tiers import Page, decode, encode, item_key
+    from sgrec.radix.hicache import READERS
+    from sgrec.tools.local_server import free_port
+
+    rng = random.Random(0)
+    path = os.path.join(work, "items.jsonl")
+    with open(path, "w") as f:
+        for i in range(64):
+            f.write(json.dumps({"id": f"i{i}", "token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(12, 28))],
+                                "id_token": rng.randrange(100, 40000)}) + "\n")
+    eng = Engine(model, device="cpu", dtype="float32", max_total_tokens=8192, item_catalog=path)
+    ex = eng.scheduler.rank_executor
+    store, cat = ex.store, ex.catalog
+    ids = [f"i{i}" for i in range(64)]
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = ItemKVServer(store, endpoint, zmq.Context.instance())
+    server.start()
+    client = ItemKVClient({1: endpoint})
+    mc = MooncakeStorage({"master_server_address": master, "global_segment_size": 256 << 20})
+    keys, sizes = {}, {}
+    for i in ids:
+        names, k, v = store.read_kv([i])
+        toks = [int(t) for t in cat.token_ids(cat.index[i])]
+        keys[i], sizes[i] = item_key("bench", ex.header_ids, toks), len(toks)
+        mc.put(keys[i], encode(Page(k, v)))
+    per_token = measure_recompute_per_token(ex.runner, cat, 64)
+    readers = cf.ThreadPoolExecutor(READERS)
+    like = {i: Page(*(torch_empty(k.shape[0], sizes[i], *k.shape[2:], k.dtype) for _ in range(2))) for i in ids}
+    print("\n| items per request | --item-peers ms | Mooncake ms | recompute ms | bytes per item (peers / Mooncake) |")
+    print("|---|---|---|---|---|")
+    for n in ks:
+        tp, tm = [], []
+        for r in range(repeats):
+            want = rng.sample(ids, n)
+            fps = {i: fingerprint(cat.token_ids(cat.index[i])) for i in want}
+            t = time.perf_counter()
+            rep = client.fetch_many({1: want}, header_key(ex.header_ids), 5000, fps)[1]
+            tp.append(time.perf_counter() - t)
+            assert rep is not None and len(rep.items) == n
+            t = time.perf_counter()
+            datas = list(readers.map(mc.get, [keys[i] for i in want]))
+            pages = [decode(d, like[i]) for d, i in zip(datas, want)]
+            tm.append(time.perf_counter() - t)
+            assert all(p is not None for p in pages)
+        tokens = sum(sizes[i] for i in ids) / len(ids) * n
+        row_bytes = like[ids[0]].nbytes / sizes[ids[0]]
+        print(f"| {n} | {statistics.median(tp) * 1e3:.2f} | {statistics.median(tm) * 1e3:.2f} | "
+              f"{tokens * per_token * 1e3:.2f} | {row_bytes * tokens / n:.0f} / {row_bytes * tokens / n + 48:.0f} |",
+              flush=True)
+    server.close()
+    mc.close()
+
+
+def torch_empty(*shape_and_dtype):
+    import torch
+
+    *shape, dtype = shape_and_dtype
+    return torch.empty(*shape, dtype=dtype)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M, prepared from its wheel)")
@@ -153,8 +229,9 @@ def main(argv=None) -> None:
     ap.add_argument("--start", type=int, default=80000,
                     help="first MovieLens-100K interaction of the window (late: users with long histories)")
     ap.add_argument("--pool-ratio", type=float, default=10.0, help="working set / KV pool")
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=CONFIGS, help="part 1 (none: skip it)")
     ap.add_argument("--no-two-servers", action="store_true")
+    ap.add_argument("--no-item-fetch", action="store_true", help="skip part 3 (item KV: --item-peers against Mooncake)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefetch-policy", default="timeout", choices=("best_effort", "wait_complete", "timeout"))
     ap.add_argument("--mooncake-segment-gb", type=float, default=4.0,
@@ -180,7 +257,7 @@ def main(argv=None) -> None:
           f"{args.start}; working set {working} tokens, pool {pool} tokens (1/{args.pool_ratio:g})")
     work = tempfile.mkdtemp(prefix="bench_hicache_")
     master = None
-    needs_master = "mooncake" in args.configs or not args.no_two_servers
+    needs_master = "mooncake" in args.configs or not args.no_two_servers or not args.no_item_fetch
     if needs_master:
         from sgrec.tools.mooncake_master import MooncakeMaster, missing
 
@@ -194,8 +271,9 @@ def main(argv=None) -> None:
             r = results[-1]
             print(f"  {config}: hit {r['hit']:.1%}, P50 {r['p50']:.1f} ms", flush=True)
         base = next((r for r in results if r["config"] == "none"), None)
-        print("\n| configuration | hit rate | TTFT P50 ms | TTFT P99 ms | req/s | P50 vs none |")
-        print("|---|---|---|---|---|---|")
+        if results:
+            print("\n| configuration | hit rate | TTFT P50 ms | TTFT P99 ms | req/s | P50 vs none |")
+            print("|---|---|---|---|---|---|")
         for r in results:
             ratio = f"{base['p50'] / r['p50']:.2f}x" if base else "-"
             print(f"| {r['config']} | {r['hit']:.1%} | {r['p50']:.1f} | {r['p99']:.1f} | {r['rps']:.1f} | {ratio} |")
@@ -212,6 +290,9 @@ def main(argv=None) -> None:
                 h = two_servers(model, reqs, pool, work, m, args.seed)
                 print(f"| {'mooncake' if m else 'no hierarchy'} | {h['moving']:.1%} | {h['staying']:.1%} | "
                       f"{h['moving'] / max(h['staying'], 1e-9):.2f} |", flush=True)
+        if not args.no_item_fetch:
+            print("\nItem KV across servers (median of 20 requests each):")
+            item_fetch(model, work, master.address)
     finally:
         if master is not None:
             master.stop()

@@ -138,6 +138,30 @@ def test_selective_writes_at_the_second_hit():
     assert len(tree.hicache.host) == 2
 
 
+def test_selective_writes_what_the_predictor_expects_back():
+    """write_through_selective under laru: a node the predictor expects back (an oracle here) is
+    written down when the tree takes it, one it does not is not; eviction writes both (the robustness
+    rule: a wrong prediction costs a copy at eviction, never a page)."""
+    import math
+
+    from sgrec.radix.eviction import make_policy
+    from sgrec.radix.hicache import predicted_reuse
+    from sgrec.radix.predictor import OraclePredictor
+
+    back, gone = list(range(10, 18)), list(range(50, 58))
+    oracle = OraclePredictor(lambda key, after: after + 5.0 if key == hash((None, (back[0],))) else math.inf)
+    pool = _pool(40)
+    tree = RadixCache(pool.allocator, policy=make_policy("laru", {"predictor": oracle}),
+                      hicache=HiCache(pool, "ns", 64, P, "write_through_selective"))
+    tree.hicache.reuse = predicted_reuse(tree.policy)
+    _cache(tree, back)
+    _cache(tree, gone)
+    assert len(tree.hicache.host) == 2  # back's two pages only
+    assert tree.evict(100) == 16 and len(tree.hicache.host) == 4
+    assert tree.match_prefix(gone).indices.numel() == 8 and tree.match_prefix(back).indices.numel() == 8
+    tree.check_integrity()
+
+
 def test_load_back_joins_a_partly_cached_prefix_mid_page():
     """The pool holds 6 tokens of a 16-token prefix whose 4 pages are in the host tier: the load
     starts mid-page 1, and the result is the original rows."""

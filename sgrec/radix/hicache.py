@@ -4,7 +4,9 @@ the host tier, and a storage backend (shared by servers) sits below the host tie
 
 Write policies (SGLang's names) decide when a page is written down early:
 - write_through: every page, when the tree takes it (the storage tier too, off the step);
-- write_through_selective: a page when its node is hit for the second time (SGLang's threshold);
+- write_through_selective: a page when its node is hit for the second time (SGLang's threshold), or
+  when the tree takes it if the eviction policy's predictor (laru, fpb, hf) expects it to be used
+  again within its horizon;
 - write_back: nothing early.
 Whatever the policy, a node the tree evicts is written to the host tier first, and a page the host
 tier pushes out is written to storage if it is not there yet. A policy that guesses wrong (writes
@@ -25,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -34,6 +37,7 @@ from sgrec.mem.tiers import (
     FileStorage, HostTier, Page, TierStats, decode, encode, page_keys, read_pages, write_rows,
 )
 from sgrec.radix.node import TreeNode
+from sgrec.radix.predictor import UNKNOWN
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,23 @@ def model_fingerprint(model: torch.nn.Module, kv_dtype: torch.dtype, extra: str 
         head = p.detach().reshape(-1)[:1024].cpu().contiguous()
         h.update(head.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def predicted_reuse(policy) -> Callable[[TreeNode], bool | None] | None:
+    """For an eviction policy with a next-access predictor: node -> whether its next access is
+    predicted within the predictor's reuse horizon (None while the predictor has no model)."""
+    predictor = getattr(policy, "predictor", None)
+    if predictor is None:
+        return None
+
+    def reuse(node: TreeNode) -> bool | None:
+        horizon = predictor.reuse_horizon()
+        t = predictor.predict(predictor.snapshot([node], [policy.key(node)]))[0]
+        if horizon is None or not t > UNKNOWN:
+            return None
+        return t - node.last_access_time < horizon
+
+    return reuse
 
 
 def path_of(node: TreeNode) -> tuple[list[int], torch.Tensor]:
@@ -84,6 +105,9 @@ class HiCache:
         self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
         self.timeout_base, self.timeout_per_ki_token = timeout_base, timeout_per_ki_token
         self.host = HostTier(host_pages)
+        # write_through_selective with a learned eviction policy (laru, fpb, hf): its predictor says at
+        # insert whether a node will be used again (predicted_reuse); it is then written early
+        self.reuse: Callable[[TreeNode], bool | None] | None = None
         self.storage = storage
         self.storage_stats = TierStats()
         self._down_until = 0.0  # storage failed: skipped until then (a recompute, never a wait)
@@ -92,9 +116,8 @@ class HiCache:
         self.loaded_tokens = {"host": 0, "storage": 0}  # tokens loaded back into the pool, by the tier they came from
         self.item_tokens = {"stored": 0, "loaded": 0}  # BAT item KV written down / taken from the tiers (rank)
         self._from_storage: set[str] = set()  # host pages that a prefetch brought up (not yet loaded)
-        L, _, H, D = (pool.num_layers, 0, *pool.k_buffer[0].shape[1:])
-        dtype = copyable(pool.k_buffer[0]).dtype
-        self._shape, self._dtype = (L, H, D), dtype
+        self._shape = (pool.num_layers, *pool.k_buffer[0].shape[1:])  # layers, heads, head dim
+        self._dtype = copyable(pool.k_buffer[0]).dtype
         self._like = self.like(page_size)
         self._writes: queue.Queue | None = None
         self._fetcher: ThreadPoolExecutor | None = None
@@ -106,7 +129,8 @@ class HiCache:
 
     # ---- the tree's hooks -------------------------------------------------------------------
     def on_insert(self, node: TreeNode) -> None:
-        if self.write_policy == "write_through":
+        if self.write_policy == "write_through" or (
+                self.write_policy == "write_through_selective" and self.reuse is not None and self.reuse(node)):
             self._save(node, through=True)
 
     def on_hit(self, node: TreeNode) -> None:

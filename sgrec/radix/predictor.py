@@ -55,6 +55,11 @@ class Predictor:
     def on_evict(self, node: TreeNode, key: int) -> None:
         pass
 
+    def reuse_horizon(self) -> float | None:
+        """How far ahead a predicted next access counts as reuse (write_through_selective writes such
+        a node down early): the horizon beyond which the predictor cannot tell; None when unknown."""
+        return math.inf
+
     def warm_up(self) -> None:
         """Called before predictions are asked for (a learned predictor may train here)."""
 
@@ -295,6 +300,13 @@ class LightGBMPredictor(Predictor):
     def version(self) -> int:
         """Changes whenever the model does: predictions made under an older model are stale."""
         return self.trainings
+
+    def reuse_horizon(self) -> float | None:
+        """The censoring horizon: a node not accessed again within it is labelled with it, so a
+        prediction below it means "accessed again"."""
+        if self.horizon is not None:
+            return self.horizon
+        return self.times[-1] - self.times[0] if len(self.times) >= self.window else None
 
     def on_insert(self, node: TreeNode, key: int, now: float) -> None:
         ghost = self.ghosts.pop(key, None)

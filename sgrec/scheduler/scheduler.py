@@ -16,7 +16,7 @@ import torch
 
 from sgrec.model.attention import SeqLayout
 from sgrec.radix.eviction import make_policy
-from sgrec.radix.hicache import make_hicache
+from sgrec.radix.hicache import make_hicache, predicted_reuse
 from sgrec.radix.tree import RadixCache
 from sgrec.runner import ModelRunner
 from sgrec.sampling import GREEDY_EPS, Sampler
@@ -55,6 +55,8 @@ class Scheduler:
         self.hicache = None if args.disable_radix_cache else make_hicache(args, runner.kv_pool, runner.model)
         self.tree = RadixCache(self.allocator, policy=make_policy(args.radix_eviction_policy, args.radix_eviction_policy_config),
                                disable=args.disable_radix_cache, hicache=self.hicache)
+        if self.hicache is not None:
+            self.hicache.reuse = predicted_reuse(self.tree.policy)
         self.prefetching: list[tuple[list[Future], float, Req | Task, int]] = []  # held back while storage pages come up
         self.sampler = Sampler(args.random_seed, runner.device)
         self.waiting: list[Req] = []
