@@ -242,10 +242,13 @@ def _users(n: int, length: int = 300, seed: int = 0) -> list[list[int]]:
 
 
 def _engine(path, dtype="float32", **kw):
+    """An engine whose answers may be compared bit for bit: a load from a tier gives an extend over a
+    cached prefix where the cold run prefilled the whole prompt, which is bit-exact under
+    --enable-deterministic-inference on any CPU (ARCHITECTURE.md's invariant 1)."""
     from sgrec import Engine
 
     return Engine(path, device="cpu", dtype=dtype, max_total_tokens=600, enable_hierarchical_cache=True,
-                  hicache_page_size=16, **kw)
+                  hicache_page_size=16, enable_deterministic_inference=True, **kw)
 
 
 def _run(engine, users):
@@ -266,7 +269,8 @@ def path(tiny_model_dir):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_reloads_evicted_users_from_the_host_tier(path, dtype):
     """Four 300-token users through a 600-token pool: each is evicted before it returns, and comes
-    back from the host tier with the logprobs of its cold run, bit for bit."""
+    back from the host tier with the logprobs of its cold run, bit for bit (under the deterministic
+    flag, in both dtypes)."""
     eng = _engine(path, dtype)
     users = _users(4)
     cold = _run(eng, users)
@@ -443,7 +447,7 @@ def test_two_servers_share_users_through_mooncake(path, master, start_server):
     shows its tiers in /get_server_info and /metrics."""
     import json
 
-    flags = ["--max-total-tokens", "600", "--enable-hierarchical-cache", "--hicache-page-size", "16",
+    flags = ["--max-total-tokens", "600", "--enable-deterministic-inference", "--enable-hierarchical-cache",
              "--hicache-storage-backend", "mooncake", "--hicache-storage-prefetch-policy", "wait_complete",
              "--hicache-storage-backend-extra-config",
              json.dumps({"master_server_address": master.address, "global_segment_size": 64 << 20,
