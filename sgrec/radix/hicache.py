@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -88,6 +89,18 @@ def path_of(node: TreeNode) -> tuple[list[int], torch.Tensor]:
         node = node.parent
     tokens = [t for k in reversed(keys) for t in k]
     return tokens, torch.cat(values[::-1]) if values else torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class LoadPlan:
+    """Rows to load back: tokens up to `end`, their K and V ([layers, tokens, heads, dim]), the pages'
+    keys, and how many of the tokens a storage prefetch brought up."""
+
+    end: int
+    k: torch.Tensor
+    v: torch.Tensor
+    keys: list[str]
+    from_storage: int
 
 
 class HiCache:
@@ -170,9 +183,9 @@ class HiCache:
             self._write(k, p)
 
     # ---- loading back -----------------------------------------------------------------------
-    def plan_load(self, key: list[int], extra_key: str | None, start: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """The host tier's pages continuing key past `start` (tokens the pool holds): (end, k rows,
-        v rows) for tokens start..end-1, or None when the next page is not in the host tier."""
+    def plan_load(self, key: list[int], extra_key: str | None, start: int) -> LoadPlan | None:
+        """The host tier's pages continuing key past `start` (tokens the pool holds), or None when
+        the next page is not in the host tier."""
         P = self.page_size
         if (start // P + 1) * P > len(key):
             return None
@@ -185,17 +198,18 @@ class HiCache:
             pages.append((keys[k], page))
         if not pages:
             return None
-        off, end = start - k0 * P, (k0 + len(pages)) * P
-        kr = torch.cat([p.k for _, p in pages], dim=1)[:, off:]
-        vr = torch.cat([p.v for _, p in pages], dim=1)[:, off:]
-        for i, (k, _) in enumerate(pages):
-            tier = "storage" if k in self._from_storage else "host"
-            self._from_storage.discard(k)
-            self.loaded_tokens[tier] += P - (off if i == 0 else 0)
-        return end, kr, vr
+        off = start - k0 * P
+        k = torch.cat([p.k for _, p in pages], dim=1)[:, off:]
+        v = torch.cat([p.v for _, p in pages], dim=1)[:, off:]
+        stored = sum(P - (off if i == 0 else 0) for i, (name, _) in enumerate(pages) if name in self._from_storage)
+        return LoadPlan((k0 + len(pages)) * P, k, v, [name for name, _ in pages], stored)
 
-    def load(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        write_rows(self.pool, slots, k, v)
+    def load(self, slots: torch.Tensor, plan: LoadPlan) -> None:
+        """Copies the plan's rows into `slots` (as many as the plan has tokens past its start)."""
+        write_rows(self.pool, slots, plan.k, plan.v)
+        self._from_storage.difference_update(plan.keys)
+        self.loaded_tokens["storage"] += plan.from_storage
+        self.loaded_tokens["host"] += len(slots) - plan.from_storage
 
     def like(self, tokens: int) -> Page:
         """An empty page of `tokens` rows: the shape and dtype a stored object must have."""

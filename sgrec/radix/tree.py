@@ -74,7 +74,7 @@ class RadixCache:
         plan = self.hicache.plan_load(key, extra_key, i)
         if plan is None:
             return node
-        end, k, v = plan
+        end = plan.end
         self.inc_lock_ref(node)  # making room must not evict the part already matched
         try:
             room = self.make_room(end - i)
@@ -83,7 +83,7 @@ class RadixCache:
         if not room:
             return node
         slots = self.allocator.alloc(end - i)
-        self.hicache.load(slots, k, v)
+        self.hicache.load(slots, plan)
         self.insert(key[:end], torch.cat([*parts, slots]), extra_key)
         new = node.children[child_key(extra_key, key[i])]
         parts.append(new.value)
