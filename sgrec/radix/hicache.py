@@ -46,6 +46,7 @@ WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_BACKOFF_S = 2.0  # after a storage error, reads and writes skip the storage tier this long
 STORAGE_STALL_S = 2.0  # a read in flight this long sets the storage tier aside as an error does
+ISA_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"})
 READERS = 4  # storage reads in flight for one prefetch
 SELECTIVE_HITS = 2  # write_through_selective writes a node down at its second hit
 WRITE_QUEUE = 4096  # pages waiting for the storage writer; beyond that a write is dropped (counted)
@@ -78,6 +79,18 @@ def predicted_reuse(policy) -> Callable[[TreeNode], bool | None] | None:
         return t - node.last_access_time < horizon
 
     return reuse
+
+
+def machine_kind(device: torch.device) -> str:
+    """What else decides the KV's bits besides the weights: the device type, the CPU's vector ISA
+    (the kernels and GEMMs differ by it) and torch's version. Servers of another kind get another
+    namespace, so a load always equals what a local recompute would give."""
+    kind = f"{device.type} torch {torch.__version__}"
+    if device.type == "cpu":
+        from sgrec.model.cpu_caps import cpu_flags
+
+        kind += " " + " ".join(sorted(f for f in cpu_flags() if f in ISA_FLAGS))
+    return kind
 
 
 def path_of(node: TreeNode) -> tuple[list[int], torch.Tensor]:
@@ -412,6 +425,6 @@ def make_hicache(args, pool: KVPool, model: torch.nn.Module) -> HiCache | None:
     P = args.hicache_page_size
     page_bytes = KVPool.bytes_per_token(pool.num_layers, *pool.k_buffer[0].shape[1:], pool.dtype) * P
     pages = host_pages(pool.size, page_bytes, P, args.hicache_ratio, args.hicache_size)
-    return HiCache(pool, model_fingerprint(model, pool.dtype, pool.device.type), pages, P, args.hicache_write_policy,
+    return HiCache(pool, model_fingerprint(model, pool.dtype, machine_kind(pool.device)), pages, P, args.hicache_write_policy,
                    make_storage(args.hicache_storage_backend, extra), args.hicache_storage_prefetch_policy,
                    extra.get("prefetch_timeout_base", 1.0), extra.get("prefetch_timeout_per_ki_token", 0.25))
