@@ -178,7 +178,10 @@ class Engine:
             self.scheduler.check_memory()
 
     def shutdown(self) -> None:
-        """Nothing to release in-process; kept for SGLang's Engine API."""
+        """SGLang's Engine API: lets go of the storage tier's client (--hicache-storage-backend), the
+        one thing an in-process engine holds outside itself."""
+        if self.scheduler.hicache is not None:
+            self.scheduler.hicache.close()
 
     # ---- running ------------------------------------------------------------------------
     def _add(self, states: list[ReqState]) -> list[ReqState]:

@@ -245,3 +245,22 @@ def test_profile_retrieve_runs_its_code_path_on_cpu():
     batches = re.findall(r"^(warm-up|timed) batch of 2: wall [\d.]+ ms, [\d.]+ req/s, latencies \[[\d.]+, [\d.]+\] ms$",
                          p.stdout, re.M)
     assert batches == ["warm-up", "warm-up", "timed", "timed"] and "--- torch profiler by self_cpu_time_total" in p.stdout
+
+
+def test_bench_hicache_runs_on_a_tiny_model(tmp_path, tiny_model_dir):
+    """benchmarks/bench_hicache.py, tiny: the configurations without Mooncake run on the same requests
+    and print their rows (a smoke run of the code, not a measurement)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    model = tiny_model_dir("llama", vocab_size=32768)  # gr-users' token ids reach 31,7xx
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_hicache.py"), "--model", model,
+                        "--requests", "12", "--configs", "none", "host", "file", "--no-two-servers",
+                        "--no-item-fetch"], cwd=root, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {m[0]: float(m[1]) for m in re.findall(r"^\| (none|host|file) \| ([\d.]+)% \|", p.stdout, re.M)}
+    assert set(rows) == {"none", "host", "file"} and all(0 <= h <= 100 for h in rows.values())
+    assert "file tiers: loaded" in p.stdout and "rerun: python benchmarks/bench_hicache.py" in p.stdout

@@ -139,6 +139,7 @@ class HiCache:
         self._down_until = 0.0  # storage failed: skipped until then (a recompute, never a wait)
         self._reading: dict[object, float] = {}  # reads in flight -> when each started
         self._stalled: set[object] = set()  # reads in flight counted as timed out
+        self._calling: dict[object, float | None] = {}  # storage calls in flight (reads and writes)
         self.loaded_tokens = {"host": 0, "storage": 0}  # tokens loaded back into the pool, by the tier they came from
         self.item_tokens = {"stored": 0, "loaded": 0}  # BAT item KV written down / taken from the tiers (rank)
         self._from_storage: set[str] = set()  # host pages that a prefetch brought up (not yet loaded)
@@ -276,13 +277,13 @@ class HiCache:
         if not self._storage_up():
             return OSError("the storage tier is set aside after an error")
         token = object()
-        self._reading[token] = time.monotonic()
+        self._reading[token] = self._calling[token] = time.monotonic()
         try:
             return self.storage.get(key)
         except Exception as e:  # noqa: BLE001 - any storage failure costs a recompute
             return e
         finally:
-            del self._reading[token]
+            del self._reading[token], self._calling[token]
             self._stalled.discard(token)
 
     def _fetch(self, keys: list[str], sizes: list[int] | None = None) -> int:
@@ -353,6 +354,8 @@ class HiCache:
     def _write_loop(self) -> None:
         while True:
             key, page = self._writes.get()
+            token = object()
+            self._calling[token] = None
             try:
                 if not self._storage_up():
                     self._count("dropped_writes")
@@ -364,7 +367,23 @@ class HiCache:
             except Exception as e:  # noqa: BLE001 - a lost write costs a later recompute
                 self._storage_failed("write", key, e)
             finally:
+                del self._calling[token]
                 self._writes.task_done()
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stops using the storage tier (pending writes are dropped) and closes its client once no
+        call is in flight (within wait_s; a call stuck on a dead master leaves the client open:
+        closing it under the call would crash the process)."""
+        if self.storage is None:
+            return
+        self._down_until = float("inf")
+        deadline = time.monotonic() + wait_s
+        while self._calling and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._calling:
+            logger.warning("hicache: a storage call is still in flight; the storage client is left open")
+        else:
+            self.storage.close()
 
     def flush(self) -> None:
         """Waits until every queued storage write has been done (or has failed)."""
