@@ -250,7 +250,7 @@ class HiCache:
         """Starts reading these items' KV ((key, tokens)) from storage into the host tier, each on
         its own (a missing one does not stop the others); None when there is nothing to read."""
         wanted = [(k, n) for k, n in wanted if k not in self.host]
-        if self._fetcher is None or not wanted or not self._storage_up():
+        if self._fetcher is None or not wanted or not self.storage_up():
             return None
         return self._fetcher.submit(self._fetch, [k for k, _ in wanted], [n for _, n in wanted])
 
@@ -258,7 +258,7 @@ class HiCache:
     def prefetch(self, key: list[int], extra_key: str | None, cached: int) -> Future | None:
         """Starts reading, from storage into the host tier, the pages of key past `cached` tokens
         that the host tier lacks; None when there is nothing to read (or no storage tier)."""
-        if self._fetcher is None or not self._storage_up():
+        if self._fetcher is None or not self.storage_up():
             return None
         P = self.page_size
         keys = page_keys(self.namespace, extra_key, key, P)[cached // P :]
@@ -274,7 +274,7 @@ class HiCache:
     def _read(self, key: str):
         """One object from storage: its bytes, None when missing, or the exception it raised (at once
         while the storage tier is set aside after an error)."""
-        if not self._storage_up():
+        if not self.storage_up():
             return OSError("the storage tier is set aside after an error")
         token = object()
         self._reading[token] = self._calling[token] = time.monotonic()
@@ -292,7 +292,7 @@ class HiCache:
         own. Returns the objects now in the host tier."""
         chained = sizes is None
         todo = [i for i, k in enumerate(keys) if k not in self.host]
-        got = dict(zip(todo, self._readers.map(self._read, [keys[i] for i in todo]))) if self._storage_up() else {}
+        got = dict(zip(todo, self._readers.map(self._read, [keys[i] for i in todo]))) if self.storage_up() else {}
         n = 0
         for i, key in enumerate(keys):
             if i not in todo:
@@ -334,10 +334,7 @@ class HiCache:
 
     def storage_up(self) -> bool:
         """False for a while after a storage error, and while a read has taken longer than
-        STORAGE_STALL_S (a master gone quiet): requests then stop waiting for their reads."""
-        return self._storage_up()
-
-    def _storage_up(self) -> bool:
+        STORAGE_STALL_S (a master gone quiet; counted as a failure): requests then stop waiting."""
         now = time.monotonic()
         for token, t in list(self._reading.items()):
             if now - t > STORAGE_STALL_S and token not in self._stalled:  # a timeout: counted as a failure
@@ -357,7 +354,7 @@ class HiCache:
             token = object()
             self._calling[token] = None
             try:
-                if not self._storage_up():
+                if not self.storage_up():
                     self._count("dropped_writes")
                 elif not self.storage.exists(key):
                     data = encode(page)
