@@ -25,9 +25,10 @@ the window; the pool (--max-total-tokens) is that divided by --pool-ratio (10).
    user's previous request went to the other server is a moving user's. Reported: hit rate of moving
    and of staying users' requests (target: moving within 10% of staying), and the same for two servers
    without the hierarchy.
-3. Item KV across servers (--item-fetch): the same items' KV fetched by `--item-peers`'s path (an
-   ItemKVServer on the owner's item store, over tcp://127.0.0.1, one request for all of a rank
-   request's cold items) and from Mooncake Store (the storage tier's reads, READERS at a time, and
+3. Item KV across servers (--item-fetch): the same items' KV fetched by the retired `--item-peers`'s
+   path (the ZMQ fetch that a server's DP ranks still use: an ItemKVServer on the owner's item
+   store, over tcp://127.0.0.1, one request for all of a rank request's cold items) and from
+   Mooncake Store (the storage tier's reads, READERS at a time, and
    its decode), against recomputing them (the runner's measured recompute time per item token, as the
    fetch cost model uses). Reported per request of k items: milliseconds and bytes moved.
 """
@@ -154,7 +155,7 @@ def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int =
 
     from sgrec import Engine
     from sgrec.items.fetch import ItemKVClient, ItemKVServer, header_key
-    from sgrec.items.peers import measure_recompute_per_token
+    from sgrec.items.pool import measure_recompute_per_token
     from sgrec.items.store import fingerprint
     from sgrec.mem.mooncake import MooncakeStorage
     from sgrec.mem.tiers import Page, decode, encode, item_key

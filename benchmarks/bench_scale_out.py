@@ -1,24 +1,22 @@
 """Scale-out on loopback: rank throughput vs number of sgrec servers behind the launch/ front
-(Caddy for /v1/rank), with and without user affinity, and HRCS across servers: the share of item
-KV fetched from another server against Algorithm 1's prediction, and what a fetch costs.
+(Caddy for /v1/rank), with and without user affinity, and item KV shared across servers through the
+Mooncake Store that the launch recipe starts (the share of candidate item tokens loaded from it).
 
     python benchmarks/bench_scale_out.py                       # 1, 2, 3 servers, tiny random model
     python benchmarks/bench_scale_out.py --servers 1 2 --requests 200 --concurrency 8
 
 Workload: `--users` users, each with a fixed history of `--user-tokens` tokens, send rank requests
 over `--candidates` items drawn from a `--catalog-items` catalog in proportion to a Zipf(1)
-popularity (the catalog's `popularity`, which Algorithm 1 plans with). Closed loop: `--concurrency`
-clients, `--requests` requests per configuration, users in a shuffled round-robin order.
+popularity. Closed loop: `--concurrency` clients, `--requests` requests per configuration, users in
+a shuffled round-robin order.
 - affinity: the client sends X-User-Id, Caddy hashes it (a user's prefix KV stays on one server);
 - no affinity: no header, Caddy picks the least busy server (the user's prefix is cached wherever
   it went before, or not at all).
-HRCS phase: the same requests with prefix "item" (candidates read from the item stores), once per
-fetch policy of `--item-fetch` (the peer file's `item_fetch`: "always" fetches every remote item,
-"cost" lets the fetcher's cost model choose, "never" recomputes them), per N the fetched share of
-candidate item tokens, next to Algorithm 1's expected remote share for the replication ratio each
-server logged. Fetch cost: item KV fetched over tcp://127.0.0.1 from an `ItemKVServer`, one item per
-round trip and `--candidates` / 2 items in one, vs recomputing the item, vs the recompute time per
-token the cost model uses, and vs Algorithm 1's transfer model at 100 Gbit/s.
+Item phase: the same requests with prefix "item" (candidates' KV read from the item stores), each
+server's item store holding `--item-cache-tokens` (default: a tenth of the catalog's tokens), so that
+most candidates come from the Mooncake Store once any server computed them: per N the share of
+candidate item tokens loaded from it (`meta_info.stored_tokens`) and the throughput. What a fetch
+costs against recomputing (and against the ZMQ fetch it replaced): benchmarks/bench_hicache.py.
 The servers run with OMP_WAIT_POLICY=PASSIVE (unless set): they share the host's cores.
 """
 
@@ -29,7 +27,6 @@ import concurrent.futures as cf
 import json
 import os
 import random
-import re
 import sys
 import tempfile
 import time
@@ -39,7 +36,6 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from launch.local_cluster import LocalCluster  # noqa: E402
-from sgrec.items.peers import read_servers, write_peer_file  # noqa: E402
 
 
 def write_catalog(path: str, n: int, seed: int = 0, vocab: int = 500) -> list[dict]:
@@ -90,100 +86,8 @@ def run_load(url: str, reqs, concurrency: int, affinity: bool, prefix: str | Non
     metas = [m for m, _ in results]
     prompt = sum(m["prompt_tokens"] for m in metas)
     return {"rps": len(reqs) / wall, "wall": wall, "cached": sum(m["cached_tokens"] for m in metas) / prompt,
-            "fetched": sum(m.get("fetched_tokens", 0) for m in metas), "servers": len({s for _, s in results}),
+            "stored": sum(m.get("stored_tokens", 0) for m in metas), "servers": len({s for _, s in results}),
             "metas": metas}
-
-
-def logged_ratio(log_path: str) -> float | None:
-    with open(log_path) as f:
-        found = re.findall(r"HRCS over (\d+) ranks: replication ratio ([0-9.]+)", f.read())
-    return float(found[-1][1]) if found else None
-
-
-def predicted_remote_share(items: list[dict], reqs, ratio: float, n: int) -> float:
-    """Algorithm 1's expectation for this workload: an item is read remotely when it is cold (not
-    in the replicated top share of the catalog's popularity order, which the servers plan with) and
-    one of the other n - 1 ranks owns it; weighted by how often the requests ask for each item and
-    by its tokens (what the servers report as fetched_tokens)."""
-    from sgrec.items import hrcs
-
-    ids = [it["id"] for it in items]
-    pl = hrcs.plan_placement(ids, [it["popularity"] + 1.0 for it in items], ratio, n)
-    lens = {it["id"]: len(it["token_ids"]) for it in items}
-    asked = [c for _, body in reqs for c in body["items"]]
-    cold = sum(lens[c] for c in asked if c not in pl.replicated)
-    return cold / sum(lens[c] for c in asked) * (n - 1) / n
-
-
-def fetch_cost(model: str, catalog: str, batch: int, repeats: int = 200) -> dict:
-    """Seconds to fetch item KV over tcp://127.0.0.1 (one item per round trip, and `batch` items in
-    one) vs to recompute one item, in this process; and the cost model's recompute time per token."""
-    import torch
-    import zmq
-
-    from sgrec.catalog import load_catalog
-    from sgrec.items.fetch import ItemKVClient, ItemKVServer, header_key
-    from sgrec.items.hrcs import DEFAULT_BANDWIDTH_GBPS
-    from sgrec.items.peers import measure_recompute_per_token
-    from sgrec.model.attention import SeqLayout
-    from sgrec.radix.tree import RadixCache
-    from sgrec import layout as L
-    from sgrec.rank.executor import RankExecutor
-    from sgrec.runner import ModelRunner
-    from sgrec.server_args import ServerArgs
-    from sgrec.tokenizer import Tokenizer
-
-    args = ServerArgs(model_path=model, device="cpu", dtype="float32", max_total_tokens=8192, item_catalog=catalog)
-    runner = ModelRunner(args)
-    cat = load_catalog(catalog, Tokenizer(model), runner.config.vocab_size)
-    ex = RankExecutor(runner, RadixCache(runner.kv_pool.allocator), cat, args)
-    ex.precompute()
-    ctx = zmq.Context.instance()
-    port = __import__("launch.front", fromlist=["free_port"]).free_port()
-    srv = ItemKVServer(ex.store, f"tcp://127.0.0.1:{port}", ctx)
-    srv.start()
-    cl = ItemKVClient({1: f"tcp://127.0.0.1:{port}"}, ctx)
-    ids = [it.id for it in cat.items]
-    head = header_key(ex.header_ids)
-
-    def timed(size: int) -> tuple[float, float]:
-        toks = 0
-        t0 = time.perf_counter()
-        for j in range(repeats):
-            rep = cl.fetch_many({1: [ids[(j * size + m) % len(ids)] for m in range(size)]}, head, 2000)[1]
-            toks += rep.k.shape[1]
-        return (time.perf_counter() - t0) / repeats, toks / repeats
-
-    try:
-        timed(1)
-        one, one_tokens = timed(1)
-        many, many_tokens = timed(batch)
-    finally:
-        cl.close()
-        srv.close()
-    # recompute: one item through the model (its layout row against the header), as a miss costs
-    alloc = runner.kv_pool.allocator
-    header = ex.store.ensure_header()
-    t0 = None
-    for j in range(-5, repeats):  # 5 unmeasured warm-up forwards
-        if j == 0:
-            t0 = time.perf_counter()
-        it = cat.items[j % len(ids)]
-        lay = L.item_as_prefix(ex.header_ids, [it.token_ids], [], [])
-        seg = lay.items()[0]
-        slots = alloc.alloc(seg.length)
-        seq = SeqLayout(0, seg.length, torch.cat([header, slots]), lay.mask(list(range(seg.start, seg.stop)), None))
-        runner.forward(runner.make_batch(lay.token_ids[seg.start:seg.stop], lay.positions[seg.start:seg.stop],
-                                         slots, [seq]), [])
-        alloc.free(slots)
-    recompute = (time.perf_counter() - t0) / repeats
-    per_token_model = measure_recompute_per_token(runner, cat, args.max_rank_candidates)
-    cfg = runner.config
-    per_token = runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.kv_pool.dtype)
-    model_s = one_tokens * per_token / (DEFAULT_BANDWIDTH_GBPS * 1e9 / 8)
-    return {"fetch_s": one, "tokens": one_tokens, "batch": batch, "batch_fetch_s": many, "batch_tokens": many_tokens,
-            "recompute_s": recompute, "recompute_per_token_s": per_token_model, "bytes_per_token": per_token,
-            "alg1_transfer_s": model_s}
 
 
 def main(argv=None) -> None:
@@ -197,8 +101,8 @@ def main(argv=None) -> None:
     ap.add_argument("--user-tokens", type=int, default=256)
     ap.add_argument("--candidates", type=int, default=20)
     ap.add_argument("--catalog-items", type=int, default=300)
-    ap.add_argument("--item-fetch", nargs="+", choices=["always", "cost", "never"], default=["always", "cost"],
-                    help="fetch policies of the HRCS phase (the peer file's item_fetch), each measured in turn")
+    ap.add_argument("--item-cache-tokens", type=int, default=None,
+                    help="each server's item store (default: a tenth of the catalog's tokens)")
     a = ap.parse_args(argv)
     # N servers share this host's cores: busy-waiting OpenMP threads of one server would starve the
     # others (measured: 2 servers slower than 1 without this). Passive waiting, as one host needs.
@@ -215,27 +119,21 @@ def main(argv=None) -> None:
     cores = os.cpu_count() or 1
     print(f"model {model}; {a.catalog_items} items, {a.users} users x {a.user_tokens} tokens, {a.candidates} "
           f"candidates, {a.requests} requests, concurrency {a.concurrency}, dp-size {a.dp_size}, {cores} cores")
-    rows, hrcs_rows = [], []
+    lens = {it["id"]: len(it["token_ids"]) for it in items}
+    item_cache = a.item_cache_tokens if a.item_cache_tokens is not None else sum(lens.values()) // 10
+    cand_tokens = sum(lens[c] for _, body in reqs for c in body["items"])
+    rows, item_rows = [], []
     for n in a.servers:
         cluster = LocalCluster(["--model-path", model, "--device", "cpu", "--max-total-tokens", "16384",
-                                "--item-catalog", catalog, "--log-level", "info"], a.dp_size,
-                               workdir=os.path.join(work, f"n{n}"))
+                                "--item-catalog", catalog, "--item-cache-tokens", str(item_cache),
+                                "--log-level", "info"], a.dp_size, workdir=os.path.join(work, f"n{n}"))
         try:
             cluster.up(n)
             url = cluster.front.url
-            # first, while every rank holds its share (a flush empties the stores)
-            cand_tokens = sum(len(next(it for it in items if it["id"] == c)["token_ids"])
-                              for _, body in reqs for c in body["items"])
-            ratio = logged_ratio(cluster.servers[0].log)
-            ranks = n * a.dp_size
-            pred = predicted_remote_share(items, reqs, ratio, ranks) if ratio is not None else 0.0
-            for policy in a.item_fetch:
-                write_peer_file(cluster.peers_path, read_servers(cluster.peers_path), item_fetch=policy)
-                time.sleep(1.5)  # the servers re-read the peer file every second
-                r = run_load(url, reqs, a.concurrency, True, prefix="item")
-                hrcs_rows.append((n, policy, ratio, r["fetched"] / cand_tokens, pred, r["rps"]))
-                print(f"N={n} prefix=item, item_fetch={policy}: fetched {r['fetched'] / cand_tokens:.3f} of candidate "
-                      f"item tokens (Algorithm 1: {pred:.3f} at r={ratio}), {r['rps']:.1f} req/s", flush=True)
+            r = run_load(url, reqs, a.concurrency, True, prefix="item")
+            item_rows.append((n, r["stored"] / cand_tokens, r["cached"], r["rps"]))
+            print(f"N={n} prefix=item: {r['stored'] / cand_tokens:.3f} of candidate item tokens loaded from the "
+                  f"Mooncake Store, {r['rps']:.1f} req/s", flush=True)
             for affinity in (True, False):
                 for s in cluster.servers:
                     httpx.post(s.url + "/flush_cache", timeout=60)
@@ -246,22 +144,16 @@ def main(argv=None) -> None:
                       f"cached {r['cached']:.1%} of prompt tokens, {r['servers']} servers used", flush=True)
         finally:
             cluster.close()
-    cost = fetch_cost(model, catalog, max(1, a.candidates // 2))
 
     print("\n| servers | user affinity | req/s | req/s per core used | cached prompt tokens | servers hit |")
     print("|---:|---|---:|---:|---:|---:|")
     for n, aff, rps, per_core, cached, hit in rows:
         print(f"| {n} | {'yes' if aff else 'no'} | {rps:.1f} | {per_core:.1f} | {cached:.1%} | {hit} |")
-    print("\n| servers | item_fetch | replication ratio r | fetched share of candidate item tokens | Algorithm 1's expected share | req/s (prefix item) |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for n, policy, ratio, got, pred, rps in hrcs_rows:
-        print(f"| {n} | {policy} | {ratio if ratio is not None else '-'} | {got:.3f} | {pred:.3f} | {rps:.1f} |")
-    print(f"\nitem KV fetch over tcp://127.0.0.1: {cost['fetch_s'] * 1e6:.0f} us for one item ({cost['tokens']:.1f} tokens, "
-          f"{cost['bytes_per_token']} B/token), {cost['batch_fetch_s'] * 1e6:.0f} us for {cost['batch']} items in one round "
-          f"trip ({cost['batch_tokens']:.1f} tokens); recompute one item alone {cost['recompute_s'] * 1e6:.0f} us; the "
-          f"cost model's recompute time {cost['recompute_per_token_s'] * 1e6:.1f} us per token "
-          f"({cost['recompute_per_token_s'] * cost['batch_tokens'] * 1e6:.0f} us for the {cost['batch']} items); "
-          f"Algorithm 1's transfer model at 100 Gbit/s: {cost['alg1_transfer_s'] * 1e6:.2f} us per item")
+    print(f"\n| servers | candidate item tokens loaded from the Mooncake Store (item stores of {item_cache} tokens) "
+          "| cached prompt tokens | req/s (prefix item) |")
+    print("|---:|---:|---:|---:|")
+    for n, stored, cached, rps in item_rows:
+        print(f"| {n} | {stored:.3f} | {cached:.1%} | {rps:.1f} |")
 
 
 if __name__ == "__main__":

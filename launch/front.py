@@ -1,20 +1,21 @@
-"""The front of a scale-out deployment: sglang-router and Caddy, kept in line with the peer file.
+"""The front of a scale-out deployment: sglang-router and Caddy, kept in line with the servers file.
 
-The peer file (`--item-peers` of every sgrec server; see sgrec/items/peers.py) is the one list
-of servers. `Front` starts sglang-router (generation routes) and Caddy (recommendation routes,
-rendezvous hashing of `X-User-Id`; everything else to the router) for the servers listed there, and
-`reconcile()` (once a second under `run()`) keeps them in line with it:
+The servers file (JSON, `{"servers": [{"name": "a", "url": "http://10.0.0.1:30000"}, ...]}`) is the
+one list of servers. `Front` starts sglang-router (generation routes) and Caddy (recommendation
+routes, rendezvous hashing of `X-User-Id`; everything else to the router) for the servers listed
+there, and `reconcile()` (once a second under `run()`) keeps them in line with it:
 
 - a listed server that answers `GET /health` joins the router (`POST /workers`) and Caddy (config
   reload): admission without restarting anything;
-- a listed server that failed `fail_threshold` health checks in a row is removed from the peer file
-  (the other servers re-plan the item placement without it), the router (`DELETE /workers/{id}`) and
-  Caddy. Until then Caddy's own health checks and retries already route around it.
+- a listed server that failed `fail_threshold` health checks in a row is removed from the servers
+  file, the router (`DELETE /workers/{id}`) and Caddy. Until then Caddy's own health checks and
+  retries already route around it.
 
-Nothing here is on the request path: requests go client -> Caddy -> sgrec server (or -> router ->
-sgrec server).
+The servers themselves need no list: they share users' prefixes and item KV through the storage
+tier (`--hicache-storage-backend mooncake`, one master for all). Nothing here is on the request
+path: requests go client -> Caddy -> sgrec server (or -> router -> sgrec server).
 
-    python -m launch.front --peers peers.json --port 8000 --router-port 8001
+    python -m launch.front --servers servers.json --port 8000 --router-port 8001
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import urllib.error
 import urllib.request
 
 from launch import caddy_config
-from sgrec.items.peers import read_servers, write_peer_file
 from sgrec.tools.local_server import free_port  # noqa: F401 (launch.local_cluster imports it from here)
 
 START_TIMEOUT_S = 60.0
@@ -40,6 +40,25 @@ START_TIMEOUT_S = 60.0
 # retries of a request that could not reach a dead worker go to another one: nothing is lost while
 # the health checks catch up. (The router's default, 10 failures, lets those requests fail.)
 ROUTER_ARGS = ("--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "10")
+
+
+def read_servers(path: str) -> list[dict]:
+    """The entries of the servers file at `path`; ValueError on a malformed file."""
+    with open(path) as f:
+        data = json.load(f)
+    servers = data.get("servers") if isinstance(data, dict) else None
+    if not isinstance(servers, list) or not all(isinstance(s, dict) and isinstance(s.get("url"), str)
+                                                for s in servers):
+        raise ValueError(f'{path}: expected {{"servers": [{{"name": ..., "url": ...}}, ...]}}')
+    return servers
+
+
+def write_servers(path: str, servers: list[dict]) -> None:
+    """Writes the servers file atomically (readers never see half a file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"servers": list(servers)}, f, indent=1)
+    os.replace(tmp, path)
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -69,9 +88,9 @@ def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None)
 
 
 class Front:
-    def __init__(self, peers_path: str, port: int, router_port: int | None = None, host: str = "127.0.0.1",
+    def __init__(self, servers_path: str, port: int, router_port: int | None = None, host: str = "127.0.0.1",
                  workdir: str | None = None, fail_threshold: int = 3, router_args: tuple[str, ...] = ()):
-        self.peers_path = peers_path
+        self.servers_path = servers_path
         self.host = host
         self.port = port
         self.router_port = router_port or free_port(host)
@@ -83,7 +102,7 @@ class Front:
         self.router_url = f"http://{host}:{self.router_port}"
         self.fails: dict[str, int] = {}
         self.in_lb: list[str] = []  # server urls the router and Caddy have now
-        self.removed: list[str] = []  # servers taken out of the peer file as dead
+        self.removed: list[str] = []  # servers taken out of the servers file as dead
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop = threading.Event()
 
@@ -97,7 +116,7 @@ class Front:
         return p
 
     def start(self) -> "Front":
-        urls = [s["url"] for s in read_servers(self.peers_path) if healthy(s["url"])]
+        urls = [s["url"] for s in read_servers(self.servers_path) if healthy(s["url"])]
         if not urls:
             raise RuntimeError("no listed server answers /health")
         router = self._spawn("router", [
@@ -124,10 +143,10 @@ class Front:
             return {}
         return {w["url"].rstrip("/"): w["id"] for w in json.loads(body).get("workers", [])}
 
-    # ---- keeping in line with the peer file -------------------------------------------------
+    # ---- keeping in line with the servers file -------------------------------------------------
     def reconcile(self) -> dict:
         """One pass; returns {"added": [...], "removed": [...]} (server urls)."""
-        servers = read_servers(self.peers_path)
+        servers = read_servers(self.servers_path)
         want, dead = [], []
         for s in servers:
             url = s["url"].rstrip("/")
@@ -141,7 +160,7 @@ class Front:
             elif url in self.in_lb:
                 want.append(url)  # not yet judged dead: Caddy's own checks route around it meanwhile
         if dead:
-            write_peer_file(self.peers_path, [s for s in servers if s["url"].rstrip("/") not in dead])
+            write_servers(self.servers_path, [s for s in servers if s["url"].rstrip("/") not in dead])
             self.removed += dead
         added = [u for u in want if u not in self.in_lb]
         gone = [u for u in self.in_lb if u not in want]
@@ -183,13 +202,13 @@ class Front:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m launch.front", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--peers", required=True, help="the peer file every sgrec server reads (--item-peers)")
+    ap.add_argument("--servers", required=True, help='the servers file: {"servers": [{"name", "url"}, ...]}')
     ap.add_argument("--host", default="127.0.0.1", help="address the router and Caddy listen on")
     ap.add_argument("--port", type=int, default=8000, help="Caddy: every route, clients come here")
     ap.add_argument("--router-port", type=int, default=8001, help="sglang-router (generation routes)")
     ap.add_argument("--fail-threshold", type=int, default=3, help="failed health checks before removal")
     a, router_args = ap.parse_known_args(argv)
-    front = Front(a.peers, a.port, a.router_port, a.host, fail_threshold=a.fail_threshold,
+    front = Front(a.servers, a.port, a.router_port, a.host, fail_threshold=a.fail_threshold,
                   router_args=tuple(router_args)).start()
     print(f"front ready: {front.url} (rec routes by X-User-Id, the rest via sglang-router {front.router_url}); "
           f"logs in {front.workdir}", flush=True)

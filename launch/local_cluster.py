@@ -1,61 +1,43 @@
-"""N sgrec servers on one host (loopback) sharing one item pool, with the front (sglang-router +
+"""N sgrec servers on one host (loopback) sharing one Mooncake Store, with the front (sglang-router +
 Caddy) before them: the one-host recipe, also what the tests and the scale-out benchmark use.
 
     python -m launch.local_cluster --servers 3 --dp-size 1 --port 8000 -- \
         --model-path MODEL --item-catalog catalog.jsonl --device cpu
 
-Each server gets its HTTP port, item-KV ports (`--item-kv-port`, one per DP rank) and the shared peer
-file (`--item-peers`); `add` more at run time with `LocalCluster.add_server()` (the front admits them
-once healthy), and a killed server is removed by the front after its health checks fail.
+It starts a `mooncake_master` (`pip install "sgrec[mooncake]"`; `--store none` for none) and every
+server with `--enable-hierarchical-cache --hicache-storage-backend mooncake` on it, each adding
+`--segment-mb` of memory to the store: users' prefixes and BAT's item KV computed on one server are
+loaded by the others. Servers are listed in the servers file that the front reads; `add` more at run
+time with `LocalCluster.add_server()` (the front admits them once healthy), and a killed server is
+removed by the front after its health checks fail.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-from launch.front import Front, free_port, healthy
-from sgrec.items.peers import read_servers, write_peer_file
+from launch.front import Front, free_port, healthy, read_servers, write_servers
+from sgrec.tools.mooncake_master import MooncakeMaster
 
 SERVER_READY_TIMEOUT_S = 180.0
-
-
-def free_port_run(n: int, host: str = "127.0.0.1", tries: int = 50) -> int:
-    """A port p with p .. p+n-1 all free (item-KV endpoints of n DP ranks)."""
-    for _ in range(tries):
-        p = free_port(host)
-        if p + n > 65535:
-            continue
-        socks = []
-        try:
-            for k in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, p + k))
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no run of {n} free ports")
+DEFAULT_SEGMENT_MB = 512
 
 
 class Server:
-    def __init__(self, name: str, port: int, item_kv_port: int, dp_size: int, proc: subprocess.Popen, log: str):
-        self.name, self.port, self.item_kv_port, self.proc, self.log = name, port, item_kv_port, proc, log
+    def __init__(self, name: str, port: int, proc: subprocess.Popen, log: str):
+        self.name, self.port, self.proc, self.log = name, port, proc, log
         self.url = f"http://127.0.0.1:{port}"
-        self.item_kv = [f"tcp://127.0.0.1:{item_kv_port + r}" for r in range(dp_size)]
 
     def entry(self) -> dict:
-        return {"name": self.name, "url": self.url, "item_kv": self.item_kv}
+        return {"name": self.name, "url": self.url}
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Kills the server and its scheduler processes (its own process group)."""
@@ -70,29 +52,41 @@ class Server:
 
 class LocalCluster:
     def __init__(self, server_flags: list[str], dp_size: int = 1, workdir: str | None = None,
-                 item_fetch: str | None = None):
+                 store: str | None = "mooncake", segment_mb: int = DEFAULT_SEGMENT_MB):
         self.server_flags = list(server_flags)
         self.dp_size = dp_size
-        self.item_fetch = item_fetch  # the peer file's fetch policy (cost, always, never); None: cost
+        self.store = store  # "mooncake": one master, every server on it; None: no storage tier
+        self.segment_mb = segment_mb
         self.workdir = workdir or tempfile.mkdtemp(prefix="sgrec-cluster-")
         os.makedirs(self.workdir, exist_ok=True)
-        self.peers_path = os.path.join(self.workdir, "peers.json")
+        self.servers_path = os.path.join(self.workdir, "servers.json")
         self.servers: list[Server] = []
+        self.master: MooncakeMaster | None = None
         self.front: Front | None = None
         self._names = iter(range(1 << 30))
 
+    def store_flags(self) -> list[str]:
+        """The storage-tier flags every server gets (none when the server flags name a backend)."""
+        if self.store is None or "--hicache-storage-backend" in self.server_flags:
+            return []
+        if self.master is None:
+            self.master = MooncakeMaster(os.path.join(self.workdir, "mooncake_master.log")).start()
+        extra = {"master_server_address": self.master.address, "global_segment_size": self.segment_mb << 20}
+        hier = [] if "--enable-hierarchical-cache" in self.server_flags else ["--enable-hierarchical-cache"]
+        return [*hier, "--hicache-storage-backend", "mooncake", "--hicache-storage-backend-extra-config",
+                json.dumps(extra)]
+
     def launch_server(self, dp_size: int | None = None) -> Server:
-        """Starts one server (not yet in the peer file) and waits until it answers /health."""
+        """Starts one server (not yet in the servers file) and waits until it answers /health."""
         dp = dp_size or self.dp_size
         name = f"s{next(self._names)}"
-        port, kv_port = free_port(), free_port_run(dp)
+        port = free_port()
         log = os.path.join(self.workdir, f"{name}.log")
         cmd = [sys.executable, "-m", "sgrec.launch_server", "--host", "127.0.0.1", "--port", str(port),
-               "--dp-size", str(dp), "--item-kv-port", str(kv_port), "--item-peers", self.peers_path,
-               *self.server_flags]
+               "--dp-size", str(dp), *self.store_flags(), *self.server_flags]
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        srv = Server(name, port, kv_port, dp, proc, log)
+        srv = Server(name, port, proc, log)
         deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
         while not healthy(srv.url, timeout=2):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -104,16 +98,16 @@ class LocalCluster:
         return srv
 
     def join(self, srv: Server) -> None:
-        """Lists `srv` in the peer file: the servers re-plan the item pool, the front admits it."""
-        listed = read_servers(self.peers_path) if os.path.exists(self.peers_path) else []
-        write_peer_file(self.peers_path, [*listed, srv.entry()])
+        """Lists `srv` in the servers file: the front admits it."""
+        listed = read_servers(self.servers_path) if os.path.exists(self.servers_path) else []
+        write_servers(self.servers_path, [*listed, srv.entry()])
 
     def up(self, n: int, port: int | None = None, router_port: int | None = None, **front_kw) -> "LocalCluster":
-        if not os.path.exists(self.peers_path):
-            write_peer_file(self.peers_path, [], **({"item_fetch": self.item_fetch} if self.item_fetch else {}))
+        if not os.path.exists(self.servers_path):
+            write_servers(self.servers_path, [])
         for _ in range(n):
             self.join(self.launch_server())
-        self.front = Front(self.peers_path, port or free_port(), router_port, workdir=self.workdir, **front_kw).start()
+        self.front = Front(self.servers_path, port or free_port(), router_port, workdir=self.workdir, **front_kw).start()
         return self
 
     def add_server(self, dp_size: int | None = None) -> Server:
@@ -126,6 +120,8 @@ class LocalCluster:
             self.front.stop()
         for s in self.servers:
             s.kill(signal.SIGTERM)
+        if self.master is not None:
+            self.master.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,19 +131,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dp-size", type=int, default=1, help="DP ranks of each server")
     ap.add_argument("--port", type=int, default=8000, help="Caddy (every route)")
     ap.add_argument("--router-port", type=int, default=8001, help="sglang-router (generation routes)")
-    ap.add_argument("--item-fetch", choices=["cost", "always", "never"], default=None,
-                    help="the item pool's fetch policy, written to the peer file (default: cost)")
+    ap.add_argument("--store", choices=["mooncake", "none"], default="mooncake",
+                    help="the storage tier the servers share (users' prefixes, item KV): a mooncake_master "
+                    "started here, or none")
+    ap.add_argument("--segment-mb", type=int, default=DEFAULT_SEGMENT_MB,
+                    help="memory each server adds to the Mooncake Store (MiB)")
     ap.add_argument("server_flags", nargs=argparse.REMAINDER, help="-- then flags for every sgrec server")
     a = ap.parse_args(argv)
     flags = a.server_flags[1:] if a.server_flags[:1] == ["--"] else a.server_flags
-    cluster = LocalCluster(flags, a.dp_size, item_fetch=a.item_fetch)
+    cluster = LocalCluster(flags, a.dp_size, store=None if a.store == "none" else a.store, segment_mb=a.segment_mb)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         cluster.up(a.servers, a.port, a.router_port)
         front = cluster.front
         print(f"ready: {front.url} (Caddy; /v1/rank, /v1/retrieve, /v1/score by X-User-Id), "
-              f"{front.router_url} (sglang-router); peer file {cluster.peers_path}; logs in {cluster.workdir}",
+              f"{front.router_url} (sglang-router); servers file {cluster.servers_path}; logs in {cluster.workdir}",
               flush=True)
         while not stop.wait(1.0):
             front.reconcile()

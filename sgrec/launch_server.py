@@ -105,12 +105,8 @@ async def serve(args: ServerArgs, in_addrs: list[str], out_addr: str, launch: di
     _Server = _server_class()
 
     tm = TokenizerManager(args, in_addrs, out_addr)
-    # one item-KV endpoint per rank: with HRCS a rank fetches cold items it does not own from their owner
-    # (over TCP with --item-kv-port, so that ranks of other servers can too: see --item-peers)
-    if args.item_kv_port is not None:
-        item_addrs = [f"tcp://{args.item_kv_host or args.host}:{args.item_kv_port + r}" for r in range(args.dp_size)]
-    else:
-        item_addrs = [a.replace("/scheduler-", "/items-") for a in in_addrs]
+    # one item-KV endpoint per rank (ipc): with HRCS a rank fetches cold items it does not own from their owner
+    item_addrs = [a.replace("/scheduler-", "/items-") for a in in_addrs]
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=run_scheduler_process, args=(args.to_dict(), r, in_addrs[r], out_addr, item_addrs),

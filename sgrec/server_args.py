@@ -13,6 +13,12 @@ HICACHE_EXTRA_KEYS = frozenset({  # --hicache-storage-backend-extra-config (SGLa
     "master_server_address", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",  # mooncake
     "local_hostname"})
 DEVICE_SIZED = ("chunked_prefill_size", "max_batch_tokens")  # left to ServerArgs.sized_for by default
+_ITEMS_ACROSS_SERVERS = ("item KV across servers goes through the storage tier: --enable-hierarchical-cache "
+                         "--hicache-storage-backend mooncake (README, 'Scale-out'); the DP ranks of one server "
+                         "share their items without a flag")
+RETIRED = {  # flags of earlier versions: an error that says what replaced them, not argparse's "unrecognized"
+    "--item-peers": _ITEMS_ACROSS_SERVERS, "--item-kv-port": _ITEMS_ACROSS_SERVERS,
+    "--item-kv-host": _ITEMS_ACROSS_SERVERS}
 
 
 def _arg(default, help: str, choices=None, **kw):
@@ -207,15 +213,6 @@ class ServerArgs:
         "percent on saturated serving (BENCHMARKS.md). Candidate order never changes rank scores, with or without it.")
     random_seed: int = _arg(0, "Seed of the shared sampling generator.")
     dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.")
-    item_kv_port: int | None = _arg(
-        None, "Serve each DP rank's item KV over TCP at --item-kv-host, port item_kv_port + rank, so other "
-        "servers can fetch cold items from it (HRCS across servers; default: ipc, this server only).")
-    item_kv_host: str | None = _arg(
-        None, "Address the item-KV endpoints bind to and peers reach them at (default: --host).")
-    item_peers: str | None = _arg(
-        None, "JSON file of the servers sharing the item pool: {\"servers\": [{\"name\", \"url\", \"item_kv\": "
-        "[tcp endpoint per DP rank]}]}; re-read when it changes (servers join and leave at run time). "
-        "Needs --item-kv-port and --item-catalog.")
     api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")
     enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.")
     log_level: str = _arg("info", "Log level.", ["debug", "info", "warning", "error"])
@@ -271,10 +268,6 @@ class ServerArgs:
             raise ValueError("catalog_history must be at least 1 (the current version)")
         if self.dp_size < 1:
             raise ValueError("dp_size must be at least 1")
-        if self.item_kv_port is not None and not 0 < self.item_kv_port <= 65536 - self.dp_size:
-            raise ValueError("item_kv_port + dp_size must be within [1, 65535]")
-        if self.item_peers is not None and self.item_kv_port is None:
-            raise ValueError("item_peers needs item_kv_port (peers reach this server's item KV over TCP)")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         self._check_hicache()
@@ -357,6 +350,8 @@ class ServerArgs:
             description="Serve a model with sgrec (SGLang-compatible native and OpenAI APIs).",
         )
         cls.add_cli_args(parser)
+        for flag, why in RETIRED.items():
+            parser.add_argument(flag, help=argparse.SUPPRESS, action=_Retired, why=why)
         ns = parser.parse_args(argv)
         try:
             return cls(**vars(ns))
@@ -372,6 +367,17 @@ class ServerArgs:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+class _Retired(argparse.Action):
+    """A flag that no longer exists: parsing it is an error naming what replaced it."""
+
+    def __init__(self, option_strings, dest, why: str, **kw):
+        super().__init__(option_strings, argparse.SUPPRESS, **kw)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was retired: {self.why}")
 
 
 PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))  # the installed sgrec package: never written

@@ -232,6 +232,17 @@ def test_bad_flags_name_themselves(kw, match):
         ServerArgs(**kw)
 
 
+@pytest.mark.parametrize("flag", ["--item-peers", "--item-kv-port", "--item-kv-host"])
+def test_retired_item_peer_flags_say_what_replaced_them(flag, capsys):
+    """The flags of the ZMQ item pool across servers are gone: item KV crosses servers through the
+    storage tier. Giving one is an error that names it and its replacement, not "unrecognized"."""
+    with pytest.raises(SystemExit) as e:
+        ServerArgs.from_cli([flag, "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag} was retired" in err and "--hicache-storage-backend mooncake" in err
+    assert "item_peers" not in ServerArgs().to_dict()
+
+
 # ---- engines -----------------------------------------------------------------------------------
 SP = {"max_new_tokens": 4, "temperature": 0}
 

@@ -1,19 +1,21 @@
-"""Scale-out (issue #12) on loopback: sgrec servers sharing one item pool (HRCS across servers)
-behind the real sglang-router (generation routes) and Caddy (recommendation routes, rendezvous
-hashing of X-User-Id), started by the launch/ recipe. Which server answered is read from the
-X-Sgrec-Server response header that every sgrec response carries."""
+"""Scale-out (issue #12) on loopback: sgrec servers sharing item KV through one real Mooncake Store
+(issue 40: the storage tier replaced the ZMQ pool across servers) behind the real sglang-router
+(generation routes) and Caddy (recommendation routes, rendezvous hashing of X-User-Id), started by
+the launch/ recipe. Which server answered is read from the X-Sgrec-Server response header that every
+sgrec response carries."""
 
 from __future__ import annotations
 
 import math
+import os
 import time
 import zlib
 
 import httpx
 import pytest
 
+from launch.front import read_servers
 from launch.local_cluster import LocalCluster
-from sgrec.items.peers import read_peer_file, read_servers
 from tests.test_rec_server import write_catalog
 
 USERS = [f"user{k}" for k in range(48)]  # 3 servers: each gets none with odds < 1e-7
@@ -33,11 +35,17 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(model, catalog, tmp_path_factory):
-    # item_fetch "always": the fetch tests below need fetches, whatever the cost model would pick on
-    # a loaded machine (the cost model is tested in process: tests/test_item_fetch.py)
+    from sgrec.tools.mooncake_master import missing
+
+    if missing():  # CI installs what it needs (the test extra and libibverbs1)
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"the cluster needs Mooncake: {missing()}")
+    # an item store of 16 tokens keeps about 5 of the 30 items: the others come from the Mooncake Store
+    # once any server computed them; wait_complete: a request waits for its candidates' reads, so a
+    # test sees every item the store has (the timeout policy is tested in tests/test_hicache.py)
     c = LocalCluster(["--model-path", model, "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096",
-                      "--item-catalog", catalog], workdir=str(tmp_path_factory.mktemp("cluster")),
-                     item_fetch="always")
+                      "--item-catalog", catalog, "--item-cache-tokens", "16",
+                      "--hicache-storage-prefetch-policy", "wait_complete"],
+                     workdir=str(tmp_path_factory.mktemp("cluster")), segment_mb=64)
     try:
         yield c.up(2)
     finally:
@@ -132,7 +140,9 @@ def test_rank_through_proxy_equals_direct(cluster):
     assert len(pairs) == 4 and all(math.isclose(x, y, rel_tol=1e-4) for x, y in pairs)  # cached prefix: float noise
 
 
-def fetched_rank(url: str, u: str, header: bool = True) -> dict:
+def item_rank(url: str, u: str, header: bool = True) -> dict:
+    """Ranks all items with the item-as-prefix layout (candidates' KV from the item store, the
+    storage tier or computed)."""
     body = {**user_body(u, "item"), "items": ITEMS}
     r = httpx.post(url + "/v1/rank", json=body, headers={"X-User-Id": u} if header else {}, timeout=60)
     assert r.status_code == 200, r.text
@@ -144,17 +154,37 @@ def assert_matches(out: dict, want: dict[str, float]) -> None:
     assert max(abs(x["score"] - want[x["item"]]) for x in out["ranking"]) <= TOL
 
 
-def test_cold_item_fetched_from_a_peer_scores_like_local(cluster, reference):
-    """Each server holds the hot items and its shard of the cold ones; ranking all items on one
-    server fetches the other's shard over tcp:// and scores exactly like one standalone engine."""
-    for srv in live(cluster):
-        u = "fetcher"
-        # bounded retries: on a loaded machine a fetch may pass its 200 ms timeout (then the item is
-        # recomputed and the owner skipped for 5 s); the scores are right either way
-        out = wait_for(lambda: (o := fetched_rank(srv.url, u, header=False))["meta_info"]["fetched_tokens"] and o)
-        assert out, "no item was ever fetched from the peer"
-        assert_matches(out, reference(user_body(u)["user"]))
-        assert_matches(fetched_rank(srv.url, u, header=False), reference(user_body(u)["user"]))
+def writes_done(url: str) -> dict:
+    """Waits until the server has no storage write pending (they run on a background thread);
+    returns its storage tier's counters."""
+    def storage():
+        t = httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]["hicache"]["storage"]
+        return t if t["pending_writes"] == 0 else None
+
+    got = wait_for(storage, timeout=60, step=0.1)
+    assert got, "storage writes still pending after 60 s"
+    return got
+
+
+def computed_here_loaded_there(here, there, u: str, reference) -> dict:
+    """Ranks every item on `here` (the candidates its store lacks are computed and written to the
+    store), then on `there`: the candidates `there` lacks are loaded, and both score like one
+    standalone engine. Returns `there`'s answer."""
+    assert_matches(item_rank(here.url, u, header=False), reference(user_body(u)["user"]))
+    writes_done(here.url)
+    out = item_rank(there.url, u, header=False)
+    assert_matches(out, reference(user_body(u)["user"]))
+    return out
+
+
+def test_item_kv_computed_on_one_server_is_loaded_by_another(cluster, reference):
+    """Each server keeps the items its store has room for; any other candidate that another server
+    computed comes from the Mooncake Store and scores exactly like one standalone engine."""
+    a, b = live(cluster)[:2]
+    out = computed_here_loaded_there(a, b, "mover", reference)
+    meta = out["meta_info"]
+    assert meta["stored_tokens"] > 0 and meta["cached_tokens"] >= meta["stored_tokens"]
+    assert writes_done(b.url)["hits"] > 0 and writes_done(b.url)["failures"] == 0
 
 
 def wait_for(pred, timeout: float = 120.0, step: float = 0.5):
@@ -179,15 +209,14 @@ def test_admit_a_server_without_restarting_the_others(cluster, reference):
     assert moved and all(after[u] == new.url for u in moved)  # rendezvous hashing: only to the new server
     assert router_owners(cluster) == before_router  # the router keeps its users where they were
     assert [s.proc.pid for s in running if s.proc.poll() is None] == pids  # nobody restarted
-    assert len(read_peer_file(cluster.peers_path)) == len(running) + 1
-    # the new server joined the item pool: it fetches the others' shards, the others fetch its own
-    out = wait_for(lambda: (o := fetched_rank(new.url, "newcomer", header=False))["meta_info"]["fetched_tokens"] and o)
-    assert out, "the new server never fetched from its peers"
-    assert_matches(out, reference(user_body("newcomer")["user"]))
+    assert len(read_servers(cluster.servers_path)) == len(running) + 1
+    # the new server is on the same store: it loads what the others computed, and the reverse
+    assert computed_here_loaded_there(running[0], new, "newcomer", reference)["meta_info"]["stored_tokens"] > 0
+    assert computed_here_loaded_there(new, running[0], "newcomer-2", reference)["meta_info"]["stored_tokens"] > 0
 
 
 def test_killed_server_moves_its_users_and_loses_no_request(cluster, reference):
-    if len(live(cluster)) < 3:  # two survivors, so that they still have a peer to fetch from
+    if len(live(cluster)) < 3:  # two survivors, so that one can load what the other computes
         new = cluster.add_server()
         assert cluster.front.reconcile()["added"] == [new.url]
         cluster.front.wait_router()
@@ -200,14 +229,17 @@ def test_killed_server_moves_its_users_and_loses_no_request(cluster, reference):
     by_router = router_owners(cluster)
     assert all(by_router[u] != victim.url for u in USERS)
     assert all(by_router[u] == before_router[u] for u in USERS if before_router[u] != victim.url)
-    # a survivor whose pool still lists the dead peer recomputes its items: right scores, no error
-    assert_matches(fetched_rank(survivor.url, "after-kill", header=False), reference(user_body("after-kill")["user"]))
-    # the front removes it: from the peer file (the pool re-plans without it), the router and Caddy
+    # the dead server's share of the store is gone with it: a survivor's read of an object there
+    # fails or misses, and the item is recomputed: right scores, no error
+    assert_matches(item_rank(survivor.url, "after-kill", header=False), reference(user_body("after-kill")["user"]))
+    # the front removes it: from the servers file, the router and Caddy
     removed = wait_for(lambda: victim.url in cluster.front.reconcile()["removed"], timeout=30, step=0)
-    assert removed and victim.url not in [s["url"] for s in read_servers(cluster.peers_path)]
+    assert removed and victim.url not in [s["url"] for s in read_servers(cluster.servers_path)]
     cluster.front.wait_router()
     assert caddy_owners(cluster) == after
-    out = wait_for(lambda: (o := fetched_rank(survivor.url, "replanned", header=False))["meta_info"]["fetched_tokens"] and o)
-    assert out, "the survivors no longer fetch from each other after the re-plan"
-    assert_matches(out, reference(user_body("replanned")["user"]))
+    # the survivors share items through the store again (after the back-off of a failed read)
+    other = next(s for s in live(cluster) if s is not survivor)
+    out = wait_for(lambda: (o := computed_here_loaded_there(survivor, other, "after-removal", reference))
+                   ["meta_info"]["stored_tokens"] and o)
+    assert out, "the survivors no longer share items through the store"
 

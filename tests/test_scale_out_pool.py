@@ -1,16 +1,15 @@
-"""The item pool across servers (sgrec/items/peers.py), in process: two ranks that know each
-other only through a peer file, re-planned when the file changes."""
+"""The item pool of one server's DP ranks (sgrec/items/pool.py), in process: two ranks, each with its
+own executor, that plan the same placement and fetch each other's shards over ZMQ."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import random
 
 import pytest
 import zmq
 
-from sgrec.items.peers import ItemPool, read_peer_file, write_peer_file
+from sgrec.items.pool import ItemPool
 from sgrec.radix.tree import RadixCache
 from sgrec.rank.executor import RankExecutor
 from sgrec.runner import ModelRunner
@@ -37,21 +36,16 @@ def make_executor(path: str, catalog) -> RankExecutor:
 
 
 _runs = itertools.count()
-RUN = [0]  # endpoints are new for every test: a request queued for a closed inproc endpoint of an
-# earlier test would otherwise reach the server that binds the same name later in the shared context
-
-
-def entry(k: int) -> dict:
-    return {"name": f"s{k}", "url": f"http://127.0.0.1:{k}", "item_kv": [f"inproc://pool-test-{RUN[0]}-{k}"]}
 
 
 @pytest.fixture
-def pools(tiny_model_dir, tmp_path):
+def pools(tiny_model_dir):
     cat = make_catalog(n=20)
     path = tiny_model_dir("qwen2", seed=4)
-    peers = str(tmp_path / "peers.json")
-    RUN[0] = next(_runs)
-    write_peer_file(peers, [entry(0), entry(1)])
+    # endpoints are new for every test: a request queued for a closed inproc endpoint of an earlier
+    # test would otherwise reach the server that binds the same name later in the shared context
+    run = next(_runs)
+    addrs = [f"inproc://pool-test-{run}-{k}" for k in range(2)]
     ctx = zmq.Context.instance()
     clock = Clock()
     made = []
@@ -59,26 +53,27 @@ def pools(tiny_model_dir, tmp_path):
         ex = make_executor(path, cat)
         # a fast network (Algorithm 1: R_max >= 1): only the hottest item is replicated; recomputing
         # costs 1 s per token, so the cost model always fetches
-        made.append(ItemPool(ex, ex.runner, ctx, [entry(k)["item_kv"][0]], 0, peers, clock=clock,
-                             bandwidth_gbps=1e6, prefill_time=lambda s, p: 0.01, recompute_per_token_s=1.0))
+        made.append(ItemPool(ex, ex.runner, ctx, addrs, k, clock=clock, bandwidth_gbps=1e6,
+                             prefill_time=lambda s, p: 0.01, recompute_per_token_s=1.0))
     for p in made:
         p.refresh()  # the scheduler loop's first call: each rank computes its share
-    yield made, peers, clock, cat
+    yield made, cat
     for p in made:
         p.close()
 
 
 def test_ranks_agree_on_the_placement_and_hold_their_shards(pools):
-    (p0, p1), _, _, cat = pools
+    (p0, p1), cat = pools
     assert (p0.ex.dp_rank, p1.ex.dp_rank) == (0, 1) and p0.ex.placement.owner == p1.ex.placement.owner
     held0, held1 = set(p0.ex.store.entries), set(p1.ex.store.entries)
     rep = p0.ex.placement.replicated
     assert held0 | held1 == {it.id for it in cat.items}
     assert held0 & held1 == rep and len(rep) < len(cat.items) // 2  # only the hot share is on both
+    assert held0 == {it.id for it in cat.items if p0.ex.placement.owns(0, it.id)}
 
 
-def test_fetch_from_the_peer_then_leave_and_rejoin(pools):
-    (p0, p1), peers, clock, cat = pools
+def test_fetch_from_the_peer(pools):
+    (p0, p1), cat = pools
     ex0 = p0.ex
     items = [it.id for it in cat.items]
     user = [random.Random(2).randrange(3, 500) for _ in range(8)]
@@ -88,27 +83,12 @@ def test_fetch_from_the_peer_then_leave_and_rejoin(pools):
     assert out["meta_info"]["fetched_tokens"] == remote > 0 and p1.server.served > 0
     assert p1.server.requests == 1 and p0.fetcher.recompute_s(3) == 3.0  # one round trip for all
     assert (scores_of(out, items) - want).abs().max().item() <= TOL
-    # rank 1 leaves the pool: rank 0 re-plans to hold everything itself, nothing is fetched
-    write_peer_file(peers, [entry(0)])
-    assert not p0.refresh()  # not due yet (checked once a second)
-    clock.t += 1.5
-    assert p0.refresh() and p0.ex.placement is None and len(ex0.store) == len(items)
-    out = ex0.run("u", user, items, INSTR, prefix="item")
-    assert out["meta_info"]["fetched_tokens"] == 0 and (scores_of(out, items) - want).abs().max().item() <= TOL
-    # a malformed file changes nothing; rank 1 coming back splits the items again
-    with open(peers, "w") as f:
-        f.write("{not json")
-    clock.t += 1.5
-    assert not p0.refresh() and p0.members == [entry(0)["item_kv"][0]]
-    write_peer_file(peers, [entry(0), entry(1)])
-    clock.t += 1.5
-    assert p0.refresh() and p0.replans == 2
-    assert set(ex0.store.entries) == {i for i in items if p0.ex.placement.owns(0, i)}
+    assert p0.stats()["fetched_tokens"] == remote and p1.stats()["served"] == p1.server.served
     assert accounting_ok(ex0)
 
 
 def test_dead_peer_is_recomputed_not_an_error(pools):
-    (p0, p1), _, _, cat = pools
+    (p0, p1), cat = pools
     p1.server.close()  # rank 1 is gone but still listed
     p0.fetcher.timeout_ms = 50
     items = [it.id for it in cat.items]
@@ -116,41 +96,6 @@ def test_dead_peer_is_recomputed_not_an_error(pools):
     out = p0.ex.run("u", user, items, INSTR, prefix="item")
     assert out["meta_info"]["fetched_tokens"] == 0 and p0.client.timeouts == 1
     assert (scores_of(out, items) - scratch(p0.ex, user, items)).abs().max().item() <= TOL
-
-
-def test_fetch_policy_from_the_peer_file(pools):
-    """The peer file's item_fetch applies at the next re-read; rewriting the servers keeps it."""
-    (p0, p1), peers, clock, cat = pools
-    items = [it.id for it in cat.items]
-    user = [4, 5, 6]
-    write_peer_file(peers, [entry(0), entry(1)], item_fetch="never")
-    clock.t += 1.5
-    assert not p0.refresh() and p0.fetcher.policy == "never"  # same members: no re-plan, new policy
-    out = p0.ex.run("u", user, items, INSTR, prefix="item")
-    assert out["meta_info"]["fetched_tokens"] == 0 and p1.server.requests == 0
-    assert (scores_of(out, items) - scratch(p0.ex, user, items)).abs().max().item() <= TOL
-    write_peer_file(peers, [entry(1), entry(0)])  # the front rewrites the servers: the policy stays
-    with open(peers) as f:
-        assert json.load(f)["item_fetch"] == "never"
-    write_peer_file(peers, [entry(0), entry(1)], item_fetch="always")
-    clock.t += 1.5
-    p0.refresh()
-    out = p0.ex.run("u", user, items, INSTR, prefix="item")
-    assert out["meta_info"]["fetched_tokens"] > 0 and p1.server.requests == 1
-    assert accounting_ok(p0.ex) and accounting_ok(p1.ex)
-
-
-@pytest.mark.parametrize("body,message", [
-    ({"servers": [{"item_kv": []}]}, "non-empty list"),
-    ({"servers": [{"item_kv": ["tcp://a:1"]}, {"item_kv": ["tcp://a:1"]}]}, "listed twice"),
-    ([], "expected"),
-    ({"servers": [{"item_kv": ["tcp://a:1"]}], "item_fetch": "sometimes"}, "item_fetch must be one of"),
-])
-def test_malformed_peer_files_are_rejected(tmp_path, body, message):
-    p = tmp_path / "peers.json"
-    p.write_text(json.dumps(body))
-    with pytest.raises(ValueError, match=message):
-        read_peer_file(str(p))
 
 
 def test_client_keeps_sockets_and_dead_marks_by_address():

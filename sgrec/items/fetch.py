@@ -1,9 +1,9 @@
 """Cross-rank item KV fetch for HRCS placement (BAT §5.2, Algorithm 1).
 
-With `--dp-size N` and HRCS (or several servers sharing one item pool, `sgrec.items.peers`),
-each rank's item store holds the replicated hot items and its shard of the cold ones. The cold
-items of a request owned by other ranks are fetched from their owners as KV bytes over ZMQ, or
-recomputed in the request's forward, whichever the cost model says is cheaper.
+With `--dp-size N` and HRCS (the ranks of one server, `sgrec.items.pool`), each rank's item store
+holds the replicated hot items and its shard of the cold ones. The cold items of a request owned by
+other ranks are fetched from their owners as KV bytes over ZMQ, or recomputed in the request's
+forward, whichever the cost model says is cheaper.
 
 Pieces (plain, no scheduler knowledge):
 
@@ -37,7 +37,7 @@ Algorithm 1's comparison of transfer time and prefill time, made per request and
 n tokens from owner p is estimated as `latency_p + n * bytes_per_token / bandwidth_Bps`, where
 latency_p is an exponential moving average (weight `ema_weight`) of the measured round trips to p
 minus their transfer term (prior: `latency_s`; a timeout counts as a round trip of the timeout).
-Recomputing them costs `recompute_s(n)` (`sgrec.items.peers` measures the runner's prefill
+Recomputing them costs `recompute_s(n)` (`sgrec.items.pool` measures the runner's prefill
 time per token). With linear costs on both sides the best choice for one owner is all of its items
 or none, so the decision is per owner: fetch when the estimate is below the recompute time. An
 owner the model skips is fetched from anyway once its estimate is `latency / probe_share` seconds

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 CDF_EPS = 1e-12  # the CDF of normalised floats may end a hair below 1
-# what a start-up plan assumes before anything was measured (RankExecutor's plan over its DP ranks,
-# ItemPool's over every rank of every server)
+# what a start-up plan assumes before anything was measured (RankExecutor's and ItemPool's plans over a
+# server's DP ranks)
 DEFAULT_TAU_U = 1000  # user tokens assumed by the start-up HRCS plan before any request was seen
 DEFAULT_BANDWIDTH_GBPS = 100.0
 DEFAULT_ALPHA = 0.1
@@ -198,8 +198,8 @@ def make_plan(item_ids: Sequence[str], item_lens: Sequence[int], freqs: Sequence
 
 def catalog_freqs(catalog) -> list[float]:
     """Static item frequencies for placement: catalog popularity + 1 (the items' `popularity` key).
-    Every server computes the same numbers, so all agree on the owners (run-time access counts
-    differ between servers). One per live item, in row order."""
+    Every rank computes the same numbers, so all agree on the owners (run-time access counts
+    differ between ranks). One per live item, in row order."""
     meta = catalog.meta
     return [float(meta[r].get("popularity", 0)) + 1.0 if r in meta else 1.0 for r in catalog.live_rows().tolist()]
 
@@ -224,7 +224,7 @@ def fit_catalog_prefill(runner, catalog, max_candidates: int) -> Callable[[float
 
 def plan_catalog(catalog, n: int, prefill_time: Callable[[float, float], float], bytes_per_token: int,
                  max_candidates: int, tau_u: float, bandwidth_gbps: float, alpha: float) -> tuple[Placement, ReplicationResult]:
-    """Algorithm 1 and the placement over `n` ranks (all ranks of all servers) for a catalog
+    """Algorithm 1 and the placement over `n` ranks (the DP ranks of a server) for a catalog
     (sgrec.catalog.Catalog: read from its columns, no item objects)."""
     freqs = catalog_freqs(catalog)
     c = min(100, max_candidates, len(catalog))

@@ -277,12 +277,12 @@ class RankExecutor:
             choice = select_prefix(policy, tau_u, tau_i)
         kind = L.ITEM_PREFIX if choice == L.ITEM_PREFIX else L.USER_PREFIX
         lay = L.build(kind, self.header_ids, user_ids, [it.token_ids for it in items], instruction_ids)
-        fetched = 0
+        fetched = stored = 0
         if choice == L.USER_PREFIX:
             scores, cached = yield from self._run_user_prefix(lay, targets, user_key, user_ids,
                                                               by_freq=policy == "auto")
         elif choice == L.ITEM_PREFIX:
-            scores, cached, fetched = yield from self._run_item_prefix(lay, targets, item_ids)
+            scores, cached, fetched, stored = yield from self._run_item_prefix(lay, targets, item_ids)
         else:
             scores, cached = (yield Forward(lay, {}, targets)), 0
         loglik = None
@@ -298,6 +298,8 @@ class RankExecutor:
             meta["path_tokens"] = semantic.PathTrie(targets).num_rows()  # path tokens forwarded
         if self.fetcher is not None:
             meta["fetched_tokens"] = fetched  # of cached_tokens, KV fetched from another rank
+        if self.tiers is not None:
+            meta["stored_tokens"] = stored  # of cached_tokens, item KV loaded from the storage tier
         ranking = [{"item": items[j].id, "score": vals[j]} for j in order]
         if loglik is not None:  # the path's summed log-probability, as /v1/retrieve scores it
             for r, j in zip(ranking, order):
@@ -431,7 +433,8 @@ class RankExecutor:
         return scores, m
 
     def _run_item_prefix(self, lay: L.RankLayout, targets: list, item_ids: Sequence[str]):
-        """Generator (see _request) returning (scores, cached tokens, of which fetched from another rank)."""
+        """Generator (see _request) returning (scores, cached tokens, of which fetched from another rank,
+        of which loaded from the storage tier)."""
         store = self.store
         if store.header_slots is None:
             self._make_room(len(self.header_ids))
@@ -439,9 +442,10 @@ class RankExecutor:
         slots = store.acquire(item_ids)
         borrowed: list[torch.Tensor] = []  # fetched item KV: used by this request only, then freed
         fresh: dict[str, torch.Tensor | None] = {}
+        stored = 0
         try:
             if self.tiers is not None:
-                self._load_stored(lay, slots, borrowed)
+                stored = self._load_stored(lay, slots, borrowed)
             if self.fetcher is not None:
                 self._fetch_remote(lay, item_ids, slots, borrowed)
             cached: dict[int, torch.Tensor] = {}
@@ -466,7 +470,7 @@ class RankExecutor:
             store.release(item_ids)
             if borrowed:
                 self.allocator.free(torch.cat(borrowed))
-        return scores, sum(len(s) for s in cached.values()), sum(len(b) for b in borrowed)
+        return scores, sum(len(s) for s in cached.values()), sum(len(b) for b in borrowed) - stored, stored
 
     def _item_key(self, token_ids) -> str:
         return item_key(self.tiers.namespace, self.header_ids, [int(t) for t in token_ids])
@@ -484,9 +488,9 @@ class RankExecutor:
                 out.append((self._item_key(toks), len(toks)))
         return out
 
-    def _load_stored(self, lay: L.RankLayout, slots: list, borrowed: list) -> None:
+    def _load_stored(self, lay: L.RankLayout, slots: list, borrowed: list) -> int:
         """Fills misses with item KV the storage tier had (brought up to the host tier when the
-        request arrived): copied into borrowed slots, as KV fetched from a peer."""
+        request arrived): copied into borrowed slots, as KV fetched from a peer. Returns the tokens."""
         segs = lay.items()
         found = []
         for j, s in enumerate(slots):
@@ -495,7 +499,7 @@ class RankExecutor:
                 if page is not None and page.k.shape[1] == segs[j].length:
                     found.append((j, page))
         if not found:
-            return
+            return 0
         n = sum(p.k.shape[1] for _, p in found)
         self._make_room(n)
         got = self.allocator.alloc(n)
@@ -505,6 +509,7 @@ class RankExecutor:
         for j, p in found:
             slots[j] = got[off : off + p.k.shape[1]]
             off += p.k.shape[1]
+        return n
 
     def _fetch_remote(self, lay: L.RankLayout, item_ids: Sequence[str], slots: list, borrowed: list) -> None:
         """Fills the misses of items owned by other ranks with their KV, fetched from the owners in

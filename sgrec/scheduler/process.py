@@ -97,12 +97,11 @@ class SchedulerLoop:
         and fetch cold items this rank does not own from their owner or recompute them (a dead or slow
         owner: recomputed). Returns the ItemPool, or None without one."""
         ex = self.scheduler.rank_executor
-        if ex is None or not item_addrs or (self.args.dp_size < 2 and not self.args.item_peers):
+        if ex is None or not item_addrs or self.args.dp_size < 2:
             return None
-        from sgrec.items.peers import ItemPool
+        from sgrec.items.pool import ItemPool
 
-        # --item-peers: the pool spans the servers listed there (re-read at run time, see sgrec/items/peers.py)
-        return ItemPool(ex, self.runner, ctx, item_addrs, self.dp_rank, self.args.item_peers)
+        return ItemPool(ex, self.runner, ctx, item_addrs, self.dp_rank)
 
     def run(self) -> None:
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
@@ -112,7 +111,7 @@ class SchedulerLoop:
             wait = self.scheduler.idle_wait()  # rank / retrieve batches waiting for their quota: sleep till due
             ready = dict(self.poller.poll(IDLE_POLL_MS if wait is None else min(IDLE_POLL_MS, math.ceil(wait * 1000))))
             if self.item_pool is not None:
-                self.item_pool.refresh()  # servers joined or left the item pool
+                self.item_pool.refresh()  # its share computed at the first call; fetch counters logged
             if self.recv_sock in ready:
                 self.drain()
             if os.getppid() != self.parent:
