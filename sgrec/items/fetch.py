@@ -84,14 +84,6 @@ def header_key(header_ids: Sequence[int]) -> str:
     return f"{len(header_ids)}:{hash(tuple(int(t) for t in header_ids)) & 0xFFFFFFFFFFFF:x}"
 
 
-def write_item_kv(kv_pool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Writes fetched K and V ([layers, n, heads, dim]) into `slots` of this rank's pool."""
-    dev = kv_pool.device
-    loc = slots.to(dev)
-    for layer in range(kv_pool.num_layers):
-        kv_pool.set_kv(layer, loc, k[layer].to(dev), v[layer].to(dev))  # the pool casts (an fp8 one saturating)
-
-
 NO_NUMPY = {torch.bfloat16: torch.int16, FP8: torch.uint8}  # sent as their bits
 
 

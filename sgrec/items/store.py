@@ -207,7 +207,7 @@ class ItemStore:
                      if i in entries and (fps is None or fps.get(i) == entries[i].fp)]
             if not found:
                 return [], None, None
-            k, v = gather_kv(self.runner.kv_pool, torch.cat([s for _, s in found]))
+            k, v = self.runner.kv_pool.read_rows(torch.cat([s for _, s in found]))
         return [(i, len(s)) for i, s in found], k, v
 
     # ---- start-up -------------------------------------------------------------------------
@@ -316,14 +316,3 @@ class ItemStore:
         if slots is None:
             raise RuntimeError(f"item store: no room for {n} KV slots ({self.allocator.available_size()} free)")
         return slots
-
-
-def gather_kv(kv_pool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of `slots` for every layer: two CPU tensors [layers, n, kv_heads, head_dim] (copies)."""
-    loc = slots.to(kv_pool.device)
-    ks, vs = [], []
-    for layer in range(kv_pool.num_layers):
-        k, v = kv_pool.get_kv(layer)
-        ks.append(k[loc])
-        vs.append(v[loc])
-    return torch.stack(ks).cpu(), torch.stack(vs).cpu()

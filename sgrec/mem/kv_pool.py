@@ -99,3 +99,18 @@ class KVPool:
 
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer], self.v_buffer[layer]
+
+    def read_rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` for every layer, copied to host memory: two [layers, n, kv_heads,
+        head_dim] tensors in the pool's dtype, bit for bit (what the tiers store and peers are sent)."""
+        loc = slots.to(self.device)
+        k = torch.stack([copyable(b)[loc] for b in self.k_buffer]).cpu()
+        v = torch.stack([copyable(b)[loc] for b in self.v_buffer]).cpu()
+        return k.view(self.dtype), v.view(self.dtype)
+
+    def write_rows(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores [layers, n, kv_heads, head_dim] rows (host or device) at `slots`: bit for bit when
+        they are in the pool's dtype (read_rows' output), cast as set_kv casts otherwise."""
+        loc = slots.to(self.device)
+        for layer in range(self.num_layers):
+            self.set_kv(layer, loc, k[layer].to(self.device), v[layer].to(self.device))

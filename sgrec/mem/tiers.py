@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sgrec.mem.kv_pool import KVPool, copyable
+from sgrec.mem.kv_pool import KVPool
 
 _MAGIC = b"SGRKV1".ljust(16, b"\0")  # with the 16-byte shape: rows start 32-byte aligned
 _DIGEST = 16
@@ -66,18 +66,9 @@ class Page:
 
 def read_pages(pool: KVPool, slots: torch.Tensor, page_size: int) -> list[Page]:
     """The pool's rows at `slots` (a multiple of page_size), copied to host memory, one Page per page."""
-    k = torch.stack([copyable(b)[slots] for b in pool.k_buffer]).cpu()
-    v = torch.stack([copyable(b)[slots] for b in pool.v_buffer]).cpu()
+    k, v = pool.read_rows(slots)
     return [Page(k[:, i : i + page_size].clone(), v[:, i : i + page_size].clone())
             for i in range(0, len(slots), page_size)]
-
-
-def write_rows(pool: KVPool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Stores [layers, n, heads, dim] rows (host or device) into the pool at `slots`."""
-    k, v = k.to(pool.device), v.to(pool.device)
-    for layer in range(pool.num_layers):
-        copyable(pool.k_buffer[layer])[slots] = k[layer]
-        copyable(pool.v_buffer[layer])[slots] = v[layer]
 
 
 def encode(page: Page) -> bytes:
@@ -107,7 +98,7 @@ def decode(data: bytes | bytearray, like: Page) -> Page | None:
     if hashlib.blake2b(view[:-_DIGEST], digest_size=_DIGEST).digest() != bytes(view[-_DIGEST:]):
         return None
     buf = data if isinstance(data, bytearray) else bytearray(data)
-    flat = torch.frombuffer(buf, dtype=like.k.dtype, offset=head_len, count=2 * like.k.numel())
+    flat = torch.frombuffer(buf, dtype=torch.uint8, offset=head_len, count=2 * half).view(like.k.dtype)
     n = like.k.numel()
     return Page(flat[:n].view(like.k.shape), flat[n:].view(like.k.shape))
 

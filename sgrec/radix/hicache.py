@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sgrec.mem.kv_pool import KVPool, copyable
+from sgrec.mem.kv_pool import KVPool
 from sgrec.mem.tiers import (
-    FileStorage, HostTier, Page, TierStats, decode, encode, page_keys, read_pages, write_rows,
+    FileStorage, HostTier, Page, TierStats, decode, encode, page_keys, read_pages,
 )
 from sgrec.radix.node import TreeNode
 from sgrec.radix.predictor import UNKNOWN
@@ -144,7 +144,7 @@ class HiCache:
         self.item_tokens = {"stored": 0, "loaded": 0}  # BAT item KV written down / taken from the tiers (rank)
         self._from_storage: set[str] = set()  # host pages that a prefetch brought up (not yet loaded)
         self._shape = (pool.num_layers, *pool.k_buffer[0].shape[1:])  # layers, heads, head dim
-        self._dtype = copyable(pool.k_buffer[0]).dtype
+        self._dtype = pool.dtype
         self._like = self.like(page_size)
         self._writes: queue.Queue | None = None
         self._fetcher: ThreadPoolExecutor | None = None
@@ -220,7 +220,7 @@ class HiCache:
 
     def load(self, slots: torch.Tensor, plan: LoadPlan) -> None:
         """Copies the plan's rows into `slots` (as many as the plan has tokens past its start)."""
-        write_rows(self.pool, slots, plan.k, plan.v)
+        self.pool.write_rows(slots, plan.k, plan.v)
         self._from_storage.difference_update(plan.keys)
         self.loaded_tokens["storage"] += plan.from_storage
         self.loaded_tokens["host"] += len(slots) - plan.from_storage

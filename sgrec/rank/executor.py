@@ -38,8 +38,7 @@ import torch
 
 from sgrec.catalog import Catalog, Item, check_token_ids
 from sgrec.items import hrcs
-from sgrec.items.fetch import write_item_kv
-from sgrec.mem.tiers import item_key, write_rows
+from sgrec.mem.tiers import item_key
 from sgrec.items.store import ItemStore, fingerprint
 from sgrec import layout as L
 from sgrec.rank import semantic
@@ -504,7 +503,7 @@ class RankExecutor:
         self._make_room(n)
         got = self.allocator.alloc(n)
         borrowed.append(got)
-        write_rows(self.runner.kv_pool, got, torch.cat([p.k for _, p in found], 1), torch.cat([p.v for _, p in found], 1))
+        self.runner.kv_pool.write_rows(got, torch.cat([p.k for _, p in found], 1), torch.cat([p.v for _, p in found], 1))
         off = 0
         for j, p in found:
             slots[j] = got[off : off + p.k.shape[1]]
@@ -525,7 +524,7 @@ class RankExecutor:
             self._make_room(n)
             got = self.allocator.alloc(n)
             borrowed.append(got)
-            write_item_kv(self.runner.kv_pool, got, chunk.k, chunk.v)
+            self.runner.kv_pool.write_rows(got, chunk.k, chunk.v)  # the pool casts (an fp8 one saturating)
             off = 0
             for item_id, m in zip(chunk.items, chunk.lens):
                 slots[want[item_id]] = got[off : off + m]
