@@ -20,11 +20,11 @@ the window; the pool (--max-total-tokens) is that divided by --pool-ratio (10).
    set), `file` and `mooncake` (a host tier of --hicache-ratio 1 over a storage tier; a fresh
    directory, a fresh mooncake_master). Reported: hit rate (cached / prompt tokens), TTFT P50 / P99,
    requests per second, and the P50's ratio against `none` (target: 2x).
-2. Two servers on one mooncake_master. Each request goes to one of them chosen at random (seeded),
-   as a random-policy router would, so the client knows which server served it: a request whose
-   user's previous request went to the other server is a moving user's. Reported: hit rate of moving
-   and of staying users' requests (target: moving within 10% of staying), and the same for two servers
-   without the hierarchy.
+2. Two servers on one mooncake_master behind a real sglang-router with its random policy; the
+   X-Sgrec-Server header of each answer says which server served it: a request whose user's
+   previous request went to the other server is a moving user's. Reported: hit rate of moving and
+   of staying users' requests (target: moving within 10% of staying), and the same for two servers
+   without the hierarchy. (The router's choices are not seeded: the split differs between runs.)
 3. Item KV across servers (--item-fetch): the same items' KV fetched by the retired `--item-peers`'s
    path (the ZMQ fetch that a server's DP ranks still use: an ItemKVServer on the owner's item
    store, over tcp://127.0.0.1, one request for all of a rank request's cold items) and from
@@ -48,12 +48,16 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # launch/ (the router)
 from bench_catalog import header  # noqa: E402
 
 from sgrec.radix.sim.traces import build_gr_requests  # noqa: E402
 from sgrec.tools.local_server import LocalServer  # noqa: E402
 
-CONFIGS = ("none", "host", "file", "mooncake")
+CONFIGS = ("none", "host", "file", "mooncake")  # the default run
+# LARU's eviction under file storage, writing through (file-laru) or only what its LightGBM predictor
+# expects to be reused (file-selective): what selective writes save, and what they cost in hits
+LARU_CONFIGS = ("file-laru", "file-selective")
 
 
 def requests(n: int, start: int, max_history: int, every: bool, order: str, seed: int) -> tuple[list, int]:
@@ -86,22 +90,27 @@ def flags_for(config: str, pool: int, work: str, master: str | None) -> list[str
     hier = [*base, "--enable-hierarchical-cache"]
     if config == "host":
         return [*hier, "--hicache-ratio", "20"]  # the working set fits the host tier
-    if config == "file":
-        return [*hier, *PREFETCH, "--hicache-ratio", "1", "--hicache-storage-backend", "file",
-                "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": os.path.join(work, "kv")})]
+    if config.startswith("file"):
+        laru = [] if config == "file" else ["--radix-eviction-policy", "laru"]
+        if config == "file-selective":
+            laru += ["--hicache-write-policy", "write_through_selective"]
+        return [*hier, *PREFETCH, *laru, "--hicache-ratio", "1", "--hicache-storage-backend", "file",
+                "--hicache-storage-backend-extra-config",
+                json.dumps({"file_storage_path": os.path.join(work, f"kv-{config}")})]  # its own: no reuse
     return [*hier, *PREFETCH, "--hicache-ratio", "1", "--hicache-storage-backend", "mooncake",
             "--hicache-storage-backend-extra-config",
             json.dumps({"master_server_address": master, "global_segment_size": MOONCAKE_SEGMENT})]
 
 
-def send(client: httpx.Client, r) -> tuple[float, int, int]:
+def send(client: httpx.Client, r) -> tuple[float, int, int, str]:
+    """(seconds, prompt tokens, cached tokens, the server that answered)."""
     body = {"input_ids": r.tokens(), "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     t = time.perf_counter()
     out = client.post("/generate", json=body)
     dt = time.perf_counter() - t
     out.raise_for_status()
     meta = out.json()["meta_info"]
-    return dt, meta["prompt_tokens"], meta["cached_tokens"]
+    return dt, meta["prompt_tokens"], meta["cached_tokens"], out.headers.get("x-sgrec-server", "")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -128,23 +137,40 @@ def one_config(config: str, model: str, reqs: list, pool: int, work: str, master
             "p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "rps": len(rows) / wall, "tiers": info}
 
 
-def two_servers(model: str, reqs: list, pool: int, work: str, master: str | None, seed: int) -> dict:
+def two_servers(model: str, reqs: list, pool: int, work: str, master: str | None) -> dict:
+    """Both servers behind a real sglang-router with its random policy; the X-Sgrec-Server header of
+    each answer says which server served it."""
+    import subprocess
+
+    from launch.front import START_TIMEOUT_S, router_cmd, router_workers, wait_until
+    from sgrec.tools.local_server import free_port
+
     config = "mooncake" if master else "none"
     flags = ["--model-path", model, "--device", "cpu", *flags_for(config, pool, work, master)]
     with LocalServer(flags, log_path=os.path.join(work, f"two-{config}-a.log")) as a, \
             LocalServer(flags, log_path=os.path.join(work, f"two-{config}-b.log")) as b:
-        clients = [httpx.Client(base_url=s.url, timeout=300) for s in (a, b)]
-        rng, last = random.Random(seed), {}
-        tok = {"moving": [0, 0], "staying": [0, 0]}
-        for r in reqs:
-            k = rng.randrange(2)
-            _, prompt, cached = send(clients[k], r)
-            if r.user in last:
-                kind = "staying" if last[r.user] == k else "moving"
-                tok[kind][0] += cached
-                tok[kind][1] += prompt
-            last[r.user] = k
-    return {k: c / max(p, 1) for k, (c, p) in tok.items()}
+        port = free_port()
+        with open(os.path.join(work, f"router-{config}.log"), "w") as log:
+            router = subprocess.Popen(router_cmd("127.0.0.1", port, [a.url, b.url], policy="random"),
+                                      stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_until(lambda: len(router_workers(url)) == 2, START_TIMEOUT_S, "sglang-router", router)
+            client = httpx.Client(base_url=url, timeout=300)
+            last: dict = {}
+            tok = {"moving": [0, 0, 0], "staying": [0, 0, 0]}  # cached tokens, prompt tokens, requests
+            for r in reqs:
+                _, prompt, cached, server = send(client, r)
+                if r.user in last:
+                    kind = "staying" if last[r.user] == server else "moving"
+                    tok[kind][0] += cached
+                    tok[kind][1] += prompt
+                    tok[kind][2] += 1
+                last[r.user] = server
+        finally:
+            router.kill()
+            router.wait()
+    return {**{k: c / max(p, 1) for k, (c, p, _) in tok.items()}, **{f"{k}_requests": n for k, (_, _, n) in tok.items()}}
 
 
 def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int = 20) -> None:
@@ -230,7 +256,9 @@ def main(argv=None) -> None:
     ap.add_argument("--start", type=int, default=80000,
                     help="first MovieLens-100K interaction of the window (late: users with long histories)")
     ap.add_argument("--pool-ratio", type=float, default=10.0, help="working set / KV pool")
-    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=CONFIGS, help="part 1 (none: skip it)")
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=CONFIGS + LARU_CONFIGS,
+                    help="part 1 (none: skip it); also file-laru and file-selective (LARU, writing through or "
+                    "selectively)")
     ap.add_argument("--no-two-servers", action="store_true")
     ap.add_argument("--no-item-fetch", action="store_true", help="skip part 3 (item KV: --item-peers against Mooncake)")
     ap.add_argument("--seed", type=int, default=0)
@@ -284,12 +312,13 @@ def main(argv=None) -> None:
                 print(f"{r['config']} tiers: loaded {t['loaded_tokens']}; host {t['host']}"
                       + (f"; storage {t['storage']}" if "storage" in t else ""))
         if not args.no_two_servers:
-            print("\nTwo servers, each request to one of them at random (seed %d):" % args.seed)
-            print("| servers | moving users' hit rate | staying users' hit rate | moving / staying |")
+            print("\nTwo servers behind sglang-router (policy random):")
+            print("| servers | moving users' hit rate (requests) | staying users' hit rate (requests) | moving / staying |")
             print("|---|---|---|---|")
             for m in (None, master.address):
-                h = two_servers(model, reqs, pool, work, m, args.seed)
-                print(f"| {'mooncake' if m else 'no hierarchy'} | {h['moving']:.1%} | {h['staying']:.1%} | "
+                h = two_servers(model, reqs, pool, work, m)
+                print(f"| {'mooncake' if m else 'no hierarchy'} | {h['moving']:.1%} ({h['moving_requests']}) | "
+                      f"{h['staying']:.1%} ({h['staying_requests']}) | "
                       f"{h['moving'] / max(h['staying'], 1e-9):.2f} |", flush=True)
         if not args.no_item_fetch:
             print("\nItem KV across servers (median of 20 requests each):")

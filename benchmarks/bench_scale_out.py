@@ -101,6 +101,8 @@ def main(argv=None) -> None:
     ap.add_argument("--user-tokens", type=int, default=256)
     ap.add_argument("--candidates", type=int, default=20)
     ap.add_argument("--catalog-items", type=int, default=300)
+    ap.add_argument("--store", choices=["mooncake", "none"], default="mooncake",
+                    help="the storage tier the launch recipe gives the servers (none: no hierarchical cache)")
     ap.add_argument("--item-cache-tokens", type=int, default=None,
                     help="each server's item store (default: a tenth of the catalog's tokens)")
     a = ap.parse_args(argv)
@@ -118,7 +120,8 @@ def main(argv=None) -> None:
     reqs = make_requests(items, a.users, a.user_tokens, a.candidates, a.requests)
     cores = os.cpu_count() or 1
     print(f"model {model}; {a.catalog_items} items, {a.users} users x {a.user_tokens} tokens, {a.candidates} "
-          f"candidates, {a.requests} requests, concurrency {a.concurrency}, dp-size {a.dp_size}, {cores} cores")
+          f"candidates, {a.requests} requests, concurrency {a.concurrency}, dp-size {a.dp_size}, {cores} cores, "
+          f"storage tier {a.store}")
     lens = {it["id"]: len(it["token_ids"]) for it in items}
     item_cache = a.item_cache_tokens if a.item_cache_tokens is not None else sum(lens.values()) // 10
     cand_tokens = sum(lens[c] for _, body in reqs for c in body["items"])
@@ -126,7 +129,8 @@ def main(argv=None) -> None:
     for n in a.servers:
         cluster = LocalCluster(["--model-path", model, "--device", "cpu", "--max-total-tokens", "16384",
                                 "--item-catalog", catalog, "--item-cache-tokens", str(item_cache),
-                                "--log-level", "info"], a.dp_size, workdir=os.path.join(work, f"n{n}"))
+                                "--log-level", "info"], a.dp_size, workdir=os.path.join(work, f"n{n}"),
+                               store=None if a.store == "none" else a.store)
         try:
             cluster.up(n)
             url = cluster.front.url

@@ -61,6 +61,22 @@ def write_servers(path: str, servers: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def router_cmd(host: str, port: int, urls: list[str], policy: str = "manual", extra: tuple[str, ...] = ()) -> list[str]:
+    """sglang-router's command line for `urls` (`policy`: manual pins a routing key to a worker, random
+    spreads requests as a random router does)."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", policy,
+            "--log-level", "warn", *ROUTER_ARGS, *extra, "--worker-urls", *urls]
+
+
+def router_workers(router_url: str) -> dict[str, str]:
+    """url -> worker id of a running router's workers ({} while it does not answer)."""
+    code, body = http("GET", router_url + "/workers")
+    if code != 200:
+        return {}
+    return {w["url"].rstrip("/"): w["id"] for w in json.loads(body).get("workers", [])}
+
+
 def http(method: str, url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -77,7 +93,7 @@ def healthy(url: str, timeout: float = 5.0) -> bool:
     return http("GET", url.rstrip("/") + "/health", timeout=timeout)[0] == 200
 
 
-def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+def wait_until(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         if proc is not None and proc.poll() is not None:
@@ -119,17 +135,14 @@ class Front:
         urls = [s["url"] for s in read_servers(self.servers_path) if healthy(s["url"])]
         if not urls:
             raise RuntimeError("no listed server answers /health")
-        router = self._spawn("router", [
-            sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.router_port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "manual",
-            "--log-level", "warn", *ROUTER_ARGS, *self.router_args, "--worker-urls", *urls])
-        _wait(lambda: len(self._router_workers()) == len(urls), START_TIMEOUT_S, "sglang-router", router)
+        router = self._spawn("router", router_cmd(self.host, self.router_port, urls, extra=self.router_args))
+        wait_until(lambda: len(self._router_workers()) == len(urls), START_TIMEOUT_S, "sglang-router", router)
         cfg_path = os.path.join(self.workdir, "caddy.json")
         with open(cfg_path, "w") as f:
             json.dump(self._caddy_config(urls), f)
         caddy_env = {"XDG_CONFIG_HOME": self.workdir, "XDG_DATA_HOME": self.workdir, "HOME": self.workdir}
         caddy = self._spawn("caddy", ["caddy", "run", "--config", cfg_path], env=caddy_env)
-        _wait(lambda: http("GET", f"http://{self.admin}/config/")[0] == 200, START_TIMEOUT_S, "caddy", caddy)
+        wait_until(lambda: http("GET", f"http://{self.admin}/config/")[0] == 200, START_TIMEOUT_S, "caddy", caddy)
         self.in_lb = urls
         return self
 
@@ -137,11 +150,7 @@ class Front:
         return caddy_config.config(f"{self.host}:{self.port}", self.admin, urls, self.router_url)
 
     def _router_workers(self) -> dict[str, str]:
-        """url -> worker id of the router's workers."""
-        code, body = http("GET", self.router_url + "/workers")
-        if code != 200:
-            return {}
-        return {w["url"].rstrip("/"): w["id"] for w in json.loads(body).get("workers", [])}
+        return router_workers(self.router_url)
 
     # ---- keeping in line with the servers file -------------------------------------------------
     def reconcile(self) -> dict:
@@ -178,7 +187,7 @@ class Front:
 
     def wait_router(self, timeout: float = 30.0) -> None:
         """Blocks until the router's workers are exactly the servers in Caddy (after a reconcile)."""
-        _wait(lambda: sorted(self._router_workers()) == sorted(self.in_lb), timeout, "router worker update")
+        wait_until(lambda: sorted(self._router_workers()) == sorted(self.in_lb), timeout, "router worker update")
 
     def run(self, interval: float = 1.0) -> None:
         while not self._stop.wait(interval):

@@ -52,11 +52,12 @@ class Server:
 
 class LocalCluster:
     def __init__(self, server_flags: list[str], dp_size: int = 1, workdir: str | None = None,
-                 store: str | None = "mooncake", segment_mb: int = DEFAULT_SEGMENT_MB):
+                 store: str | None = "mooncake", segment_mb: int = DEFAULT_SEGMENT_MB, store_extra: dict | None = None):
         self.server_flags = list(server_flags)
         self.dp_size = dp_size
         self.store = store  # "mooncake": one master, every server on it; None: no storage tier
         self.segment_mb = segment_mb
+        self.store_extra = dict(store_extra or {})  # more of --hicache-storage-backend-extra-config
         self.workdir = workdir or tempfile.mkdtemp(prefix="sgrec-cluster-")
         os.makedirs(self.workdir, exist_ok=True)
         self.servers_path = os.path.join(self.workdir, "servers.json")
@@ -71,7 +72,8 @@ class LocalCluster:
             return []
         if self.master is None:
             self.master = MooncakeMaster(os.path.join(self.workdir, "mooncake_master.log")).start()
-        extra = {"master_server_address": self.master.address, "global_segment_size": self.segment_mb << 20}
+        extra = {"master_server_address": self.master.address, "global_segment_size": self.segment_mb << 20,
+                 **self.store_extra}
         hier = [] if "--enable-hierarchical-cache" in self.server_flags else ["--enable-hierarchical-cache"]
         return [*hier, "--hicache-storage-backend", "mooncake", "--hicache-storage-backend-extra-config",
                 json.dumps(extra)]

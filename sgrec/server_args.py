@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 DEFAULT_BATCH_TOKENS = 16384  # --max-batch-tokens on CPU, and its least on CUDA
 HICACHE_EXTRA_KEYS = frozenset({  # --hicache-storage-backend-extra-config (SGLang's names)
     "file_storage_path", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",  # any backend / file
+    "item_reads",  # sgrec's own: BAT's item KV read from storage by cost (default) or always
     "master_server_address", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",  # mooncake
     "local_hostname"})
 DEVICE_SIZED = ("chunked_prefill_size", "max_batch_tokens")  # left to ServerArgs.sized_for by default
@@ -109,7 +110,9 @@ class ServerArgs:
         ["best_effort", "wait_complete", "timeout"])
     hicache_storage_backend_extra_config: str | None = _arg(
         None, "SGLang's flag: JSON object of the storage tier's settings: file_storage_path, "
-        "prefetch_timeout_base, prefetch_timeout_per_ki_token; for mooncake master_server_address, metadata_server "
+        "prefetch_timeout_base, prefetch_timeout_per_ki_token, item_reads (sgrec's own: cost, the default, reads "
+        "rank candidates' item KV only where that is measured to beat recomputing it; always); for mooncake "
+        "master_server_address, metadata_server "
         "(P2PHANDSHAKE), global_segment_size (bytes this server adds to the store, 4 GiB), local_buffer_size "
         "(64 MiB), protocol (tcp), local_hostname (127.0.0.1).")
     item_catalog: str | None = _arg(
@@ -306,6 +309,8 @@ class ServerArgs:
         for k in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token"):
             if k in extra and (not isinstance(extra[k], (int, float)) or extra[k] < 0):
                 raise ValueError(f"hicache_storage_backend_extra_config: {k} must be a non-negative number")
+        if extra.get("item_reads", "cost") not in ("cost", "always"):
+            raise ValueError("hicache_storage_backend_extra_config: item_reads must be cost or always")
         return extra
 
     def sized_for(self, device_type: str, device_memory: int | None = None) -> "ServerArgs":

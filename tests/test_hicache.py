@@ -78,6 +78,25 @@ def test_file_storage_writes_whole_objects(tmp_path):
     assert [p.name for p in (tmp_path / "kv").iterdir()] == ["k.kv"]  # no temporary file left
 
 
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_storage_batch_calls(backend, tmp_path, request):
+    """exists_many / get_many / put_many, the calls the tier makes (one batch each: two round trips
+    a prefetch on Mooncake, not two per page), on both backends."""
+    if backend == "file":
+        st = FileStorage(tmp_path / "kv")
+    else:
+        from sgrec.mem.mooncake import MooncakeStorage
+
+        st = MooncakeStorage({"master_server_address": request.getfixturevalue("master").address,
+                              "global_segment_size": 16 << 20, "local_buffer_size": 16 << 20})
+    a, b = f"a-{backend}-{tmp_path.name}", f"b-{backend}-{tmp_path.name}"
+    assert st.put_many([(a, b"x" * 100), (b, bytes(range(200)))]) == [None, None]
+    assert st.exists_many([a, "missing", b]) == [True, False, True]
+    assert st.get_many([b, "missing", a]) == [bytes(range(200)), None, b"x" * 100]
+    assert st.get_many([]) == [] and st.exists_many([]) == [] and st.put_many([]) == []
+    st.close()
+
+
 # ---- the tree ----------------------------------------------------------------------------------
 def _pool(size: int, dtype=torch.float32) -> KVPool:
     pool = KVPool(size, num_layers=2, num_kv_heads=3, head_dim=8, dtype=dtype)
@@ -222,6 +241,8 @@ def test_host_tier_size_is_checked_against_memory():
     ({"enable_hierarchical_cache": True, "hicache_storage_backend_extra_config": '{"colour": 1}'}, "unknown key"),
     ({"enable_hierarchical_cache": True, "hicache_storage_backend_extra_config": '{"prefetch_timeout_base": -1}'},
      "non-negative"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend_extra_config": '{"item_reads": "never"}'},
+     "item_reads must be"),
     ({"enable_hierarchical_cache": True, "hicache_write_policy": "sometimes"}, "hicache_write_policy"),
     ({"enable_hierarchical_cache": True, "hicache_storage_backend": "tape"}, "hicache_storage_backend"),
     ({"enable_hierarchical_cache": True, "hicache_ratio": 0.0}, "hicache_ratio"),
@@ -514,8 +535,24 @@ def test_item_kv_is_shared_through_storage(path, tmp_path, monkeypatch):
         assert all(abs(x["score"] - y["score"]) <= 1e-5 for x, y in zip(r["ranking"], want["ranking"]))
     stored = a.scheduler.hicache.item_tokens["stored"]
     assert b.scheduler.hicache.item_tokens["loaded"] == stored  # every candidate came from storage
-    assert got["meta_info"]["cached_tokens"] >= stored
+    assert got["meta_info"]["cached_tokens"] >= got["meta_info"]["stored_tokens"] == stored
     b.scheduler.check_memory()
+    # what a request's layout cannot use is not read: no item KV for prefix "user" (or "none"), no
+    # user prefix for "item"; auto may pick either, and counts the items its prefetch brought up
+    ex, h = b.scheduler.rank_executor, b.scheduler.hicache
+    assert h.item_read_s is not None and ex.token_time is not None  # both measured by the request above
+    ex.token_time, h.item_read_s = 1e-3, 1e-6  # reading is cheaper than recomputing: read
+    asked = {"item_ids": items, "user_ids": user["token_ids"]}
+    assert ex.stored_items({**asked, "prefix": "user"}) == ex.stored_items({**asked, "prefix": "none"}) == []
+    assert len(ex.stored_items({**asked, "prefix": "item"})) == len(ex.stored_items({**asked, "prefix": "auto"})) == 15
+    assert [ex.may_use({"prefix": p}, "user") for p in ("item", "none", "user", "auto")] == [False, False, True, True]
+    assert ex._reusable_item_tokens([ex.catalog.get(i) for i in items]) == stored
+    # where recomputing is cheaper (a tiny model), candidates are recomputed; 1 request in 20 reads
+    ex.token_time, h.item_read_s = 1e-6, 1e-3
+    asks = [len(ex.stored_items({**asked, "prefix": "item"})) for _ in range(40)]
+    assert asks.count(15) == 2 and asks.count(0) == 38 and h.item_tokens["not_read"] == 38 * stored
+    h.item_reads = "always"  # --hicache-storage-backend-extra-config '{"item_reads": "always"}'
+    assert len(ex.stored_items({**asked, "prefix": "item"})) == 15
 
     # the same ids with new tokens for two items (as after a catalog update): those are recomputed
     import json

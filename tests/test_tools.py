@@ -264,3 +264,27 @@ def test_bench_hicache_runs_on_a_tiny_model(tmp_path, tiny_model_dir):
     rows = {m[0]: float(m[1]) for m in re.findall(r"^\| (none|host|file) \| ([\d.]+)% \|", p.stdout, re.M)}
     assert set(rows) == {"none", "host", "file"} and all(0 <= h <= 100 for h in rows.values())
     assert "file tiers: loaded" in p.stdout and "rerun: python benchmarks/bench_hicache.py" in p.stdout
+
+
+def test_bench_hicache_two_servers_behind_the_router(tiny_model_dir):
+    """benchmarks/bench_hicache.py's part 2, tiny: two servers behind a real sglang-router (random
+    policy), without and with a Mooncake Store; every return visit is counted as moving or staying."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sgrec.tools.mooncake_master import missing
+
+    if missing():
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"needs Mooncake: {missing()}")
+    root = Path(__file__).resolve().parents[1]
+    model = tiny_model_dir("llama", vocab_size=32768)
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_hicache.py"), "--model", model,
+                        "--requests", "12", "--configs", "--no-item-fetch", "--mooncake-segment-gb", "0.0625"],
+                       cwd=root, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = re.findall(r"^\| (no hierarchy|mooncake) \| [\d.]+% \((\d+)\) \| [\d.]+% \((\d+)\) \|", p.stdout, re.M)
+    users = int(re.search(r"12 visits of (\d+) users", p.stdout).group(1))
+    assert [r[0] for r in rows] == ["no hierarchy", "mooncake"]
+    assert all(int(m) + int(s) == 12 - users for _, m, s in rows)  # every return visit, moving or staying

@@ -36,6 +36,7 @@ def settings(extra: dict) -> dict:
 
 class MooncakeStorage:
     name = "mooncake"
+    parallel_reads = False  # get_many is one batch: its transfers already run together
 
     def __init__(self, extra: dict):
         cfg = settings(extra)
@@ -77,6 +78,28 @@ class MooncakeStorage:
         rc = self.store.put(key, data)
         if rc != 0:
             raise OSError(f"mooncake put failed (error {rc})")
+
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        """Whether each object is stored: one round trip. Raises when the master does not answer."""
+        flags = self.store.batch_is_exist(keys) if keys else []
+        if len(flags) != len(keys) or any(f < 0 for f in flags):
+            raise OSError("mooncake batch_is_exist failed")
+        return [f == 1 for f in flags]
+
+    def get_many(self, keys: list[str]) -> list:
+        """Each object's bytes, None when missing, or an OSError for one the master lists but whose
+        bytes did not come (its server died): two round trips for the whole batch. Raises when the
+        master does not answer."""
+        stored = self.exists_many(keys)
+        present = [k for k, ok in zip(keys, stored) if ok]
+        got = dict(zip(present, self.store.get_batch(present))) if present else {}
+        lost = OSError("mooncake get returned nothing for an object the master lists")
+        return [(got.get(k) or lost) if ok else None for k, ok in zip(keys, stored)]
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> list:
+        """Writes the objects in one batch; per object None, or the OSError of a failed batch."""
+        rc = self.store.put_batch([k for k, _ in items], [d for _, d in items]) if items else 0
+        return [None if rc == 0 else OSError(f"mooncake put_batch failed (error {rc})")] * len(items)
 
     def remove(self, key: str) -> None:
         self.store.remove(key)

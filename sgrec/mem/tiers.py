@@ -169,11 +169,26 @@ class HostTier:
             self.pages.clear()
 
 
+def each(call, args: list) -> list:
+    """call(a) for every a, each result or the exception it raised (a storage backend's batch calls
+    where it has none of its own: one bad object is not the others' failure)."""
+    out = []
+    for a in args:
+        try:
+            out.append(call(*a) if isinstance(a, tuple) else call(a))
+        except Exception as e:  # noqa: BLE001 - handed to the caller, which counts it
+            out.append(e)
+    return out
+
+
 class FileStorage:
     """--hicache-storage-backend file: one file per page under a directory that servers may share.
-    A write goes to a temporary name and is renamed into place, so a reader sees a whole page or none."""
+    A write goes to a temporary name and is renamed into place, so a reader sees a whole page or none.
+    `exists_many` / `get_many` / `put_many` are the batch calls every backend has (here one file
+    after another; the tier runs READERS of them in parallel: `parallel_reads`)."""
 
     name = "file"
+    parallel_reads = True
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -203,6 +218,17 @@ class FileStorage:
 
     def remove(self, key: str) -> None:
         self._file(key).unlink(missing_ok=True)
+
+    def get_many(self, keys: list[str]) -> list:
+        """Each object's bytes, None when missing, or the exception its read raised."""
+        return each(self.get, keys)
+
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        return [self.exists(k) for k in keys]
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> list:
+        """Writes the objects; per object None, or the exception its write raised."""
+        return each(self.put, items)
 
     def close(self) -> None:
         pass

@@ -47,7 +47,9 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_BACKOFF_S = 2.0  # after a storage error, reads and writes skip the storage tier this long
 STORAGE_STALL_S = 2.0  # a read in flight this long sets the storage tier aside as an error does
 ISA_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"})
-READERS = 4  # storage reads in flight for one prefetch
+READERS = 4  # storage reads in flight for one prefetch (a backend without batch reads of its own)
+WRITE_BATCH = 64  # pages written down in one batch call
+ITEM_READ_ALPHA = 0.2  # smoothing of the measured item read time per token
 SELECTIVE_HITS = 2  # write_through_selective writes a node down at its second hit
 WRITE_QUEUE = 4096  # pages waiting for the storage writer; beyond that a write is dropped (counted)
 
@@ -119,7 +121,7 @@ class LoadPlan:
 class HiCache:
     def __init__(self, pool: KVPool, namespace: str, host_pages: int, page_size: int,
                  write_policy: str = "write_through", storage=None, prefetch_policy: str = "timeout",
-                 timeout_base: float = 1.0, timeout_per_ki_token: float = 0.25):
+                 timeout_base: float = 1.0, timeout_per_ki_token: float = 0.25, item_reads: str = "cost"):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
         if prefetch_policy not in PREFETCH_POLICIES:
@@ -141,7 +143,11 @@ class HiCache:
         self._stalled: set[object] = set()  # reads in flight counted as timed out
         self._calling: dict[object, float | None] = {}  # storage calls in flight (reads and writes)
         self.loaded_tokens = {"host": 0, "storage": 0}  # tokens loaded back into the pool, by the tier they came from
-        self.item_tokens = {"stored": 0, "loaded": 0}  # BAT item KV written down / taken from the tiers (rank)
+        # BAT item KV (rank): tokens written down, taken from the tiers, and not read from storage
+        # because recomputing them was cheaper (see RankExecutor.stored_items)
+        self.item_tokens = {"stored": 0, "loaded": 0, "not_read": 0}
+        self.item_read_s: float | None = None  # seconds per item token a storage read takes (moving average)
+        self.item_reads = item_reads  # "cost": only where reading beats recomputing; "always"
         self._from_storage: set[str] = set()  # host pages that a prefetch brought up (not yet loaded)
         self._shape = (pool.num_layers, *pool.k_buffer[0].shape[1:])  # layers, heads, head dim
         self._dtype = pool.dtype
@@ -238,6 +244,10 @@ class HiCache:
         self._host_put(key, read_pages(self.pool, slots, len(slots))[0], through=True)
         self.item_tokens["stored"] += len(slots)
 
+    def has_item(self, key: str) -> bool:
+        """Whether an item's KV is in the host tier (a rank request's prefetch brought it up)."""
+        return key in self.host
+
     def item(self, key: str) -> Page | None:
         """An item's KV from the host tier (where prefetch_items put what storage had), or None."""
         page = self.host.get(key)
@@ -252,7 +262,18 @@ class HiCache:
         wanted = [(k, n) for k, n in wanted if k not in self.host]
         if self._fetcher is None or not wanted or not self.storage_up():
             return None
-        return self._fetcher.submit(self._fetch, [k for k, _ in wanted], [n for _, n in wanted])
+        return self._fetcher.submit(self._fetch_items, [k for k, _ in wanted], [n for _, n in wanted])
+
+    def _fetch_items(self, keys: list[str], sizes: list[int]) -> int:
+        """_fetch of items, timed: item_read_s is a moving average of the seconds a prefetch of item
+        KV takes per token asked for (what the rank executor weighs against recomputing them)."""
+        t = time.perf_counter()
+        try:
+            return self._fetch(keys, sizes)
+        finally:
+            per = (time.perf_counter() - t) / max(1, sum(sizes))
+            old = self.item_read_s
+            self.item_read_s = per if old is None else (1 - ITEM_READ_ALPHA) * old + ITEM_READ_ALPHA * per
 
     # ---- the storage tier -------------------------------------------------------------------
     def prefetch(self, key: list[int], extra_key: str | None, cached: int) -> Future | None:
@@ -271,28 +292,34 @@ class HiCache:
     def timeout(self, tokens: int) -> float:
         return self.timeout_base + self.timeout_per_ki_token * tokens / 1024
 
-    def _read(self, key: str):
-        """One object from storage: its bytes, None when missing, or the exception it raised (at once
-        while the storage tier is set aside after an error)."""
+    def _read(self, keys: list[str]) -> list:
+        """Objects from storage (one batch call): per key its bytes, None when missing, or the
+        exception that the read raised (at once while the storage tier is set aside after an error)."""
         if not self.storage_up():
-            return OSError("the storage tier is set aside after an error")
+            return [OSError("the storage tier is set aside after an error")] * len(keys)
         token = object()
         self._reading[token] = self._calling[token] = time.monotonic()
         try:
-            return self.storage.get(key)
+            return self.storage.get_many(keys)
         except Exception as e:  # noqa: BLE001 - any storage failure costs a recompute
-            return e
+            return [e] * len(keys)
         finally:
             del self._reading[token], self._calling[token]
             self._stalled.discard(token)
 
     def _fetch(self, keys: list[str], sizes: list[int] | None = None) -> int:
-        """Reads the objects (READERS at a time) into the host tier: consecutive pages up to the first
-        that is missing, corrupt or unreadable, or, given `sizes`, each item of that many tokens on its
-        own. Returns the objects now in the host tier."""
+        """Reads the objects into the host tier (in one batch call, or READERS of them at once where
+        the backend reads one object at a time): consecutive pages up to the first that is missing,
+        corrupt or unreadable, or, given `sizes`, each item of that many tokens on its own. Returns
+        the objects now in the host tier."""
         chained = sizes is None
         todo = [i for i, k in enumerate(keys) if k not in self.host]
-        got = dict(zip(todo, self._readers.map(self._read, [keys[i] for i in todo]))) if self.storage_up() else {}
+        names = [keys[i] for i in todo]
+        got = {}
+        if names and self.storage_up():
+            step = -(-len(names) // READERS) if self.storage.parallel_reads else len(names)
+            chunks = [names[j : j + step] for j in range(0, len(names), step)]
+            got = dict(zip(todo, (d for part in self._readers.map(self._read, chunks) for d in part)))
         n = 0
         for i, key in enumerate(keys):
             if i not in todo:
@@ -329,8 +356,8 @@ class HiCache:
         except queue.Full:
             self._count("dropped_writes")
 
-    def _count(self, what: str) -> None:
-        self.storage_stats.extra[what] = self.storage_stats.extra.get(what, 0) + 1
+    def _count(self, what: str, n: int = 1) -> None:
+        self.storage_stats.extra[what] = self.storage_stats.extra.get(what, 0) + n
 
     def storage_up(self) -> bool:
         """False for a while after a storage error, and while a read has taken longer than
@@ -349,23 +376,35 @@ class HiCache:
                        op, key, e, STORAGE_BACKOFF_S)
 
     def _write_loop(self) -> None:
+        """Writes queued pages down, up to WRITE_BATCH at a time: which are stored already (one batch
+        call), then the others, encoded, in one more."""
         while True:
-            key, page = self._writes.get()
+            batch = [self._writes.get()]
+            while len(batch) < WRITE_BATCH:
+                try:
+                    batch.append(self._writes.get_nowait())
+                except queue.Empty:
+                    break
             token = object()
             self._calling[token] = None
             try:
                 if not self.storage_up():
-                    self._count("dropped_writes")
-                elif not self.storage.exists(key):
-                    data = encode(page)
-                    self.storage.put(key, data)
+                    self._count("dropped_writes", len(batch))
+                    continue
+                stored = self.storage.exists_many([k for k, _ in batch])
+                todo = [(k, encode(page)) for (k, page), there in zip(batch, stored) if not there]
+                for (key, data), err in zip(todo, self.storage.put_many(todo)):
+                    if err is not None:
+                        self._storage_failed("write", key, err)
+                        break
                     self.storage_stats.writes += 1
                     self.storage_stats.bytes_written += len(data)
             except Exception as e:  # noqa: BLE001 - a lost write costs a later recompute
-                self._storage_failed("write", key, e)
+                self._storage_failed("write", batch[0][0], e)
             finally:
                 del self._calling[token]
-                self._writes.task_done()
+                for _ in batch:
+                    self._writes.task_done()
 
     def close(self, wait_s: float = 5.0) -> None:
         """Stops using the storage tier (pending writes are dropped) and closes its client once no
@@ -391,8 +430,10 @@ class HiCache:
         return 0 if self._writes is None else self._writes.unfinished_tasks
 
     def stats(self) -> dict:
-        out = {"page_size": self.page_size, "write_policy": self.write_policy,
+        out = {"as_of": time.time(),  # when these counters were read (the server reports them every 0.5 s)
+               "page_size": self.page_size, "write_policy": self.write_policy,
                "loaded_tokens": dict(self.loaded_tokens), "item_tokens": dict(self.item_tokens),
+               "item_read_s_per_token": self.item_read_s,
                "host": self.host.stats.as_dict() | {"pages": len(self.host), "capacity_pages": self.host.capacity}}
         if self.storage is not None:
             out["storage"] = self.storage_stats.as_dict() | {"backend": self.storage.name,
@@ -443,4 +484,5 @@ def make_hicache(args, pool: KVPool, model: torch.nn.Module) -> HiCache | None:
     pages = host_pages(pool.size, page_bytes, P, args.hicache_ratio, args.hicache_size)
     return HiCache(pool, model_fingerprint(model, pool.dtype, machine_kind(pool.device)), pages, P, args.hicache_write_policy,
                    make_storage(args.hicache_storage_backend, extra), args.hicache_storage_prefetch_policy,
-                   extra.get("prefetch_timeout_base", 1.0), extra.get("prefetch_timeout_per_ki_token", 0.25))
+                   extra.get("prefetch_timeout_base", 1.0), extra.get("prefetch_timeout_per_ki_token", 0.25),
+                   extra.get("item_reads", "cost"))

@@ -48,6 +48,7 @@ from sgrec.rank.policy import NONE, PREFIX_POLICIES, CacheMeta, select_prefix
 logger = logging.getLogger(__name__)
 
 TOKEN_TIME_ALPHA = 0.1  # smoothing of the measured forward time per token
+ITEM_READ_PROBE = 20  # where recomputing items beats reading them from storage, one request in this many reads
 USER_FREE_RESERVE = 0.25  # uncapped user cache: free share of the pool kept for other requests
 
 
@@ -76,6 +77,7 @@ class RankExecutor:
         # here is written there, and a miss found there is loaded instead of recomputed
         self.tiers = None
         self.token_time: float | None = None  # measured forward seconds per computed token (moving average)
+        self._reads_skipped = 0  # requests whose candidates were recomputed, not read from storage
         # Hard cap on the user-prefix cache (the radix tree's share of the pool). None: the rest of the
         # pool (the tree grows into whatever the item store and running requests leave free).
         self.user_cache_tokens = None if user_cache_tokens is None else max(0, int(user_cache_tokens))
@@ -341,10 +343,11 @@ class RankExecutor:
     # ---- the two cached paths -------------------------------------------------------------
     def _reusable_item_tokens(self, items: Sequence[Item]) -> int:
         """Item tokens an item-as-prefix layout of `items` would read instead of computing: those in
-        the item store, and, with a fetcher, those another rank owns (fetched when that is cheaper;
-        counted as reusable here)."""
-        store, remote = self.store, self.fetcher is not None
-        return sum(len(it.token_ids) for it in items if it.id in store or (remote and not self._owns(it.id)))
+        the item store, with a fetcher those another rank owns (fetched when that is cheaper;
+        counted as reusable here), and with a storage tier those its prefetch brought up."""
+        store, remote, tiers = self.store, self.fetcher is not None, self.tiers
+        return sum(len(it.token_ids) for it in items if it.id in store or (remote and not self._owns(it.id))
+                   or (tiers is not None and tiers.has_item(self._item_key(it.token_ids))))
 
     def _user_fits(self, tau_u: int, prompt_tokens: int) -> bool:
         """The whole user prefix can be cached without replacing anyone: within the cap's free room,
@@ -474,10 +477,18 @@ class RankExecutor:
     def _item_key(self, token_ids) -> str:
         return item_key(self.tiers.namespace, self.header_ids, [int(t) for t in token_ids])
 
+    def may_use(self, payload: dict, layout: str) -> bool:
+        """Whether a rank request may read cached KV in this layout (L.USER_PREFIX: its user's
+        prefix; L.ITEM_PREFIX: its candidates' item KV): what the storage tier is asked for when it
+        arrives. Only an explicit other layout (or none) rules it out."""
+        policy = payload.get("prefix") or self.args.rank_prefix_policy
+        return policy not in (NONE, L.USER_PREFIX if layout == L.ITEM_PREFIX else L.ITEM_PREFIX)
+
     def stored_items(self, payload: dict) -> list[tuple[str, int]]:
-        """(key, tokens) of a rank request's candidates that the item store lacks: what the storage
-        tier is asked for when the request arrives (the scheduler's prefetch)."""
-        if self.tiers is None:
+        """(key, tokens) of a rank request's candidates that the item store lacks, when its layout
+        may be item-as-prefix and reading them pays: what the storage tier is asked for when the
+        request arrives (the scheduler's prefetch)."""
+        if self.tiers is None or not self.may_use(payload, L.ITEM_PREFIX):
             return []
         cat, out = self.catalog, []
         for item_id in payload.get("item_ids") or []:
@@ -485,7 +496,22 @@ class RankExecutor:
             if row >= 0 and item_id not in self.store:
                 toks = cat.token_ids(row)
                 out.append((self._item_key(toks), len(toks)))
+        if out and not self._read_pays():
+            self.tiers.item_tokens["not_read"] += sum(n for _, n in out)
+            return []
         return out
+
+    def _read_pays(self) -> bool:
+        """Reading candidates' KV from storage beats recomputing them: the tier's measured read time
+        per token against this executor's forward time per token (both moving averages; the rule the
+        fetch cost model applies to peers, BAT §5.2). Until both are measured it reads, and where
+        recomputing is cheaper every ITEM_READ_PROBE-th request reads anyway, so a change is seen.
+        `item_reads: always` in the storage tier's extra config always reads."""
+        read, compute = self.tiers.item_read_s, self.token_time
+        if self.tiers.item_reads == "always" or read is None or compute is None or read <= compute:
+            return True
+        self._reads_skipped += 1
+        return self._reads_skipped % ITEM_READ_PROBE == 0
 
     def _load_stored(self, lay: L.RankLayout, slots: list, borrowed: list) -> int:
         """Fills misses with item KV the storage tier had (brought up to the host tier when the

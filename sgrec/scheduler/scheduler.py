@@ -14,6 +14,7 @@ from concurrent.futures import Future
 
 import torch
 
+from sgrec import layout as L
 from sgrec.model.attention import SeqLayout
 from sgrec.radix.eviction import make_policy
 from sgrec.radix.hicache import make_hicache, predicted_reuse
@@ -147,7 +148,8 @@ class Scheduler:
 
     # ---- the storage tier's prefetch (--hicache-storage-backend) ----------------------------
     def _task_prefixes(self, msg: TaskReq) -> list[tuple[list[int], str | None]]:
-        """The prefixes a task will look up in the radix tree: retrieve's prompt, rank's user."""
+        """The prefixes a task may look up in the radix tree: retrieve's prompt, rank's user (unless
+        its layout is item-as-prefix or none)."""
         p = msg.payload if isinstance(msg.payload, dict) else {}
         out = []
         for kind, part in ((msg.kind, p), ("retrieve", p.get("retrieve")), ("rank", p.get("rank"))):
@@ -155,7 +157,8 @@ class Scheduler:
                 continue
             if kind == "retrieve" and isinstance(part.get("input_ids"), list):
                 out.append((part["input_ids"][:-1], part.get("extra_key")))
-            elif kind == "rank" and isinstance(part.get("user_ids"), list) and self.rank_executor is not None:
+            elif kind == "rank" and isinstance(part.get("user_ids"), list) and self.rank_executor is not None \
+                    and self.rank_executor.may_use(part, L.USER_PREFIX):
                 out.append((part["user_ids"], self.rank_executor.user_extra_key))
         return out
 
