@@ -36,6 +36,7 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from launch.local_cluster import LocalCluster  # noqa: E402
+from bench_catalog import header  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def write_catalog(path: str, n: int, seed: int = 0, vocab: int = 500) -> list[dict]:
@@ -119,6 +120,8 @@ def main(argv=None) -> None:
     items = write_catalog(catalog, a.catalog_items)
     reqs = make_requests(items, a.users, a.user_tokens, a.candidates, a.requests)
     cores = os.cpu_count() or 1
+    print(header("python benchmarks/bench_scale_out.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "bench_scale_out"))
     print(f"model {model}; {a.catalog_items} items, {a.users} users x {a.user_tokens} tokens, {a.candidates} "
           f"candidates, {a.requests} requests, concurrency {a.concurrency}, dp-size {a.dp_size}, {cores} cores, "
           f"storage tier {a.store}")
