@@ -97,9 +97,15 @@ class MooncakeStorage:
         return [(got.get(k) or lost) if ok else None for k, ok in zip(keys, stored)]
 
     def put_many(self, items: list[tuple[str, bytes]]) -> list:
-        """Writes the objects in one batch; per object None, or the OSError of a failed batch."""
-        rc = self.store.put_batch([k for k, _ in items], [d for _, d in items]) if items else 0
-        return [None if rc == 0 else OSError(f"mooncake put_batch failed (error {rc})")] * len(items)
+        """Writes the objects in one batch; per object None, or an OSError when it is not stored
+        after a failed batch (an object that another server stored meanwhile, with the same bytes
+        since keys name the content, is not a failure). Raises when the master does not answer."""
+        keys = [k for k, _ in items]
+        rc = self.store.put_batch(keys, [d for _, d in items]) if items else 0
+        if rc == 0:
+            return [None] * len(items)
+        return [None if there else OSError(f"mooncake put_batch failed (error {rc})")
+                for there in self.exists_many(keys)]
 
     def remove(self, key: str) -> None:
         self.store.remove(key)
