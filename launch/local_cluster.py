@@ -71,7 +71,10 @@ class LocalCluster:
         if self.store is None or "--hicache-storage-backend" in self.server_flags:
             return []
         if self.master is None:
-            self.master = MooncakeMaster(os.path.join(self.workdir, "mooncake_master.log")).start()
+            try:
+                self.master = MooncakeMaster(os.path.join(self.workdir, "mooncake_master.log")).start()
+            except RuntimeError as e:
+                raise RuntimeError(f"the servers' Mooncake Store: {e} (--store none runs them without one)") from None
         extra = {"master_server_address": self.master.address, "global_segment_size": self.segment_mb << 20,
                  **self.store_extra}
         hier = [] if "--enable-hierarchical-cache" in self.server_flags else ["--enable-hierarchical-cache"]
