@@ -28,8 +28,7 @@ the window; the pool (--max-total-tokens) is that divided by --pool-ratio (10).
 3. Item KV across servers (--item-fetch): the same items' KV fetched by the retired `--item-peers`'s
    path (the ZMQ fetch that a server's DP ranks still use: an ItemKVServer on the owner's item
    store, over tcp://127.0.0.1, one request for all of a rank request's cold items) and from
-   Mooncake Store (the storage tier's reads, READERS at a time, and
-   its decode), against recomputing them (the runner's measured recompute time per item token, as the
+   Mooncake Store (the storage tier's batch read, get_many, and its decode), against recomputing them (the runner's measured recompute time per item token, as the
    fetch cost model uses). Reported per request of k items: milliseconds and bytes moved.
 """
 
@@ -175,7 +174,6 @@ def two_servers(model: str, reqs: list, pool: int, work: str, master: str | None
 
 def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int = 20) -> None:
     """Part 3 (see the module docstring): an in-process engine's item store as the owner."""
-    import concurrent.futures as cf
 
     import zmq
 
@@ -185,7 +183,6 @@ def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int =
     from sgrec.items.store import fingerprint
     from sgrec.mem.mooncake import MooncakeStorage
     from sgrec.mem.tiers import Page, decode, encode, item_key
-    from sgrec.radix.hicache import READERS
     from sgrec.tools.local_server import free_port
 
     rng = random.Random(0)
@@ -210,7 +207,6 @@ def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int =
         keys[i], sizes[i] = item_key("bench", ex.header_ids, toks), len(toks)
         mc.put(keys[i], encode(Page(k, v)))
     per_token = measure_recompute_per_token(ex.runner, cat, 64)
-    readers = cf.ThreadPoolExecutor(READERS)
     like = {i: Page(*(torch_empty(k.shape[0], sizes[i], *k.shape[2:], k.dtype) for _ in range(2))) for i in ids}
     print("\n| items per request | --item-peers ms | Mooncake ms | recompute ms | bytes per item (peers / Mooncake) |")
     print("|---|---|---|---|---|")
@@ -224,7 +220,7 @@ def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int =
             tp.append(time.perf_counter() - t)
             assert rep is not None and len(rep.items) == n
             t = time.perf_counter()
-            datas = list(readers.map(mc.get, [keys[i] for i in want]))
+            datas = mc.get_many([keys[i] for i in want])  # the tier's call: batch_is_exist + get_batch
             pages = [decode(d, like[i]) for d, i in zip(datas, want)]
             tm.append(time.perf_counter() - t)
             assert all(p is not None for p in pages)

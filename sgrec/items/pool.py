@@ -57,21 +57,18 @@ class ItemPool:
         self.members = list(local_addrs)
         self.clock = clock
         self.bandwidth_gbps = bandwidth_gbps or hrcs.DEFAULT_BANDWIDTH_GBPS
-        self.tau_u = hrcs.DEFAULT_TAU_U
-        self.alpha = hrcs.DEFAULT_ALPHA
         cfg = runner.config
         pool = runner.kv_pool
         self.bytes_per_token = pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.dtype)
         self.server = ItemKVServer(executor.store, self.members[dp_rank], ctx)
         self.server.start()  # answers peers from its own thread, not between scheduler steps
         self.client = ItemKVClient({r: a for r, a in enumerate(self.members) if r != dp_rank}, ctx)
-        self._prefill_model = prefill_time  # None: fitted on this runner
         n = len(self.members)
+        executor.dp_rank = dp_rank  # the executor's rank in the placement
         if n == 1:
             executor.placement = None
         elif executor.placement is None or executor.placement.n != n:  # else: the one precompute planned
-            executor.placement = self._plan(n)
-        executor.dp_rank = dp_rank  # the executor's rank in the placement
+            executor.placement = executor.plan_placement(n, prefill_time, self.bandwidth_gbps)
         self.fetcher = ItemFetcher(dp_rank, executor.placement, self.client, executor.header_ids,
                                    bytes_per_token=self.bytes_per_token,
                                    bandwidth_Bps=self.bandwidth_gbps * 1e9 / 8, clock=clock)
@@ -99,16 +96,6 @@ class ItemPool:
         now = self.clock()
         if now >= self._next_log:
             self._log_stats(now)
-
-    def _plan(self, n: int):
-        catalog = self.ex.catalog
-        if self._prefill_model is None:
-            self._prefill_model = hrcs.fit_catalog_prefill(self.runner, catalog, self.ex.args.max_rank_candidates)
-        placement, rep = hrcs.plan_catalog(catalog, n, self._prefill_model, self.bytes_per_token,
-                                           self.ex.args.max_rank_candidates, self.tau_u, self.bandwidth_gbps,
-                                           self.alpha)
-        logger.info("HRCS over %d ranks: replication ratio %.3f (%d items)", n, rep.ratio, rep.num_replicated)
-        return placement
 
     def _log_stats(self, now: float) -> None:
         f = self.fetcher

@@ -98,19 +98,20 @@ class RankExecutor:
         HRCS fills its areas, §5.2) when given, else the store's own (current hotness, then catalog
         order); returns how many items were computed."""
         if self.args.dp_size > 1 and self.placement is None:
-            self.placement = self._default_placement()
+            self.placement = self.plan_placement(self.args.dp_size)
         return self.store.precompute(progress, items=order)
 
-    def _default_placement(self):
-        """Algorithm 1 over this server's dp_size ranks (the same plan on every rank)."""
+    def plan_placement(self, n: int, prefill_time=None, bandwidth_gbps: float = hrcs.DEFAULT_BANDWIDTH_GBPS):
+        """Algorithm 1 over n ranks (the same plan on every rank): prefill_time(s, p) is the prefill
+        model (default: fitted on this runner), bandwidth_gbps the link between the ranks."""
         cfg = self.runner.config
         per_token = self.runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                                         self.runner.kv_pool.dtype)
-        prefill = hrcs.fit_catalog_prefill(self.runner, self.catalog, self.args.max_rank_candidates)
-        placement, rep = hrcs.plan_catalog(self.catalog, self.args.dp_size, prefill, per_token, self.args.max_rank_candidates,
-                                           hrcs.DEFAULT_TAU_U, hrcs.DEFAULT_BANDWIDTH_GBPS, hrcs.DEFAULT_ALPHA)
+        prefill = prefill_time or hrcs.fit_catalog_prefill(self.runner, self.catalog, self.args.max_rank_candidates)
+        placement, rep = hrcs.plan_catalog(self.catalog, n, prefill, per_token, self.args.max_rank_candidates,
+                                           hrcs.DEFAULT_TAU_U, bandwidth_gbps, hrcs.DEFAULT_ALPHA)
         logger.info("HRCS: replication ratio %.3f (%d items), rank %d of %d", rep.ratio, rep.num_replicated,
-                    self.dp_rank, self.args.dp_size)
+                    self.dp_rank, n)
         return placement
 
     def use_catalog(self, catalog: Catalog, changed: set[str]) -> None:
