@@ -18,16 +18,12 @@ import sys
 import tempfile
 import time
 
-from sgrec.server_args import ServerArgs
+from sgrec.server_args import ServerArgs, cache_dir
 
 logger = logging.getLogger("sgrec.launch_server")
 
 READY_TIMEOUT_S = 900.0
 WATCH_INTERVAL_S = 0.2
-
-
-def cache_dir() -> str:
-    return os.environ.get("SGREC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sgrec")
 
 
 def ensure_default_model() -> str:

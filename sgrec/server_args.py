@@ -388,6 +388,14 @@ class _Retired(argparse.Action):
 PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))  # the installed sgrec package: never written
 
 
+def cache_dir() -> str:
+    """Where sgrec caches what it can rebuild (the built CPU kernels, prepared models, fetched wheels):
+    $SGREC_CACHE_DIR, else $XDG_CACHE_HOME/sgrec (default ~/.cache/sgrec)."""
+    if os.environ.get("SGREC_CACHE_DIR"):
+        return os.environ["SGREC_CACHE_DIR"]
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "sgrec")
+
+
 def state_dir() -> str:
     """Where sgrec keeps mutable state of its own: $XDG_STATE_HOME/sgrec (default ~/.local/state/sgrec)."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")

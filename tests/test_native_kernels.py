@@ -26,12 +26,17 @@ needs_kernels = pytest.mark.skipif(native.compiler() is None and not os.environ.
 
 
 def isa_builds():
-    """Every -march this CPU can run the extend kernel under, its best first (x86-64-v4 implies v3)."""
-    order = [["-march=x86-64-v4"], ["-march=x86-64-v3"], []]
+    """Every -march this CPU can run the extend kernel under, its best first (x86-64-v4 with avx512_bf16
+    implies x86-64-v4, which implies v3)."""
+    order = [["-march=x86-64-v4", "-mavx512bf16"], ["-march=x86-64-v4"], ["-march=x86-64-v3"], []]
     return order[order.index(native.march_flags(cpu_flags())):]
 
 
-every_isa = pytest.mark.parametrize("march", isa_builds(), ids=lambda m: m[0][7:] if m else "default")
+def isa_id(march: list[str]) -> str:
+    return "+".join(f.split("=")[-1].removeprefix("-m") for f in march) if march else "default"
+
+
+every_isa = pytest.mark.parametrize("march", isa_builds(), ids=isa_id)
 
 
 @needs_kernels
@@ -223,6 +228,26 @@ def test_extend_attention_equals_reference_causal(march, hq, hkv, d):
 
 
 @needs_kernels
+@every_isa
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (6, 2, 24), (8, 1, 40), (2, 2, 128), (4, 2, 15)])
+def test_extend_attention_bfloat16_equals_reference(march, hq, hkv, d):
+    """bfloat16 q/k/v and pool, rank layouts and causal sequences: the bf16 dot-product build (P rounded
+    to bfloat16, float32 sums) and the widening builds both within 2e-2 of float64 attention over the
+    same bfloat16 inputs; an odd head dim (15) takes the widening path in every build."""
+    lib = native.library(march)
+    assert native.bf16_dot(lib) == ("-mavx512bf16" in march)
+    for layouts in (rank_layouts(), big_rank_layouts()):
+        q, k, v, k_buf, v_buf, seqs, locs = rank_case(hq, hkv, d, layouts, torch.bfloat16, seed=hq + d)
+        out = run_extend(q, k, v, k_buf, v_buf, pack(seqs, locs, q.shape[0]), d ** -0.5, lib)
+        assert out.shape == (q.shape[0], hq * d) and out.dtype == torch.bfloat16
+        assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, seqs, d ** -0.5)).abs().max() <= 2e-2
+    specs = [(0, 300), (70, 1), (129, 40), (0, 1), (5, 0), (1, 33)]
+    q, k, v, k_buf, v_buf, seqs, refs, locs = causal_case(hq, hkv, d, specs, torch.bfloat16, seed=d)
+    out = run_extend(q, k, v, k_buf, v_buf, pack(seqs, locs, q.shape[0], causal=True), 0.3, lib)
+    assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, refs, 0.3)).abs().max() <= 2e-2
+
+
+@needs_kernels
 def test_extend_attention_bfloat16_and_a_wrong_mask_is_caught():
     q, k, v, k_buf, v_buf, seqs, locs = rank_case(6, 2, 16, big_rank_layouts(), torch.bfloat16, seed=11)
     meta = pack(seqs, locs, q.shape[0])
@@ -283,7 +308,10 @@ def test_runner_with_the_native_backend_prefills_like_torch(tiny_model_dir):
 
 def test_march_by_cpu_flags():
     v3 = ["avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"]
-    assert native.march_flags(v3 + ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]) == ["-march=x86-64-v4"]
+    v4 = v3 + ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]
+    assert native.march_flags(v4) == ["-march=x86-64-v4"]
+    assert native.march_flags(v4 + ["avx512_bf16"]) == ["-march=x86-64-v4", "-mavx512bf16"]
+    assert native.march_flags(v3 + ["avx512_bf16"]) == ["-march=x86-64-v3"]  # bf16 dots need the AVX-512 build
     assert native.march_flags(v3 + ["avx512f"]) == ["-march=x86-64-v3"]  # AVX-512 without BW/DQ/VL
     assert native.march_flags(v3) == ["-march=x86-64-v3"]
     assert native.march_flags(["sse2", "avx"]) == []
@@ -292,18 +320,22 @@ def test_march_by_cpu_flags():
 
 @needs_kernels
 def test_auto_picks_the_native_kernels_only_with_avx512(monkeypatch):
-    """auto on CPU: the native backend (extend in float32, decode in float32 and bfloat16) where the CPU
-    reports AVX-512 (flags injected both ways), torch without it; on CUDA triton where it imports (it
-    does here: torch ships it) and its decode kernel runs there (triton_decodes), else torch."""
+    """auto on CPU: the native backend where the CPU reports AVX-512 (flags injected both ways), torch
+    without it: decode in float32 and bfloat16, extend in float32, and in bfloat16 too where the kernels
+    were built on the CPU's bf16 dot products (avx512_bf16); on CUDA triton where it imports (it does
+    here: torch ships it) and its decode kernel runs there (triton_decodes), else torch."""
     import sgrec.model.cpu_caps as caps
 
     v3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
     monkeypatch.setattr(caps, "cpu_flags", lambda: frozenset(v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq",
                                                                     "avx512vl"}))
     monkeypatch.setattr(native, "load", lambda: object())  # built (whatever this CPU is)
+    monkeypatch.setattr(native, "bf16_dot", lambda lib=None: False)  # without avx512_bf16
     auto = make_backend("auto", "cpu")
     assert type(auto) is NativeBackend and auto.extend_dtypes == (torch.float32,)  # bf16 prefill: torch's SDPA
     assert auto.decode_dtypes == (torch.float32, torch.bfloat16)
+    monkeypatch.setattr(native, "bf16_dot", lambda lib=None: True)  # built with -mavx512bf16
+    assert make_backend("auto", "cpu").extend_dtypes == (torch.float32, torch.bfloat16)
     import importlib.util
 
     import sgrec.model.backends as backends
@@ -352,6 +384,14 @@ def test_fused_rmsnorm_equals_torch(march, n):
     x2, before = x.clone(), x.clone()
     out2 = native.rmsnorm(x2, w, 1e-6, residual=res, lib=lib)
     assert torch.equal(x2, before + res) and ((out2 - ref(before + res)).abs().max() <= 1e-5 * ref(before + res).abs().max())
+    # bfloat16 (the normalised row rounded before the weight): bit for bit sgrec's torch path in bfloat16
+    xb, wb, rb = x.bfloat16(), w.bfloat16(), res.bfloat16()
+    norm.weight.data = wb.clone()
+    assert torch.equal(native.rmsnorm(xb, wb, 1e-6, lib=lib), norm(xb))
+    xb2 = xb.clone()
+    outb = native.rmsnorm(xb2, wb, 1e-6, residual=rb, lib=lib)
+    assert torch.equal(xb2, xb + rb) and torch.equal(outb, norm(xb + rb))
+    assert native.rmsnorm(xb, w, 1e-6, lib=lib) is None  # mixed dtypes: torch's then
 
 
 @needs_kernels
@@ -374,7 +414,13 @@ def test_fused_rope_equals_apply_rope(march, D):
     assert native.rope_(q, k, cos, sin, lib=lib)
     assert (q - want_q).abs().max() <= 1e-6 * 3 and (k - want_k).abs().max() <= 1e-6 * 3
     assert torch.equal(v, v_before)
-    assert not native.rope_(q.bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16(), lib=lib)  # torch's then
+    assert not native.rope_(q.bfloat16(), k.bfloat16(), cos, sin, lib=lib)  # mixed dtypes: torch's then
+    # bfloat16 (each product rounded, then the sum): bit for bit torch's apply_rope in bfloat16
+    qb, kb = qkv.bfloat16().split([hq * D, hk * D, hk * D], dim=-1)[:2]
+    qb, kb = qb.view(T, hq, D), kb.view(T, hk, D)
+    cb, sb = cos.bfloat16(), sin.bfloat16()
+    want_q, want_k = apply_rope(qb, cb, sb), apply_rope(kb, cb, sb)
+    assert native.rope_(qb, kb, cb, sb, lib=lib) and torch.equal(qb, want_q) and torch.equal(kb, want_k)
 
 
 @needs_kernels
@@ -393,13 +439,19 @@ def test_fused_silu_mul_equals_torch(march, inter):
     want = (F.silu(gu[:, :inter].double()) * gu[:, inter:].double()).float()
     assert ((out - want).abs() <= 1e-6 * (1 + want.abs())).all()
     assert torch.equal(native.silu_mul(gu[3:4], inter, lib=lib), out[3:4])
-    assert native.silu_mul(gu.bfloat16(), inter, lib=lib) is None
+    # bfloat16 (silu rounded before the product): bit for bit torch's F.silu(gate) * up in bfloat16,
+    # except where e^-g underflows float32 (|value| < 1e-30: exp implementations differ in denormals)
+    gb = gu.bfloat16()
+    outb, wantb = native.silu_mul(gb, inter, lib=lib).float(), (F.silu(gb[:, :inter]) * gb[:, inter:]).float()
+    tiny = wantb.abs() < 1e-30
+    assert torch.equal(outb[~tiny], wantb[~tiny]) and (outb[tiny].abs() < 1e-30).all()
+    assert native.silu_mul(gu.half(), inter, lib=lib) is None  # float16: torch's then
 
 
 @needs_kernels
 def test_the_native_backend_turns_the_glue_on_for_float32(tiny_model_dir):
     """A runner on the native backend routes RMSNorm, RoPE and the MLP's activation through the fused
-    kernels (float32), one on torch does not; their prefill logits agree within 5e-5 (other summation
+    kernels (float32 here; bfloat16 in the tests above), one on torch does not; their prefill logits agree within 5e-5 (other summation
     orders) with the same greedy tokens (the runner test above covers decode)."""
     from sgrec.model.llama import MLP, RMSNorm
 

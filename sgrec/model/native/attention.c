@@ -139,6 +139,8 @@ typedef struct {
     float *s_all; /* deterministic extend: a task's scores of every tile, kept from pass 1 for pass 2 */
     size_t s_cap; /* floats s_all holds (grown as tasks need, up to det_keep_bytes) */
     uint8_t *seen; /* per tile of s_all: whether pass 1 computed it (some row sees a column of it) */
+    uint32_t *P;   /* bfloat16 extend on dot products: P as bfloat16 pairs of keys [BN / 2][Mp] */
+    int32_t *r32;  /* and the rows' orders and blocks as int32 [2][Mp] */
 } scratch_t;
 
 typedef struct {
@@ -191,6 +193,223 @@ static void store_rows(const args_t *a, const task_t *t, const float *O, const f
             for (int d = 0; d < D; d++) ((float *)a->out)[base + d] = o[d] * inv;
     }
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && BN == 32
+/* ---- bfloat16 extend on the CPU's bf16 dot products (vdpbf16ps; a build with -mavx512bf16) -------
+ *
+ * The same tasks, column stream (so the same tiles whatever part is cached), masks and online softmax
+ * as run_task, computed transposed: a vector holds 16 of the task's rows, so the masks, the running
+ * max and sum, and the rescale are element-wise, with no reduction across a vector. vdpbf16ps adds
+ * a[2i] b[2i] + a[2i+1] b[2i+1] into float32 lane i:
+ *   scores   St[key][rows] = sum over dim pairs of Qp[pair][rows] x (K's pair of that key, broadcast),
+ *            Q taken as it came (exact) and the scores scaled afterwards in float32; K read in place;
+ *   output   Ot[dim][rows] += sum over key pairs of Pp[pair][rows] x (V's two keys at that dim,
+ *            broadcast), P rounded to bfloat16 (as flash attention does on GPUs; each row's sum of
+ *            weights is kept in float32), V interleaved by key pairs per tile.
+ * Head dims must be even (the caller's check); the kernel reads D, not a padded width. */
+#include <immintrin.h>
+#define SGREC_DPBF16 1
+#define RV 4 /* row vectors (16 rows each) per micro-kernel block */
+#define NK 4 /* keys per score block */
+#define ND 4 /* output dims per P V block */
+
+static inline uint32_t pair_at(const uint16_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    return x;
+}
+
+/* St[j0 .. j0+NK)[r0 .. r0 + nv*16) = scale * Qp[.][rows] . K pairs of keys kr[j0 ..] */
+static inline __attribute__((always_inline)) void qk_dp_block(const uint32_t *Qp, const uint16_t *const *kr,
+                                                              float *St, int Mp, int D2, int j0, int r0,
+                                                              __m512 qs, const int nv) {
+    __m512 acc[NK][RV];
+    for (int jj = 0; jj < NK; jj++)
+        for (int u = 0; u < nv; u++) acc[jj][u] = _mm512_setzero_ps();
+    for (int d = 0; d < D2; d++) {
+        __m512bh q[RV];
+        for (int u = 0; u < nv; u++) q[u] = (__m512bh)_mm512_loadu_si512(Qp + (int64_t)d * Mp + r0 + u * 16);
+        for (int jj = 0; jj < NK; jj++) {
+            __m512bh kb = (__m512bh)_mm512_set1_epi32((int)pair_at(kr[j0 + jj] + 2 * d));
+            for (int u = 0; u < nv; u++) acc[jj][u] = _mm512_dpbf16_ps(acc[jj][u], q[u], kb);
+        }
+    }
+    for (int jj = 0; jj < NK; jj++)
+        for (int u = 0; u < nv; u++)
+            _mm512_storeu_ps(St + (int64_t)(j0 + jj) * Mp + r0 + u * 16, _mm512_mul_ps(acc[jj][u], qs));
+}
+
+/* Ot[d0 .. d0+nd)[r0 .. r0 + nv*16) += Pp[pairs][rows] . Vp[pairs][those dims] */
+static inline __attribute__((always_inline)) void pv_dp_block(const uint32_t *Pp, const uint32_t *Vp, float *Ot,
+                                                              int Mp, int D, int npairs, int d0, int r0,
+                                                              const int nd, const int nv) {
+    __m512 acc[ND][RV];
+    for (int dd = 0; dd < nd; dd++)
+        for (int u = 0; u < nv; u++) acc[dd][u] = _mm512_loadu_ps(Ot + (int64_t)(d0 + dd) * Mp + r0 + u * 16);
+    for (int j = 0; j < npairs; j++) {
+        __m512bh p[RV];
+        for (int u = 0; u < nv; u++) p[u] = (__m512bh)_mm512_loadu_si512(Pp + (int64_t)j * Mp + r0 + u * 16);
+        for (int dd = 0; dd < nd; dd++) {
+            __m512bh vb = (__m512bh)_mm512_set1_epi32((int)Vp[(int64_t)j * D + d0 + dd]);
+            for (int u = 0; u < nv; u++) acc[dd][u] = _mm512_dpbf16_ps(acc[dd][u], p[u], vb);
+        }
+    }
+    for (int dd = 0; dd < nd; dd++)
+        for (int u = 0; u < nv; u++) _mm512_storeu_ps(Ot + (int64_t)(d0 + dd) * Mp + r0 + u * 16, acc[dd][u]);
+}
+
+#define BY_NV(call) /* call(nv) with nv the constant 1 .. RV that the row block needs */          \
+    do {                                                                                      \
+        int nv_ = (Mp - r0) / 16 < RV ? (Mp - r0) / 16 : RV;                                 \
+        if (nv_ == 4) call(4); else if (nv_ == 3) call(3); else if (nv_ == 2) call(2); else call(1); \
+    } while (0)
+
+static void qk_dp(const uint32_t *Qp, const uint16_t *const *kr, float *St, int Mp, int D2, int nk, float scale) {
+    const __m512 qs = _mm512_set1_ps(scale);
+    for (int r0 = 0; r0 < Mp; r0 += RV * 16)
+        for (int j0 = 0; j0 < nk; j0 += NK) {
+#define QK(nv) qk_dp_block(Qp, kr, St, Mp, D2, j0, r0, qs, nv)
+            BY_NV(QK);
+#undef QK
+        }
+}
+
+static void pv_dp(const uint32_t *Pp, const uint32_t *Vp, float *Ot, int Mp, int D, int npairs) {
+    for (int r0 = 0; r0 < Mp; r0 += RV * 16) {
+        int d0 = 0;
+        for (; d0 + ND <= D; d0 += ND) {
+#define PV(nv) pv_dp_block(Pp, Vp, Ot, Mp, D, npairs, d0, r0, ND, nv)
+            BY_NV(PV);
+#undef PV
+        }
+        for (; d0 < D; d0++) {
+#define PV1(nv) pv_dp_block(Pp, Vp, Ot, Mp, D, npairs, d0, r0, 1, nv)
+            BY_NV(PV1);
+#undef PV1
+        }
+    }
+}
+
+/* 16 float32 lanes rounded to bfloat16 (nearest even), each in the low half of a 32-bit lane */
+static inline __m512i bf16_lanes(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
+
+/* One (sequence, tile, KV head) of a bfloat16 extend with an even head dim. */
+static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
+    const int G = a->G, D = a->D, D2 = a->D / 2;
+    const int64_t qs = a->q_start[t->b], qn = a->q_len[t->b];
+    const int nrows = (int)(qn - t->m0 < a->bm ? qn - t->m0 : a->bm);
+    const int M = nrows * G, Mp = (M + 15) / 16 * 16;
+    float *St = w->S, *Ot = w->O, *mrow = w->m, *lrow = w->l;
+    uint32_t *Qp = (uint32_t *)w->Qf, *Vp = (uint32_t *)w->V, *Pp = w->P;
+    int32_t *ro = w->r32, *rb = w->r32 + Mp;
+    const rows_t rs = load_rows(a, t, w, nrows, M, Mp); /* orders, blocks, m, l; zeroes O (as Ot) */
+    for (int i = 0; i < Mp; i++) ro[i] = (int32_t)w->ro[i], rb[i] = (int32_t)w->rb[i];
+    memset(Qp, 0, sizeof(uint32_t) * (size_t)Mp * D2); /* Q's pairs of dims, transposed, unscaled */
+    for (int i = 0; i < M; i++) {
+        const uint16_t *q = (const uint16_t *)a->q + (qs + t->m0 + i / G) * a->s_q + (int64_t)(t->h * G + i % G) * D;
+        for (int d = 0; d < D2; d++) Qp[(int64_t)d * Mp + i] = pair_at(q + 2 * d);
+    }
+    const float qscale = a->scale * LOG2E;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
+
+    const int64_t c_lo = a->c_ptr[t->b], n_cached = a->c_ptr[t->b + 1] - c_lo, total = n_cached + t->m0 + nrows;
+    const int64_t hstep = (int64_t)a->Hkv * D;
+    int64_t co[BN], cb[BN];
+    const uint16_t *kr[BN], *vr[BN];
+    for (int64_t n0 = 0; n0 < total; n0 += BN) {
+        int nc = (int)(total - n0 < BN ? total - n0 : BN);
+        int64_t c_omin = INT64_MAX, c_omax = INT64_MIN, c_bmin = INT64_MAX, c_bmax = INT64_MIN;
+        int c_free = 0;
+        for (int j = 0; j < nc; j++) {
+            int64_t c = n0 + j, o, bl;
+            if (c < n_cached) {
+                int64_t off = a->c_idx[c_lo + c] * hstep + (int64_t)t->h * D;
+                o = a->c_order[c_lo + c], bl = a->c_block[c_lo + c];
+                kr[j] = (const uint16_t *)a->kb + off, vr[j] = (const uint16_t *)a->vb + off;
+            } else {
+                int64_t row = qs + c - n_cached;
+                o = a->q_order[row], bl = a->q_block[row];
+                kr[j] = (const uint16_t *)a->k + row * a->s_k + (int64_t)t->h * D;
+                vr[j] = (const uint16_t *)a->v + row * a->s_v + (int64_t)t->h * D;
+            }
+            co[j] = o, cb[j] = bl;
+            c_omin = o < c_omin ? o : c_omin;
+            c_omax = o > c_omax ? o : c_omax;
+            if (bl < 0) c_free++;
+            else {
+                c_bmin = bl < c_bmin ? bl : c_bmin;
+                c_bmax = bl > c_bmax ? bl : c_bmax;
+            }
+        }
+        if (c_omin > rs.omax) continue; /* every column comes after every row */
+        if (!rs.any_free && c_free == 0 && (c_bmax < rs.bmin || c_bmin > rs.bmax)) continue;
+        int conflict = rs.bmin <= rs.bmax && c_free < nc &&
+                       !(rs.bmin == rs.bmax && c_bmin == rs.bmin && c_bmax == rs.bmin);
+        int full = nc == BN && c_omax <= rs.omin && !conflict;
+        const int nk = (nc + NK - 1) / NK * NK, npairs = nk / 2; /* keys computed: nc, rounded up */
+        for (int j = nc; j < nk; j++) kr[j] = kr[0], vr[j] = NULL; /* computed, then masked; V zero */
+
+        qk_dp(Qp, kr, St, Mp, D2, nk, qscale);
+        if (!full) /* -inf where a row may not see the column */
+            for (int j = 0; j < nk; j++) {
+                float *s = St + (int64_t)j * Mp;
+                if (j >= nc) {
+                    for (int r = 0; r < Mp; r += 16) _mm512_storeu_ps(s + r, ninf);
+                    continue;
+                }
+                const __m512i coj = _mm512_set1_epi32((int32_t)co[j]), cbj = _mm512_set1_epi32((int32_t)cb[j]);
+                for (int r = 0; r < Mp; r += 16) {
+                    __m512i ro_v = _mm512_loadu_si512(ro + r), rb_v = _mm512_loadu_si512(rb + r);
+                    __mmask16 ok = _mm512_cmpge_epi32_mask(ro_v, coj);
+                    if (cb[j] >= 0)
+                        ok &= _mm512_cmplt_epi32_mask(rb_v, _mm512_setzero_si512()) | _mm512_cmpeq_epi32_mask(rb_v, cbj);
+                    _mm512_storeu_ps(s + r, _mm512_mask_blend_ps(ok, ninf, _mm512_loadu_ps(s + r)));
+                }
+            }
+        /* online softmax, 16 rows at a time: P = 2^(S - m), what came before rescaled by 2^(m_old - m) */
+        for (int r = 0; r < Mp; r += 16) {
+            __m512 mold = _mm512_loadu_ps(mrow + r), mx = mold;
+            for (int j = 0; j < nk; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(St + (int64_t)j * Mp + r));
+            __mmask16 none = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ); /* rows that have seen nothing yet */
+            __m512 mu = _mm512_mask_blend_ps(none, mx, zero);             /* 2^(-inf - 0) = 0 for them */
+            __m512 alpha = (__m512)vexp2((vf)_mm512_sub_ps(mold, mu)), sum = zero;
+            for (int j = 0; j + 1 < nk; j += 2) {
+                __m512 p0 = (__m512)vexp2((vf)_mm512_sub_ps(_mm512_loadu_ps(St + (int64_t)j * Mp + r), mu));
+                __m512 p1 = (__m512)vexp2((vf)_mm512_sub_ps(_mm512_loadu_ps(St + (int64_t)(j + 1) * Mp + r), mu));
+                sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+                _mm512_storeu_si512(Pp + (int64_t)(j / 2) * Mp + r,
+                                    _mm512_or_si512(bf16_lanes(p0), _mm512_slli_epi32(bf16_lanes(p1), 16)));
+            }
+            _mm512_storeu_ps(lrow + r, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(lrow + r), alpha), sum));
+            _mm512_storeu_ps(mrow + r, mx);
+            if (_mm512_cmp_ps_mask(alpha, one, _CMP_NEQ_UQ))
+                for (int d = 0; d < D; d++) {
+                    float *o = Ot + (int64_t)d * Mp + r;
+                    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), alpha));
+                }
+        }
+        /* V by key pairs: Vp[pair][d] = (v[2 pair][d], v[2 pair + 1][d]); missing keys zero */
+        for (int j = 0; j < nk; j += 2) {
+            const uint16_t *v0 = vr[j], *v1 = vr[j + 1];
+            uint32_t *dst = Vp + (int64_t)(j / 2) * D;
+            int d = 0;
+            for (; d + 16 <= D; d += 16) {
+                __m512i lo = v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + d))) : _mm512_setzero_si512();
+                __m512i hi = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + d))) : _mm512_setzero_si512();
+                _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+            for (; d < D; d++) dst[d] = (v0 ? (uint32_t)v0[d] : 0u) | (v1 ? (uint32_t)v1[d] << 16 : 0u);
+        }
+        pv_dp(Pp, Vp, Ot, Mp, D, npairs);
+    }
+    /* the task's M rows of output, Ot / l, into out (bfloat16 rounded to nearest even) */
+    for (int i = 0; i < M; i++) {
+        int64_t base = (qs + t->m0 + i / G) * (int64_t)a->Hq * D + (int64_t)(t->h * G + i % G) * D;
+        float inv = 1.f / lrow[i];
+        for (int d = 0; d < D; d++) ((uint16_t *)a->out)[base + d] = bf16_store(Ot[(int64_t)d * Mp + i] * inv);
+    }
+}
+#endif
 
 /* One (sequence, tile, KV head). */
 static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
@@ -443,6 +662,15 @@ static void run_task_det(const args_t *a, const task_t *t, scratch_t *w) {
 
 static int run_extend(args_t *a, int B, void (*task_fn)(const args_t *, const task_t *, scratch_t *));
 
+/* 1 where this build extends bfloat16 with the CPU's bf16 dot products (run_task_dp), else 0 */
+int sgrec_bf16_dot(void) {
+#ifdef SGREC_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int sgrec_extend_attention(const void *q, const void *k, const void *v, const void *kb, const void *vb,
                            int64_t s_q, int64_t s_k, int64_t s_v, const int64_t *q_start, const int64_t *q_len,
                            const int64_t *q_order, const int64_t *q_block, const int64_t *c_idx,
@@ -450,6 +678,9 @@ int sgrec_extend_attention(const void *q, const void *k, const void *v, const vo
                            int Hq, int Hkv, int D, float scale, int bf16) {
     args_t a = {q, k, v, kb, vb, s_q, s_k, s_v, q_start, q_len, q_order, q_block, c_idx, c_order, c_block,
                 c_ptr, out, Hq, Hkv, D, Hq / Hkv, 0, bf16, scale, NULL, NULL};
+#ifdef SGREC_DPBF16
+    if (bf16 && D % 2 == 0) return run_extend(&a, B, run_task_dp);
+#endif
     return run_extend(&a, B, run_task);
 }
 
@@ -479,13 +710,13 @@ static int run_extend(args_t *ap, int B, void (*task_fn)(const args_t *, const t
     for (int b = 0; b < B; b++) /* the last tiles of a sequence see the most columns: hand them out first */
         for (int64_t m0 = q_len[b] > 0 ? (q_len[b] - 1) / a.bm * a.bm : -1; m0 >= 0; m0 -= a.bm)
             for (int h = 0; h < Hkv; h++) tasks[n++] = (task_t){b, m0, h};
-    const int Dp = (D + VW - 1) / VW * VW, Mp = (a.bm * a.G + NR - 1) / NR * NR;
+    const int Dp = (D + VW - 1) / VW * VW, Mp = (a.bm * a.G + 15) / 16 * 16; /* rows: a multiple of NR and 16 */
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        size_t floats = (size_t)Mp * Dp * 2 + (size_t)Mp * BN + (size_t)Dp * BN * 2 + (size_t)Mp * 2;
+        size_t floats = (size_t)Mp * Dp * 2 + (size_t)Mp * BN + (size_t)Dp * BN * 2 + (size_t)Mp * 2 + (size_t)Mp * BN / 2;
         float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
-        int64_t *ints = malloc(sizeof(int64_t) * (size_t)Mp * 2);
+        int64_t *ints = malloc(sizeof(int64_t) * (size_t)Mp * 3);
         scratch_t w = {0};
         if (!buf || !ints) failed = 1;
         else {
@@ -496,8 +727,10 @@ static int run_extend(args_t *ap, int B, void (*task_fn)(const args_t *, const t
             w.V = w.Kt + (size_t)Dp * BN;
             w.m = w.V + (size_t)Dp * BN;
             w.l = w.m + Mp;
+            w.P = (uint32_t *)(w.l + Mp);
             w.ro = ints;
             w.rb = ints + Mp;
+            w.r32 = (int32_t *)(ints + 2 * Mp);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < ntasks; i++)

@@ -1,11 +1,15 @@
 /* The element-wise glue of a decoder layer on CPU, fused (sgrec, issue 23): each op reads and writes
  * its rows once, where torch's ops make several passes (RMSNorm: square, mean, add, rsqrt, two
  * multiplies; RoPE: a negated half, a concatenation, two multiplies, an add; SiLU and the gate
- * product). float32 rows, any row stride (elements); rows are split over OpenMP threads, and every
- * row is computed the same way whatever the number of rows (a token's values do not depend on the
- * batch it is in).
+ * product). float32 or bfloat16 rows (bf16 = 1: every operand bfloat16), any row stride (elements);
+ * rows are split over OpenMP threads, and every row is computed the same way whatever the number of
+ * rows (a token's values do not depend on the batch it is in). Arithmetic is float32; in bfloat16
+ * each op rounds where torch's bfloat16 ops (and HF's) round: RMSNorm's normalised row before the
+ * weight multiplies it, RoPE's two products before their sum, SiLU before the product with up (the
+ * rounding points of the Triton glue, sgrec.model.kernels.glue).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "vec.h"
@@ -34,20 +38,49 @@ static inline void norm_row(const float *x, const float *w, float *out, int n, f
     for (; d < n; d++) out[d] = w[d] * (x[d] * r);
 }
 
+static inline float round_bf16(float x) { return bf16_load(bf16_store(x)); }
+
+/* norm_row over bfloat16: x += res first (rounded, in place) where res is given */
+static inline void norm_row_bf16(uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out, int n,
+                                 float eps) {
+    int d = 0;
+    if (res) {
+        for (; d + VW <= n; d += VW) vstore_bf16(x + d, vload_bf16(x + d) + vload_bf16(res + d));
+        for (; d < n; d++) x[d] = bf16_store(bf16_load(x[d]) + bf16_load(res[d]));
+    }
+    vf acc = vset(0.f);
+    for (d = 0; d + VW <= n; d += VW) {
+        vf v = vload_bf16(x + d);
+        acc += v * v;
+    }
+    float ss = 0.f;
+    for (int u = 0; u < VW; u++) ss += acc[u];
+    for (; d < n; d++) ss += bf16_load(x[d]) * bf16_load(x[d]);
+    float r = 1.f / sqrtf(ss / (float)n + eps);
+    vf rv = vset(r);
+    for (d = 0; d + VW <= n; d += VW) vstore_bf16(out + d, vload_bf16(w + d) * vround_bf16(vload_bf16(x + d) * rv));
+    for (; d < n; d++) out[d] = bf16_store(bf16_load(w[d]) * round_bf16(bf16_load(x[d]) * r));
+}
+
 /* RMSNorm: out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)). With res (not NULL): x[t] += res[t] first,
  * in place (the residual stream), then the norm of the sum. */
-void sgrec_rmsnorm(float *x, int64_t sx, const float *res, int64_t sr, const float *w, float *out, int64_t so,
-                   int64_t T, int n, float eps) {
+void sgrec_rmsnorm(void *x, int64_t sx, const void *res, int64_t sr, const void *w, void *out, int64_t so,
+                   int64_t T, int n, float eps, int bf16) {
 #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
     for (int64_t t = 0; t < T; t++) {
-        float *xr = x + t * sx;
+        if (bf16) {
+            norm_row_bf16((uint16_t *)x + t * sx, res ? (const uint16_t *)res + t * sr : NULL, w,
+                          (uint16_t *)out + t * so, n, eps);
+            continue;
+        }
+        float *xr = (float *)x + t * sx;
         if (res) {
-            const float *rr = res + t * sr;
+            const float *rr = (const float *)res + t * sr;
             int d = 0;
             for (; d + VW <= n; d += VW) vstore(xr + d, vload(xr + d) + vload(rr + d));
             for (; d < n; d++) xr[d] += rr[d];
         }
-        norm_row(xr, w, out + t * so, n, eps);
+        norm_row(xr, w, (float *)out + t * so, n, eps);
     }
 }
 
@@ -69,25 +102,60 @@ static inline void rope_row(float *x, const float *c, const float *s, int D) {
     }
 }
 
-void sgrec_rope(float *q, int64_t sq, int Hq, float *k, int64_t sk, int Hk, const float *cos, const float *sin,
-                int64_t T, int D) {
+/* rope_row over bfloat16 (cos and sin too): each product rounded, then their sum */
+static inline void rope_row_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int D) {
+    int h = D / 2, d = 0;
+    for (; d + VW <= h; d += VW) {
+        vf a = vload_bf16(x + d), b = vload_bf16(x + h + d);
+        vstore_bf16(x + d, vround_bf16(a * vload_bf16(c + d)) + vround_bf16(-b * vload_bf16(s + d)));
+        vstore_bf16(x + h + d, vround_bf16(b * vload_bf16(c + h + d)) + vround_bf16(a * vload_bf16(s + h + d)));
+    }
+    for (; d < h; d++) {
+        float a = bf16_load(x[d]), b = bf16_load(x[h + d]);
+        x[d] = bf16_store(round_bf16(a * bf16_load(c[d])) + round_bf16(-b * bf16_load(s[d])));
+        x[h + d] = bf16_store(round_bf16(b * bf16_load(c[h + d])) + round_bf16(a * bf16_load(s[h + d])));
+    }
+}
+
+void sgrec_rope(void *q, int64_t sq, int Hq, void *k, int64_t sk, int Hk, const void *cos, const void *sin,
+                int64_t T, int D, int bf16) {
 #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
     for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + t * D, *s = sin + t * D;
-        for (int hd = 0; hd < Hq; hd++) rope_row(q + t * sq + (int64_t)hd * D, c, s, D);
-        for (int hd = 0; hd < Hk; hd++) rope_row(k + t * sk + (int64_t)hd * D, c, s, D);
+        if (bf16) {
+            const uint16_t *c = (const uint16_t *)cos + t * D, *s = (const uint16_t *)sin + t * D;
+            for (int hd = 0; hd < Hq; hd++) rope_row_bf16((uint16_t *)q + t * sq + (int64_t)hd * D, c, s, D);
+            for (int hd = 0; hd < Hk; hd++) rope_row_bf16((uint16_t *)k + t * sk + (int64_t)hd * D, c, s, D);
+            continue;
+        }
+        const float *c = (const float *)cos + t * D, *s = (const float *)sin + t * D;
+        for (int hd = 0; hd < Hq; hd++) rope_row((float *)q + t * sq + (int64_t)hd * D, c, s, D);
+        for (int hd = 0; hd < Hk; hd++) rope_row((float *)k + t * sk + (int64_t)hd * D, c, s, D);
     }
 }
 
 /* out[t] = silu(gu[t][:I]) * gu[t][I:], silu(g) = g / (1 + e^-g); gu [T, 2I] (token stride sg),
  * out [T, I] (stride so). */
-void sgrec_silu_mul(const float *gu, int64_t sg, float *out, int64_t so, int64_t T, int I) {
+void sgrec_silu_mul(const void *gu, int64_t sg, void *out, int64_t so, int64_t T, int I, int bf16) {
 #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
     for (int64_t t = 0; t < T; t++) {
-        const float *g = gu + t * sg, *u = g + I;
-        float *o = out + t * so;
-        int d = 0;
         const vf one = vset(1.f), hi = vset(126.f), mlog2e = vset(-LOG2E);
+        int d = 0;
+        if (bf16) { /* silu rounded, then the product */
+            const uint16_t *g = (const uint16_t *)gu + t * sg, *u = g + I;
+            uint16_t *o = (uint16_t *)out + t * so;
+            for (; d + VW <= I; d += VW) {
+                vf gv = vload_bf16(g + d), e = gv * mlog2e;
+                e = vselect(e > hi, hi, e);
+                vstore_bf16(o + d, vround_bf16(gv / (one + vexp2(e))) * vload_bf16(u + d));
+            }
+            for (; d < I; d++) {
+                float gd = bf16_load(g[d]);
+                o[d] = bf16_store(round_bf16(gd / (1.f + expf(-gd))) * bf16_load(u[d]));
+            }
+            continue;
+        }
+        const float *g = (const float *)gu + t * sg, *u = g + I;
+        float *o = (float *)out + t * so;
         for (; d + VW <= I; d += VW) {
             vf gv = vload(g + d), e = gv * mlog2e;
             e = vselect(e > hi, hi, e); /* 2^126: the quotient is 0 to float precision, as e^-g overflows */

@@ -53,6 +53,17 @@ typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 /* VW bfloat16 values widened to float32 (exact) */
 static inline vf vload_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vhu *)p, vu) << 16); }
 
+/* x rounded to bfloat16 (to nearest even; a NaN stays a NaN), as float32 */
+static inline vf vround_bf16(vf x) {
+    vu u = (vu)x;
+    vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    return (vf)((r & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
+}
+
+/* VW float32 values rounded to bfloat16 (as vround_bf16) into p */
+static inline void vstore_bf16(uint16_t *p, vf x) { *(vhu *)p = __builtin_convertvector((vu)vround_bf16(x) >> 16, vh); }
+
 static inline float bf16_load(uint16_t x) {
     union { uint32_t u; float f; } c;
     c.u = (uint32_t)x << 16;
