@@ -3,7 +3,7 @@
     python benchmarks/bench_engine.py                       # tiny + SmolLM2-135M-Instruct
     python benchmarks/bench_engine.py --models tiny --repeats 5 --json out.json
 
-What is measured (float32, greedy, a batch of B equal-length prompts of P seeded random token
+What is measured (float32 unless --dtype bfloat16, greedy, a batch of B equal-length prompts of P seeded random token
 ids, the same ids on both sides; each number uses the best (minimum) time of --repeats runs):
 
 * prefill tok/s = B * P / t_prefill, for a prefill-only call
@@ -102,11 +102,11 @@ class Timeline:
 class SgrecSide:
     name = "sgrec"
 
-    def __init__(self, path: str, max_tokens: int, packed: bool = False):
+    def __init__(self, path: str, max_tokens: int, packed: bool = False, dtype: str = "float32"):
         from sgrec import Engine
 
         self.engine = Engine(
-            path, device="cpu", dtype="float32", max_total_tokens=max_tokens, disable_radix_cache=True,
+            path, device="cpu", dtype=dtype, max_total_tokens=max_tokens, disable_radix_cache=True,
             disable_weight_packing=not packed,
         )
         self.packed = self.engine.runner.packed  # oneDNN-prepacked weights (the CPU default)
@@ -160,10 +160,10 @@ class _Stamp:
 class HFSide:
     name = "HF"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, dtype: str = "float32"):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         cfg = self.model.config
         gc = self.model.generation_config
         pad = gc.pad_token_id if gc.pad_token_id is not None else cfg.pad_token_id
@@ -266,8 +266,9 @@ def bench_model(label: str, path: str, args, prompt_len: int, repeats: int) -> l
     max_b = max(args.batch_sizes)
     k = args.decode_tokens
     t0 = time.perf_counter()
-    sides = [SgrecSide(path, max_tokens=max_b * (prompt_len + k) * 2 + 64, packed=not args.disable_weight_packing),
-             HFSide(path)]
+    sides = [SgrecSide(path, max_tokens=max_b * (prompt_len + k) * 2 + 64, packed=not args.disable_weight_packing,
+                       dtype=args.dtype),
+             HFSide(path, dtype=args.dtype)]
     print(f"  loaded both sides in {time.perf_counter() - t0:.1f}s (HF attention: {sides[1].attn_impl}; sgrec weights "
           f"{'packed' if sides[0].packed else 'plain'})", flush=True)
     rows = []
@@ -364,6 +365,9 @@ def parse_args(argv=None):
                     help=f"prompt tokens per sequence (default: {DEFAULT_PROMPT_LEN})")
     ap.add_argument("--decode-tokens", type=int, default=64, help="new tokens per sequence in the decode run")
     ap.add_argument("--batch-sizes", type=ints, default=[1, 16])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="both sides' dtype (bfloat16: what --dtype auto picks on AVX-512-BF16/AMX CPUs; greedy "
+                         "outputs may then part from HF's where bfloat16 rounds differently)")
     ap.add_argument("--repeats", type=int, default=None,
                     help=f"timed runs per measurement, the best is kept (default: {DEFAULT_REPEATS})")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")

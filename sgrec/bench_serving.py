@@ -10,8 +10,8 @@ and per request it records TTFT (first chunk carrying at least one output token)
 later token-carrying chunks (a chunk with k new tokens counts as k inter-token latencies of gap/k),
 E2E latency and the output-token count the server reports. Failed requests (non-200, an error
 chunk, a broken stream, the overall --timeout) are counted and reported, never fatal.
-The prefix cache is flushed (`/flush_cache`) before every rate so a rate does not reuse the KV of
-the previous one. Needs `pip install -e ".[bench]"` (httpx; matplotlib for --plot).
+The prefix cache is flushed (`/flush_cache`, or vLLM's `/reset_prefix_cache`) before every rate so a
+rate does not reuse the KV of the previous one (or of the warm-up requests). Needs `pip install -e ".[bench]"` (httpx; matplotlib for --plot).
 """
 
 from __future__ import annotations
@@ -370,6 +370,15 @@ async def server_facts(client: httpx.AsyncClient, base: str) -> tuple[str, str |
     return model, tok
 
 
+async def flush_cache(client: httpx.AsyncClient, base: str) -> None:
+    """Empties the server's prefix cache: SGLang's and sgrec's POST /flush_cache, else vLLM's POST
+    /reset_prefix_cache (served in its dev mode, VLLM_SERVER_DEV_MODE=1); nothing where neither answers."""
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        with contextlib.suppress(httpx.HTTPError):
+            if (await client.post(base + path)).status_code == 200:
+                return
+
+
 async def benchmark(args, parser) -> dict:
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     args.base_url = base
@@ -395,8 +404,7 @@ async def benchmark(args, parser) -> dict:
         results = []
         for rate in rates:
             if not args.disable_flush_cache:
-                with contextlib.suppress(httpx.HTTPError):
-                    await client.post(base + "/flush_cache")
+                await flush_cache(client, base)
             records, duration = await run_rate(client, args, url, model, requests, rate, deadline)
             m = compute_metrics(records, duration)
             print(result_table(rate, m, args), flush=True)

@@ -288,3 +288,26 @@ def test_bench_hicache_two_servers_behind_the_router(tiny_model_dir):
     users = int(re.search(r"12 visits of (\d+) users", p.stdout).group(1))
     assert [r[0] for r in rows] == ["no hierarchy", "mooncake"]
     assert all(int(m) + int(s) == 12 - users for _, m, s in rows)  # every return visit, moving or staying
+
+
+def test_bench_vllm_cpu_runs_sgrecs_side_on_a_tiny_model(tiny_model_dir):
+    """benchmarks/bench_vllm_cpu.py with --vllm-python none (no vLLM here): sgrec's half of every part
+    (the same client and requests the peer would get: bench_serving over /v1/completions, beams through
+    /v1/retrieve) on a tiny model, every request served, and the table says there is no peer."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    model = tiny_model_dir("llama", vocab_size=512)
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_vllm_cpu.py"), "--vllm-python", "none",
+                        "--model-path", model, "--dtype", "float32", "--num-prompts", "4", "--single-prompts", "2",
+                        "--input-len", "16", "--output-len", "4", "--beam-widths", "4", "--beam-prompt-len", "12",
+                        "--beam-repeats", "2", "--num-items", "300", "--codes", "16"],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in p.stdout.splitlines() if line.startswith("| ")}
+    assert rows["saturated serving: failed requests"][:2] == ["-", "0"]
+    assert rows["one client: failed requests"][:2] == ["-", "0"]
+    assert float(rows["saturated serving: out tok/s"][1]) > 0 and rows["saturated serving: out tok/s"][2] == "- |"
+    assert float(rows["beam BW 4, 12-token prompt: median ms"][1]) > 0

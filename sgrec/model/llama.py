@@ -37,6 +37,17 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add and the next norm in one pass
+        where the glue takes them (x, a layer's fresh output, receives the sum in place), else torch's
+        add then forward; the same bits either way."""
+        if self.glue is not None:
+            out = self.glue.rmsnorm(x, self.weight, self.eps, residual)
+            if out is not None:
+                return out, x
+        x = x + residual
+        return self(x), x
+
 
 class Attention(nn.Module):
     glue = None  # as RMSNorm.glue
@@ -100,9 +111,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, batch, backend):
+        """(this layer's MLP output, the residual stream before it): the stream's adds are fused into
+        the norms that follow them (the next layer's, or the final norm, adds the MLP output).
+        residual None: x is the first layer's input."""
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, batch, backend), residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -121,9 +136,10 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
         backend.prepare(batch)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, batch, backend)
+        return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,7 +2,8 @@
 SiLU-times-up, one pass over the data each where torch takes several (RMSNorm: a float32 copy, its
 square, the mean, the scaling, the cast, the weight; RoPE: the rotated copy, two products, a sum).
 The same interface as sgrec.model.native's C glue (the model's `glue` hook): a function returns
-None (or False for rope_) where it does not take the tensors, and the model falls back to torch.
+None (or False for rope_) where it does not take the tensors (here: rmsnorm with a residual to add
+first), and the model falls back to torch.
 
 Each rounds where the torch path rounds: in bfloat16 the normalised row is cast to bfloat16 before
 the weight multiplies it; RoPE's two products are rounded before their sum; SiLU is rounded before
@@ -82,11 +83,11 @@ def takes(*tensors: torch.Tensor) -> bool:
             and all(t.is_cuda or interpreted for t in tensors))
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """weight * (x / sqrt(mean(x^2) + eps)) over the last dimension, as a new tensor; None where x is
-    not rows of the kernels' dtypes (the caller uses torch)."""
+    not rows of the kernels' dtypes, or a residual is to be added first (the caller uses torch)."""
     rows = rows2d(x, copy=True)
-    if rows is None or not takes(x, weight) or rows.shape[1] > 65536:
+    if residual is not None or rows is None or not takes(x, weight) or rows.shape[1] > 65536:
         return None
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = rows.shape[1]
