@@ -52,58 +52,28 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
 from bench_roofline import ND, write_catalog  # noqa: E402
-from sgrec.tools.local_server import LocalServer, free_port  # noqa: E402
+from sgrec.tools.local_server import LocalServer, ServerProcess, free_port  # noqa: E402
 
 PARTS = ("saturated", "single", "beam")
 
 
-class VllmServer:
+class VllmServer(ServerProcess):
     """vLLM's OpenAI server from another interpreter, on loopback; ready once GET /v1/models answers."""
 
     def __init__(self, python: str, model: str, dtype: str, kv_gb: int, log_path: str, max_len: int,
                  max_logprobs: int, ready_timeout: float = 900.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         # dev mode: POST /reset_prefix_cache, which the client calls after its warm-up, as it calls sgrec's /flush_cache
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gb), "VLLM_SERVER_DEV_MODE": "1"}
         env.pop("PYTHONPATH", None)
-        preload = [p for p in (*glob.glob("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
-                               *glob.glob(os.path.join(os.path.dirname(os.path.dirname(python)), "lib", "libiomp5.so")))]
-        if preload:
-            env["LD_PRELOAD"] = ":".join(preload + [env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else preload)
-        self.preload = preload
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(self.port),
+        self.preload = [*glob.glob("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+                        *glob.glob(os.path.join(os.path.dirname(os.path.dirname(python)), "lib", "libiomp5.so"))]
+        if self.preload:
+            env["LD_PRELOAD"] = ":".join(self.preload + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
                "--model", model, "--served-model-name", "model", "--dtype", dtype, "--max-model-len", str(max_len),
                "--max-logprobs", str(max_logprobs)]
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode} before it served; see {log_path}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=5, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"vLLM did not serve within {ready_timeout:.0f} s; see {log_path}")
-            time.sleep(2)
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__(cmd, port, log_path, env=env, ready_path="/v1/models", ready_timeout=ready_timeout)
 
 
 def serving(url: str, model_path: str, out: str, args, single: bool) -> dict:

@@ -194,6 +194,47 @@ static void store_rows(const args_t *a, const task_t *t, const float *O, const f
     }
 }
 
+/* Columns n0 .. n0 + nc - 1 of task t's stream (the cached ones from the pool by slot, then the new
+ * ones as computed): each one's K and V row (kr, vr), order and block (co, cb). Returns -1 where no row
+ * of the task may see any of them (the tile is skipped), 1 where every row sees all of them (no mask
+ * needed), else 0. */
+static int tile_columns(const args_t *a, const task_t *t, const rows_t *rs, int64_t n0, int nc, int64_t *co,
+                        int64_t *cb, const void **kr, const void **vr) {
+    const int64_t c_lo = a->c_ptr[t->b], n_cached = a->c_ptr[t->b + 1] - c_lo, qs = a->q_start[t->b];
+    const int64_t hstep = (int64_t)a->Hkv * a->D, hoff = (int64_t)t->h * a->D;
+    const int es = a->bf16 ? 2 : 4; /* bytes per element */
+    int64_t c_omin = INT64_MAX, c_omax = INT64_MIN, c_bmin = INT64_MAX, c_bmax = INT64_MIN;
+    int c_free = 0; /* columns in no block */
+    for (int j = 0; j < nc; j++) {
+        int64_t c = n0 + j, o, bl;
+        if (c < n_cached) {
+            int64_t off = (a->c_idx[c_lo + c] * hstep + hoff) * es;
+            o = a->c_order[c_lo + c], bl = a->c_block[c_lo + c];
+            kr[j] = (const char *)a->kb + off, vr[j] = (const char *)a->vb + off;
+        } else {
+            int64_t row = qs + c - n_cached;
+            o = a->q_order[row], bl = a->q_block[row];
+            kr[j] = (const char *)a->k + (row * a->s_k + hoff) * es;
+            vr[j] = (const char *)a->v + (row * a->s_v + hoff) * es;
+        }
+        co[j] = o, cb[j] = bl;
+        c_omin = o < c_omin ? o : c_omin;
+        c_omax = o > c_omax ? o : c_omax;
+        if (bl < 0) c_free++;
+        else {
+            c_bmin = bl < c_bmin ? bl : c_bmin;
+            c_bmax = bl > c_bmax ? bl : c_bmax;
+        }
+    }
+    if (c_omin > rs->omax) return -1; /* every column comes after every row */
+    if (!rs->any_free && c_free == 0 && (c_bmax < rs->bmin || c_bmin > rs->bmax))
+        return -1; /* only candidates' tokens, none of the rows' candidates */
+    /* a block row against a column of another block, possible here? else only order masks */
+    int conflict = rs->bmin <= rs->bmax && c_free < nc &&
+                   !(rs->bmin == rs->bmax && c_bmin == rs->bmin && c_bmax == rs->bmin);
+    return nc == BN && c_omax <= rs->omin && !conflict;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && BN == 32
 /* ---- bfloat16 extend on the CPU's bf16 dot products (vdpbf16ps; a build with -mavx512bf16) -------
  *
@@ -312,40 +353,13 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
     const float qscale = a->scale * LOG2E;
     const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
 
-    const int64_t c_lo = a->c_ptr[t->b], n_cached = a->c_ptr[t->b + 1] - c_lo, total = n_cached + t->m0 + nrows;
-    const int64_t hstep = (int64_t)a->Hkv * D;
+    const int64_t total = a->c_ptr[t->b + 1] - a->c_ptr[t->b] + t->m0 + nrows; /* the stream's columns */
     int64_t co[BN], cb[BN];
     const uint16_t *kr[BN], *vr[BN];
     for (int64_t n0 = 0; n0 < total; n0 += BN) {
         int nc = (int)(total - n0 < BN ? total - n0 : BN);
-        int64_t c_omin = INT64_MAX, c_omax = INT64_MIN, c_bmin = INT64_MAX, c_bmax = INT64_MIN;
-        int c_free = 0;
-        for (int j = 0; j < nc; j++) {
-            int64_t c = n0 + j, o, bl;
-            if (c < n_cached) {
-                int64_t off = a->c_idx[c_lo + c] * hstep + (int64_t)t->h * D;
-                o = a->c_order[c_lo + c], bl = a->c_block[c_lo + c];
-                kr[j] = (const uint16_t *)a->kb + off, vr[j] = (const uint16_t *)a->vb + off;
-            } else {
-                int64_t row = qs + c - n_cached;
-                o = a->q_order[row], bl = a->q_block[row];
-                kr[j] = (const uint16_t *)a->k + row * a->s_k + (int64_t)t->h * D;
-                vr[j] = (const uint16_t *)a->v + row * a->s_v + (int64_t)t->h * D;
-            }
-            co[j] = o, cb[j] = bl;
-            c_omin = o < c_omin ? o : c_omin;
-            c_omax = o > c_omax ? o : c_omax;
-            if (bl < 0) c_free++;
-            else {
-                c_bmin = bl < c_bmin ? bl : c_bmin;
-                c_bmax = bl > c_bmax ? bl : c_bmax;
-            }
-        }
-        if (c_omin > rs.omax) continue; /* every column comes after every row */
-        if (!rs.any_free && c_free == 0 && (c_bmax < rs.bmin || c_bmin > rs.bmax)) continue;
-        int conflict = rs.bmin <= rs.bmax && c_free < nc &&
-                       !(rs.bmin == rs.bmax && c_bmin == rs.bmin && c_bmax == rs.bmin);
-        int full = nc == BN && c_omax <= rs.omin && !conflict;
+        int full = tile_columns(a, t, &rs, n0, nc, co, cb, (const void **)kr, (const void **)vr);
+        if (full < 0) continue;
         const int nk = (nc + NK - 1) / NK * NK, npairs = nk / 2; /* keys computed: nc, rounded up */
         for (int j = nc; j < nk; j++) kr[j] = kr[0], vr[j] = NULL; /* computed, then masked; V zero */
 
@@ -414,56 +428,23 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
 /* One (sequence, tile, KV head). */
 static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
     const int G = a->G, D = a->D, Dp = (a->D + VW - 1) / VW * VW, bf = a->bf16;
-    const int64_t qs = a->q_start[t->b], qn = a->q_len[t->b];
+    const int64_t qn = a->q_len[t->b];
     const int nrows = (int)(qn - t->m0 < a->bm ? qn - t->m0 : a->bm);
     const int M = nrows * G, Mp = (M + NR - 1) / NR * NR;
     float *Qf = w->Qf, *S = w->S, *Kt = w->Kt, *V = w->V, *O = w->O, *mrow = w->m, *lrow = w->l;
     int64_t *ro = w->ro, *rb = w->rb;
     const rows_t rs = load_rows(a, t, w, nrows, M, Mp);
-    const int64_t r_omin = rs.omin, r_omax = rs.omax, r_bmin = rs.bmin, r_bmax = rs.bmax;
-    const int r_any_free = rs.any_free;
 
     /* The columns as one stream: the cached ones (from the pool by slot), then the new ones (as
      * computed) up to the tile's last row; tiles cut the stream the same way whatever part of it is
      * cached, so a radix hit sums in the same order as the cold forward. */
-    const int64_t c_lo = a->c_ptr[t->b], n_cached = a->c_ptr[t->b + 1] - c_lo, total = n_cached + t->m0 + nrows;
-    const int64_t hstep = (int64_t)a->Hkv * D;
+    const int64_t total = a->c_ptr[t->b + 1] - a->c_ptr[t->b] + t->m0 + nrows;
     int64_t co[BN], cb[BN];
     const void *kr[BN], *vr[BN];
     for (int64_t n0 = 0; n0 < total; n0 += BN) {
         int nc = (int)(total - n0 < BN ? total - n0 : BN);
-        int64_t c_omin = INT64_MAX, c_omax = INT64_MIN, c_bmin = INT64_MAX, c_bmax = INT64_MIN;
-        int c_free = 0; /* columns in no block */
-        for (int j = 0; j < nc; j++) {
-            int64_t c = n0 + j, o, bl, koff, voff;
-            const void *kbase, *vbase;
-            if (c < n_cached) {
-                int64_t slot = a->c_idx[c_lo + c];
-                o = a->c_order[c_lo + c], bl = a->c_block[c_lo + c];
-                kbase = a->kb, vbase = a->vb, koff = voff = slot * hstep + (int64_t)t->h * D;
-            } else {
-                int64_t row = qs + c - n_cached;
-                o = a->q_order[row], bl = a->q_block[row];
-                kbase = a->k, vbase = a->v;
-                koff = row * a->s_k + (int64_t)t->h * D, voff = row * a->s_v + (int64_t)t->h * D;
-            }
-            co[j] = o, cb[j] = bl;
-            kr[j] = bf ? (const void *)((const uint16_t *)kbase + koff) : (const void *)((const float *)kbase + koff);
-            vr[j] = bf ? (const void *)((const uint16_t *)vbase + voff) : (const void *)((const float *)vbase + voff);
-            c_omin = o < c_omin ? o : c_omin;
-            c_omax = o > c_omax ? o : c_omax;
-            if (bl < 0) c_free++;
-            else {
-                c_bmin = bl < c_bmin ? bl : c_bmin;
-                c_bmax = bl > c_bmax ? bl : c_bmax;
-            }
-        }
-        if (c_omin > r_omax) continue; /* every column comes after every row */
-        if (!r_any_free && c_free == 0 && (c_bmax < r_bmin || c_bmin > r_bmax))
-            continue; /* only candidates' tokens, none of the rows' candidates */
-        /* a block row against a column of another block, possible here? else only order masks */
-        int conflict = r_bmin <= r_bmax && c_free < nc && !(r_bmin == r_bmax && c_bmin == r_bmin && c_bmax == r_bmin);
-        int full = nc == BN && c_omax <= r_omin && !conflict;
+        int full = tile_columns(a, t, &rs, n0, nc, co, cb, kr, vr);
+        if (full < 0) continue;
 
         /* K^T [Dp][BN] and V [BN][Dp], zero-padded */
         memset(Kt, 0, sizeof(float) * (size_t)Dp * BN);
