@@ -11,7 +11,8 @@ later token-carrying chunks (a chunk with k new tokens counts as k inter-token l
 E2E latency and the output-token count the server reports. Failed requests (non-200, an error
 chunk, a broken stream, the overall --timeout) are counted and reported, never fatal.
 The prefix cache is flushed (`/flush_cache`, or vLLM's `/reset_prefix_cache`) before every rate so a
-rate does not reuse the KV of the previous one (or of the warm-up requests). Needs `pip install -e ".[bench]"` (httpx; matplotlib for --plot).
+rate does not reuse the KV of the previous one (or of the warm-up requests). Needs
+`pip install -e ".[bench]"` (httpx; matplotlib for --plot).
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ def deterministic_backend(name: str, device: torch.device) -> AttentionBackend:
 def make_backend(name: str, device: torch.device | str = "cpu", deterministic: bool = False) -> AttentionBackend:
     """auto: on CPU with AVX-512, NativeBackend where the kernels build (decode in float32 and bfloat16,
     extend in float32, and in bfloat16 where native_extend_dtypes says); on CUDA, TritonBackend where
-    triton imports and its decode kernel passes triton_decodes, FlashInferBackend (a TritonBackend) over it where flashinfer imports
-    and passes flashinfer_runs; otherwise torch. deterministic: see deterministic_backend."""
+    triton imports and its decode kernel passes triton_decodes, FlashInferBackend (a TritonBackend) over
+    it where flashinfer imports and passes flashinfer_runs; otherwise torch. deterministic: see deterministic_backend."""
     device = torch.device(device)
     if deterministic:
         return deterministic_backend(name, device)

@@ -1,12 +1,13 @@
 """sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
-SiLU-times-up fused, float32 and bfloat16), compiled on first use with the machine's C compiler and loaded with
-ctypes (issue 23). No torch headers: each kernel is a plain C function over data pointers, so a
+SiLU-times-up fused, float32 and bfloat16), compiled on first use with the machine's C compiler and
+loaded with ctypes (issue 23). No torch headers: each kernel is a plain C function over data pointers, so a
 build takes a few seconds. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
 (libgomp.so.1 by soname), so a kernel's threads are torch's own intra-op threads.
 
 The library is built for the vector ISA the CPU reports (`march_flags`: x86-64-v4 with AVX-512,
-x86-64-v3 with AVX2 and FMA, else the compiler's default target) and cached under sgrec's cache
-directory (sgrec.server_args.cache_dir: $SGREC_CACHE_DIR, else $XDG_CACHE_HOME/sgrec, default ~/.cache/sgrec)/native, keyed by the source, the compiler's version and the flags. Where no
+x86-64-v3 with AVX2 and FMA, else the compiler's default target) and cached under native/ in sgrec's
+cache directory (sgrec.server_args.cache_dir: $SGREC_CACHE_DIR, else $XDG_CACHE_HOME/sgrec, default
+~/.cache/sgrec), keyed by the source, the compiler's version and the flags. Where no
 compiler works, `load()` answers None with one warning; `--attention-backend native` is then a
 start-up error naming why, and auto uses torch (a compiler that cannot build for the CPU's -march
 counts as none: a baseline build would be slower than torch there). Run `python -m sgrec.model.native`
@@ -240,8 +241,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
 def glue_takes(*tensors: torch.Tensor) -> bool:
     """Whether the fused glue runs on these tensors (all float32, or all bfloat16, on CPU): the callers'
     fallback test."""
-    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in DTYPES
-            and all(t.device.type == "cpu" for t in tensors))
+    dtype = tensors[0].dtype
+    return dtype in DTYPES and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
 
 
 def _bf16(t: torch.Tensor) -> int:
