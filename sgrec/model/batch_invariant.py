@@ -35,6 +35,14 @@ def rows_invariant(linear: Callable[[torch.Tensor], torch.Tensor], in_features: 
     return all(torch.equal(linear(x[o : o + m]), alone[o : o + m]) for m in ROW_COUNTS for o in OFFSETS)
 
 
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn applied to one row of x at a time (the same call for every row, so the same bits whatever
+    else is in the batch), the results stacked as fn(x) would be."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.cat([fn(rows[i : i + 1]) for i in range(rows.shape[0])])
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class RowwiseLinear(nn.Module):
     """A linear layer applied one row at a time: batch-invariant by construction."""
 
@@ -43,9 +51,7 @@ class RowwiseLinear(nn.Module):
         self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.cat([self.inner(rows[i : i + 1]) for i in range(rows.shape[0])])
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return rowwise(self.inner, x)
 
 
 def in_features(layer: nn.Module) -> int | None:

@@ -146,9 +146,16 @@ class CausalLM(nn.Module):
         """float32 logits for the given rows of hidden states only. `columns` (vocabulary ids):
         only those, [rows, len(columns)], through the output layer's rows gathered first: the
         values of compute_logits(hidden)[:, columns] up to the float32 rounding of a smaller matmul,
-        at len(columns) / vocab of its cost."""
+        at len(columns) / vocab of its cost. Made batch-invariant (make_batch_invariant), one row per
+        matmul: that gathered weight's shape changes with the trie level, so no start-up check covers it,
+        and a float32 sgemm may sum in another order at another row count (MKL on Intel does)."""
         if columns is not None:
-            return F.linear(hidden, self.out_weight.index_select(0, columns)).float()
+            weight = self.out_weight.index_select(0, columns)
+            if self.__dict__.get("_batch_invariant"):
+                from sgrec.model.batch_invariant import rowwise
+
+                return rowwise(lambda row: F.linear(row, weight), hidden).float()
+            return F.linear(hidden, weight).float()
         if self.lm_head is None:  # tied embeddings
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
@@ -184,6 +191,7 @@ class CausalLM(nn.Module):
         from sgrec.model.batch_invariant import make_batch_invariant
 
         self.__dict__.setdefault("_plain_out_weight", self.out_weight.detach())
+        self.__dict__["_batch_invariant"] = True  # compute_logits(columns=...) one row per matmul
         self.untie_output(0)
         return make_batch_invariant(self, self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
 
