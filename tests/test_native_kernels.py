@@ -26,9 +26,10 @@ needs_kernels = pytest.mark.skipif(native.compiler() is None and not os.environ.
 
 
 def isa_builds():
-    """Every -march this CPU can run the extend kernel under, its best first (x86-64-v4 with avx512_bf16
-    implies x86-64-v4, which implies v3)."""
-    order = [["-march=x86-64-v4", "-mavx512bf16"], ["-march=x86-64-v4"], ["-march=x86-64-v3"], []]
+    """Every -march this CPU can run the extend kernel under, its best first (AMX implies avx512_bf16 here,
+    x86-64-v4 with avx512_bf16 implies x86-64-v4, which implies v3)."""
+    order = [["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"], ["-march=x86-64-v4", "-mavx512bf16"],
+             ["-march=x86-64-v4"], ["-march=x86-64-v3"], []]
     return order[order.index(native.march_flags(cpu_flags())):]
 
 
@@ -236,6 +237,7 @@ def test_extend_attention_bfloat16_equals_reference(march, hq, hkv, d):
     same bfloat16 inputs; an odd head dim (15) takes the widening path in every build."""
     lib = native.library(march)
     assert native.bf16_dot(lib) == ("-mavx512bf16" in march)
+    assert native.bf16_amx(lib) == ("-mamx-bf16" in march)  # the kernel grants the tile data where the CPU has it
     for layouts in (rank_layouts(), big_rank_layouts()):
         q, k, v, k_buf, v_buf, seqs, locs = rank_case(hq, hkv, d, layouts, torch.bfloat16, seed=hq + d)
         out = run_extend(q, k, v, k_buf, v_buf, pack(seqs, locs, q.shape[0]), d ** -0.5, lib)
@@ -311,6 +313,10 @@ def test_march_by_cpu_flags():
     v4 = v3 + ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]
     assert native.march_flags(v4) == ["-march=x86-64-v4"]
     assert native.march_flags(v4 + ["avx512_bf16"]) == ["-march=x86-64-v4", "-mavx512bf16"]
+    amx = ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+    assert native.march_flags(v4 + ["avx512_bf16", "amx_tile", "amx_bf16"]) == amx
+    assert native.march_flags(v4 + ["avx512_bf16", "amx_tile"]) == amx[:2]  # tiles without the bf16 product
+    assert native.march_flags(v4 + ["amx_tile", "amx_bf16"]) == ["-march=x86-64-v4"]  # AMX path sits in the bf16 one
     assert native.march_flags(v3 + ["avx512_bf16"]) == ["-march=x86-64-v3"]  # bf16 dots need the AVX-512 build
     assert native.march_flags(v3 + ["avx512f"]) == ["-march=x86-64-v3"]  # AVX-512 without BW/DQ/VL
     assert native.march_flags(v3) == ["-march=x86-64-v3"]

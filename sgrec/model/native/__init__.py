@@ -62,10 +62,14 @@ X86_64_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave")
 def march_flags(flags) -> list[str]:
     """The -march of the kernels for a CPU with these /proc/cpuinfo flags: x86-64-v4 where AVX-512
     (F, BW, CD, DQ, VL) is reported, with -mavx512bf16 where avx512_bf16 is too (the bfloat16 extend
-    then runs on the CPU's bf16 dot products), x86-64-v3 with AVX2 and FMA, else none (the compiler's
-    default target, e.g. SSE2 or another architecture's baseline)."""
+    then runs on the CPU's bf16 dot products) and -mamx-tile -mamx-bf16 where amx_tile and amx_bf16 are
+    as well (on AMX tiles), x86-64-v3 with AVX2 and FMA, else none (the compiler's default target, e.g.
+    SSE2 or another architecture's baseline)."""
     if all(f in flags for f in X86_64_V4 + X86_64_V3):
-        return ["-march=x86-64-v4"] + (["-mavx512bf16"] if "avx512_bf16" in flags else [])
+        if "avx512_bf16" not in flags:
+            return ["-march=x86-64-v4"]
+        amx = all(f in flags for f in ("amx_tile", "amx_bf16"))
+        return ["-march=x86-64-v4", "-mavx512bf16"] + (["-mamx-tile", "-mamx-bf16"] if amx else [])
     if all(f in flags for f in X86_64_V3):
         return ["-march=x86-64-v3"]
     return []
@@ -103,8 +107,9 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.sgrec_extend_attention_det.restype = ctypes.c_int
     lib.sgrec_extend_attention_det.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 11
                                                + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int])
-    lib.sgrec_bf16_dot.restype = ctypes.c_int
-    lib.sgrec_bf16_dot.argtypes = []
+    for name in ("sgrec_bf16_dot", "sgrec_bf16_amx"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = []
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name, args in (("sgrec_set_det_keep_bytes", [i64]),
                        ("sgrec_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float, i32]),
@@ -154,6 +159,14 @@ def bf16_dot(lib: ctypes.CDLL | None = None) -> bool:
     built with -mavx512bf16, see march_flags) rather than widening to float32 first."""
     lib = lib or load()
     return lib is not None and bool(lib.sgrec_bf16_dot())
+
+
+def bf16_amx(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether this build (else load()'s) extends bfloat16 on AMX tiles: built with -mamx-tile -mamx-bf16
+    (amx_tile and amx_bf16 in the CPU's flags, see march_flags) and the kernel granted this process the
+    tile data (Linux: arch_prctl ARCH_REQ_XCOMP_PERM); else the dot products (bf16_dot) run."""
+    lib = lib or load()
+    return lib is not None and bool(lib.sgrec_bf16_amx())
 
 
 def _loaded(lib: ctypes.CDLL | None) -> ctypes.CDLL:

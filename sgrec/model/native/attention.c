@@ -140,6 +140,7 @@ typedef struct {
     size_t s_cap; /* floats s_all holds (grown as tasks need, up to det_keep_bytes) */
     uint8_t *seen; /* per tile of s_all: whether pass 1 computed it (some row sees a column of it) */
     uint32_t *P;   /* bfloat16 extend on dot products: P as bfloat16 pairs of keys [BN / 2][Mp] */
+    uint32_t *T;   /* and on AMX: V's pairs of keys transposed [Dp][BN / 2] */
     int32_t *r32;  /* and the rows' orders and blocks as int32 [2][Mp] */
 } scratch_t;
 
@@ -253,6 +254,7 @@ static int tile_columns(const args_t *a, const task_t *t, const rows_t *rs, int6
 #define RV 4 /* row vectors (16 rows each) per micro-kernel block */
 #define NK 4 /* keys per score block */
 #define ND 4 /* output dims per P V block */
+#define LAZY 8.f /* base-2 units a row's reference max may lag its running max by */
 
 static inline uint32_t pair_at(const uint16_t *p) {
     uint32_t x;
@@ -260,10 +262,10 @@ static inline uint32_t pair_at(const uint16_t *p) {
     return x;
 }
 
-/* St[j0 .. j0+NK)[r0 .. r0 + nv*16) = scale * Qp[.][rows] . K pairs of keys kr[j0 ..] */
+/* St[j0 .. j0+NK)[r0 .. r0 + nv*16) = Qp[.][rows] . K pairs of keys kr[j0 ..] (unscaled) */
 static inline __attribute__((always_inline)) void qk_dp_block(const uint32_t *Qp, const uint16_t *const *kr,
                                                               float *St, int Mp, int D2, int j0, int r0,
-                                                              __m512 qs, const int nv) {
+                                                              const int nv) {
     __m512 acc[NK][RV];
     for (int jj = 0; jj < NK; jj++)
         for (int u = 0; u < nv; u++) acc[jj][u] = _mm512_setzero_ps();
@@ -276,8 +278,7 @@ static inline __attribute__((always_inline)) void qk_dp_block(const uint32_t *Qp
         }
     }
     for (int jj = 0; jj < NK; jj++)
-        for (int u = 0; u < nv; u++)
-            _mm512_storeu_ps(St + (int64_t)(j0 + jj) * Mp + r0 + u * 16, _mm512_mul_ps(acc[jj][u], qs));
+        for (int u = 0; u < nv; u++) _mm512_storeu_ps(St + (int64_t)(j0 + jj) * Mp + r0 + u * 16, acc[jj][u]);
 }
 
 /* Ot[d0 .. d0+nd)[r0 .. r0 + nv*16) += Pp[pairs][rows] . Vp[pairs][those dims] */
@@ -305,11 +306,10 @@ static inline __attribute__((always_inline)) void pv_dp_block(const uint32_t *Pp
         if (nv_ == 4) call(4); else if (nv_ == 3) call(3); else if (nv_ == 2) call(2); else call(1); \
     } while (0)
 
-static void qk_dp(const uint32_t *Qp, const uint16_t *const *kr, float *St, int Mp, int D2, int nk, float scale) {
-    const __m512 qs = _mm512_set1_ps(scale);
+static void qk_dp(const uint32_t *Qp, const uint16_t *const *kr, float *St, int Mp, int D2, int nk) {
     for (int r0 = 0; r0 < Mp; r0 += RV * 16)
         for (int j0 = 0; j0 < nk; j0 += NK) {
-#define QK(nv) qk_dp_block(Qp, kr, St, Mp, D2, j0, r0, qs, nv)
+#define QK(nv) qk_dp_block(Qp, kr, St, Mp, D2, j0, r0, nv)
             BY_NV(QK);
 #undef QK
         }
@@ -331,12 +331,148 @@ static void pv_dp(const uint32_t *Pp, const uint32_t *Vp, float *Ot, int Mp, int
     }
 }
 
-/* 16 float32 lanes rounded to bfloat16 (nearest even), each in the low half of a 32-bit lane */
-static inline __m512i bf16_lanes(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
+/* lo and hi rounded to bfloat16 (nearest even) and paired: lane i holds lo[i] in its low half, hi[i] in
+ * its high half */
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)); /* hi's in the upper half */
+}
 
-/* One (sequence, tile, KV head) of a bfloat16 extend with an even head dim. */
-static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
-    const int G = a->G, D = a->D, D2 = a->D / 2;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* ---- the same two products on AMX tiles (a build with -mamx-tile -mamx-bf16, where the CPU reports
+ * amx_tile and amx_bf16 and the kernel grants this process the tile data: amx_ready) ----------------
+ *
+ * TDPBF16PS adds C[m][n] += sum over k of A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1] on 16 x 16 float32
+ * tiles. Kept in run_task_dp's transposed layout, both products take the task's rows as the tile's
+ * columns, so the B operands are the pair layouts run_task_dp already builds:
+ *   scores   St[key][rows] = K[key][dims] (A: the tile's K rows copied contiguous, dims zero-padded to
+ *            a multiple of 32) x Qp[dim pair][rows] (B);
+ *   output   Ot[dim][rows] += Vt[dim][key pairs] (A: V's key pairs transposed) x Pp[key pair][rows] (B).
+ * Eight tiles of 16 rows x 64 bytes: 0-3 accumulate a 2 x 2 block of C, 4-5 hold A, 6-7 hold B. */
+#define SGREC_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_state; /* 0: not asked yet, 1: granted, -1: refused (the dot-product path runs) */
+
+/* Whether this process may use the tile data (Linux asks for it once per process: arch_prctl) */
+static int amx_ready(void) {
+    if (!amx_state) amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return amx_state > 0;
+}
+
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* St[key 0 .. 32)[rows] = Kc[32][Dk] . Qp[Dk / 2][Mp] (Mp a multiple of 16, Dk of 32) */
+static void qk_amx(const uint16_t *Kc, const uint32_t *Qp, float *St, int Mp, int Dk) {
+    const int64_t sq = (int64_t)Mp * 4, sk = (int64_t)Dk * 2, k16 = (int64_t)16 * Mp;
+    for (int r0 = 0; r0 < Mp; r0 += 32) {
+        const int two = r0 + 32 <= Mp; /* two row tiles here, else one */
+        _tile_zero(0);
+        _tile_zero(2);
+        if (two) {
+            _tile_zero(1);
+            _tile_zero(3);
+        }
+        for (int k0 = 0; k0 < Dk; k0 += 32) {
+            const uint32_t *b = Qp + (int64_t)(k0 / 2) * Mp + r0;
+            _tile_loadd(4, Kc + k0, sk);
+            _tile_loadd(5, Kc + 16 * (int64_t)Dk + k0, sk);
+            _tile_loadd(6, b, sq);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
+                _tile_loadd(7, b + 16, sq);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, St + r0, sq);
+        _tile_stored(2, St + k16 + r0, sq);
+        if (two) {
+            _tile_stored(1, St + r0 + 16, sq);
+            _tile_stored(3, St + k16 + r0 + 16, sq);
+        }
+    }
+}
+
+/* Ot[Dt][rows] += Vt[Dt][16 key pairs] . Pp[16 key pairs][Mp] (Dt and Mp multiples of 16) */
+static void pv_amx(const uint32_t *Vt, const uint32_t *Pp, float *Ot, int Mp, int Dt) {
+    const int64_t so = (int64_t)Mp * 4, o16 = (int64_t)16 * Mp;
+    for (int r0 = 0; r0 < Mp; r0 += 32) {
+        const int two_r = r0 + 32 <= Mp;
+        _tile_loadd(6, Pp + r0, so);
+        if (two_r) _tile_loadd(7, Pp + r0 + 16, so);
+        for (int d0 = 0; d0 < Dt; d0 += 32) {
+            const int two_d = d0 + 32 <= Dt;
+            float *o = Ot + (int64_t)d0 * Mp + r0;
+            _tile_loadd(4, Vt + (int64_t)d0 * 16, 64);
+            _tile_loadd(0, o, so);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_stored(0, o, so);
+            if (two_r) {
+                _tile_loadd(1, o + 16, so);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_stored(1, o + 16, so);
+            }
+            if (two_d) {
+                _tile_loadd(5, Vt + (int64_t)(d0 + 16) * 16, 64);
+                _tile_loadd(2, o + o16, so);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_stored(2, o + o16, so);
+                if (two_r) {
+                    _tile_loadd(3, o + o16 + 16, so);
+                    _tile_dpbf16ps(3, 5, 7);
+                    _tile_stored(3, o + o16 + 16, so);
+                }
+            }
+        }
+    }
+}
+
+/* dst[c][r] = src[r][c] for a 16 x 16 block of 32-bit values (row strides ss, ds) */
+static void transpose16(const uint32_t *src, int64_t ss, uint32_t *dst, int64_t ds) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * ss);
+    for (int i = 0; i < 16; i += 2) /* pairs of rows interleaved by 32 bits */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) /* then by 64 bits: each 128-bit lane holds a 4 x 4 block, transposed */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]),
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    /* r[4g + c] lane l: rows 4g .. 4g+3 of column 4l + c; gather the four groups' lanes l */
+    const __m512i lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int c = 0; c < 4; c++) {
+        __m512i a = _mm512_permutex2var_epi64(r[c], lo, r[4 + c]), b = _mm512_permutex2var_epi64(r[c], hi, r[4 + c]);
+        __m512i e = _mm512_permutex2var_epi64(r[8 + c], lo, r[12 + c]), f = _mm512_permutex2var_epi64(r[8 + c], hi, r[12 + c]);
+        /* a: lanes (l0 g0, l0 g1, l1 g0, l1 g1); e: the same of groups 2, 3 */
+        const __m512i l01 = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), l23 = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+        __m512i x0 = _mm512_permutex2var_epi64(a, l01, e), x1 = _mm512_permutex2var_epi64(a, l23, e);
+        __m512i x2 = _mm512_permutex2var_epi64(b, l01, f), x3 = _mm512_permutex2var_epi64(b, l23, f);
+        _mm512_storeu_si512(dst + (0 * 4 + c) * ds, x0);
+        _mm512_storeu_si512(dst + (1 * 4 + c) * ds, x1);
+        _mm512_storeu_si512(dst + (2 * 4 + c) * ds, x2);
+        _mm512_storeu_si512(dst + (3 * 4 + c) * ds, x3);
+    }
+}
+#endif
+
+/* One (sequence, tile, KV head) of a bfloat16 extend with an even head dim: the products on AMX tiles
+ * where `amx` (amx_ready), else on vdpbf16ps. */
+static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w, int amx) {
+    const int G = a->G, D = a->D, D2 = a->D / 2, Dk = (a->D + 31) / 32 * 32, Dt = (a->D + 15) / 16 * 16;
     const int64_t qs = a->q_start[t->b], qn = a->q_len[t->b];
     const int nrows = (int)(qn - t->m0 < a->bm ? qn - t->m0 : a->bm);
     const int M = nrows * G, Mp = (M + 15) / 16 * 16;
@@ -345,13 +481,21 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
     int32_t *ro = w->r32, *rb = w->r32 + Mp;
     const rows_t rs = load_rows(a, t, w, nrows, M, Mp); /* orders, blocks, m, l; zeroes O (as Ot) */
     for (int i = 0; i < Mp; i++) ro[i] = (int32_t)w->ro[i], rb[i] = (int32_t)w->rb[i];
-    memset(Qp, 0, sizeof(uint32_t) * (size_t)Mp * D2); /* Q's pairs of dims, transposed, unscaled */
+    /* Q's pairs of dims, transposed, unscaled; zero past D (AMX: up to Dk) */
+    memset(Qp, 0, sizeof(uint32_t) * (size_t)Mp * (amx ? Dk / 2 : D2));
     for (int i = 0; i < M; i++) {
         const uint16_t *q = (const uint16_t *)a->q + (qs + t->m0 + i / G) * a->s_q + (int64_t)(t->h * G + i % G) * D;
         for (int d = 0; d < D2; d++) Qp[(int64_t)d * Mp + i] = pair_at(q + 2 * d);
     }
-    const float qscale = a->scale * LOG2E;
+    const __m512 qscale = _mm512_set1_ps(a->scale * LOG2E);
     const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
+    const __m512 lazy = _mm512_set1_ps(LAZY);
+    uint16_t *Kc = (uint16_t *)w->Kt; /* AMX: the tile's K rows [BN][Dk], contiguous */
+    uint32_t *Vt = w->T;              /* AMX: V's key pairs transposed [Dt][BN / 2] */
+#ifdef SGREC_AMX
+    if (amx) memset(Kc, 0, sizeof(uint16_t) * BN * (size_t)Dk), amx_configure();
+#endif
+    const int vstride = amx ? Dt : D; /* Vp's row: AMX pads it to whole 16-column blocks */
 
     const int64_t total = a->c_ptr[t->b + 1] - a->c_ptr[t->b] + t->m0 + nrows; /* the stream's columns */
     int64_t co[BN], cb[BN];
@@ -360,10 +504,17 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
         int nc = (int)(total - n0 < BN ? total - n0 : BN);
         int full = tile_columns(a, t, &rs, n0, nc, co, cb, (const void **)kr, (const void **)vr);
         if (full < 0) continue;
-        const int nk = (nc + NK - 1) / NK * NK, npairs = nk / 2; /* keys computed: nc, rounded up */
-        for (int j = nc; j < nk; j++) kr[j] = kr[0], vr[j] = NULL; /* computed, then masked; V zero */
+        /* keys computed: nc rounded up (AMX: all BN), the extra ones masked, their V zero */
+        const int nk = amx ? BN : (nc + NK - 1) / NK * NK, npairs = nk / 2;
+        for (int j = nc; j < nk; j++) kr[j] = kr[0], vr[j] = NULL;
 
-        qk_dp(Qp, kr, St, Mp, D2, nk, qscale);
+#ifdef SGREC_AMX
+        if (amx) {
+            for (int j = 0; j < BN; j++) memcpy(Kc + (int64_t)j * Dk, kr[j], sizeof(uint16_t) * (size_t)D);
+            qk_amx(Kc, Qp, St, Mp, Dk);
+        } else
+#endif
+            qk_dp(Qp, kr, St, Mp, D2, nk);
         if (!full) /* -inf where a row may not see the column */
             for (int j = 0; j < nk; j++) {
                 float *s = St + (int64_t)j * Mp;
@@ -380,10 +531,18 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
                     _mm512_storeu_ps(s + r, _mm512_mask_blend_ps(ok, ninf, _mm512_loadu_ps(s + r)));
                 }
             }
-        /* online softmax, 16 rows at a time: P = 2^(S - m), what came before rescaled by 2^(m_old - m) */
+        /* online softmax, 16 rows at a time: the scores scaled for base 2, P = 2^(S - m) against a
+         * reference max m, what came before rescaled by 2^(m_old - m) when m moves. m moves only where
+         * the tile's max exceeds it by more than LAZY (a weight is then at most 2^LAZY: exact to the
+         * same relative precision in float32 and bfloat16), so most tiles skip the rescale. */
         for (int r = 0; r < Mp; r += 16) {
             __m512 mold = _mm512_loadu_ps(mrow + r), mx = mold;
-            for (int j = 0; j < nk; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(St + (int64_t)j * Mp + r));
+            for (int j = 0; j < nk; j++) {
+                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(St + (int64_t)j * Mp + r), qscale);
+                _mm512_storeu_ps(St + (int64_t)j * Mp + r, x);
+                mx = _mm512_max_ps(mx, x);
+            }
+            mx = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, _mm512_add_ps(mold, lazy), _CMP_GT_OQ), mold, mx);
             __mmask16 none = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ); /* rows that have seen nothing yet */
             __m512 mu = _mm512_mask_blend_ps(none, mx, zero);             /* 2^(-inf - 0) = 0 for them */
             __m512 alpha = (__m512)vexp2((vf)_mm512_sub_ps(mold, mu)), sum = zero;
@@ -391,8 +550,7 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
                 __m512 p0 = (__m512)vexp2((vf)_mm512_sub_ps(_mm512_loadu_ps(St + (int64_t)j * Mp + r), mu));
                 __m512 p1 = (__m512)vexp2((vf)_mm512_sub_ps(_mm512_loadu_ps(St + (int64_t)(j + 1) * Mp + r), mu));
                 sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
-                _mm512_storeu_si512(Pp + (int64_t)(j / 2) * Mp + r,
-                                    _mm512_or_si512(bf16_lanes(p0), _mm512_slli_epi32(bf16_lanes(p1), 16)));
+                _mm512_storeu_si512(Pp + (int64_t)(j / 2) * Mp + r, bf16_pairs(p0, p1));
             }
             _mm512_storeu_ps(lrow + r, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(lrow + r), alpha), sum));
             _mm512_storeu_ps(mrow + r, mx);
@@ -405,7 +563,7 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
         /* V by key pairs: Vp[pair][d] = (v[2 pair][d], v[2 pair + 1][d]); missing keys zero */
         for (int j = 0; j < nk; j += 2) {
             const uint16_t *v0 = vr[j], *v1 = vr[j + 1];
-            uint32_t *dst = Vp + (int64_t)(j / 2) * D;
+            uint32_t *dst = Vp + (int64_t)(j / 2) * vstride;
             int d = 0;
             for (; d + 16 <= D; d += 16) {
                 __m512i lo = v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + d))) : _mm512_setzero_si512();
@@ -413,9 +571,19 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
                 _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
             }
             for (; d < D; d++) dst[d] = (v0 ? (uint32_t)v0[d] : 0u) | (v1 ? (uint32_t)v1[d] << 16 : 0u);
+            for (; d < vstride; d++) dst[d] = 0u;
         }
-        pv_dp(Pp, Vp, Ot, Mp, D, npairs);
+#ifdef SGREC_AMX
+        if (amx) {
+            for (int d0 = 0; d0 < Dt; d0 += 16) transpose16(Vp + d0, Dt, Vt + (int64_t)d0 * 16, 16);
+            pv_amx(Vt, Pp, Ot, Mp, Dt);
+        } else
+#endif
+            pv_dp(Pp, Vp, Ot, Mp, D, npairs);
     }
+#ifdef SGREC_AMX
+    if (amx) _tile_release();
+#endif
     /* the task's M rows of output, Ot / l, into out (bfloat16 rounded to nearest even) */
     for (int i = 0; i < M; i++) {
         int64_t base = (qs + t->m0 + i / G) * (int64_t)a->Hq * D + (int64_t)(t->h * G + i % G) * D;
@@ -423,6 +591,11 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w) {
         for (int d = 0; d < D; d++) ((uint16_t *)a->out)[base + d] = bf16_store(Ot[(int64_t)d * Mp + i] * inv);
     }
 }
+
+static void run_task_dot(const args_t *a, const task_t *t, scratch_t *w) { run_task_dp(a, t, w, 0); }
+#ifdef SGREC_AMX
+static void run_task_amx(const args_t *a, const task_t *t, scratch_t *w) { run_task_dp(a, t, w, 1); }
+#endif
 #endif
 
 /* One (sequence, tile, KV head). */
@@ -652,6 +825,16 @@ int sgrec_bf16_dot(void) {
 #endif
 }
 
+/* 1 where this build extends bfloat16 on AMX tiles (built with -mamx-tile -mamx-bf16, and the kernel
+ * granted this process the tile data), else 0 */
+int sgrec_bf16_amx(void) {
+#ifdef SGREC_AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
+
 int sgrec_extend_attention(const void *q, const void *k, const void *v, const void *kb, const void *vb,
                            int64_t s_q, int64_t s_k, int64_t s_v, const int64_t *q_start, const int64_t *q_len,
                            const int64_t *q_order, const int64_t *q_block, const int64_t *c_idx,
@@ -659,8 +842,11 @@ int sgrec_extend_attention(const void *q, const void *k, const void *v, const vo
                            int Hq, int Hkv, int D, float scale, int bf16) {
     args_t a = {q, k, v, kb, vb, s_q, s_k, s_v, q_start, q_len, q_order, q_block, c_idx, c_order, c_block,
                 c_ptr, out, Hq, Hkv, D, Hq / Hkv, 0, bf16, scale, NULL, NULL};
+#ifdef SGREC_AMX
+    if (bf16 && D % 2 == 0 && amx_ready()) return run_extend(&a, B, run_task_amx);
+#endif
 #ifdef SGREC_DPBF16
-    if (bf16 && D % 2 == 0) return run_extend(&a, B, run_task_dp);
+    if (bf16 && D % 2 == 0) return run_extend(&a, B, run_task_dot);
 #endif
     return run_extend(&a, B, run_task);
 }
@@ -695,7 +881,8 @@ static int run_extend(args_t *ap, int B, void (*task_fn)(const args_t *, const t
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        size_t floats = (size_t)Mp * Dp * 2 + (size_t)Mp * BN + (size_t)Dp * BN * 2 + (size_t)Mp * 2 + (size_t)Mp * BN / 2;
+        size_t floats = (size_t)Mp * Dp * 2 + (size_t)Mp * BN + (size_t)Dp * BN * 2 + (size_t)Mp * 2 + (size_t)Mp * BN / 2
+                        + (size_t)Dp * BN / 2;
         float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
         int64_t *ints = malloc(sizeof(int64_t) * (size_t)Mp * 3);
         scratch_t w = {0};
@@ -709,6 +896,7 @@ static int run_extend(args_t *ap, int B, void (*task_fn)(const args_t *, const t
             w.m = w.V + (size_t)Dp * BN;
             w.l = w.m + Mp;
             w.P = (uint32_t *)(w.l + Mp);
+            w.T = w.P + (size_t)Mp * BN / 2;
             w.ro = ints;
             w.rb = ints + Mp;
             w.r32 = (int32_t *)(ints + 2 * Mp);
