@@ -25,8 +25,9 @@
  * about 1e-7); products accumulate in float32 whatever the storage type, and bfloat16 output rounds
  * to nearest even. The two products are register-blocked GEMM micro-kernels over GCC vector types,
  * which the compiler lowers to the vector ISA of the -march this file is built for (AVX-512 zmm,
- * AVX2 ymm, or SSE/NEON), chosen by the loader from the CPU's own report. Tasks run under OpenMP,
- * on the runtime torch has already loaded.
+ * AVX2 ymm, or SSE/NEON), chosen by the loader from the CPU's own report; a bfloat16 extend runs on the
+ * CPU's bf16 units where the build has them (vdpbf16ps, or AMX tiles: run_task_dp). Tasks run under
+ * OpenMP, on the runtime torch has already loaded.
  *
  * Decode: see sgrec_decode_attention below.
  */
@@ -531,24 +532,22 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w, int amx)
                     _mm512_storeu_ps(s + r, _mm512_mask_blend_ps(ok, ninf, _mm512_loadu_ps(s + r)));
                 }
             }
-        /* online softmax, 16 rows at a time: the scores scaled for base 2, P = 2^(S - m) against a
-         * reference max m, what came before rescaled by 2^(m_old - m) when m moves. m moves only where
-         * the tile's max exceeds it by more than LAZY (a weight is then at most 2^LAZY: exact to the
-         * same relative precision in float32 and bfloat16), so most tiles skip the rescale. */
+        /* online softmax, 16 rows at a time, on the scores scaled for base 2 (scale * log2 e > 0, so the
+         * max of the scaled scores is the scaled max): P = 2^(S - m) against a reference max m, what came
+         * before rescaled by 2^(m_old - m) when m moves. m moves only where the tile's max exceeds it by
+         * more than LAZY (a weight is then at most 2^LAZY: exact to the same relative precision in
+         * float32 and bfloat16), so most tiles skip the rescale. */
         for (int r = 0; r < Mp; r += 16) {
-            __m512 mold = _mm512_loadu_ps(mrow + r), mx = mold;
-            for (int j = 0; j < nk; j++) {
-                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(St + (int64_t)j * Mp + r), qscale);
-                _mm512_storeu_ps(St + (int64_t)j * Mp + r, x);
-                mx = _mm512_max_ps(mx, x);
-            }
+            __m512 mold = _mm512_loadu_ps(mrow + r), mx = ninf;
+            for (int j = 0; j < nk; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(St + (int64_t)j * Mp + r));
+            mx = _mm512_mul_ps(mx, qscale);
             mx = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, _mm512_add_ps(mold, lazy), _CMP_GT_OQ), mold, mx);
             __mmask16 none = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ); /* rows that have seen nothing yet */
             __m512 mu = _mm512_mask_blend_ps(none, mx, zero);             /* 2^(-inf - 0) = 0 for them */
             __m512 alpha = (__m512)vexp2((vf)_mm512_sub_ps(mold, mu)), sum = zero;
             for (int j = 0; j + 1 < nk; j += 2) {
-                __m512 p0 = (__m512)vexp2((vf)_mm512_sub_ps(_mm512_loadu_ps(St + (int64_t)j * Mp + r), mu));
-                __m512 p1 = (__m512)vexp2((vf)_mm512_sub_ps(_mm512_loadu_ps(St + (int64_t)(j + 1) * Mp + r), mu));
+                __m512 p0 = (__m512)vexp2((vf)_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)j * Mp + r), qscale, mu));
+                __m512 p1 = (__m512)vexp2((vf)_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)(j + 1) * Mp + r), qscale, mu));
                 sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
                 _mm512_storeu_si512(Pp + (int64_t)(j / 2) * Mp + r, bf16_pairs(p0, p1));
             }
