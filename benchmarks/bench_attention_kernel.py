@@ -8,7 +8,8 @@ One layer of a causal prefill with SmolLM2-135M's heads (9 query / 3 KV heads, h
 bfloat16, through `native.extend_attention` with each build (`native.library(march)`: AMX tiles,
 AVX-512-BF16 dot products, widening AVX-512, AVX2 ... as the CPU allows) and through
 `torch.nn.functional.scaled_dot_product_attention` (is_causal, K/V repeated per query head). Time: the
-best over --repeats of the mean of --calls calls. FLOPs: 4 x query heads x head dim x the query-key pairs a
+best over --repeats of the mean of --calls calls, the kernels taking turns within each repeat (a VM's
+slow moments fall on all of them alike). FLOPs: 4 x query heads x head dim x the query-key pairs a
 causal mask keeps (T (T + 1) / 2). Each row's output is checked against float64 attention over the same
 inputs (max abs error printed) so a fast wrong build cannot pass unseen. Results: BENCHMARKS.md.
 """
@@ -65,15 +66,19 @@ def case(T: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int = 0):
     return q, k, v, pool, meta
 
 
-def best_ms(fn, calls: int, repeats: int) -> float:
-    fn()
-    best = float("inf")
+def best_ms(fns: list, calls: int, repeats: int) -> list[float]:
+    """Each fn's best over `repeats` of its mean over `calls` calls, in ms; the fns take turns within a
+    repeat, so a VM's slow moments fall on all of them alike."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e3
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - t0) / calls)
+    return [b * 1e3 for b in best]
 
 
 def main() -> None:
@@ -100,20 +105,17 @@ def main() -> None:
             ref = ref.transpose(0, 1).reshape(T, hq * d)
             sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True,  # noqa: E731
                                                                             scale=scale)
-            torch_ms = best_ms(sdpa, args.calls, args.repeats)
-            err = (sdpa().transpose(0, 1).reshape(T, hq * d).double() - ref).abs().max().item()
-            rows.append([T, name, "torch SDPA", f"{torch_ms:.2f}", f"{flops / torch_ms / 1e6:.0f}", "1.00",
-                         f"{err:.1e}"])
-            seen = set()
+            runs, names = [sdpa], ["torch SDPA"]
             for march, lib in libs:
-                if build_name(march, dtype) in seen:  # float32: one row per vector ISA
-                    continue
-                seen.add(build_name(march, dtype))
-                run = lambda: native.extend_attention(q, k, v, pool, pool, *meta, scale, lib)  # noqa: E731
-                ms = best_ms(run, args.calls, args.repeats)
-                err = (run().double() - ref).abs().max().item()
-                rows.append([T, name, build_name(march, dtype), f"{ms:.2f}", f"{flops / ms / 1e6:.0f}",
-                             f"{torch_ms / ms:.2f}", f"{err:.1e}"])
+                if build_name(march, dtype) not in names:  # float32: one row per vector ISA
+                    runs.append(lambda lib=lib: native.extend_attention(q, k, v, pool, pool, *meta, scale, lib))
+                    names.append(build_name(march, dtype))
+            times = best_ms(runs, args.calls, args.repeats)
+            for i, (fn, kernel, ms) in enumerate(zip(runs, names, times)):
+                out = fn()
+                out = out.transpose(0, 1).reshape(T, hq * d) if i == 0 else out
+                rows.append([T, name, kernel, f"{ms:.2f}", f"{flops / ms / 1e6:.0f}", f"{times[0] / ms:.2f}",
+                             f"{(out.double() - ref).abs().max().item():.1e}"])
     print()
     print(md_table(["tokens", "dtype", "kernel", "ms", "GFLOP/s", "vs torch SDPA", "max abs err vs float64"], rows))
     print(f"\nauto loads the {' '.join(builds()[0]) or 'default'} build; torch {torch.get_num_threads()} threads")

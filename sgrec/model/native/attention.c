@@ -417,28 +417,28 @@ static void pv_amx(const uint32_t *Vt, const uint32_t *Pp, float *Ot, int Mp, in
         const int two_r = r0 + 32 <= Mp;
         _tile_loadd(6, Pp + r0, so);
         if (two_r) _tile_loadd(7, Pp + r0 + 16, so);
-        for (int d0 = 0; d0 < Dt; d0 += 32) {
+        for (int d0 = 0; d0 < Dt; d0 += 32) { /* loads, products, stores: the four products overlap */
             const int two_d = d0 + 32 <= Dt;
             float *o = Ot + (int64_t)d0 * Mp + r0;
             _tile_loadd(4, Vt + (int64_t)d0 * 16, 64);
             _tile_loadd(0, o, so);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_stored(0, o, so);
-            if (two_r) {
-                _tile_loadd(1, o + 16, so);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_stored(1, o + 16, so);
-            }
+            if (two_r) _tile_loadd(1, o + 16, so);
             if (two_d) {
                 _tile_loadd(5, Vt + (int64_t)(d0 + 16) * 16, 64);
                 _tile_loadd(2, o + o16, so);
+                if (two_r) _tile_loadd(3, o + o16 + 16, so);
+            }
+            _tile_dpbf16ps(0, 4, 6);
+            if (two_r) _tile_dpbf16ps(1, 4, 7);
+            if (two_d) {
                 _tile_dpbf16ps(2, 5, 6);
+                if (two_r) _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, o, so);
+            if (two_r) _tile_stored(1, o + 16, so);
+            if (two_d) {
                 _tile_stored(2, o + o16, so);
-                if (two_r) {
-                    _tile_loadd(3, o + o16 + 16, so);
-                    _tile_dpbf16ps(3, 5, 7);
-                    _tile_stored(3, o + o16 + 16, so);
-                }
+                if (two_r) _tile_stored(3, o + o16 + 16, so);
             }
         }
     }
@@ -538,19 +538,20 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w, int amx)
          * more than LAZY (a weight is then at most 2^LAZY: exact to the same relative precision in
          * float32 and bfloat16), so most tiles skip the rescale. */
         for (int r = 0; r < Mp; r += 16) {
-            __m512 mold = _mm512_loadu_ps(mrow + r), mx = ninf;
-            for (int j = 0; j < nk; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(St + (int64_t)j * Mp + r));
-            mx = _mm512_mul_ps(mx, qscale);
+            __m512 mold = _mm512_loadu_ps(mrow + r), mx4[4] = {ninf, ninf, ninf, ninf}; /* 4 chains of maxes */
+            for (int j = 0; j < nk; j++) mx4[j % 4] = _mm512_max_ps(mx4[j % 4], _mm512_loadu_ps(St + (int64_t)j * Mp + r));
+            __m512 mx = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3])), qscale);
             mx = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, _mm512_add_ps(mold, lazy), _CMP_GT_OQ), mold, mx);
             __mmask16 none = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ); /* rows that have seen nothing yet */
             __m512 mu = _mm512_mask_blend_ps(none, mx, zero);             /* 2^(-inf - 0) = 0 for them */
-            __m512 alpha = (__m512)vexp2((vf)_mm512_sub_ps(mold, mu)), sum = zero;
+            __m512 alpha = (__m512)vexp2((vf)_mm512_sub_ps(mold, mu)), sum0 = zero, sum1 = zero;
             for (int j = 0; j + 1 < nk; j += 2) {
                 __m512 p0 = (__m512)vexp2((vf)_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)j * Mp + r), qscale, mu));
                 __m512 p1 = (__m512)vexp2((vf)_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)(j + 1) * Mp + r), qscale, mu));
-                sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+                sum0 = _mm512_add_ps(sum0, p0), sum1 = _mm512_add_ps(sum1, p1);
                 _mm512_storeu_si512(Pp + (int64_t)(j / 2) * Mp + r, bf16_pairs(p0, p1));
             }
+            __m512 sum = _mm512_add_ps(sum0, sum1);
             _mm512_storeu_ps(lrow + r, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(lrow + r), alpha), sum));
             _mm512_storeu_ps(mrow + r, mx);
             if (_mm512_cmp_ps_mask(alpha, one, _CMP_NEQ_UQ))
