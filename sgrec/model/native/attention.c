@@ -151,13 +151,14 @@ typedef struct {
 } rows_t;
 
 /* The task's rows into w (token-major: row i is token i / G, head h * G + i % G): Qf scaled for base 2
- * and zero-padded to Mp rows, their orders and blocks (padding rows repeat the last token's), each
- * row's max and sum reset, O zeroed; returns the rows' ranges. */
-static rows_t load_rows(const args_t *a, const task_t *t, scratch_t *w, int nrows, int M, int Mp) {
+ * and zero-padded to Mp rows (unless the caller lays Q out itself: !with_q), their orders and blocks
+ * (padding rows repeat the last token's), each row's max and sum reset, O zeroed; returns the rows'
+ * ranges. */
+static rows_t load_rows(const args_t *a, const task_t *t, scratch_t *w, int nrows, int M, int Mp, int with_q) {
     const int G = a->G, D = a->D, Dp = (a->D + VW - 1) / VW * VW;
     const float qscale = a->scale * LOG2E;
     rows_t rs = {INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN, 0};
-    memset(w->Qf, 0, sizeof(float) * (size_t)Mp * Dp);
+    if (with_q) memset(w->Qf, 0, sizeof(float) * (size_t)Mp * Dp);
     memset(w->O, 0, sizeof(float) * (size_t)Mp * Dp);
     for (int i = 0; i < Mp; i++) {
         int tok = i < M ? i / G : nrows - 1;
@@ -168,7 +169,7 @@ static rows_t load_rows(const args_t *a, const task_t *t, scratch_t *w, int nrow
         w->l[i] = 0.f;
         if (i >= M) continue;
         int64_t base = row * a->s_q + (int64_t)(t->h * G + i % G) * D;
-        for (int d = 0; d < D; d++) w->Qf[(int64_t)i * Dp + d] = load1(a->q, base + d, a->bf16) * qscale;
+        for (int d = 0; with_q && d < D; d++) w->Qf[(int64_t)i * Dp + d] = load1(a->q, base + d, a->bf16) * qscale;
         int64_t o = w->ro[i], b = w->rb[i];
         rs.omin = o < rs.omin ? o : rs.omin;
         rs.omax = o > rs.omax ? o : rs.omax;
@@ -480,7 +481,7 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w, int amx)
     float *St = w->S, *Ot = w->O, *mrow = w->m, *lrow = w->l;
     uint32_t *Qp = (uint32_t *)w->Qf, *Vp = (uint32_t *)w->V, *Pp = w->P;
     int32_t *ro = w->r32, *rb = w->r32 + Mp;
-    const rows_t rs = load_rows(a, t, w, nrows, M, Mp); /* orders, blocks, m, l; zeroes O (as Ot) */
+    const rows_t rs = load_rows(a, t, w, nrows, M, Mp, 0); /* orders, blocks, m, l; zeroes O (as Ot) */
     for (int i = 0; i < Mp; i++) ro[i] = (int32_t)w->ro[i], rb[i] = (int32_t)w->rb[i];
     /* Q's pairs of dims, transposed, unscaled; zero past D (AMX: up to Dk) */
     memset(Qp, 0, sizeof(uint32_t) * (size_t)Mp * (amx ? Dk / 2 : D2));
@@ -606,7 +607,7 @@ static void run_task(const args_t *a, const task_t *t, scratch_t *w) {
     const int M = nrows * G, Mp = (M + NR - 1) / NR * NR;
     float *Qf = w->Qf, *S = w->S, *Kt = w->Kt, *V = w->V, *O = w->O, *mrow = w->m, *lrow = w->l;
     int64_t *ro = w->ro, *rb = w->rb;
-    const rows_t rs = load_rows(a, t, w, nrows, M, Mp);
+    const rows_t rs = load_rows(a, t, w, nrows, M, Mp, 1);
 
     /* The columns as one stream: the cached ones (from the pool by slot), then the new ones (as
      * computed) up to the tile's last row; tiles cut the stream the same way whatever part of it is
@@ -762,7 +763,7 @@ static void run_task_det(const args_t *a, const task_t *t, scratch_t *w) {
     const int64_t ncols = a->c_ptr[t->b + 1] - a->c_ptr[t->b];
     float *Qf = w->Qf, *S = w->S, *Kt = w->Kt, *V = w->V, *O = w->O, *mrow = w->m, *lrow = w->l;
     int64_t *ro = w->ro, *rb = w->rb, co[BN], cb[BN];
-    const rows_t rs = load_rows(a, t, w, nrows, M, Mp);
+    const rows_t rs = load_rows(a, t, w, nrows, M, Mp, 1);
     const int64_t r_omax = rs.omax, r_bmin = rs.bmin, r_bmax = rs.bmax;
     const int r_any_free = rs.any_free;
     /* Pass 1's scores are kept for pass 2 where they fit (one tile after another), else pass 2 computes
