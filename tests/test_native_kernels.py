@@ -237,7 +237,8 @@ def test_extend_attention_bfloat16_equals_reference(march, hq, hkv, d):
     same bfloat16 inputs; an odd head dim (15) takes the widening path in every build."""
     lib = native.library(march)
     assert native.bf16_dot(lib) == ("-mavx512bf16" in march)
-    assert native.bf16_amx(lib) == ("-mamx-bf16" in march)  # the kernel grants the tile data where the CPU has it
+    if "-mamx-bf16" not in march:  # (with it: AMX where Linux grants the process the tile data, else the dot products)
+        assert not native.bf16_amx(lib)
     for layouts in (rank_layouts(), big_rank_layouts()):
         q, k, v, k_buf, v_buf, seqs, locs = rank_case(hq, hkv, d, layouts, torch.bfloat16, seed=hq + d)
         out = run_extend(q, k, v, k_buf, v_buf, pack(seqs, locs, q.shape[0]), d ** -0.5, lib)
@@ -247,6 +248,18 @@ def test_extend_attention_bfloat16_equals_reference(march, hq, hkv, d):
     q, k, v, k_buf, v_buf, seqs, refs, locs = causal_case(hq, hkv, d, specs, torch.bfloat16, seed=d)
     out = run_extend(q, k, v, k_buf, v_buf, pack(seqs, locs, q.shape[0], causal=True), 0.3, lib)
     assert (out.double() - bipartite_reference(q, k, v, k_buf, v_buf, refs, 0.3)).abs().max() <= 2e-2
+
+
+@needs_kernels
+def test_bf16_extend_runs_on_amx_where_the_cpu_and_linux_allow_it():
+    """auto's build takes AMX tiles where the CPU reports amx_tile and amx_bf16 and Linux (5.16 on) grants the
+    tile data: on such a machine the AMX cases above ran the AMX path, not the dot products."""
+    flags = cpu_flags()
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags):
+        pytest.skip("this CPU reports no AMX bf16: the AMX build is not run here")
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    assert "-mamx-bf16" in native.march_flags(flags)
+    assert native.bf16_amx() == (release >= (5, 16))
 
 
 @needs_kernels
