@@ -456,11 +456,12 @@ static void transpose16(const uint32_t *src, int64_t ss, uint32_t *dst, int64_t 
         r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
     /* r[4g + c] lane l: rows 4g .. 4g+3 of column 4l + c; gather the four groups' lanes l */
     const __m512i lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    const __m512i l01 = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), l23 = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
     for (int c = 0; c < 4; c++) {
         __m512i a = _mm512_permutex2var_epi64(r[c], lo, r[4 + c]), b = _mm512_permutex2var_epi64(r[c], hi, r[4 + c]);
-        __m512i e = _mm512_permutex2var_epi64(r[8 + c], lo, r[12 + c]), f = _mm512_permutex2var_epi64(r[8 + c], hi, r[12 + c]);
+        __m512i e = _mm512_permutex2var_epi64(r[8 + c], lo, r[12 + c]);
+        __m512i f = _mm512_permutex2var_epi64(r[8 + c], hi, r[12 + c]);
         /* a: lanes (l0 g0, l0 g1, l1 g0, l1 g1); e: the same of groups 2, 3 */
-        const __m512i l01 = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), l23 = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
         __m512i x0 = _mm512_permutex2var_epi64(a, l01, e), x1 = _mm512_permutex2var_epi64(a, l23, e);
         __m512i x2 = _mm512_permutex2var_epi64(b, l01, f), x3 = _mm512_permutex2var_epi64(b, l23, f);
         _mm512_storeu_si512(dst + (0 * 4 + c) * ds, x0);
@@ -540,15 +541,18 @@ static void run_task_dp(const args_t *a, const task_t *t, scratch_t *w, int amx)
          * float32 and bfloat16), so most tiles skip the rescale. */
         for (int r = 0; r < Mp; r += 16) {
             __m512 mold = _mm512_loadu_ps(mrow + r), mx4[4] = {ninf, ninf, ninf, ninf}; /* 4 chains of maxes */
-            for (int j = 0; j < nk; j++) mx4[j % 4] = _mm512_max_ps(mx4[j % 4], _mm512_loadu_ps(St + (int64_t)j * Mp + r));
-            __m512 mx = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3])), qscale);
+            for (int j = 0; j < nk; j++)
+                mx4[j % 4] = _mm512_max_ps(mx4[j % 4], _mm512_loadu_ps(St + (int64_t)j * Mp + r));
+            __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
+            mx = _mm512_mul_ps(mx, qscale);
             mx = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, _mm512_add_ps(mold, lazy), _CMP_GT_OQ), mold, mx);
             __mmask16 none = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ); /* rows that have seen nothing yet */
             __m512 mu = _mm512_mask_blend_ps(none, mx, zero);             /* 2^(-inf - 0) = 0 for them */
             __m512 alpha = (__m512)vexp2((vf)_mm512_sub_ps(mold, mu)), sum0 = zero, sum1 = zero;
             for (int j = 0; j + 1 < nk; j += 2) {
-                __m512 p0 = (__m512)vexp2((vf)_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)j * Mp + r), qscale, mu));
-                __m512 p1 = (__m512)vexp2((vf)_mm512_fmsub_ps(_mm512_loadu_ps(St + (int64_t)(j + 1) * Mp + r), qscale, mu));
+                const float *s0 = St + (int64_t)j * Mp + r, *s1 = s0 + Mp;
+                __m512 p0 = (__m512)vexp2((vf)_mm512_fmsub_ps(_mm512_loadu_ps(s0), qscale, mu));
+                __m512 p1 = (__m512)vexp2((vf)_mm512_fmsub_ps(_mm512_loadu_ps(s1), qscale, mu));
                 sum0 = _mm512_add_ps(sum0, p0), sum1 = _mm512_add_ps(sum1, p1);
                 _mm512_storeu_si512(Pp + (int64_t)(j / 2) * Mp + r, bf16_pairs(p0, p1));
             }
