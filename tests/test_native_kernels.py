@@ -251,6 +251,23 @@ def test_extend_attention_bfloat16_equals_reference(march, hq, hkv, d):
 
 
 @needs_kernels
+@every_isa
+def test_extend_attention_bfloat16_when_the_max_jumps_between_tiles(march):
+    """Keys that grow along the sequence, so a row's max jumps by far more than the bf16 kernels' lazy
+    threshold (8, base 2) from one 32-column tile to the next (and less than it within some): the output
+    rescale runs and is skipped, both within 2e-2 of float64 attention; a cached prefix and new tokens."""
+    specs = [(70, 60), (0, 129)]
+    q, k, v, k_buf, v_buf, seqs, refs, locs = causal_case(6, 2, 64, specs, torch.bfloat16, seed=4)
+    grow = lambda n: (1 + torch.arange(n, dtype=torch.float32) / 4).view(-1, 1, 1)  # noqa: E731
+    q = (q.float().abs() + 0.5).bfloat16()  # positive scores, rising with the key's scale
+    k = (k.float().abs() * grow(k.shape[0])).bfloat16()
+    k_buf = (k_buf.float().abs() * grow(k_buf.shape[0])).bfloat16()
+    out = run_extend(q, k, v, k_buf, v_buf, pack(seqs, locs, q.shape[0], causal=True), 0.125, native.library(march))
+    want = bipartite_reference(q, k, v, k_buf, v_buf, refs, 0.125)
+    assert (out.double() - want).abs().max() <= 2e-2
+
+
+@needs_kernels
 def test_bf16_extend_runs_on_amx_where_the_cpu_and_linux_allow_it():
     """auto's build takes AMX tiles where the CPU reports amx_tile and amx_bf16 and Linux (5.16 on) grants the
     tile data: on such a machine the AMX cases above ran the AMX path, not the dot products."""

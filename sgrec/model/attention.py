@@ -463,8 +463,8 @@ class NativeBackend(_KernelBackend):
 
     auto (sgrec.model.backends) extends float32, and bfloat16 where the kernels were built on the
     CPU's bf16 dot products (avx512_bf16: attention.c's run_task_dp, on AMX tiles where amx_tile and
-    amx_bf16 are reported too); elsewhere a bfloat16 extend would widen every element first, slower than torch's SDPA. In
-    bfloat16 the kernel's logprobs are not HF's bit for bit (bfloat16 rounds differently in each
+    amx_bf16 are reported too); elsewhere a bfloat16 extend would widen every element first, slower
+    than torch's SDPA. In bfloat16 the kernel's logprobs are not HF's bit for bit (bfloat16 rounds differently in each
     implementation) but as close to HF's float32 as HF's own bfloat16 is (tests/test_hf_equivalence.py).
     It decodes bfloat16 through the kernel (torch's bfloat16 SDPA was 70% of a batch-16 decode step,
     7x the float32 one)."""

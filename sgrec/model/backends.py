@@ -29,8 +29,8 @@ def native_by_default() -> bool:
 def native_extend_dtypes() -> tuple[torch.dtype, ...]:
     """The pools auto extends through the C kernel: float32, and bfloat16 where the kernels were built
     on the CPU's bf16 dot products (avx512_bf16 detected: native.bf16_dot; AMX tiles with amx_bf16 too:
-    native.bf16_amx); elsewhere a bfloat16
-    extend widens every element first, slower than torch's SDPA, so bfloat16 prefill stays on torch."""
+    native.bf16_amx); elsewhere a bfloat16 extend widens every element first, slower than torch's SDPA,
+    so bfloat16 prefill stays on torch."""
     from sgrec.model import native
 
     return (torch.float32, torch.bfloat16) if native.bf16_dot() else (torch.float32,)
