@@ -20,7 +20,8 @@ logits; bytes = the weights read once per forward + the KV read by decode steps.
 is min(GEMM peak, bandwidth x FLOPs / bytes); efficiency = achieved GFLOP/s / limit.
 
 Each path is timed again with --baseline-backend (default torch: the engine's attention backend
-swapped for it, nothing else changed), for the "vs" column: baseline time / this time. Times are the
+swapped for it, nothing else changed; the fused bf16 decode step, sgrec.model.fused_decode, runs only
+on sgrec's own kernels), for the "vs" column: baseline time / this time. Times are the
 best of --repeats runs after a warm-up, the two backends taking turns run by run.
 
 Paths: prefill of --prefill-len tokens (cache flushed); decode at batch 1 and 16 (--decode-prompt
@@ -52,6 +53,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_catalog import header, md_table  # noqa: E402
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend  # noqa: E402
 from sgrec.model.backends import make_backend  # noqa: E402
+from sgrec.model.fused_decode import FusedDecode  # noqa: E402
 from sgrec.model.llama import CausalLM  # noqa: E402
 
 ND, ITEM_TOKENS = 3, 16
@@ -144,11 +146,14 @@ class Counter:
 
         CausalLM.forward, CausalLM.compute_logits = forward, logits
         StagedBeamBackend.prepare = staged
+        orig_takes = FusedDecode.takes
+        FusedDecode.takes = lambda *a: False  # counted on the layer-by-layer path: the same work, seen op by op
         try:
             yield self
         finally:
             CausalLM.forward, CausalLM.compute_logits = orig_fwd, orig_logits
             StagedBeamBackend.prepare = orig_staged
+            FusedDecode.takes = orig_takes
 
 
 def work(fn, cfg, nonembed: int, esize: int, forwards_fn=None) -> tuple[float, float]:

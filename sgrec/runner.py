@@ -13,6 +13,7 @@ from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, Triton
 from sgrec.model.backends import make_backend
 from sgrec.model.config import ModelConfig, resolve_dtype
 from sgrec.model.cpu_linear import packing_available
+from sgrec.model.fused_decode import FusedDecode
 from sgrec.model.hybrid import hybrid_forward
 from sgrec.model.loader import load_model
 from sgrec.server_args import ServerArgs
@@ -84,9 +85,11 @@ class ModelRunner:
         det = args.enable_deterministic_inference
         check_quantization(args, self.device)
         self.kv_dtype = FP8 if args.kv_cache_dtype == "fp8_e4m3" else self.dtype  # the KV pool's
-        self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed, det,
-                                args.quantization)
         self.backend = make_backend(args.attention_backend, self.device, deterministic=det)
+        fused = self._fused_decode_lib()
+        self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed, det,
+                                args.quantization, keep_plain=fused is not None)
+        self.fused = None if fused is None else FusedDecode(self.model, fused)
         if isinstance(self.backend, NativeBackend):  # sgrec's C kernels: attention, and the float32 glue
             from sgrec.model import native
 
@@ -102,6 +105,19 @@ class ModelRunner:
         logger.info("KV pool: %d tokens, dtype %s, device %s%s", self.kv_pool.size, self.dtype, self.device,
                     ", oneDNN weight packing on" if self.packed else "")
         self.graphs = self._decode_graphs()
+
+    def _fused_decode_lib(self):
+        """The C kernels' library where decode batches of up to fused_decode.MAX_BATCH run as one call
+        (sgrec.model.fused_decode: bf16 on CPU through the C kernels, built with avx512_bf16), else None:
+        --disable-fused-decode, --enable-deterministic-inference, --quantization, another backend or dtype."""
+        args = self.args
+        if (args.disable_fused_decode or args.enable_deterministic_inference or args.quantization is not None
+                or not isinstance(self.backend, NativeBackend) or self.dtype != torch.bfloat16):
+            return None
+        from sgrec.model import fused_decode, native
+
+        lib = native.load()
+        return lib if fused_decode.available(self.device, self.dtype, lib) else None
 
     def _decode_graphs(self):
         """Decode steps replayed from CUDA graphs (sgrec.model.cuda_graph) on CUDA with the triton
@@ -173,6 +189,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.takes(batch):
             rows = torch.as_tensor(logit_rows, dtype=torch.int64, device=self.device)
             return self.graphs.run(batch).index_select(0, rows)
+        if self.fused is not None and self.fused.takes(batch, self.backend):
+            return self.fused.run(batch).index_select(0, torch.as_tensor(logit_rows, dtype=torch.int64))
         return self.model.compute_logits(self.hidden(batch, logit_rows))
 
     def hidden(self, batch: ForwardBatch, rows: torch.Tensor | list[int]) -> torch.Tensor:

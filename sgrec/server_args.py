@@ -191,6 +191,11 @@ class ServerArgs:
         False, "On CPU, do not prepack float32 (or natively multiplied bfloat16) weights for oneDNN "
         "matmuls (packing is the default: faster decode; float32 logprobs differ from HF transformers by up "
         "to ~1e-3, within the 2e-3 agreement of ARCHITECTURE.md).")
+    disable_fused_decode: bool = _arg(
+        False, "On CPU in bfloat16 (with avx512_bf16), do not run decode batches of up to 8 sequences as one "
+        "C call per step (every layer, the final norm and the output layer; on by default: about 2x faster "
+        "decode at batch 1 on SmolLM2; keeps a plain copy of the projection weights beside the packed one). "
+        "Its products sum in another order than oneDNN's (bf16 rounding, as any other bf16 implementation).")
     quantization: str | None = _arg(
         None, "SGLang's flag. fp8: the decoder layers' linear layers in FP8 (float8_e4m3fn weights with one "
         "scale per output channel, taken from the checkpoint at load; activations quantized per token on "

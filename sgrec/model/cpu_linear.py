@@ -33,22 +33,24 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_plain: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        self.plain = weight.detach() if keep_plain else None  # for sgrec.model.fused_decode
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, min_numel: int = MIN_PACKED_NUMEL) -> int:
-    """Replaces every nn.Linear of at least min_numel weights below model with a PackedLinear; returns how many."""
+def pack_linears(model: nn.Module, min_numel: int = MIN_PACKED_NUMEL, keep_plain: bool = False) -> int:
+    """Replaces every nn.Linear of at least min_numel weights below model with a PackedLinear (keeping
+    the plain weight too where keep_plain); returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.numel() >= min_numel:
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, PackedLinear(child.weight, child.bias, keep_plain))
                 count += 1
     return count

@@ -177,12 +177,12 @@ class CausalLM(nn.Module):
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.glue = glue
 
-    def pack_for_cpu(self, min_numel: int = MIN_PACKED_NUMEL) -> None:
+    def pack_for_cpu(self, min_numel: int = MIN_PACKED_NUMEL, keep_plain: bool = False) -> None:
         """Prepacks every projection (and the output layer) of at least min_numel weights for oneDNN;
-        see cpu_linear.py."""
+        see cpu_linear.py. keep_plain: the plain weights stay too (sgrec.model.fused_decode reads them)."""
         self.__dict__["_plain_out_weight"] = self.out_weight.detach()  # for compute_logits(columns=...)
         self.untie_output(min_numel)
-        pack_linears(self, min_numel)
+        pack_linears(self, min_numel, keep_plain)
 
     def make_batch_invariant(self) -> list[str]:
         """--enable-deterministic-inference: every linear layer, the output layer untied from the

@@ -34,17 +34,19 @@ def iter_safetensors(path: str, show_progress: bool = False) -> Iterator[tuple[s
 def load_model(
     path: str, config: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = False,
     pack_weights: bool = False, deterministic: bool = False, quantization: str | None = None,
+    keep_plain: bool = False,
 ) -> CausalLM:
     """pack_weights: prepack for oneDNN (cpu_linear); deterministic: every layer packed (where
     pack_weights) and batch-invariant (CausalLM.make_batch_invariant); quantization "fp8": the decoder
-    layers' linear layers in FP8 (sgrec.model.fp8)."""
+    layers' linear layers in FP8 (sgrec.model.fp8); keep_plain: packed layers keep their plain weights
+    too (for sgrec.model.fused_decode)."""
     with torch.device("meta"):
         model = CausalLM(config, device)
     model.to_empty(device=device)
     model.to(dtype)
     model.load_weights(iter_safetensors(path, show_progress))
     if pack_weights:
-        model.pack_for_cpu(0 if deterministic else MIN_PACKED_NUMEL)
+        model.pack_for_cpu(0 if deterministic else MIN_PACKED_NUMEL, keep_plain)
     if deterministic:
         model.make_batch_invariant()
     if quantization == "fp8":

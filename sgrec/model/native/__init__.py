@@ -1,5 +1,6 @@
 """sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
-SiLU-times-up fused, float32 and bfloat16), compiled on first use with the machine's C compiler and
+SiLU-times-up fused, float32 and bfloat16; decode.c: a whole bf16 decode step, sgrec.model.fused_decode),
+compiled on first use with the machine's C compiler and
 loaded with ctypes (issue 23). No torch headers: each kernel is a plain C function over data pointers, so a
 build takes a few seconds. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
 (libgomp.so.1 by soname), so a kernel's threads are torch's own intra-op threads.
@@ -33,7 +34,7 @@ from sgrec.model.kernels import rows2d
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention.c")
-SOURCES = (SOURCE, SOURCE.with_name("glue.c"))
+SOURCES = (SOURCE, SOURCE.with_name("glue.c"), SOURCE.with_name("decode.c"))
 HEADERS = (SOURCE.with_name("vec.h"),)
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write (they compute in float32)
@@ -107,7 +108,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.sgrec_extend_attention_det.restype = ctypes.c_int
     lib.sgrec_extend_attention_det.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 11
                                                + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int])
-    for name in ("sgrec_bf16_dot", "sgrec_bf16_amx"):
+    for name in ("sgrec_bf16_dot", "sgrec_bf16_amx", "sgrec_fused_decode"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -118,6 +119,11 @@ def _open(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = args
+    if lib.sgrec_fused_decode():  # decode.c, built where the CPU has avx512_bf16
+        lib.sgrec_gemv_bf16.restype = None
+        lib.sgrec_gemv_bf16.argtypes = [p, p, p, i64, p, i64, i32, i32, i32]
+        lib.sgrec_decode_step.restype = ctypes.c_int
+        lib.sgrec_decode_step.argtypes = [p] * 10 + [p, i32, ctypes.c_float, ctypes.c_float]
     return lib
 
 
