@@ -58,11 +58,41 @@ static inline uint16_t f_bf16(float f) { /* to nearest even; a NaN stays a NaN *
     return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
-/* y[b, r] (b < B, r in [r0, r1)) = bf16(bias[r] + sum_k W[r, k] x[b, k]) */
+#define XB 4 /* activation rows per pass over a block: ROWS x XB float32 sums in registers */
+
+/* s[j][i] = sum_k w[i][k] x[j * sx + k] for j < nb (a constant where it is inlined: the loops unroll) */
+static inline __attribute__((always_inline)) void block_dots(const uint16_t *const *w, const uint16_t *x, int64_t sx,
+                                                             int nb, int Kv, __mmask32 tail, float s[XB][ROWS]) {
+    __m512 a[XB][ROWS];
+    for (int j = 0; j < nb; j++)
+        for (int i = 0; i < ROWS; i++) a[j][i] = _mm512_setzero_ps();
+    for (int k = 0; k < Kv; k += 32) {
+        __m512bh wv[ROWS];
+        for (int i = 0; i < ROWS; i++) wv[i] = (__m512bh)_mm512_loadu_si512(w[i] + k);
+        for (int j = 0; j < nb; j++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + j * sx + k);
+            for (int i = 0; i < ROWS; i++) a[j][i] = _mm512_dpbf16_ps(a[j][i], wv[i], xv);
+        }
+    }
+    if (tail) {
+        __m512bh wv[ROWS];
+        for (int i = 0; i < ROWS; i++) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(tail, w[i] + Kv);
+        for (int j = 0; j < nb; j++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + j * sx + Kv);
+            for (int i = 0; i < ROWS; i++) a[j][i] = _mm512_dpbf16_ps(a[j][i], wv[i], xv);
+        }
+    }
+    for (int j = 0; j < nb; j++)
+        for (int i = 0; i < ROWS; i++) s[j][i] = _mm512_reduce_add_ps(a[j][i]);
+}
+
+/* y[b, r] (b < B, r in [r0, r1)) = bf16(bias[r] + sum_k W[r, k] x[b, k]): each block of ROWS weight rows
+ * is read from memory once and kept in cache while XB activation rows at a time pass over it */
 static void gemv_rows(const uint16_t *W, const uint16_t *bias, const uint16_t *x, int64_t sx, uint16_t *y,
                       int64_t sy, int r0, int r1, int K, int B) {
     const int Kv = K / 32 * 32;
     const __mmask32 tail = (__mmask32)((1ull << (K - Kv)) - 1);
+    float s[XB][ROWS];
     for (int n0 = r0; n0 < r1; n0 += ROWS) {
         const int rows = r1 - n0 < ROWS ? r1 - n0 : ROWS;
         const uint16_t *w[ROWS]; /* a last block of fewer rows reads its first row again */
@@ -72,27 +102,18 @@ static void gemv_rows(const uint16_t *W, const uint16_t *bias, const uint16_t *x
          * with an int64 counter, or the pointers chosen per row in a loop, it ran at 21: no prefetch's speed) */
         const char *next = (const char *)(w[0] + ROWS * K);
         for (int c = 0; c < ROWS * K * 2; c += 64) _mm_prefetch(next + c, _MM_HINT_T0);
-        for (int b = 0; b < B; b++) {
+        for (int b = 0; b < B; b += XB) {
+            const int nb = B - b < XB ? B - b : XB;
             const uint16_t *xb = x + b * sx;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int k = 0; k < Kv; k += 32) {
-                __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + k);
-                a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w[0] + k), xv);
-                a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w[1] + k), xv);
-                a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w[2] + k), xv);
-                a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w[3] + k), xv);
+            switch (nb) { /* constant counts: every sum stays in a register */
+            case 1: block_dots(w, xb, sx, 1, Kv, tail, s); break;
+            case 2: block_dots(w, xb, sx, 2, Kv, tail, s); break;
+            case 3: block_dots(w, xb, sx, 3, Kv, tail, s); break;
+            default: block_dots(w, xb, sx, 4, Kv, tail, s); break;
             }
-            if (tail) {
-                __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, xb + Kv);
-                a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(tail, w[0] + Kv), xv);
-                a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(tail, w[1] + Kv), xv);
-                a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_maskz_loadu_epi16(tail, w[2] + Kv), xv);
-                a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_maskz_loadu_epi16(tail, w[3] + Kv), xv);
-            }
-            float s[ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                             _mm512_reduce_add_ps(a3)};
-            for (int i = 0; i < rows; i++)
-                y[b * sy + n0 + i] = f_bf16(bias ? s[i] + bf16_f(bias[n0 + i]) : s[i]);
+            for (int j = 0; j < nb; j++)
+                for (int i = 0; i < rows; i++)
+                    y[(b + j) * sy + n0 + i] = f_bf16(bias ? s[j][i] + bf16_f(bias[n0 + i]) : s[j][i]);
         }
     }
 }
