@@ -83,8 +83,8 @@ class FusedDecode:
     def _layer_table(self, pool) -> torch.Tensor:
         if self._table is None or self._table[0] is not pool:
             rows = [r + [pool.k_buffer[i].data_ptr(), pool.v_buffer[i].data_ptr()] for i, r in enumerate(self._rows)]
-            for i in range(len(rows)):
-                assert pool.k_buffer[i].is_contiguous() and pool.v_buffer[i].is_contiguous()
+            for i, row in enumerate(rows):
+                assert len(row) == len(LAYER_PTRS) and pool.k_buffer[i].is_contiguous() and pool.v_buffer[i].is_contiguous()
             self._table = (pool, torch.tensor(rows, dtype=torch.int64))
         return self._table[1]
 
