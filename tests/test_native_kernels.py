@@ -55,9 +55,10 @@ def test_decode_attention_equals_reference(march, hq, hkv, d, lens):
 
 @needs_kernels
 @every_isa
-@pytest.mark.parametrize("d", [16, 64, 24])
+@pytest.mark.parametrize("d", [16, 64, 24, 128])
 def test_decode_attention_bfloat16_and_a_wrong_input_is_caught(march, d):
-    """bfloat16 rows widened a vector at a time (head dims a multiple of the width) or one by one."""
+    """bfloat16 rows widened a vector at a time (head dims a multiple of the width) or one by one; with
+    avx512_bf16 built in, Q.K of head dims a multiple of 32 on the bf16 dot products."""
     q, k_buf, v_buf, idx, ptr = case(6, 2, d, [9, 31, 64], torch.bfloat16, seed=5)
     out = native.decode_attention(q, k_buf, v_buf, idx, ptr, 0.25, native.library(march))
     want = reference(q.float(), k_buf.float(), v_buf.float(), idx, ptr, 0.25)

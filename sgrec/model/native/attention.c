@@ -986,18 +986,45 @@ static void decode_task(const dargs_t *a, int64_t b, int h, float *qf, float *s,
     const int64_t *slots = a->idx + a->ptr[b], L = a->ptr[b + 1] - a->ptr[b];
     const float qscale = a->scale * LOG2E;
     const int64_t esize = a->bf16 ? 2 : 4;
-    for (int g = 0; g < G; g++) {
+#ifdef SGREC_DPBF16
+    /* bfloat16 with head dims a multiple of 32: Q.K on the bf16 dot products, K rows read in place and
+     * Q as it came (the scores scaled afterwards, in float32), as the bf16 extend does */
+    const int dp = a->bf16 && D % 32 == 0;
+#else
+    const int dp = 0;
+#endif
+    for (int g = 0; !dp && g < G; g++) {
         int64_t base = (b * a->Hq + (int64_t)h * G + g) * D;
         for (int d = 0; d < Dp; d++) qf[g * Dp + d] = d < D ? load1(a->q, base + d, a->bf16) * qscale : 0.f;
     }
     const float *rows[VW];
     for (int64_t j0 = 0; j0 < L; j0 += VW) {
         int nk = (int)(L - j0 < VW ? L - j0 : VW);
-        for (int jj = 0; jj < VW; jj++)
-            rows[jj] = jj < nk ? pool_row(a, a->kb, slots[j0 + jj], h, rows_buf + (int64_t)jj * Dp) : zero;
         for (int64_t j = j0 + VW; j < j0 + 2 * VW && j < L; j++) /* the next block's K rows */
             for (int64_t off = 0; off < (int64_t)D * esize; off += 64)
                 __builtin_prefetch((const char *)a->kb + (slots[j] * a->Hkv + h) * (int64_t)D * esize + off);
+#ifdef SGREC_DPBF16
+        if (dp) {
+            const uint16_t *kr[VW];
+            for (int jj = 0; jj < VW; jj++) /* past L: zero is a row of Dp >= D float zeros, bf16 zeros too */
+                kr[jj] = jj < nk ? (const uint16_t *)a->kb + (slots[j0 + jj] * a->Hkv + h) * (int64_t)D
+                                 : (const uint16_t *)zero;
+            for (int g = 0; g < G; g++) {
+                const uint16_t *qg = (const uint16_t *)a->q + (b * a->Hq + (int64_t)h * G + g) * D;
+                vf acc[VW];
+                for (int jj = 0; jj < VW; jj++) acc[jj] = vset(0.f);
+                for (int u = 0; u < D; u += 32) {
+                    __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + u);
+                    for (int jj = 0; jj < VW; jj++)
+                        acc[jj] = (vf)_mm512_dpbf16_ps((__m512)acc[jj], (__m512bh)_mm512_loadu_si512(kr[jj] + u), qv);
+                }
+                vstore(s + g * SL + j0, reduce_lanes(acc, masks) * qscale);
+            }
+            continue;
+        }
+#endif
+        for (int jj = 0; jj < VW; jj++)
+            rows[jj] = jj < nk ? pool_row(a, a->kb, slots[j0 + jj], h, rows_buf + (int64_t)jj * Dp) : zero;
         for (int g = 0; g < G; g++) {
             vf acc[VW];
             for (int jj = 0; jj < VW; jj++) acc[jj] = vset(0.f);
