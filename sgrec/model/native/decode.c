@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
@@ -43,20 +45,8 @@ int sgrec_fused_decode(void) {
 }
 
 #ifdef SGREC_FUSED_DECODE
-#define ROWS 4             /* weight rows per block: one x chunk feeds four dot products */
+#define ROWS 4 /* weight rows per block: one x chunk feeds four dot products */
 
-static inline float bf16_f(uint16_t h) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)h << 16;
-    return c.f;
-}
-
-static inline uint16_t f_bf16(float f) { /* to nearest even; a NaN stays a NaN */
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
 
 #define XB 4 /* activation rows per pass over a block: ROWS x XB float32 sums in registers */
 
@@ -113,7 +103,7 @@ static void gemv_rows(const uint16_t *W, const uint16_t *bias, const uint16_t *x
             }
             for (int j = 0; j < nb; j++)
                 for (int i = 0; i < rows; i++)
-                    y[(b + j) * sy + n0 + i] = f_bf16(bias ? s[j][i] + bf16_f(bias[n0 + i]) : s[j][i]);
+                    y[(b + j) * sy + n0 + i] = bf16_store(bias ? s[j][i] + bf16_load(bias[n0 + i]) : s[j][i]);
         }
     }
 }
