@@ -207,6 +207,13 @@ class _SlotMeta:
     idx: torch.Tensor  # every sequence's KV slots, concatenated
     ptr: torch.Tensor  # [B + 1] offsets into idx
 
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> "_SlotMeta":
+        dev = batch.out_cache_loc.device
+        lens = torch.tensor([0] + [s.kv_len for s in batch.seqs], dtype=torch.int64)
+        idx = torch.cat([s.kv_indices for s in batch.seqs]).to(dev, torch.int64)
+        return cls(idx, torch.cumsum(lens, 0).to(dev))
+
 
 @dataclass
 class ColumnMeta:
@@ -387,10 +394,7 @@ class _KernelBackend(TorchBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         if self.takes_decode(batch):
-            dev = batch.out_cache_loc.device
-            lens = torch.tensor([0] + [s.kv_len for s in batch.seqs], dtype=torch.int64)
-            idx = torch.cat([s.kv_indices for s in batch.seqs]).to(dev, torch.int64)
-            batch.attn_meta = _SlotMeta(idx, torch.cumsum(lens, 0).to(dev))
+            batch.attn_meta = _SlotMeta.of(batch)
             return
         meta = None if batch.is_decode else self.extend_meta(batch)
         if meta is None:

@@ -24,7 +24,7 @@ import ctypes
 
 import torch
 
-from sgrec.model.attention import ForwardBatch, NativeBackend
+from sgrec.model.attention import ForwardBatch, NativeBackend, _SlotMeta
 from sgrec.model.llama import CausalLM
 
 MAX_BATCH = 8  # larger decode batches reuse each weight across enough rows for oneDNN's GEMMs to win
@@ -84,7 +84,8 @@ class FusedDecode:
         if self._table is None or self._table[0] is not pool:
             rows = [r + [pool.k_buffer[i].data_ptr(), pool.v_buffer[i].data_ptr()] for i, r in enumerate(self._rows)]
             for i, row in enumerate(rows):
-                assert len(row) == len(LAYER_PTRS) and pool.k_buffer[i].is_contiguous() and pool.v_buffer[i].is_contiguous()
+                assert len(row) == len(LAYER_PTRS)
+                assert pool.k_buffer[i].is_contiguous() and pool.v_buffer[i].is_contiguous()
             self._table = (pool, torch.tensor(rows, dtype=torch.int64))
         return self._table[1]
 
@@ -95,14 +96,13 @@ class FusedDecode:
         B = len(batch.seqs)
         x = model.embed_tokens(batch.input_ids).contiguous()
         cos, sin = (t.contiguous() for t in model.rope.cos_sin(batch.positions, x.dtype))
-        lens = torch.tensor([0] + [s.kv_len for s in batch.seqs], dtype=torch.int64)
-        idx = torch.cat([s.kv_indices for s in batch.seqs]).to(torch.int64)
-        ptr = torch.cumsum(lens, 0)
+        slot_meta = _SlotMeta.of(batch)  # the slots each sequence attends to, as the decode kernel reads them
         slots = batch.out_cache_loc.to(torch.int64).contiguous()
         logits = torch.empty(B, model.cfg.vocab_size, dtype=torch.bfloat16)
         table = self._layer_table(batch.kv_pool)
-        if self.lib.sgrec_decode_step(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), idx.data_ptr(),
-                                      ptr.data_ptr(), table.data_ptr(), self.final_norm, self.out_weight,
-                                      logits.data_ptr(), self.dims.data_ptr(), B, self.eps, self.scale):
+        if self.lib.sgrec_decode_step(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                      slot_meta.idx.data_ptr(), slot_meta.ptr.data_ptr(), table.data_ptr(),
+                                      self.final_norm, self.out_weight, logits.data_ptr(), self.dims.data_ptr(), B,
+                                      self.eps, self.scale):
             raise MemoryError("fused decode: scratch allocation failed")
         return logits.float()

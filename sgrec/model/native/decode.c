@@ -46,8 +46,6 @@ int sgrec_fused_decode(void) {
 
 #ifdef SGREC_FUSED_DECODE
 #define ROWS 4 /* weight rows per block: one x chunk feeds four dot products */
-
-
 #define XB 4 /* activation rows per pass over a block: ROWS x XB float32 sums in registers */
 
 /* s[j][i] = sum_k w[i][k] x[j * sx + k] for j < nb (a constant where it is inlined: the loops unroll) */
