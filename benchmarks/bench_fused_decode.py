@@ -79,7 +79,7 @@ def main() -> None:
     print()
     print(md_table(["batch", "fused ms/step", "fused tok/s", "layer-by-layer ms/step", "tok/s", "ratio",
                     "identical greedy outputs"], rows))
-    print(f"\nthe engine runs the fused step up to {fused_decode.MAX_BATCH} sequences (sgrec.model.fused_decode.MAX_BATCH)")
+    print(f"\nthe engine runs the fused step up to {fused_decode.MAX_BATCH} sequences (fused_decode.MAX_BATCH)")
     for eng in engines.values():
         eng.shutdown()
 
