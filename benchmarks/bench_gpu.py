@@ -116,11 +116,37 @@ def bench_prefill(model_dir: str, a, dtype: str, backend: str = "auto", quantiza
         slots = torch.arange(1, n + 1, device=runner.device)
         batch = runner.make_batch(ids, list(range(n)), slots, [SeqLayout(0, n, slots)])
         s = timed(lambda: runner.forward(batch, [n - 1]), a.device, a.repeats)
-        rows.append({"tokens": n, "seconds": s, "tflops": prefill_flops(cfg, n_params, n) / s / 1e12,
+        sync(a.device)
+        t = time.perf_counter()
+        runner.forward(batch, [n - 1])  # the host's part: until the call returns, before the device is done
+        host = time.perf_counter() - t
+        rows.append({"tokens": n, "seconds": s, "host_s": host, "tflops": prefill_flops(cfg, n_params, n) / s / 1e12,
                      "backend": type(runner.backend).__name__})
     if backend == "auto":
         rows[-1]["profile"] = profile(lambda: runner.forward(batch, [n - 1]), a.device)
+        n = a.lengths[0]
+        ids = np.random.default_rng(n).integers(0, cfg.vocab_size, n).tolist()
+        slots = torch.arange(1, n + 1, device=runner.device)
+        batch = runner.make_batch(ids, list(range(n)), slots, [SeqLayout(0, n, slots)])
+        rows[0]["host_profile"] = host_profile(lambda: runner.forward(batch, [n - 1]), a.device)
     return rows
+
+
+def host_profile(fn, device: str, top: int = 12) -> list[dict]:
+    """The Python functions that took most host time (cProfile, own time) in one call of fn: where a
+    host-bound forward's time goes."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    sync(device)
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # (cc, nc, tottime, cumtime, callers)
+    return [{"func": f"{os.path.basename(f[0])}:{f[1]}({f[2]})", "calls": v[1], "own_ms": v[2] * 1e3,
+             "cum_ms": v[3] * 1e3} for f, v in rows]
 
 
 def profile(fn, device: str, top: int = 15) -> list[dict]:
@@ -162,7 +188,7 @@ def write_catalog(model_dir: str, a, work: str, levels: int = 3) -> tuple[str, l
     return cat, tokens
 
 
-def engine(model_dir: str, a, dtype: str, cat: str, quantization: str | None = None):
+def engine(model_dir: str, a, dtype: str, cat: str, quantization: str | None = None, **extra):
     from sgrec import Engine
 
     widest = max([a.beam_width, *a.wide_beams])
@@ -170,35 +196,52 @@ def engine(model_dir: str, a, dtype: str, cat: str, quantization: str | None = N
     pool = max(a.concurrency * (a.context + a.beam_width * 4), a.context + widest * 4, rank_len) + 64
     return Engine(model_dir, device=a.device, dtype=dtype, item_catalog=cat, max_beam_width=widest,
                   max_total_tokens=pool, context_length=max(a.context, rank_len) + 16, item_cache_tokens=0,
-                  max_rank_candidates=max(a.rank_candidates), quantization=quantization)
+                  max_rank_candidates=max(a.rank_candidates), quantization=quantization, **extra)
 
 
 def prompt(vocab: int, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, vocab, n).tolist()
 
 
+def breakdown(runs: list[tuple[float, dict]]) -> dict:
+    """Where retrieve requests' time went, from their meta_info: the median of the batch's prefill
+    (prompts of every request in it), its beam search, and the wait before the batch started
+    (latency - both); how many requests ran in each one's batch."""
+    sizes: dict[int, int] = {}
+    for _, m in runs:
+        sizes[m.get("batch_size", 1)] = sizes.get(m.get("batch_size", 1), 0) + 1
+    return {"prefill_s": statistics.median(m["prefill_s"] for _, m in runs),
+            "beam_search_s": statistics.median(m["beam_search_s"] for _, m in runs),
+            "wait_s": statistics.median(t - m["prefill_s"] - m["beam_search_s"] for t, m in runs),
+            "batch_sizes": {str(k): v for k, v in sorted(sizes.items())}}
+
+
 def bench_retrieve(e, a) -> dict:
     vocab = e.vocab_size
 
-    def one(seed: int, bw: int) -> float:
+    def run(seed: int, bw: int) -> tuple[float, dict]:
         t = time.perf_counter()
         out = e.retrieve({"token_ids": prompt(vocab, a.context, seed)}, beam_width=bw, num_items=min(10, bw))
         sync(a.device)
         assert out["items"], out
-        return time.perf_counter() - t
+        return time.perf_counter() - t, out["meta_info"]
+
+    def one(seed: int, bw: int) -> float:
+        return run(seed, bw)[0]
 
     one(99, a.beam_width)  # warm-up
-    lat = [one(100 + r, a.beam_width) for r in range(a.repeats)]
-    res = {"context": a.context, "beam_width": a.beam_width, "items": a.items, "median_s": statistics.median(lat),
-           "requests": len(lat)}
+    alone = [run(100 + r, a.beam_width) for r in range(a.repeats)]
+    res = {"context": a.context, "beam_width": a.beam_width, "items": a.items,
+           "median_s": statistics.median(t for t, _ in alone), "requests": len(alone), "breakdown": breakdown(alone)}
     # concurrency: threads sending at once (the scheduler batches their rounds)
     with ThreadPoolExecutor(a.concurrency) as pool:  # warm-up: a batched round's beam-step graphs are captured
         list(pool.map(lambda i: one(900 + i, a.beam_width), range(a.concurrency)))
         t0 = time.perf_counter()
-        conc = list(pool.map(lambda i: one(1000 + i, a.beam_width), range(a.concurrency * a.repeats)))
+        conc = list(pool.map(lambda i: run(1000 + i, a.beam_width), range(a.concurrency * a.repeats)))
         wall = time.perf_counter() - t0
-    res["concurrent"] = {"concurrency": a.concurrency, "requests": len(conc), "median_s": statistics.median(conc),
-                         "req_per_s": len(conc) / wall}
+    res["concurrent"] = {"concurrency": a.concurrency, "requests": len(conc),
+                         "median_s": statistics.median(t for t, _ in conc), "req_per_s": len(conc) / wall,
+                         "breakdown": breakdown(conc)}
     wide = []
     for bw in a.wide_beams:
         try:
@@ -253,6 +296,46 @@ def bench_fp8(model_dir: str, a, dtype: str, cat: str, e, peak: float) -> dict:
     wide, a.wide_beams = a.wide_beams, []
     res["retrieve"] = bench_retrieve(e8, a)
     a.wide_beams = wide
+    return res
+
+
+def demo_overlap(a, dtype: str, variants: dict[str, dict], users: int = 32, beam_width: int = 256) -> dict:
+    """Retrieve on the packaged demo model (trained on MovieLens-100K: Llama, 2 layers, hidden 128;
+    its catalog of 1,682 movies with 4-level semantic IDs) for `users` synthetic users (30 movies
+    each, drawn by popularity), the whole last beam (num_items = beam width) and the top 10, on an
+    engine per variant (Engine arguments) against the plain `dtype` one: mean and min overlap.
+    Random weights give near-flat next-token distributions that any rounding reorders; a trained
+    model's are what FP8 serving meets."""
+    from sgrec import Engine
+    from sgrec.demo import HISTORY_LEN, catalog_path, model_path
+    from sgrec.demo.data import Vocab
+
+    def make(**kw):
+        return Engine(model_path(), device=a.device, dtype=dtype, item_catalog=catalog_path(),
+                      max_beam_width=beam_width, item_cache_tokens=0, **kw)
+
+    base = make()
+    vocab = Vocab.from_tokenizer(base.tokenizer.hf, base.scheduler.catalog)
+    movies = sorted(vocab.item)
+    pop = np.array([float(base.scheduler.catalog.get(f"m{m}").meta.get("popularity", 1)) for m in movies])
+    rng = np.random.default_rng(41)
+    prompts = [vocab.retrieve_ids(rng.choice(movies, HISTORY_LEN, replace=False, p=pop / pop.sum()).tolist())
+               for _ in range(users)]
+
+    def items(e, ids) -> list[str]:
+        out = e.retrieve({"token_ids": ids}, beam_width=beam_width, top_k=beam_width, num_items=beam_width)
+        return [it["item"] for it in out["items"]]
+
+    want = [items(base, p) for p in prompts]
+    res: dict = {"model": "sgrec demo (MovieLens-100K)", "users": users, "beam_width": beam_width}
+    for name, kw in variants.items():
+        e = make(**kw)
+        got = [items(e, p) for p in prompts]
+        whole = [len(set(w) & set(g)) / max(1, len(w)) for w, g in zip(want, got)]
+        top10 = [len(set(w[:10]) & set(g[:10])) / max(1, len(w[:10])) for w, g in zip(want, got)]
+        res[name] = {"engine_args": kw, "overlap_mean": statistics.mean(whole), "overlap_min": min(whole),
+                     "top10_overlap_mean": statistics.mean(top10), "top10_overlap_min": min(top10)}
+        del e
     return res
 
 
@@ -354,6 +437,25 @@ def bench_hf(model_dir: str, a, dtype: str, e, prefill: list[dict], items: list[
     return res
 
 
+PARTS = ("prefill", "retrieve", "rank", "hf", "fp8", "flashrec")
+
+
+def variant_args(spec: str) -> dict:
+    """'k=v,k=v' -> Engine keyword arguments (ints, floats, else strings)."""
+    out = {}
+    for kv in spec.split(","):
+        k, v = kv.split("=", 1)
+        for cast in (int, float):
+            try:
+                out[k] = cast(v)
+                break
+            except ValueError:
+                continue
+        else:
+            out[k] = v
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -376,6 +478,11 @@ def main(argv=None) -> int:
     ap.add_argument("--flashrec-prompt", type=int, default=300)
     ap.add_argument("--flashrec-beam", type=int, default=50)
     ap.add_argument("--fp8-prompts", type=int, default=4, help="prompts of part 5's logprob and overlap checks")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated parts to run, of {','.join(PARTS)} (the bf16 GEMM peak always runs)")
+    ap.add_argument("--retrieve-variant", action="append", default=[], metavar="K=V[,K=V]",
+                    help="part 2 again (no wide beams) on an engine with these extra Engine arguments, e.g. "
+                         "batch_wait_ms=20; repeatable")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: the code path, not a measurement")
     ap.add_argument("--out", required=True, help="JSON file of the results")
@@ -391,14 +498,12 @@ def main(argv=None) -> int:
     longest = max(max(a.lengths), a.context, a.rank_user + max(a.rank_candidates) * ITEM_TOKENS)
     model = make_tiny_model(os.path.join(work, "model"), shape=a.shape, dtype=dtype if a.shape else "float32",
                             max_position_embeddings=longest + 128)
+    parts = set(a.parts.split(","))
+    if parts - set(PARTS):
+        ap.error(f"--parts: unknown {sorted(parts - set(PARTS))}; known: {','.join(PARTS)}")
     peak = gemm_peak(a.device, tdtype, 512 if a.quick else 8192, a.repeats)
-    prefill = bench_prefill(model, a, dtype)
-    # the same with torch's attention and ops (no fused glue): what the auto backend's kernels add
-    prefill_torch = bench_prefill(model, a, dtype, "torch")
-    for r in prefill + prefill_torch:
-        r["mfu"] = r["tflops"] * 1e12 / peak
     res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "shape": a.shape, "dtype": dtype,
-           "gemm_peak_tflops": peak / 1e12, "prefill": prefill, "prefill_torch_backend": prefill_torch}
+           "gemm_peak_tflops": peak / 1e12, "prefill": [], "prefill_torch_backend": []}
 
     def save(part: str) -> None:  # after each part: a run cut short by its time limit keeps what it measured
         res["done"] = part
@@ -406,22 +511,47 @@ def main(argv=None) -> int:
             json.dump(res, f, indent=1)
         print(f"bench_gpu: {part} done", flush=True)
 
+    if "prefill" in parts or "hf" in parts:  # HF's prefill ratios need sgrec's
+        res["prefill"] = bench_prefill(model, a, dtype)
+    if "prefill" in parts:
+        # the same with torch's attention and ops (no fused glue): what the auto backend's kernels add
+        res["prefill_torch_backend"] = bench_prefill(model, a, dtype, "torch")
+    for r in res["prefill"] + res["prefill_torch_backend"]:
+        r["mfu"] = r["tflops"] * 1e12 / peak
     save("prefill")
     cat, items = write_catalog(model, a, work)
     e = engine(model, a, dtype, cat)
-    res["retrieve"] = bench_retrieve(e, a)
+    res["retrieve"] = bench_retrieve(e, a) if "retrieve" in parts else None
     save("retrieve")
-    res["rank"] = bench_rank(e, a)
+    if "retrieve" in parts and a.retrieve_variant:
+        wide, a.wide_beams = a.wide_beams, []
+        res["retrieve_variants"] = []
+        for spec in a.retrieve_variant:
+            ev = engine(model, a, dtype, cat, **variant_args(spec))
+            res["retrieve_variants"].append({"engine_args": spec, **bench_retrieve(ev, a)})
+            del ev
+            save(f"retrieve {spec}")
+        a.wide_beams = wide
+    res["rank"] = bench_rank(e, a) if "rank" in parts else None
     save("rank")
-    res["hf"] = None if a.no_hf else bench_hf(model, a, dtype, e, prefill, items)
+    res["hf"] = None if a.no_hf or "hf" not in parts else bench_hf(model, a, dtype, e, res["prefill"], items)
     save("hf")
     from sgrec.model.fp8 import fp8_unsupported
 
-    why = "--no-fp8" if a.no_fp8 else fp8_unsupported(torch.device(a.device))
+    why = "--no-fp8" if a.no_fp8 else ("--parts" if "fp8" not in parts else fp8_unsupported(torch.device(a.device)))
     res["fp8"] = {"skipped": why} if why else bench_fp8(model, a, dtype, cat, e, peak)
     save("fp8")
+    if not why:
+        try:
+            res["fp8"]["demo_overlap"] = demo_overlap(a, dtype, {
+                "fp8": {"quantization": "fp8"}, "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
+                "fp8_and_fp8_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}})
+        except Exception as err:  # noqa: BLE001 - recorded: the other parts still run
+            res["fp8"]["demo_overlap"] = {"error": repr(err)[:500]}
+        save("fp8 demo")
     del e
-    res["flashrec"] = None if a.no_flashrec else bench_flashrec(model, a, dtype, os.path.dirname(cat))
+    res["flashrec"] = None if a.no_flashrec or "flashrec" not in parts else bench_flashrec(
+        model, a, dtype, os.path.dirname(cat))
     save("flashrec")
     print(json.dumps(res, indent=1))
     return 0

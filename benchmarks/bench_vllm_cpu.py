@@ -149,9 +149,11 @@ def run_server(kind: str, args, tmp: str, catalog: str, vocab_top: int) -> dict:
 def table(args, res: dict) -> list[list]:
     """Rows of (measure, vLLM, sgrec, sgrec's ratio: higher is better for sgrec); "-" without the peer."""
     def row(label: str, key, fmt: str, higher_better: bool | None) -> list:
+        # a measure can be None (mean ITL when every request ended after one token, as a tiny random model's may)
         s, v = key(res["sgrec"]), key(res["vllm"]) if "vllm" in res else None
-        ratio = "-" if v is None or higher_better is None else f"{(s / v if higher_better else v / s):.2f}"
-        return [label, "-" if v is None else format(v, fmt), format(s, fmt), ratio]
+        ratio = "-" if v is None or s is None or higher_better is None else \
+            f"{(s / v if higher_better else v / s):.2f}"
+        return [label, "-" if v is None else format(v, fmt), "-" if s is None else format(s, fmt), ratio]
 
     rows = []
     for part in args.parts:

@@ -33,8 +33,18 @@ class Item:
     attrs: dict = field(default_factory=dict, compare=False, hash=False)
 
 
+def plain_token_ids(value, vocab_size: int | None) -> bool:
+    """True when value is a non-empty list (or tuple) of plain ints in [0, vocab_size): a few passes
+    in C (a 5000-token prompt in about 0.1 ms, against milliseconds token by token in Python). False
+    says only that the exact per-token check must decide (an int subclass passes that one)."""
+    return (isinstance(value, (list, tuple)) and len(value) > 0 and set(map(type, value)) == {int}
+            and min(value) >= 0 and (vocab_size is None or max(value) < vocab_size))
+
+
 def check_token_ids(value, name: str, vocab_size: int | None) -> tuple[int, ...]:
     """A non-empty list (or tuple) of ints in [0, vocab_size), else a ValueError naming `name`."""
+    if plain_token_ids(value, vocab_size):
+        return tuple(value)
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{name} must be a non-empty list of token ids")
     for t in value:

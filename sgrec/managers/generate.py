@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgrec.catalog.item import plain_token_ids
 from sgrec.managers.io_struct import ReqOutput, TokenizedGenerateReq, abort_reason
 from sgrec.sampling import SamplingParams
 from sgrec.tokenizer import Tokenizer
@@ -156,7 +157,7 @@ class RequestBuilder:
         lim = self.limits
         if not ids:
             raise ValueError("Prompt cannot be empty")
-        if not all(is_int(t) and 0 <= t < lim.vocab_size for t in ids):
+        if not (plain_token_ids(ids, lim.vocab_size) or all(is_int(t) and 0 <= t < lim.vocab_size for t in ids)):
             raise ValueError(f"input_ids must be integers in [0, {lim.vocab_size})")
         if len(ids) >= lim.context_len:
             raise ValueError(

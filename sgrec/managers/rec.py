@@ -11,7 +11,7 @@ import contextlib
 import uuid
 import zlib
 
-from sgrec.catalog.item import check_token_ids
+from sgrec.catalog.item import check_token_ids, plain_token_ids
 from sgrec.managers.generate import RequestBuilder, is_int
 from sgrec.managers.io_struct import TaskReq
 from sgrec.tokenizer import Tokenizer
@@ -36,11 +36,12 @@ def parse_user(user, tokenizer: Tokenizer, builder: RequestBuilder) -> tuple[str
         ids = tokenizer.encode(user["text"])
     else:
         ids = user["token_ids"]
-        if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
-            raise ValueError("user.token_ids must be a non-empty list of token ids")
         vocab = builder.limits.vocab_size
-        if not all(0 <= t < vocab for t in ids):
-            raise ValueError(f"user.token_ids must be token ids in [0, {vocab})")
+        if not (isinstance(ids, list) and plain_token_ids(ids, vocab)):  # else the exact checks, token by token
+            if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
+                raise ValueError("user.token_ids must be a non-empty list of token ids")
+            if not all(0 <= t < vocab for t in ids):
+                raise ValueError(f"user.token_ids must be token ids in [0, {vocab})")
     builder.check_prompt(ids)
     key = user.get("id")
     if key is None:
