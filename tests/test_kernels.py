@@ -68,10 +68,9 @@ def test_staged_attention_compiled_on_cuda(monkeypatch, dtype, tol):
     perm = torch.randperm(P + n * s + 5, generator=g).cuda()
     sh, un = perm[:P], perm[P : P + n * s].view(n, s)
     q = torch.randn(n, hq, d, generator=g).to("cuda", dtype)
+    out = staged_attention(q, k_buf, v_buf, sh, un, 0.125)
     want = torch_staged(q.float(), k_buf.float(), v_buf.float(), sh, un, 0.125)
-    for splits in (1, 3, None):  # the prompt in one run, in three, and as auto_splits cuts it on this GPU
-        out = staged_attention(q, k_buf, v_buf, sh, un, 0.125, splits=splits)
-        assert (out.float() - want).abs().max() <= tol, splits
+    assert (out.float() - want).abs().max() <= tol
 
 
 @pytest.mark.cuda

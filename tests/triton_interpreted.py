@@ -96,28 +96,17 @@ def staged_case(hq, hkv, d, P, n, s, dtype, seed):
     return (torch.randn(n, hq, d, generator=g).to(dtype), k_buf, v_buf, perm[:P], perm[P : P + n * s].view(n, s))
 
 
-@pytest.mark.parametrize("hq,hkv,d,P,n,s,block_b,splits", [
-    (6, 2, 16, 40, 7, 2, 4, 1),  # GQA 3, beams not a multiple of the block
-    (4, 4, 32, 1, 5, 1, 2, 1),  # a one-token prompt
-    (8, 1, 24, 70, 9, 0, 4, 1),  # prompt only (no own token)
-    (6, 3, 16, 0, 3, 2, 8, 1),  # no prompt KV: own tokens only
-    (9, 3, 64, 33, 16, 3, 16, 1),
-    (6, 2, 16, 40, 7, 2, 4, 3),  # the prompt in 3 runs of whole tiles (16, 16, 8 slots), merged
-    (8, 1, 24, 70, 9, 0, 4, 4),  # 4 runs, no own token
-    (4, 4, 32, 1, 5, 1, 2, 5),  # more runs than tiles: runs without a key weigh nothing
-    (6, 3, 16, 0, 3, 2, 8, 2),  # no prompt: the own tokens (run 0) alone
+@pytest.mark.parametrize("hq,hkv,d,P,n,s,block_b", [
+    (6, 2, 16, 40, 7, 2, 4),  # GQA 3, beams not a multiple of the block
+    (4, 4, 32, 1, 5, 1, 2),  # a one-token prompt
+    (8, 1, 24, 70, 9, 0, 4),  # prompt only (no own token)
+    (6, 3, 16, 0, 3, 2, 8),  # no prompt KV: own tokens only
+    (9, 3, 64, 33, 16, 3, 16),
 ])
-def test_staged_kernel_equals_torch_staged_attention(hq, hkv, d, P, n, s, block_b, splits):
-    """The kernel == sgrec.beam.attention.staged_attention (the torch stages and merge), with the
-    prompt walked in one run or split into several merged by log-sum-exp."""
-    from sgrec.model.kernels.staged_attention import beam_blocks, staged_attention_batched
-
+def test_staged_kernel_equals_torch_staged_attention(hq, hkv, d, P, n, s, block_b):
+    """The kernel == sgrec.beam.attention.staged_attention (the torch stages and merge)."""
     q, k_buf, v_buf, sh, un = staged_case(hq, hkv, d, P, n, s, torch.float32, seed=P + n)
-    if splits == 1:
-        out = staged_attention(q, k_buf, v_buf, sh, un, d ** -0.5, block_b=block_b, block_n=16)
-    else:
-        out = staged_attention_batched(q, k_buf, v_buf, sh, torch.tensor([0, P]), un.reshape(n, s),
-                                       beam_blocks([n], block_b), d ** -0.5, block_b, 16, splits=splits)
+    out = staged_attention(q, k_buf, v_buf, sh, un, d ** -0.5, block_b=block_b, block_n=16)
     assert out.shape == (n, hq * d)
     assert (out - torch_staged(q, k_buf, v_buf, sh, un, d ** -0.5)).abs().max() <= 1e-5
 
@@ -152,11 +141,11 @@ def filtered_catalog(tiny_model_dir, seed: int, items: int, codes: int, dup: flo
     return runners, rng, cat, [it.id for it in cat.items], [rng.randrange(V) for _ in range(prompt_len)]
 
 
-@pytest.mark.parametrize("programs,splits", [(None, 1), (12, 1), (12, 3)])
-def test_batched_staged_kernel_equals_torch_per_request(programs, splits):
+@pytest.mark.parametrize("programs", [None, 12])
+def test_batched_staged_kernel_equals_torch_per_request(programs):
     """Four requests' beams in one launch (prompts of 40, 1, 0 and 70 slots; 7, 5, 3 and 9 beams;
     two own tokens each) == the torch staged attention of each request alone; with a block table
-    padded by no-work programs (a static buffer's size) the same; with each prompt in 3 runs too."""
+    padded by no-work programs (a static buffer's size) the same."""
     from sgrec.model.kernels.staged_attention import beam_blocks, staged_attention_batched
 
     hq, hkv, d, s = 6, 2, 16, 2
@@ -169,8 +158,7 @@ def test_batched_staged_kernel_equals_torch_per_request(programs, splits):
     un = perm[sum(prompts) : sum(prompts) + sum(beams) * s].view(-1, s)
     q = torch.randn(sum(beams), hq, d, generator=g)
     ptr = torch.tensor([0, 40, 41, 41, 111])
-    out = staged_attention_batched(q, k_buf, v_buf, sh, ptr, un, beam_blocks(beams, 4, programs), d ** -0.5,
-                                   block_n=16, splits=splits)
+    out = staged_attention_batched(q, k_buf, v_buf, sh, ptr, un, beam_blocks(beams, 4, programs), d ** -0.5)
     a = 0
     for r, n in enumerate(beams):
         want = torch_staged(q[a : a + n], k_buf, v_buf, sh[ptr[r] : ptr[r + 1]], un[a : a + n], d ** -0.5)

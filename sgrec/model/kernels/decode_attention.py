@@ -133,13 +133,6 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         out.stride(0), out.stride(1),
         G=G, D=D, BLOCK_G=pow2(G), BLOCK_D=pow2(D), BLOCK_N=block_n, PARTIAL=S > 1)
     if S > 1:  # the runs' log-sum-exp merge
-        out = merge_runs(out, m, l).to(q.dtype)
+        w = torch.exp(m - m.amax(-1, keepdim=True))  # a run with no slot: e^-inf = 0
+        out = ((out * w[..., None]).sum(2) / (l * w).sum(-1)[..., None]).to(q.dtype)
     return out.reshape(B, hq * D)
-
-
-def merge_runs(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
-    """The log-sum-exp merge of S runs' partial softmax results: acc [..., S, D] (unnormalised), m and
-    l [..., S] (running max and sum) -> [..., D] float32. A run with no key (m = -inf) weighs 0; some
-    run of each row must have one."""
-    w = torch.exp(m - m.amax(-1, keepdim=True))
-    return (acc * w[..., None]).sum(-2) / (l * w).sum(-1)[..., None]

@@ -11,7 +11,7 @@ one launch (a batched beam step of a retrieve round).
                                  BLOCK_B beams of one request (`beam_blocks`); request -1 = no work
     -> out     [n, Hq * D]
 
-One program per (block, KV head, split): its BLOCK_B x G query rows (G = Hq / Hkv, GQA; padded to a tile of
+One program per (block, KV head): its BLOCK_B x G query rows (G = Hq / Hkv, GQA; padded to a tile of
 BLOCK_M >= 16 rows, the least tl.dot takes) take each BLOCK_N-slot tile of their prompt's K and V once
 for all of them (the point of staging: the prompt is not read once per beam) through two matrix
 products, q k^T and p v, then each beam's s own slots one column at a time. Every bound the kernel
@@ -21,14 +21,11 @@ bfloat16/float16 ones (which TF32 holds exactly), like the bipartite kernel's. R
 output are float32; the output has q's dtype. The torch reference is
 sgrec.beam.attention.staged_attention, per request. (The first version broadcast [B, G, N, D]
 products in registers instead of tl.dot: 7.9 ms a layer for BW 256 over a 5000-token prompt on an
-H100, 90% of a retrieve request's time.)
-
-Splits (as the decode kernel's flash-decoding): a request's block of beams alone would run on one SM
-walking the whole prompt, its gathered loads waited on one after another (a BW-256 step over a
-5000-token prompt of a Qwen3-1.7B shape: 128 programs on an H200's 132 SMs, 305 us a layer). With
-S > 1 splits each program walks one run of the prompt (whole BLOCK_N tiles; split 0 also takes the
-beams' own tokens) and writes its (m, l, acc); merge_runs combines them by log-sum-exp. S depends
-on the number of beams only (auto_splits), so a beam step's CUDA graph keeps it.
+H100, 90% of a retrieve request's time.) Measured on an H200 (2026-11-28): 305 us a layer for BW 256
+over a 5000-token prompt, 17 of a lone request's 55 device ms. Splitting each prompt into runs merged
+by log-sum-exp (as the decode kernel does) was tried and measured slower (a request's beam steps 28 ->
+33 ms; FlashRec's shape 28.9 -> 19.4 req/s), so the serial walk's latency is not what it costs; the
+float32 K and V tiles (register pressure) are the next suspect, not yet measured.
 
 Under TRITON_INTERPRET=1 (set before triton is imported) it runs on CPU tensors.
 """
@@ -38,12 +35,10 @@ from __future__ import annotations
 import torch
 
 from sgrec.model.kernels import built, pow2
-from sgrec.model.kernels.decode_attention import MAX_SPLITS, _sm_count, merge_runs
 
 
 _KERNELS: dict[bool, object] = {}
 BLOCK_B = 16  # beams per program (x G query rows: a 32-row tile for Qwen3-1.7B's 16 over 8 heads)
-SPLIT_WAVES = 8  # auto_splits: about this many programs per SM (the prompt loop waits on gathered loads)
 
 
 def _build():
@@ -51,13 +46,12 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def kernel(Q, K, V, SH, SH_PTR, UN, BLOCKS, O, M, L, scale, n_own, S,
+    def kernel(Q, K, V, SH, SH_PTR, UN, BLOCKS, O, scale, n_own,
                s_qn, s_qh, s_ks, s_kh, s_vs, s_vh, s_un, s_on, s_oh,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, PARTIAL: tl.constexpr):
+               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
         pid = tl.program_id(0)
         h = tl.program_id(1)
-        sp = tl.program_id(2)
         grp = tl.load(BLOCKS + pid * 3)
         first = tl.load(BLOCKS + pid * 3 + 1)
         end = tl.load(BLOCKS + pid * 3 + 2)  # first == end for a program with no work
@@ -75,11 +69,8 @@ def _build():
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        per = tl.cdiv(tl.cdiv(n_shared, S), BLOCK_N) * BLOCK_N  # this split's run of the prompt: whole tiles
-        lo = sp * per
-        hi = tl.minimum(n_shared, lo + per)
-        for n0 in range(lo, hi, BLOCK_N):  # the shared prompt: each tile read once for all rows
-            ok = n0 + n < hi
+        for n0 in range(0, n_shared, BLOCK_N):  # the shared prompt: each tile read once for all rows
+            ok = n0 + n < n_shared
             slot = tl.load(SH + sh0 + n0 + n, mask=ok, other=0)
             kv_ok = ok[:, None] & d_ok[None, :]
             k = tl.load(K + slot[:, None] * s_ks + h * s_kh + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
@@ -92,7 +83,7 @@ def _build():
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
-        for j in range(0, tl.where(sp == 0, n_own, 0)):  # each beam's own tokens (split 0), one column at a time
+        for j in range(0, n_own):  # each beam's own tokens, one column at a time
             slot = tl.load(UN + beam * s_un + j, mask=row_ok, other=0)  # [M]
             kv_ok = row_ok[:, None] & d_ok[None, :]
             k = tl.load(K + slot[:, None] * s_ks + h * s_kh + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
@@ -104,15 +95,9 @@ def _build():
             acc = acc * alpha[:, None] + p[:, None] * v
             l = l * alpha + p
             m = m_new
-        if PARTIAL:  # rows (beam, head, split) of M, L [n, Hq, S] and O [n, Hq, S, D], all float32
-            row = (beam * (tl.num_programs(1) * G) + h * G + g) * S + sp
-            tl.store(M + row, m, mask=row_ok)
-            tl.store(L + row, l, mask=row_ok)
-            tl.store(O + row[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-        else:
-            out = acc / l[:, None]
-            tl.store(O + beam[:, None] * s_on + (h * G + g)[:, None] * s_oh + d[None, :],
-                     out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        out = acc / l[:, None]
+        tl.store(O + beam[:, None] * s_on + (h * G + g)[:, None] * s_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
 
     return kernel
 
@@ -132,54 +117,32 @@ def beam_blocks(rows: list[int], block_b: int, programs: int | None = None) -> t
     return torch.tensor(table, dtype=torch.int64).view(-1, 3)
 
 
-def auto_splits(rows: int, block_b: int, hkv: int, device: torch.device) -> int:
-    """Runs of the prompt per block of beams, so that the blocks of `rows` beams x hkv x splits
-    programs fill the GPU's SMs about SPLIT_WAVES times (at most MAX_SPLITS); 1 off CUDA (the
-    interpreter). It depends on the number of rows only (a CUDA graph's bucket; its block table's
-    padding of no-work entries does not count), not on the prompts' lengths."""
-    if device.type != "cuda":
-        return 1
-    sms = _sm_count(device)
-    return max(1, min(MAX_SPLITS, -(-SPLIT_WAVES * sms // (max(1, -(-rows // block_b)) * hkv))))
-
-
 def staged_attention_batched(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared: torch.Tensor,
                              sh_ptr: torch.Tensor, unshared: torch.Tensor, blocks: torch.Tensor, scale: float,
-                             block_b: int = BLOCK_B, block_n: int = 64, splits: int | None = None) -> torch.Tensor:
+                             block_b: int = BLOCK_B, block_n: int = 64) -> torch.Tensor:
     """See the module doc. `blocks` made by beam_blocks(..., block_b) and on q's device, like
     shared, sh_ptr (int64) and unshared ([n, s] int64, s >= 0). Every beam needs a key: a non-empty
-    prompt or s >= 1. splits: runs of each prompt (default auto_splits)."""
+    prompt or s >= 1."""
     n, hq, D = q.shape
     hkv = k_buf.shape[1]
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
-    S = auto_splits(n, block_b, hkv, q.device) if splits is None else int(splits)
-    if S < 1:
-        raise ValueError("splits must be at least 1")
     q = q.contiguous()
+    out = torch.empty_like(q)
     G = hq // hkv
-    if S == 1:
-        out = torch.empty_like(q)
-        m = l = out  # unused
-    else:
-        out = torch.empty((n, hq, S, D), dtype=torch.float32, device=q.device)
-        m = torch.empty((n, hq, S), dtype=torch.float32, device=q.device)
-        l = torch.empty_like(m)
     block_m = max(16, pow2(block_b * pow2(G)))
-    built(_KERNELS, _build)[(blocks.shape[0], hkv, S)](
-        q, k_buf, v_buf, shared, sh_ptr, unshared, blocks, out, m, l, float(scale), unshared.shape[1], S,
+    built(_KERNELS, _build)[(blocks.shape[0], hkv)](
+        q, k_buf, v_buf, shared, sh_ptr, unshared, blocks, out, float(scale), unshared.shape[1],
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         max(unshared.stride(0), 1), out.stride(0), out.stride(1),
         G=G, D=D, BLOCK_M=block_m, BLOCK_G=pow2(G), BLOCK_D=max(16, pow2(D)), BLOCK_N=block_n,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", PARTIAL=S > 1, num_warps=4 if block_m <= 64 else 8)
-    if S > 1:  # the runs' log-sum-exp merge (a run with no key: m = -inf, weight 0)
-        out = merge_runs(out, m, l).to(q.dtype)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if block_m <= 64 else 8)
     return out.reshape(n, hq * D)
 
 
 def staged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared_idx: torch.Tensor,
-                     unshared_idx: torch.Tensor, scale: float, block_b: int = BLOCK_B, block_n: int = 64,
-                     splits: int | None = None) -> torch.Tensor:
+                     unshared_idx: torch.Tensor, scale: float, block_b: int = BLOCK_B, block_n: int = 64
+                     ) -> torch.Tensor:
     """One request's beams; the same contract as sgrec.beam.attention.staged_attention."""
     n = q.shape[0]
     if shared_idx.numel() == 0 and unshared_idx.numel() == 0:
@@ -189,4 +152,4 @@ def staged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         torch.zeros(n, 0, dtype=torch.int64, device=dev)
     sh_ptr = torch.tensor([0, shared_idx.numel()], dtype=torch.int64, device=dev)
     return staged_attention_batched(q, k_buf, v_buf, shared_idx.to(torch.int64).contiguous(), sh_ptr, un,
-                                    beam_blocks([n], block_b).to(dev), scale, block_b, block_n, splits)
+                                    beam_blocks([n], block_b).to(dev), scale, block_b, block_n)
