@@ -157,3 +157,25 @@ def test_filters_equal_their_plain_definition(tmp_path):
         want = [passes(it.attrs, spec) for it in cat.items]
         assert cat.filter_mask(spec).tolist() == want
         assert loaded.filter_mask(spec).tolist() == want
+
+
+def test_token_id_check_fast_path_agrees_with_the_exact_one():
+    """plain_token_ids (one pass in C) decides only plain ints in range; everything else goes to the
+    per-token check, whose answers and messages are unchanged: bools and floats rejected naming the
+    culprit, an int subclass accepted, the range's ends exact."""
+    import enum
+
+    from sgrec.catalog.item import check_token_ids, plain_token_ids
+
+    class Tok(enum.IntEnum):
+        A = 3
+
+    assert plain_token_ids([0, 9], 10) and plain_token_ids((5,), None)
+    for value in ([], [1, True], [1, 1.0], [-1], [10], [Tok.A], "ab", None):
+        assert not plain_token_ids(value, 10), value
+    assert check_token_ids([0, 9], "x", 10) == (0, 9)
+    assert check_token_ids([Tok.A], "x", 10) == (3,)
+    for value, msg in (([1, True], "x holds True"), ([2, 10], "x holds 10"), ([-1], "x holds -1"),
+                       ([1.0], "x holds 1.0"), ([], "non-empty"), ("ab", "non-empty")):
+        with pytest.raises(ValueError, match=msg):
+            check_token_ids(value, "x", 10)

@@ -96,7 +96,7 @@ class KVPool:
             k, v = k.to(self.dtype), v.to(self.dtype)
         if loc.dtype != torch.int64 or loc.device != self.device:
             loc = loc.to(self.device, torch.int64)
-        # index_copy_, not advanced-index assignment: 1.1-1.8x faster on CPU, and a plain copy kernel on CUDA
+        # index_copy_, not advanced-index assignment: 1.1-1.8x faster on CPU (an H200 prefill did not move)
         for buf, x in ((self.k_buffer[layer], k), (self.v_buffer[layer], v)):
             copyable(buf).index_copy_(0, loc, copyable(x.reshape(-1, *buf.shape[1:])))
 
