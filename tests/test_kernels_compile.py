@@ -105,16 +105,18 @@ def test_glue_compiles_for_sm90(monkeypatch, dtype):
         assert compile_launch(fn, a, k).asm["cubin"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_staged_attention_compiles_for_sm90(monkeypatch, dtype):
-    """A beam step of a qwen3-1.7b-shaped model (16 query heads over 8 KV heads, head dim 128)."""
+@pytest.mark.parametrize("dtype,low", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_staged_attention_compiles_for_sm90(monkeypatch, dtype, low):
+    """A beam step of a qwen3-1.7b-shaped model (16 query heads over 8 KV heads, head dim 128); and
+    bench_staged_kernel.py's variant on bf16 tiles."""
     from sgrec.model.kernels import staged_attention as sa
 
     kv = torch.zeros(600, 8, 128, dtype=dtype)
 
     def run():
-        sa.staged_attention(torch.zeros(64, 16, 128, dtype=dtype), kv, kv, torch.arange(1, 401),
-                            torch.arange(401, 529).view(64, 2), 0.1)
+        sa.staged_attention_batched(torch.zeros(64, 16, 128, dtype=dtype), kv, kv, torch.arange(1, 401),
+                                    torch.tensor([0, 400]), torch.arange(401, 529).view(64, 2),
+                                    sa.beam_blocks([64], sa.BLOCK_B), 0.1, low_precision=low)
 
     launches = recorded(sa, run, monkeypatch)
     assert len(launches) == 1

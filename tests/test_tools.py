@@ -190,6 +190,30 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     assert r["fp8"]["skipped"].startswith("FP8 needs a CUDA GPU")  # part 5 runs on FP8 GPUs only
     fr = r["flashrec"]
     assert (fr["levels"], fr["concurrency"], fr["requests"], fr["beam_width"]) == (4, 4, 8, 8) and fr["req_per_s"] > 0
+    assert fr["warmup_rounds"] == 2 and conc["warmup_rounds"] == 2  # no graphs on CPU: the second round ends it
+    for part in (r["retrieve"], conc):  # where the time went, from the requests' meta_info
+        b = part["breakdown"]
+        assert b["prefill_s"] > 0 and b["beam_search_s"] > 0 and sum(b["batch_sizes"].values()) == part["requests"]
+    assert r["prefill"][0]["host_s"] > 0 and r["prefill"][0]["host_profile"][0]["calls"] > 0
+
+
+def test_bench_staged_kernel_runs_its_code_path_on_cpu(tmp_path):
+    """benchmarks/bench_staged_kernel.py --quick under Triton's interpreter: every variant runs, the
+    default first at 1.00x, each within float16's rounding of it (a smoke run, not a measurement)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_staged_kernel.py"), "--device", "cpu",
+                        "--quick", "--repeats", "1", "--out", str(out)], cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [x["variant"] for x in rows][:2] == ["default", "16-bit tiles"] and len(rows) == 10
+    assert rows[0]["vs_default"] == 1.0 and all("error" not in x and x["max_abs_diff"] <= 2e-3 for x in rows)
 
 
 def test_bench_roofline_counts_the_work_it_ran(tmp_path, tiny_model_dir):

@@ -111,6 +111,22 @@ def test_staged_kernel_equals_torch_staged_attention(hq, hkv, d, P, n, s, block_
     assert (out - torch_staged(q, k_buf, v_buf, sh, un, d ** -0.5)).abs().max() <= 1e-5
 
 
+def test_staged_kernel_low_precision_variant():
+    """bench_staged_kernel.py's variant on 16-bit tiles (P rounded to the inputs' dtype): float16 here,
+    as the interpreter's bfloat16 tl.dot is wrong (a 16x16 product off by 1e10 on CPU); within float16's
+    rounding of the torch stages, and a float32 call ignores the option (bit for bit)."""
+    from sgrec.model.kernels.staged_attention import beam_blocks, staged_attention_batched
+
+    q, k_buf, v_buf, sh, un = staged_case(8, 4, 32, 90, 20, 2, torch.float16, seed=5)
+    want = torch_staged(q.float(), k_buf.float(), v_buf.float(), sh, un, 32 ** -0.5)
+    args = (sh, torch.tensor([0, 90]), un, beam_blocks([20], 16), 32 ** -0.5)
+    out = staged_attention_batched(q, k_buf, v_buf, *args, low_precision=True, block_n=16)
+    assert out.dtype == torch.float16 and (out.float() - want).abs().max() <= 2e-3
+    q32, k32, v32 = q.float(), k_buf.float(), v_buf.float()
+    assert torch.equal(staged_attention_batched(q32, k32, v32, *args, low_precision=True, block_n=16),
+                       staged_attention_batched(q32, k32, v32, *args, block_n=16))
+
+
 def test_staged_kernel_bfloat16_and_a_wrong_input_is_caught():
     q, k_buf, v_buf, sh, un = staged_case(6, 2, 16, 50, 6, 2, torch.bfloat16, seed=3)
     out = staged_attention(q, k_buf, v_buf, sh, un, 0.25)

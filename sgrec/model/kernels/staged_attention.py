@@ -49,7 +49,7 @@ def _build():
     def kernel(Q, K, V, SH, SH_PTR, UN, BLOCKS, O, scale, n_own,
                s_qn, s_qh, s_ks, s_kh, s_vs, s_vh, s_un, s_on, s_oh,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr):
         pid = tl.program_id(0)
         h = tl.program_id(1)
         grp = tl.load(BLOCKS + pid * 3)
@@ -65,7 +65,8 @@ def _build():
         n = tl.arange(0, BLOCK_N)
         d_ok = d < D
         q_off = beam[:, None] * s_qn + (h * G + g)[:, None] * s_qh + d[None, :]
-        q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [M, D]
+        q_in = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+        q = q_in.to(tl.float32)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -73,14 +74,20 @@ def _build():
             ok = n0 + n < n_shared
             slot = tl.load(SH + sh0 + n0 + n, mask=ok, other=0)
             kv_ok = ok[:, None] & d_ok[None, :]
-            k = tl.load(K + slot[:, None] * s_ks + h * s_kh + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [M, N]
+            k = tl.load(K + slot[:, None] * s_ks + h * s_kh + d[None, :], mask=kv_ok, other=0.0)
+            if LOW:  # the tiles in the inputs' 16-bit dtype, float32 sums
+                s = tl.dot(q_in, tl.trans(k)) * scale  # [M, N]
+            else:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PREC) * scale
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
-            v = tl.load(V + slot[:, None] * s_vs + h * s_vh + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+            v = tl.load(V + slot[:, None] * s_vs + h * s_vh + d[None, :], mask=kv_ok, other=0.0)
+            if LOW:  # p rounded to the 16-bit dtype, as flash attention does
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PREC)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
         for j in range(0, n_own):  # each beam's own tokens, one column at a time
@@ -119,10 +126,13 @@ def beam_blocks(rows: list[int], block_b: int, programs: int | None = None) -> t
 
 def staged_attention_batched(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared: torch.Tensor,
                              sh_ptr: torch.Tensor, unshared: torch.Tensor, blocks: torch.Tensor, scale: float,
-                             block_b: int = BLOCK_B, block_n: int = 64) -> torch.Tensor:
+                             block_b: int = BLOCK_B, block_n: int = 64, low_precision: bool = False,
+                             num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """See the module doc. `blocks` made by beam_blocks(..., block_b) and on q's device, like
     shared, sh_ptr (int64) and unshared ([n, s] int64, s >= 0). Every beam needs a key: a non-empty
-    prompt or s >= 1."""
+    prompt or s >= 1. low_precision, num_warps, num_stages: the variants benchmarks/bench_staged_kernel.py
+    compares (not the engine's path): the prompt's products on 16-bit tiles where q and the pool share a
+    bfloat16/float16 dtype (P rounded to it), else as by default; Triton's launch options."""
     n, hq, D = q.shape
     hkv = k_buf.shape[1]
     if hq % hkv:
@@ -131,12 +141,15 @@ def staged_attention_batched(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.
     out = torch.empty_like(q)
     G = hq // hkv
     block_m = max(16, pow2(block_b * pow2(G)))
+    low = low_precision and q.dtype in (torch.bfloat16, torch.float16) and k_buf.dtype == q.dtype
+    launch = {} if num_stages is None else {"num_stages": num_stages}
     built(_KERNELS, _build)[(blocks.shape[0], hkv)](
         q, k_buf, v_buf, shared, sh_ptr, unshared, blocks, out, float(scale), unshared.shape[1],
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         max(unshared.stride(0), 1), out.stride(0), out.stride(1),
         G=G, D=D, BLOCK_M=block_m, BLOCK_G=pow2(G), BLOCK_D=max(16, pow2(D)), BLOCK_N=block_n,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if block_m <= 64 else 8)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", LOW=low,
+        num_warps=num_warps or (4 if block_m <= 64 else 8), **launch)
     return out.reshape(n, hq * D)
 
 
