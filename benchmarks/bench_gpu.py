@@ -15,7 +15,10 @@ real shape with random weights (`make_tiny_model --shape`), written to a JSON fi
    prompt, BW --beam-width, ND 3, one request at a time: median latency of --repeats (the prompt is
    new each time: no radix hit). Then --concurrency threads at once (the engine batches their
    rounds), each sending --repeats requests: median latency and requests per second (sid-gr's
-   published point: context 5000, BW 256, concurrency 4). Then one request at each of
+   published point: context 5000, BW 256, concurrency 4; warm-up rounds until no new beam-step
+   graph is captured). Each row carries where the time went (the requests' meta_info: the batch's
+   prefill, its beam steps, the wait before it, and the batch sizes that formed); --retrieve-variant
+   k=v,... runs this part again on an engine with other arguments. Then one request at each of
    --wide-beams (512, 1000): its latency, or the error (out of memory) it ended with.
 3. Rank: a --rank-user-token user and --rank-candidates candidates of 16 tokens each (id-token
    scores), item-as-prefix and user-as-prefix, cold (cache flushed): median latency.
@@ -27,10 +30,15 @@ real shape with random weights (`make_tiny_model --shape`), written to a JSON fi
 5. FP8 (`--quantization fp8`, on GPUs with FP8 tensor cores; --no-fp8 leaves it out): the FP8 GEMM
    peak (torch._scaled_mm of 8192^3), prefill at each length, next-token logprobs against bf16,
    retrieve's whole last beam against bf16's for the same prompts (issue 41: at least 95% overlap),
-   and retrieve latency and concurrency as in 2.
+   and retrieve latency and concurrency as in 2; then the same overlap on the packaged demo model,
+   trained on MovieLens-100K (random weights' flat distributions reorder under any rounding), with
+   FP8 weights, an FP8 KV pool, and both.
 6. FlashRec's shape (--no-flashrec leaves it out): a 300-token prompt, beam width 50, a catalog of
    4-level semantic IDs (ND 4), 32 requests at once: req/s and median latency, next to FlashRec's
    28.1 req/s (OneRec-1.7B, a Qwen3-1.7B shape, on an RTX 5090: another GPU).
+
+--parts picks parts (the bf16 GEMM peak always runs). Prefill rows carry the host's time of the call
+(equal to its wall time when the forward is host-bound) and, for the shortest, a host profile.
 """
 
 from __future__ import annotations
