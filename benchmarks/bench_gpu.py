@@ -114,15 +114,20 @@ def last_logprobs(runner, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(runner.forward(batch, [n - 1])[0], -1)
 
 
+def prefill_batch(runner, n: int):
+    """One seeded random n-token prompt as a prefill batch on slots 1..n."""
+    ids = np.random.default_rng(n).integers(0, runner.config.vocab_size, n).tolist()
+    slots = torch.arange(1, n + 1, device=runner.device)
+    return runner.make_batch(ids, list(range(n)), slots, [SeqLayout(0, n, slots)])
+
+
 def bench_prefill(model_dir: str, a, dtype: str, backend: str = "auto", quantization: str | None = None) -> list[dict]:
     runner = prefill_runner(model_dir, a, dtype, backend, quantization)
     cfg = runner.config
     n_params = non_embedding_params(cfg)
     rows = []
     for n in a.lengths:
-        ids = np.random.default_rng(n).integers(0, cfg.vocab_size, n).tolist()
-        slots = torch.arange(1, n + 1, device=runner.device)
-        batch = runner.make_batch(ids, list(range(n)), slots, [SeqLayout(0, n, slots)])
+        batch = prefill_batch(runner, n)
         s = timed(lambda: runner.forward(batch, [n - 1]), a.device, a.repeats)
         sync(a.device)
         t = time.perf_counter()
@@ -133,9 +138,7 @@ def bench_prefill(model_dir: str, a, dtype: str, backend: str = "auto", quantiza
     if backend == "auto":
         rows[-1]["profile"] = profile(lambda: runner.forward(batch, [n - 1]), a.device)
         n = a.lengths[0]
-        ids = np.random.default_rng(n).integers(0, cfg.vocab_size, n).tolist()
-        slots = torch.arange(1, n + 1, device=runner.device)
-        batch = runner.make_batch(ids, list(range(n)), slots, [SeqLayout(0, n, slots)])
+        batch = prefill_batch(runner, n)
         rows[0]["host_profile"] = host_profile(lambda: runner.forward(batch, [n - 1]), a.device)
     return rows
 

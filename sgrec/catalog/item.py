@@ -35,7 +35,7 @@ class Item:
 
 def plain_token_ids(value, vocab_size: int | None) -> bool:
     """True when value is a non-empty list (or tuple) of plain ints in [0, vocab_size): a few passes
-    in C (a 5000-token prompt in about 0.1 ms, against milliseconds token by token in Python). False
+    in C (a 5000-token prompt in about 0.2 ms, against milliseconds token by token in Python). False
     says only that the exact per-token check must decide (an int subclass passes that one)."""
     return (isinstance(value, (list, tuple)) and len(value) > 0 and set(map(type, value)) == {int}
             and min(value) >= 0 and (vocab_size is None or max(value) < vocab_size))
