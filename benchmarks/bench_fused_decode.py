@@ -1,16 +1,17 @@
-"""The fused bf16 decode step (sgrec.model.fused_decode) against the layer-by-layer path, per batch size
+"""The fused decode step (sgrec.model.fused_decode) against the layer-by-layer path, per batch size
 (issue 39).
 
-    python benchmarks/bench_fused_decode.py                        # SmolLM2-135M, batches 1-16
+    python benchmarks/bench_fused_decode.py                        # SmolLM2-135M, bf16, batches 1-16
+    python benchmarks/bench_fused_decode.py --dtype float32        # the float32 step
     python benchmarks/bench_fused_decode.py --batch-sizes 1 2 --steps 8 --repeats 1   # a smoke run
 
-Two engines over the same model in one process, bf16 on the C kernels: one as the defaults build it, one
+Two engines over the same model in one process, in --dtype on the C kernels: one as the defaults build it, one
 with --disable-fused-decode. The fused one runs its step at every batch size here (the engine's own
 limit, fused_decode.MAX_BATCH, is what this table chose). Time of a decode step: (the time of --steps + 1
 new tokens minus the time of one) / --steps, cache flushed before each, best of --repeats, the two engines
 taking turns. Greedy tokens of the two are compared (bf16 rounds differently in the two paths, so a
-near-tie may flip; the count of identical sequences is printed). Needs a CPU with avx512_bf16 (the fused
-step is built only there). Results: BENCHMARKS.md.
+near-tie may flip; the count of identical sequences is printed). Needs a CPU with avx512_bf16 for bfloat16,
+AVX2 + FMA or AVX-512 for float32 (the fused step is built only there). Results: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
 from sgrec import Engine  # noqa: E402
-from sgrec.model import fused_decode  # noqa: E402
 
 
 def main() -> None:
@@ -41,16 +41,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(header(" ".join(["python", "benchmarks/bench_fused_decode.py", *map(shlex.quote, sys.argv[1:])]),
                  "bench_fused_decode"), flush=True)
     path = os.path.expanduser(args.model_path)
-    engines = {"fused": Engine(path, device="cpu", dtype="bfloat16"),
-               "layer by layer": Engine(path, device="cpu", dtype="bfloat16", disable_fused_decode=True)}
+    engines = {"fused": Engine(path, device="cpu", dtype=args.dtype),
+               "layer by layer": Engine(path, device="cpu", dtype=args.dtype, disable_fused_decode=True)}
     fused = engines["fused"].runner.fused
     if fused is None:
-        sys.exit("the fused decode step is not built on this machine (it needs avx512_bf16 and the C kernels)")
+        sys.exit(f"the fused decode step is not built on this machine for {args.dtype} (bf16 needs avx512_bf16, "
+                 "float32 AVX2 + FMA or AVX-512, both the C kernels)")
+    limit = fused.max_batch
     fused.max_batch = max(args.batch_sizes)
     rng = random.Random(0)
     rows = []
@@ -79,7 +82,7 @@ def main() -> None:
     print()
     print(md_table(["batch", "fused ms/step", "fused tok/s", "layer-by-layer ms/step", "tok/s", "ratio",
                     "identical greedy outputs"], rows))
-    print(f"\nthe engine runs the fused step up to {fused_decode.MAX_BATCH} sequences (fused_decode.MAX_BATCH)")
+    print(f"\nthe engine runs the {args.dtype} fused step up to {limit} sequences (fused_decode.MAX_BATCH)")
     for eng in engines.values():
         eng.shutdown()
 

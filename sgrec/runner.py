@@ -108,11 +108,12 @@ class ModelRunner:
 
     def _fused_decode_lib(self):
         """The C kernels' library where decode batches of up to fused_decode.MAX_BATCH run as one call
-        (sgrec.model.fused_decode: bf16 on CPU through the C kernels, built with avx512_bf16), else None:
-        --disable-fused-decode, --enable-deterministic-inference, --quantization, another backend or dtype."""
+        (sgrec.model.fused_decode: on CPU through the C kernels, bf16 where they are built with avx512_bf16,
+        float32 where built for AVX2 + FMA or AVX-512), else None: --disable-fused-decode,
+        --enable-deterministic-inference, --quantization, another backend, or a dtype the build does not run."""
         args = self.args
         if (args.disable_fused_decode or args.enable_deterministic_inference or args.quantization is not None
-                or not isinstance(self.backend, NativeBackend) or self.dtype != torch.bfloat16):
+                or not isinstance(self.backend, NativeBackend)):
             return None
         from sgrec.model import fused_decode, native
 

@@ -192,10 +192,12 @@ class ServerArgs:
         "matmuls (packing is the default: faster decode; float32 logprobs differ from HF transformers by up "
         "to ~1e-3, within the 2e-3 agreement of ARCHITECTURE.md).")
     disable_fused_decode: bool = _arg(
-        False, "On CPU in bfloat16 (with avx512_bf16), do not run decode batches of up to 8 sequences as one "
-        "C call per step (every layer, the final norm and the output layer; on by default: about 2x faster "
-        "decode at batch 1 on SmolLM2; keeps a plain copy of the projection weights beside the packed one). "
-        "Its products sum in another order than oneDNN's (bf16 rounding, as any other bf16 implementation).")
+        False, "On CPU with sgrec's C kernels, do not run small decode batches as one C call per step (every "
+        "layer, the final norm and the output layer; on by default: bfloat16 batches of up to 8 sequences "
+        "where the CPU has avx512_bf16, about 2x faster decode at batch 1 on SmolLM2; float32 batches of up "
+        "to 2 on AVX-512 (or AVX2 + FMA builds), about 1.5x; keeps a plain copy of the projection weights "
+        "beside the packed one). Its products sum in another order than oneDNN's (within the dtype's rounding, "
+        "as any other implementation).")
     quantization: str | None = _arg(
         None, "SGLang's flag. fp8: the decoder layers' linear layers in FP8 (float8_e4m3fn weights with one "
         "scale per output channel, taken from the checkpoint at load; activations quantized per token on "

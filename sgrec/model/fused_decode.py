@@ -1,21 +1,23 @@
-"""A bfloat16 decode step on CPU in one C call (issue 39; sgrec/model/native/decode.c).
+"""A decode step on CPU in one C call, bfloat16 or float32 (issue 39; sgrec/model/native/decode.c).
 
 At batch 1 a decode step reads every weight once: its floor is the time the weights take to come from
-memory. Through torch it made about a dozen calls per layer (oneDNN's packed matmuls streamed the
-weights at about half of what the memory gives, BENCHMARKS.md), so a SmolLM2 step took several times
-that floor. decode.c runs every layer, the final norm and the output layer in one call: bf16
-matrix-vector products on vdpbf16ps that prefetch the next weight rows, and the glue and decode
-attention kernels the torch path calls (attention.c, glue.c), so every op rounds where torch's bf16
-ops round; only the products sum in another order (a bf16 step is not torch's bit for bit, as in
-any other bf16 implementation; tests/test_fused_decode.py bounds it).
+memory. Through torch it made about a dozen calls per layer (oneDNN's packed bf16 matmuls streamed the
+weights at about half of what the memory gives, torch's float32 M=1 linears at about a quarter,
+BENCHMARKS.md), so a SmolLM2 step took several times that floor. decode.c runs every layer, the final
+norm and the output layer in one call: matrix-vector products that prefetch the next weight rows (bf16
+on vdpbf16ps, float32 on fused multiply-adds), and the glue and decode attention kernels the torch
+path calls (attention.c, glue.c), so every op rounds where torch's ops round; only the products sum
+in another order (a step is not torch's bit for bit, as in any other implementation;
+tests/test_fused_decode.py bounds it).
 
-Taken by ModelRunner.forward for decode batches of at most MAX_BATCH sequences, where the runner
-decodes bfloat16 on CPU through sgrec's C kernels (NativeBackend), the kernels are built with
-avx512_bf16 (never a default on a feature not detected), the model has no FP8 layers and
+Taken by ModelRunner.forward for decode batches of at most MAX_BATCH[dtype] sequences, where the
+runner decodes on CPU through sgrec's C kernels (NativeBackend) in a dtype the kernels' build runs
+(`available`: bf16 where they are built with avx512_bf16, float32 where built for AVX2 + FMA or
+AVX-512; never a default on a feature not detected), the model has no FP8 layers and
 --enable-deterministic-inference is off (its one-row-per-matmul contract is the batch-invariant
-path's); --disable-fused-decode turns it off. It keeps the projections' plain bf16 weights beside
-oneDNN's packed copies (CausalLM.pack_for_cpu(keep_plain=True)): one more copy of the decoder's
-weights in memory.
+path's); --disable-fused-decode turns it off. It keeps the projections' plain weights beside oneDNN's
+packed copies (CausalLM.pack_for_cpu(keep_plain=True)): one more copy of the decoder's weights in
+memory.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import torch
 from sgrec.model.attention import ForwardBatch, NativeBackend, _SlotMeta
 from sgrec.model.llama import CausalLM
 
-MAX_BATCH = 8  # larger decode batches reuse each weight across enough rows for oneDNN's GEMMs to win
+# larger decode batches reuse each weight across enough rows for oneDNN's GEMMs to win (bench_fused_decode)
+MAX_BATCH = {torch.bfloat16: 8, torch.float32: 3}
+DTYPE_BITS = {torch.float32: 1, torch.bfloat16: 2}  # sgrec_fused_decode()'s answer: the dtypes a build runs
 LAYER_PTRS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
               "down_bias", "q_norm", "k_norm", "k_buf", "v_buf")  # decode.c's per-layer table, in its order
 
@@ -39,15 +43,17 @@ def plain_weight(linear) -> torch.Tensor:
 
 
 def available(device: torch.device, dtype: torch.dtype, lib: ctypes.CDLL | None) -> bool:
-    """Whether this machine can run the fused step for a model in dtype: bf16 on CPU, with the kernels
-    built on avx512_bf16."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and lib is not None and bool(lib.sgrec_fused_decode())
+    """Whether this machine can run the fused step for a model in dtype: on CPU, bf16 with the kernels
+    built on avx512_bf16, float32 with them built for AVX2 + FMA or AVX-512."""
+    return device.type == "cpu" and lib is not None and bool(lib.sgrec_fused_decode() & DTYPE_BITS.get(dtype, 0))
 
 
 class FusedDecode:
-    def __init__(self, model: CausalLM, lib: ctypes.CDLL, max_batch: int = MAX_BATCH):
+    def __init__(self, model: CausalLM, lib: ctypes.CDLL, max_batch: int | None = None):
         cfg = model.cfg
-        self.model, self.lib, self.max_batch = model, lib, max_batch
+        self.dtype = model.embed_tokens.weight.dtype
+        self.model, self.lib = model, lib
+        self.max_batch = MAX_BATCH[self.dtype] if max_batch is None else max_batch
         self.dims = torch.tensor([cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                   cfg.intermediate_size, cfg.vocab_size, cfg.num_layers], dtype=torch.int32)
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim**-0.5
@@ -61,8 +67,8 @@ class FusedDecode:
         if t is None:
             return 0
         t = t.detach().contiguous()
-        if t.dtype != torch.bfloat16:
-            raise TypeError(f"fused decode: bfloat16 weights only, got {t.dtype}")
+        if t.dtype != self.dtype:
+            raise TypeError(f"fused decode: {self.dtype} weights (the model's dtype), got {t.dtype}")
         self._tensors.append(t)
         return t.data_ptr()
 
@@ -77,7 +83,7 @@ class FusedDecode:
     def takes(self, batch: ForwardBatch, backend) -> bool:
         pool = batch.kv_pool
         return (type(backend) is NativeBackend and not backend.deterministic and batch.is_decode
-                and 0 < len(batch.seqs) <= self.max_batch and pool.dtype == torch.bfloat16
+                and 0 < len(batch.seqs) <= self.max_batch and pool.dtype == self.dtype
                 and pool.device.type == "cpu")
 
     def _layer_table(self, pool) -> torch.Tensor:
@@ -98,11 +104,13 @@ class FusedDecode:
         cos, sin = (t.contiguous() for t in model.rope.cos_sin(batch.positions, x.dtype))
         slot_meta = _SlotMeta.of(batch)  # the slots each sequence attends to, as the decode kernel reads them
         slots = batch.out_cache_loc.to(torch.int64).contiguous()
-        logits = torch.empty(B, model.cfg.vocab_size, dtype=torch.bfloat16)
+        logits = torch.empty(B, model.cfg.vocab_size, dtype=self.dtype)
         table = self._layer_table(batch.kv_pool)
-        if self.lib.sgrec_decode_step(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                                      slot_meta.idx.data_ptr(), slot_meta.ptr.data_ptr(), table.data_ptr(),
-                                      self.final_norm, self.out_weight, logits.data_ptr(), self.dims.data_ptr(), B,
-                                      self.eps, self.scale):
-            raise MemoryError("fused decode: scratch allocation failed")
+        failed = self.lib.sgrec_decode_step(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                            slot_meta.idx.data_ptr(), slot_meta.ptr.data_ptr(), table.data_ptr(),
+                                            self.final_norm, self.out_weight, logits.data_ptr(), self.dims.data_ptr(),
+                                            B, self.eps, self.scale, int(self.dtype == torch.bfloat16))
+        if failed:
+            raise MemoryError("fused decode: scratch allocation failed") if failed == 1 else \
+                RuntimeError(f"fused decode: this build of the kernels does not run {self.dtype}")
         return logits.float()

@@ -1,5 +1,5 @@
 """sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
-SiLU-times-up fused, float32 and bfloat16; decode.c: a whole bf16 decode step, sgrec.model.fused_decode),
+SiLU-times-up fused, float32 and bfloat16; decode.c: a whole decode step, sgrec.model.fused_decode),
 compiled on first use with the machine's C compiler and
 loaded with ctypes (issue 23). No torch headers: each kernel is a plain C function over data pointers, so a
 build takes a few seconds. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
@@ -119,11 +119,11 @@ def _open(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = args
-    if lib.sgrec_fused_decode():  # decode.c, built where the CPU has avx512_bf16
-        lib.sgrec_gemv_bf16.restype = None
-        lib.sgrec_gemv_bf16.argtypes = [p, p, p, i64, p, i64, i32, i32, i32]
+    if lib.sgrec_fused_decode():  # decode.c: float32 on AVX2 + FMA or AVX-512, bf16 with avx512_bf16
+        lib.sgrec_gemv.restype = ctypes.c_int
+        lib.sgrec_gemv.argtypes = [p, p, p, i64, p, i64, i32, i32, i32, i32]
         lib.sgrec_decode_step.restype = ctypes.c_int
-        lib.sgrec_decode_step.argtypes = [p] * 10 + [p, i32, ctypes.c_float, ctypes.c_float]
+        lib.sgrec_decode_step.argtypes = [p] * 10 + [p, i32, ctypes.c_float, ctypes.c_float, i32]
     return lib
 
 
