@@ -91,6 +91,22 @@ def run_load(url: str, reqs, concurrency: int, affinity: bool, prefix: str | Non
             "metas": metas}
 
 
+def print_read_choice(cluster) -> None:
+    """Each server's two sides of the read-or-recompute choice for candidates' item KV (its first rank's
+    fits, /server_info) and the candidate tokens it chose not to read."""
+    for s in cluster.servers:
+        info = httpx.get(s.url + "/server_info", timeout=60).json()
+        hc = ((info.get("internal_states") or [{}])[0] or {}).get("hicache") or {}
+        read, comp = hc.get("item_read") or {}, hc.get("item_recompute") or {}
+
+        def us(x):
+            return "-" if x is None else f"{x * 1e6:.1f}"
+        print(f"  {s.name}: storage read fixed {us(read.get('fixed_s'))} us + {us(read.get('per_token_s'))} us/token "
+              f"({read.get('calls', 0)} reads); recompute {us(comp.get('per_token_s'))} us/token (fixed "
+              f"{us(comp.get('fixed_s'))} us, {comp.get('calls', 0)} forwards); item tokens not read: "
+              f"{(hc.get('item_tokens') or {}).get('not_read', 0)}", flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", help="default: a tiny random Llama (sgrec.tools.make_tiny_model)")
@@ -141,6 +157,8 @@ def main(argv=None) -> None:
             item_rows.append((n, r["stored"] / cand_tokens, r["cached"], r["rps"]))
             print(f"N={n} prefix=item: {r['stored'] / cand_tokens:.3f} of candidate item tokens loaded from the "
                   f"Mooncake Store, {r['rps']:.1f} req/s", flush=True)
+            if a.store != "none":
+                print_read_choice(cluster)
             for affinity in (True, False):
                 for s in cluster.servers:
                     httpx.post(s.url + "/flush_cache", timeout=60)

@@ -507,6 +507,16 @@ def test_two_servers_share_users_through_mooncake(path, master, start_server):
     assert float(line.split()[-1]) == 18
 
 
+def fitted(fixed: float, per_token: float):
+    """A LinearCost that has seen calls of 10 and 100 tokens on this exact line."""
+    from sgrec.mem.cost import LinearCost
+
+    c = LinearCost()
+    for n in (10, 100, 10, 100):
+        c.observe(n, fixed + per_token * n)
+    return c
+
+
 def test_item_kv_is_shared_through_storage(path, tmp_path, monkeypatch):
     """BAT's item KV through the storage tier: items one engine computed are loaded by another whose
     item store keeps nothing (item_cache_tokens 0), with the scores of a run that computes them (1e-5);
@@ -540,15 +550,18 @@ def test_item_kv_is_shared_through_storage(path, tmp_path, monkeypatch):
     # what a request's layout cannot use is not read: no item KV for prefix "user" (or "none"), no
     # user prefix for "item"; auto may pick either, and counts the items its prefetch brought up
     ex, h = b.scheduler.rank_executor, b.scheduler.hicache
-    assert h.item_read_s is not None and ex.token_time is not None  # both measured by the request above
-    ex.token_time, h.item_read_s = 1e-3, 1e-6  # reading is cheaper than recomputing: read
+    assert h.item_read.calls and ex.token_time is not None  # both measured by the request above
+    ex.forward_cost, h.item_read = fitted(0.0, 1e-3), fitted(0.0, 1e-6)  # reading is cheaper than recomputing: read
     asked = {"item_ids": items, "user_ids": user["token_ids"]}
     assert ex.stored_items({**asked, "prefix": "user"}) == ex.stored_items({**asked, "prefix": "none"}) == []
     assert len(ex.stored_items({**asked, "prefix": "item"})) == len(ex.stored_items({**asked, "prefix": "auto"})) == 15
     assert [ex.may_use({"prefix": p}, "user") for p in ("item", "none", "user", "auto")] == [False, False, True, True]
     assert ex._reusable_item_tokens([ex.catalog.get(i) for i in items]) == stored
-    # where recomputing is cheaper (a tiny model), candidates are recomputed; 1 request in 20 reads
-    ex.token_time, h.item_read_s = 1e-6, 1e-3
+    # where recomputing is cheaper (a tiny model), candidates are recomputed; 1 request in 20 reads.
+    # Cheaper in what a read's round trips cost against what the tokens add to a forward that runs
+    # anyway: a 50 ms forward fixed cost (which made a per-token mean 1.1e-3 s at 45 tokens) does not count
+    ex.forward_cost, h.item_read = fitted(0.05, 1e-5), fitted(5e-3, 1e-6)
+    assert ex.forward_cost.predict(stored) / stored > h.item_read.predict(stored) / stored  # the old rule read
     asks = [len(ex.stored_items({**asked, "prefix": "item"})) for _ in range(40)]
     assert asks.count(15) == 2 and asks.count(0) == 38 and h.item_tokens["not_read"] == 38 * stored
     h.item_reads = "always"  # --hicache-storage-backend-extra-config '{"item_reads": "always"}'

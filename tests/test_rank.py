@@ -661,11 +661,15 @@ def test_batch_too_big_for_the_pool_runs_one_by_one(tiny_model_dir, catalog):
 
 
 def test_forward_time_per_token_is_measured(tiny_model_dir, catalog):
-    """The executor times its own forwards (the cross-rank fetch cost model's recompute cost)."""
+    """The executor times its own forwards (the cross-rank fetch cost model's recompute cost): what a
+    token adds to a forward, the fixed cost of a forward apart (sgrec.mem.cost)."""
     s = Setup(tiny_model_dir("llama", seed=0), catalog, pool=1024)
     assert s.ex.token_time is None
     s.ex.run("u", ids(20, 1), ["i1", "i2", "i3"], INSTR, prefix="none")
     first = s.ex.token_time
-    assert first is not None and 0 < first < 1.0
-    s.ex._observe_forward(2.0, 1000)  # 2 ms per token: the average moves a tenth of the way
-    assert s.ex.token_time == pytest.approx(0.9 * first + 0.1 * 0.002)
+    assert first is not None and 0 < first < 1.0 and s.ex.forward_cost.calls >= 1
+    for _ in range(60):  # forwards of 100 and 1000 tokens: 20 ms fixed, 0.1 ms a token
+        for n in (100, 1000):
+            s.ex._observe_forward(0.02 + 1e-4 * n, n)
+    assert s.ex.token_time == pytest.approx(1e-4, rel=1e-3)  # not the mean per token (1.2e-4 to 3e-4)
+    assert s.ex.forward_cost.predict(500) == pytest.approx(0.07, rel=1e-3)

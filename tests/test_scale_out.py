@@ -189,6 +189,10 @@ def test_item_kv_computed_on_one_server_is_loaded_by_another(cluster, reference)
     assert meta["stored_tokens"] > 0 and meta["cached_tokens"] >= meta["stored_tokens"]
     st = storage_after(b.url, time.time())
     assert st["hits"] > 0  # (this time the items may have come from b's host tier, where earlier reads left them)
+    # both sides of the read-or-recompute choice are measured and shown: b read item KV and ran forwards
+    h = httpx.get(b.url + "/get_server_info", timeout=30).json()["internal_states"][0]["hicache"]
+    assert h["item_read"]["calls"] >= 1 and h["item_read"]["per_token_s"] is not None
+    assert h["item_recompute"]["calls"] >= 1 and h["item_recompute"]["per_token_s"] is not None
     if len(live(cluster)) == len(cluster.servers):  # (after the kill test, reads of the dead server's share fail)
         assert st["failures"] == before["failures"]
 

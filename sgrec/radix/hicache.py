@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgrec.mem.cost import LinearCost
 from sgrec.mem.kv_pool import KVPool
 from sgrec.mem.tiers import (
     FileStorage, HostTier, Page, TierStats, decode, encode, page_keys, read_pages,
@@ -49,7 +50,7 @@ STORAGE_STALL_S = 2.0  # a read in flight this long sets the storage tier aside 
 ISA_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"})
 READERS = 4  # storage reads in flight for one prefetch (a backend without batch reads of its own)
 WRITE_BATCH = 64  # pages written down in one batch call
-ITEM_READ_ALPHA = 0.2  # smoothing of the measured item read time per token
+ITEM_READ_ALPHA = 0.2  # weight of the newest storage read in the item read cost's fit
 SELECTIVE_HITS = 2  # write_through_selective writes a node down at its second hit
 WRITE_QUEUE = 4096  # pages waiting for the storage writer; beyond that a write is dropped (counted)
 
@@ -146,7 +147,7 @@ class HiCache:
         # BAT item KV (rank): tokens written down, taken from the tiers, and not read from storage
         # because recomputing them was cheaper (see RankExecutor.stored_items)
         self.item_tokens = {"stored": 0, "loaded": 0, "not_read": 0}
-        self.item_read_s: float | None = None  # seconds per item token a storage read takes (moving average)
+        self.item_read = LinearCost(ITEM_READ_ALPHA)  # what a storage read of item KV takes: fixed + per token
         self.item_reads = item_reads  # "cost": only where reading beats recomputing; "always"
         self._from_storage: set[str] = set()  # host pages that a prefetch brought up (not yet loaded)
         self._shape = (pool.num_layers, *pool.k_buffer[0].shape[1:])  # layers, heads, head dim
@@ -265,15 +266,13 @@ class HiCache:
         return self._fetcher.submit(self._fetch_items, [k for k, _ in wanted], [n for _, n in wanted])
 
     def _fetch_items(self, keys: list[str], sizes: list[int]) -> int:
-        """_fetch of items, timed: item_read_s is a moving average of the seconds a prefetch of item
-        KV takes per token asked for (what the rank executor weighs against recomputing them)."""
+        """_fetch of items, timed: item_read fits the seconds a prefetch of item KV takes to the tokens
+        asked for (what the rank executor weighs against recomputing them)."""
         t = time.perf_counter()
         try:
             return self._fetch(keys, sizes)
         finally:
-            per = (time.perf_counter() - t) / max(1, sum(sizes))
-            old = self.item_read_s
-            self.item_read_s = per if old is None else (1 - ITEM_READ_ALPHA) * old + ITEM_READ_ALPHA * per
+            self.item_read.observe(sum(sizes), time.perf_counter() - t)
 
     # ---- the storage tier -------------------------------------------------------------------
     def prefetch(self, key: list[int], extra_key: str | None, cached: int) -> Future | None:
@@ -433,7 +432,7 @@ class HiCache:
         out = {"as_of": time.time(),  # when these counters were read (the server reports them every 0.5 s)
                "page_size": self.page_size, "write_policy": self.write_policy,
                "loaded_tokens": dict(self.loaded_tokens), "item_tokens": dict(self.item_tokens),
-               "item_read_s_per_token": self.item_read_s,
+               "item_read": self.item_read.as_dict(),  # storage reads of item KV: fixed + per-token seconds
                "host": self.host.stats.as_dict() | {"pages": len(self.host), "capacity_pages": self.host.capacity}}
         if self.storage is not None:
             out["storage"] = self.storage_stats.as_dict() | {"backend": self.storage.name,

@@ -38,6 +38,7 @@ import torch
 
 from sgrec.catalog import Catalog, Item, check_token_ids
 from sgrec.items import hrcs
+from sgrec.mem.cost import LinearCost
 from sgrec.mem.tiers import item_key
 from sgrec.items.store import ItemStore, fingerprint
 from sgrec import layout as L
@@ -47,7 +48,7 @@ from sgrec.rank.policy import NONE, PREFIX_POLICIES, CacheMeta, select_prefix
 
 logger = logging.getLogger(__name__)
 
-TOKEN_TIME_ALPHA = 0.1  # smoothing of the measured forward time per token
+TOKEN_TIME_ALPHA = 0.1  # weight of the newest forward in the forward cost's fit (sgrec.mem.cost)
 ITEM_READ_PROBE = 20  # where recomputing items beats reading them from storage, one request in this many reads
 USER_FREE_RESERVE = 0.25  # uncapped user cache: free share of the pool kept for other requests
 
@@ -76,7 +77,7 @@ class RankExecutor:
         # The storage tier (radix/hicache.py HiCache with a storage backend), or None: item KV computed
         # here is written there, and a miss found there is loaded instead of recomputed
         self.tiers = None
-        self.token_time: float | None = None  # measured forward seconds per computed token (moving average)
+        self.forward_cost = LinearCost(TOKEN_TIME_ALPHA)  # measured forwards: fixed + per computed token
         self._reads_skipped = 0  # requests whose candidates were recomputed, not read from storage
         # Hard cap on the user-prefix cache (the radix tree's share of the pool). None: the rest of the
         # pool (the tree grows into whatever the item store and running requests leave free).
@@ -497,19 +498,21 @@ class RankExecutor:
             if row >= 0 and item_id not in self.store:
                 toks = cat.token_ids(row)
                 out.append((self._item_key(toks), len(toks)))
-        if out and not self._read_pays():
+        if out and not self._read_pays(sum(n for _, n in out)):
             self.tiers.item_tokens["not_read"] += sum(n for _, n in out)
             return []
         return out
 
-    def _read_pays(self) -> bool:
-        """Reading candidates' KV from storage beats recomputing them: the tier's measured read time
-        per token against this executor's forward time per token (both moving averages; the rule the
-        fetch cost model applies to peers, BAT §5.2). Until both are measured it reads, and where
-        recomputing is cheaper every ITEM_READ_PROBE-th request reads anyway, so a change is seen.
-        `item_reads: always` in the storage tier's extra config always reads."""
-        read, compute = self.tiers.item_read_s, self.token_time
-        if self.tiers.item_reads == "always" or read is None or compute is None or read <= compute:
+    def _read_pays(self, tokens: int) -> bool:
+        """Reading `tokens` candidate tokens' KV from storage beats recomputing them: the storage
+        read's predicted time (its fitted fixed part, round trips, plus per token) against what those
+        tokens add to this executor's forward (the fitted slope: the forward runs anyway), both fitted
+        to measured calls (sgrec.mem.cost; the rule the fetch cost model applies to peers, BAT §5.2).
+        Until both are measured it reads, and where recomputing is cheaper every ITEM_READ_PROBE-th
+        request reads anyway, so a change is seen. `item_reads: always` in the storage tier's extra
+        config always reads."""
+        read, compute = self.tiers.item_read.predict(tokens), self.token_time
+        if self.tiers.item_reads == "always" or read is None or compute is None or read <= compute * tokens:
             return True
         self._reads_skipped += 1
         return self._reads_skipped % ITEM_READ_PROBE == 0
@@ -565,10 +568,14 @@ class RankExecutor:
         return out
 
     def _observe_forward(self, seconds: float, tokens: int) -> None:
-        """token_time: moving average of forward seconds per computed token (what recomputing an item
-        token costs here, read by the cross-rank fetch cost model)."""
-        per = seconds / max(1, tokens)
-        self.token_time = per if self.token_time is None else (1 - TOKEN_TIME_ALPHA) * self.token_time + TOKEN_TIME_ALPHA * per
+        self.forward_cost.observe(tokens, seconds)
+
+    @property
+    def token_time(self) -> float | None:
+        """Seconds one more computed token adds to a forward here (the fitted slope, sgrec.mem.cost):
+        what recomputing an item token costs, read by the cross-rank fetch cost model and by
+        _read_pays; None before the first forward."""
+        return self.forward_cost.per_token
 
     def _make_room(self, n: int) -> None:
         if not self.tree.make_room(n):  # the radix tree's entries first, then the item store's

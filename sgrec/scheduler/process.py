@@ -242,6 +242,15 @@ class SchedulerLoop:
                 alloc.clear()
         return reqs + lost
 
+    def _hicache_stats(self) -> dict:
+        """The tiers' stats, with what a token adds to this rank's forwards beside the storage reads'
+        fit: the two sides of the read-or-recompute choice for candidates' item KV."""
+        out = self.scheduler.hicache.stats()
+        ex = self.scheduler.rank_executor
+        if ex is not None:
+            out["item_recompute"] = ex.forward_cost.as_dict()
+        return out
+
     def send_stats(self) -> None:
         now = time.monotonic()
         sched = self.scheduler
@@ -256,7 +265,7 @@ class SchedulerLoop:
             kv_total=pool.size,
             kv_cached=sched.cached_size(),
             last_gen_throughput=self.gen_tokens / max(now - self.gen_since, 1e-9),
-            hicache=None if sched.hicache is None else sched.hicache.stats(),
+            hicache=None if sched.hicache is None else self._hicache_stats(),
         ))
         self.gen_tokens, self.gen_since, self.last_stats = 0, now, now
 
