@@ -335,3 +335,25 @@ def test_bench_vllm_cpu_runs_sgrecs_side_on_a_tiny_model(tiny_model_dir):
     assert rows["one client: failed requests"][:2] == ["-", "0"]
     assert float(rows["saturated serving: out tok/s"][1]) > 0 and rows["saturated serving: out tok/s"][2] == "- |"
     assert float(rows["beam BW 4, 12-token prompt: median ms"][1]) > 0
+
+
+def test_bench_catalog_server_runs_its_parts(tmp_path):
+    """benchmarks/bench_catalog_server.py on a small catalog (a smoke run of the code, not a measurement):
+    both dp sizes with and without the catalog, the upserts acknowledged, a new item retrieved (the
+    script asserts it), the verdict lines printed."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_catalog_server.py"), "--items", "20000",
+                        "--updates", "2", "--workdir", str(tmp_path)], cwd=root, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert [m for m in re.findall(r"^\| (\d) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", p.stdout, re.M)] == ["1", "2"]
+    assert len(re.findall(r"^  update \d: acknowledged in [\d.]+ s$", p.stdout, re.M)) == 2
+    assert "versions kept: [0, 1, 2]" in p.stdout
+    for line in ("an update acknowledged in under 0.5 s:", "kept versions within 10% of one version's:",
+                 "the catalog's memory at dp-size 2 within 1.2x of dp-size 1's:", "rerun: python benchmarks/"):
+        assert line in p.stdout
