@@ -90,6 +90,17 @@ def decode_logprobs(engine, prompt, n):
     return torch.tensor([[e[0] for e in row] for row in rows]), out["output_ids"]
 
 
+def fused_decode_logprobs(engine, prompt, n):
+    """decode_logprobs of a fresh engine, then (logprobs, output ids, the batch size of every call of its
+    fused step); the engine is shut down."""
+    taken = []
+    run = engine.runner.fused.run
+    engine.runner.fused.run = lambda batch: taken.append(len(batch.seqs)) or run(batch)
+    got, out_ids = decode_logprobs(engine, prompt, n)
+    engine.shutdown()
+    return got, out_ids, taken
+
+
 @needs_fused
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
                                             ("llama", {"tie_word_embeddings": True})])
@@ -104,13 +115,9 @@ def test_fused_decode_is_as_close_to_float32_as_hf_bfloat16(tiny_model_dir, arch
     path = tiny_model_dir(arch, **overrides)
     engine = Engine(path, device="cpu", dtype="bfloat16", max_total_tokens=1024)
     assert engine.runner.fused is not None
-    taken = []
-    run = engine.runner.fused.run
-    engine.runner.fused.run = lambda batch: taken.append(len(batch.seqs)) or run(batch)
     prompt = random_ids(40, engine.vocab_size, seed=11)
     n = 24
-    got, out_ids = decode_logprobs(engine, prompt, n)
-    engine.shutdown()
+    got, out_ids, taken = fused_decode_logprobs(engine, prompt, n)
     assert taken == [1] * (n - 1)  # every decode step went through the fused path
     ids = prompt + out_ids
     ref32, ref16 = (hf_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation="sdpa").eval(),
@@ -124,9 +131,9 @@ def test_fused_decode_is_as_close_to_float32_as_hf_bfloat16(tiny_model_dir, arch
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
                                             ("llama", {"tie_word_embeddings": True})])
 def test_float32_fused_decode_agrees_with_hf_float32(tiny_model_dir, march, arch, overrides):
-    """Greedy decode steps of the float32 engine through the fused step of each build this CPU runs (AVX2's
-    x86-64-v3 included: the float32 default of AVX2-only CPUs) against HF's float32 model over the same
-    tokens: within invariant 1's 2e-3, and the layer-by-layer path's greedy tokens."""
+    """Greedy decode steps of the float32 engine through the fused step of each build this CPU runs (the
+    x86-64-v3 one included: what AVX2-only CPUs run under --attention-backend native) against HF's float32
+    model over the same tokens: within invariant 1's 2e-3, and the layer-by-layer path's greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_hf_equivalence import hf_logprobs, random_ids
@@ -135,13 +142,9 @@ def test_float32_fused_decode_agrees_with_hf_float32(tiny_model_dir, march, arch
     engine = Engine(path, device="cpu", dtype="float32", max_total_tokens=1024)
     assert engine.runner.fused is not None  # float32 on the C kernels: the fused step is the default here
     engine.runner.fused = FusedDecode(engine.runner.model, native.library(march))
-    taken = []
-    run = engine.runner.fused.run
-    engine.runner.fused.run = lambda batch: taken.append(len(batch.seqs)) or run(batch)
     prompt = random_ids(40, engine.vocab_size, seed=11)
     n = 24
-    got, out_ids = decode_logprobs(engine, prompt, n)
-    engine.shutdown()
+    got, out_ids, taken = fused_decode_logprobs(engine, prompt, n)
     assert taken == [1] * (n - 1)
     plain = Engine(path, device="cpu", dtype="float32", max_total_tokens=1024, disable_fused_decode=True)
     assert decode_logprobs(plain, prompt, n)[1] == out_ids
