@@ -76,15 +76,18 @@ def tree_pss_gib(pid: int) -> float:
     return total / 2**30
 
 
-def steady_pss(pid: int, settle_s: float = 2.0) -> float:
-    """The tree's PSS once two readings settle_s apart agree within 1% (start-up's frees done)."""
+def steady_pss(pid: int, settle_s: float = 2.0, readings: int = 30) -> float:
+    """The tree's PSS once two readings settle_s apart agree within 1% (start-up's frees done); the last
+    reading, with a warning, if they never do within `readings`."""
     last = tree_pss_gib(pid)
-    while True:
+    for _ in range(readings):
         time.sleep(settle_s)
         now = tree_pss_gib(pid)
         if abs(now - last) <= 0.01 * max(now, 1e-9):
             return now
         last = now
+    print(f"  (memory still moving after {readings * settle_s:.0f} s: {last:.2f} GiB taken)", flush=True)
+    return last
 
 
 def upsert_body(rng: np.random.Generator, u: int, n: int, batch: int) -> dict:

@@ -94,13 +94,13 @@ def run_load(url: str, reqs, concurrency: int, affinity: bool, prefix: str | Non
 def print_read_choice(cluster) -> None:
     """Each server's two sides of the read-or-recompute choice for candidates' item KV (its first rank's
     fits, /server_info) and the candidate tokens it chose not to read."""
+    def us(x):
+        return "-" if x is None else f"{x * 1e6:.1f}"
+
     for s in cluster.servers:
         info = httpx.get(s.url + "/server_info", timeout=60).json()
         hc = ((info.get("internal_states") or [{}])[0] or {}).get("hicache") or {}
         read, comp = hc.get("item_read") or {}, hc.get("item_recompute") or {}
-
-        def us(x):
-            return "-" if x is None else f"{x * 1e6:.1f}"
         print(f"  {s.name}: storage read fixed {us(read.get('fixed_s'))} us + {us(read.get('per_token_s'))} us/token "
               f"({read.get('calls', 0)} reads); recompute {us(comp.get('per_token_s'))} us/token (fixed "
               f"{us(comp.get('fixed_s'))} us, {comp.get('calls', 0)} forwards); item tokens not read: "
