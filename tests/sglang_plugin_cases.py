@@ -596,6 +596,14 @@ def run_sglang_beam(g, beam_width: int, max_new_tokens: int = ND + 3, only: dict
         # the next forward is a decode over the leader and its member rows
         batch.beam_tail = BeamTail(num_base_rows=1, entries=[BeamTailEntry(group, 0, 0, beam_width - 1)])
         fb.forward_mode, fb.positions = ForwardMode.DECODE, torch.zeros(beam_width, dtype=torch.int64)
+    # one more forward after the group's last selection, as a live server's overlapped scheduler runs
+    # (it crashed the capture hook past the trie's depth): rows past the trie are dead, nothing is masked
+    logits = torch.randn(beam_width, V)
+    out = LogitsProcessorOutput(next_token_logits=logits.clone())
+    capture_pre_sample_logits(batch, fb, out)
+    if out.beam is not None and getattr(group, "sgrec_sid", None) is not None:
+        assert group.sgrec_sid.depth >= group.sgrec_sid.g.shared.trie.depth
+        assert torch.isfinite(out.beam.leader_logits).all()
     with plugin_reads() as seen:
         results = group.finalize()
     if reads is not None:

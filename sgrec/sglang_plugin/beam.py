@@ -80,7 +80,8 @@ class BeamTrie:
         if nodes.numel() < rows:
             nodes = torch.cat([nodes, torch.full((rows - nodes.numel(),), DEAD, dtype=torch.int64, device=device)])
         live = nodes != DEAD
-        if self.depth == trie.depth:  # a complete path: only the stop tokens
+        if self.depth >= trie.depth:  # a complete path: only the stop tokens (past it, every row is dead: a
+            # step SGLang runs after the last selection, as its overlapped scheduler does on a live server)
             toks = self.stop_tokens.to(device)[None, :].expand(rows, -1)
             return toks, torch.ones(toks.shape, dtype=torch.bool, device=device), live
         ptr, tok = self._level("child_ptr", device), self._level("child_tok", device)
