@@ -77,6 +77,19 @@ def test_jsonl_and_bundle_load_the_same_items(tmp_path):
         cat.lookup(["it1", "nope"])
 
 
+def test_a_format_1_bundle_still_loads(tmp_path):
+    """Bundles written before the ids became a byte column (format 1: the ids as one JSON list)."""
+    items = mixed_items(random.Random(2), 120)
+    binary.save(Catalog(items), str(tmp_path / "new.npz"))
+    with np.load(str(tmp_path / "new.npz")) as z:
+        arrays = {k: z[k] for k in z.files if k not in ("id_flat", "id_ptr", "format")}
+    arrays["format"] = np.array([1], dtype=np.int64)
+    arrays["ids"] = np.frombuffer(json.dumps([it.id for it in items]).encode(), dtype=np.uint8)
+    with open(tmp_path / "old.npz", "wb") as f:
+        np.savez(f, **arrays)
+    same_items(load_catalog(str(tmp_path / "old.npz"), vocab_size=VOCAB), items)
+
+
 def test_convert_cli_round_trip(tmp_path):
     items = mixed_items(random.Random(1), 50)
     src = write_jsonl(tmp_path / "in.jsonl", as_rows(items))

@@ -457,6 +457,30 @@ def test_prefill_time_polynomial_fit_and_placement():
     assert plan.remote_fraction == pytest.approx((1 - 9 / 20) * 0.5)
 
 
+def test_catalog_placement_as_arrays_equals_the_id_plan():
+    """plan_catalog's array placement (no dict per item) against plan_placement over the same live
+    items and frequencies: the same owner for every item and rank, dead rows and later items too."""
+    from sgrec.catalog.update import apply_update
+
+    rng = random.Random(5)
+    items = [Item(f"it{k}", (3 + k % 7,), meta={"popularity": rng.randrange(5)} if k % 3 else {})
+             for k in range(60)]
+    cat = apply_update(Catalog(items), None, [f"it{k}" for k in range(0, 60, 7)]).catalog  # dead rows
+    live = [cat.ids[r] for r in cat.live_rows().tolist()]
+    freqs = hrcs.catalog_freqs(cat)
+    assert freqs.tolist() == [float(cat.meta.get(r, {}).get("popularity", 0)) + 1 for r in cat.live_rows().tolist()]
+    sizes = []
+    for n, gbps, alpha in ((2, 0.01, 1.0), (3, 0.01, 5.0), (4, 1.0, 1.0), (2, 1.0, 0.0)):
+        pl, rep = hrcs.plan_catalog(cat, n, lambda s, p: 1e-3, 100, 100, 10.0, gbps, alpha)
+        ref = hrcs.plan_placement(live, freqs.tolist(), rep.ratio, n)
+        sizes.append(len(ref.replicated))
+        assert pl.replicated == ref.replicated and pl.owner == ref.owner
+        for rank in range(n):
+            assert pl.items_of(rank) == ref.items_of(rank)
+            assert all(pl.owns(rank, i) == ref.owns(rank, i) for i in [*live, "it0", "new"])
+    assert max(sizes) == len(live) and len({k for k in sizes if 0 < k < len(live)}) >= 2  # all; some
+
+
 def test_hrcs_cli_prints_plan(capsys):
     hrcs.main(["--bandwidth-tokens", "5000", "--tau-u", "100", "--tau-i", "5", "-c", "10", "-N", "4",
                "--num-items", "50", "--prefill-time", "0.1"])

@@ -136,7 +136,7 @@ def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, 
     ignored = 0
     ex = np.zeros(0, dtype=np.int64)
     if exclude:
-        rows = list(map(catalog.index.get, exclude))  # a C loop: ~2x the list comprehension's speed
+        rows = catalog.index.get_many(exclude)  # the ids hashed together
         if None in rows:  # distinct ids no longer in the catalog
             ignored = len({i for i, r in zip(exclude, rows) if r is None})
             rows = [r for r in rows if r is not None]

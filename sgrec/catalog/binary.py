@@ -1,7 +1,8 @@
 """The binary catalog: one uncompressed `.npz` bundle of the catalog's columns, for catalogs too big
 to parse as JSON Lines at every start (text is already tokenized, string id tokens resolved).
 
-Arrays: `format` (the version), `ids` and `meta` (UTF-8 JSON), `token_flat`, `token_ptr`,
+Arrays: `format` (the version), `id_flat` and `id_ptr` (the ids' UTF-8 bytes and offsets; format 1
+had `ids`, a UTF-8 JSON list, still read), `meta` (UTF-8 JSON), `token_flat`, `token_ptr`,
 `id_tokens`, `has_semantic`, `semantic_ids` (when any item has one), `attrs` (UTF-8 JSON:
 [{name, kind, values}]) and each attribute column's arrays `attr<k>_<part>`.
 Written by `python -m sgrec.catalog convert IN OUT`.
@@ -13,10 +14,12 @@ import numpy as np
 import orjson
 
 from sgrec.catalog.attrs import AttrColumn, AttrTable
+from sgrec.catalog.ids import IdColumn
 from sgrec.catalog.item import CatalogError
 from sgrec.catalog.store import Catalog
 
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
@@ -36,7 +39,8 @@ def save(catalog: Catalog, path: str) -> None:
     catalog = catalog.compacted()  # live rows only
     arrays = {
         "format": np.array([FORMAT], dtype=np.int64),
-        "ids": _text(catalog.ids),
+        "id_flat": catalog.ids.flat,
+        "id_ptr": catalog.ids.ptr,
         "meta": _text({str(k): v for k, v in catalog.meta.items()}),
         "token_flat": catalog.token_flat,
         "token_ptr": catalog.token_ptr,
@@ -78,9 +82,10 @@ def load(path: str, vocab_size: int | None = None, progress: bool = False) -> Ca
             bar.update(1)
             return out
 
-        if int(get("format")[0]) != FORMAT:
-            raise CatalogError(f"{path}: catalog bundle format {int(z['format'][0])}, this sgrec reads {FORMAT}")
-        ids = orjson.loads(get("ids").tobytes())
+        fmt = int(get("format")[0])
+        if fmt not in READS:
+            raise CatalogError(f"{path}: catalog bundle format {fmt}, this sgrec reads {READS}")
+        ids = orjson.loads(get("ids").tobytes()) if fmt == 1 else IdColumn(get("id_flat"), get("id_ptr"))
         meta = {int(k): v for k, v in orjson.loads(get("meta").tobytes()).items()}
         tokens, sem = get("token_flat"), get("semantic_ids", required=False)
         n = len(ids)

@@ -128,7 +128,7 @@ class ColumnBuilder:
             raise CatalogError(f"{where}: {e}") from None
         # the arrays are read-only views of the builder's buffers (no copy at 10^7 items)
         return Catalog.from_columns(self.ids, tokens, ptr, np.frombuffer(self.id_tokens, np.int64), sem, has, attrs,
-                                    self.meta, index=self.index)
+                                    self.meta)
 
 
     def _check_range(self, where: str, field: str, flat: np.ndarray, row_of) -> None:

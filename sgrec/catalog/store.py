@@ -1,6 +1,7 @@
 """The item catalog in memory, held as columns: item token ids flat with offsets, id tokens one
 array (-1: none), semantic IDs one [N, ND] array (rows without one: -1, `has_semantic` False),
-attributes as columns (`attrs.py`), ids in one list with one index. `items` is a sequence of
+attributes as columns (`attrs.py`), ids as one byte column with a hashed index (`ids.py`: no Python
+object per item). `items` is a sequence of
 `Item` views made on demand, so code that reads items one by one keeps working at 10^7 items.
 
 Versions share storage (issue 42): `appended` makes the next version by marking rows dead and
@@ -21,6 +22,7 @@ import orjson
 
 from sgrec.catalog.attrs import AttrBuilder, AttrTable, take_ragged
 from sgrec.catalog.grow import Buf, set_bits, unpack
+from sgrec.catalog.ids import DuplicateIdError, IdColumn, IdIndex
 from sgrec.catalog.item import CatalogError, Item, UnknownItemError
 
 
@@ -58,17 +60,15 @@ class Catalog:
         )
 
     @classmethod
-    def from_columns(cls, ids: list[str], token_flat: np.ndarray, token_ptr: np.ndarray, id_tokens: np.ndarray,
-                     semantic_ids: np.ndarray | None, has_semantic: np.ndarray, attrs: AttrTable,
-                     meta: dict[int, dict] | None = None, index: dict[str, int] | None = None) -> "Catalog":
-        """`index` (id -> row), when the loader already built it."""
+    def from_columns(cls, ids: "Sequence[str] | IdColumn", token_flat: np.ndarray, token_ptr: np.ndarray,
+                     id_tokens: np.ndarray, semantic_ids: np.ndarray | None, has_semantic: np.ndarray,
+                     attrs: AttrTable, meta: dict[int, dict] | None = None) -> "Catalog":
         self = cls.__new__(cls)
-        self._init(ids, token_flat, token_ptr, id_tokens, semantic_ids, has_semantic, attrs, meta or {}, index)
+        self._init(ids, token_flat, token_ptr, id_tokens, semantic_ids, has_semantic, attrs, meta or {})
         return self
 
-    def _init(self, ids, token_flat, token_ptr, id_tokens, semantic_ids, has_semantic, attrs, meta,
-              index=None) -> None:
-        self.ids: list[str] = ids
+    def _init(self, ids, token_flat, token_ptr, id_tokens, semantic_ids, has_semantic, attrs, meta) -> None:
+        self.ids = ids = IdColumn.of(ids)
         self.token_flat = np.asarray(token_flat, dtype=np.int32)
         self.token_ptr = np.asarray(token_ptr, dtype=np.int64)
         self.id_tokens = np.asarray(id_tokens, dtype=np.int64)
@@ -78,17 +78,16 @@ class Catalog:
         self.semantic_ids = None if semantic_ids is None else np.asarray(semantic_ids, dtype=np.int32)
         self.attrs = attrs
         self.meta = meta
-        rows: dict[str, int | tuple] = index if index is not None else dict(zip(ids, range(len(ids))))
-        if len(rows) != len(ids):
-            seen: set[str] = set()
-            dup = next(i for i in ids if i in seen or seen.add(i))
-            raise CatalogError(f"duplicate item id {dup!r}")
         if len(ids) == 0:
             raise CatalogError("the item catalog has no items")
+        try:
+            rows = IdIndex.build(ids)
+        except DuplicateIdError as e:
+            raise CatalogError(str(e)) from None
         self.semantic_id_len: int | None = None if self.semantic_ids is None else int(self.semantic_ids.shape[1])
         self._version(rows, len(ids), None, len(ids), int(self.token_ptr[-1]), None)
 
-    def _version(self, rows: dict, num_rows: int, dead, live: int, live_tokens: int, bufs) -> None:
+    def _version(self, rows: IdIndex, num_rows: int, dead, live: int, live_tokens: int, bufs) -> None:
         self._rows = rows  # id -> row, or the id's rows ascending (replaced): shared by the versions
         self.num_rows = num_rows
         self._dead = dead  # packed bits over num_rows (None: every row live)
@@ -104,8 +103,8 @@ class Catalog:
         ptr, flat = take_ragged(self.token_ptr, self.token_flat, rows)
         new_row = {int(r): k for k, r in enumerate(rows.tolist())} if self.meta else {}  # rows < num_rows
         meta = {new_row[r]: m for r, m in self.meta.items() if r in new_row}
-        ids = self.ids
-        return Catalog.from_columns([ids[r] for r in rows.tolist()], flat, ptr, self.id_tokens[rows],
+        return Catalog.from_columns(IdColumn(*take_ragged(self.ids.ptr, self.ids.flat, rows)[::-1]), flat, ptr,
+                                    self.id_tokens[rows],
                                     None if self.semantic_ids is None else self.semantic_ids[rows],
                                     self.has_semantic[rows], self.attrs.take(rows), meta)
 
@@ -125,16 +124,14 @@ class Catalog:
             for off, c in ((0, self), (len(self), other)):
                 if c.semantic_ids is not None:
                     sem[off:off + len(c)] = c.semantic_ids
-        index = dict(self._rows)
         n = len(self)
-        for k, i in enumerate(other.ids):
-            if index.setdefault(i, n + k) != n + k:
-                raise CatalogError(f"duplicate item id {i!r}")
         meta = {**self.meta, **{n + r: m for r, m in other.meta.items()}}
-        return Catalog.from_columns(self.ids + other.ids, np.concatenate([self.token_flat, other.token_flat]),
+        a, b = self.ids, other.ids
+        ids = IdColumn(np.concatenate([a.flat, b.flat]), np.concatenate([a.ptr, b.ptr[1:] + a.ptr[-1]]))
+        return Catalog.from_columns(ids, np.concatenate([self.token_flat, other.token_flat]),
                                     np.concatenate([self.token_ptr, other.token_ptr[1:] + self.token_ptr[-1]]),
                                     np.concatenate([self.id_tokens, other.id_tokens]), sem,
-                                    np.concatenate([self.has_semantic, other.has_semantic]), attrs, meta, index)
+                                    np.concatenate([self.has_semantic, other.has_semantic]), attrs, meta)
 
     def _check_nd(self, other: "Catalog") -> None:
         """CatalogError when both catalogs have semantic IDs of different lengths."""
@@ -161,21 +158,19 @@ class Catalog:
         if self._bufs is None:  # the first version appended to: storage of its own (one copy)
             return self.with_room().appended(None if batch is _NO_ROWS else batch, dead_rows)
         n, k, nd = self.num_rows, len(batch), self.semantic_id_len or batch.semantic_id_len
-        ids, rows, meta = self.ids, self._rows, self.meta
+        rows, meta = self._rows, self.meta
         bufs = dict(self._bufs)
         if nd and "semantic_ids" not in bufs:  # the first item with a semantic ID: O(N), once
             bufs["semantic_ids"] = Buf.of(np.full((n, nd), -1, dtype=np.int32))
-        if len(ids) != n:  # a branch (ids, rows and meta are shared only along one line of versions)
-            ids = ids[:n]
-            rows = {}
-            for r in self.live_rows().tolist():
-                rows[ids[r]] = r
+        if rows.top != n:  # a branch (the index's changes and meta are shared only along one line of versions)
+            rows = rows.branch(n)
             meta = {r: m for r, m in meta.items() if r < n}
         sem = batch.semantic_ids if batch.semantic_ids is not None else np.full((k, nd or 0), -1, np.int32)
-        m = int(self.token_ptr[n])
+        m, mi = int(self.token_ptr[n]), int(self.ids.ptr[n])
         more = {"token_flat": batch.token_flat, "token_ptr": batch.token_ptr[1:] + m, "id_tokens": batch.id_tokens,
-                "has_semantic": batch.has_semantic, "semantic_ids": sem}
-        size = {"token_flat": m, "token_ptr": n + 1}
+                "has_semantic": batch.has_semantic, "semantic_ids": sem,
+                "id_flat": batch.ids.flat, "id_ptr": batch.ids.ptr[1:] + mi}
+        size = {"token_flat": m, "token_ptr": n + 1, "id_flat": mi, "id_ptr": n + 1}
         cols = {}
         for name, buf in bufs.items():
             at = size.get(name, n)
@@ -183,7 +178,7 @@ class Catalog:
             cols[name] = bufs[name].view(at + len(more[name]))
         attrs = self.attrs.append(batch.attrs)
         # rows are written; now name them (a version older than this one reads no row >= its num_rows)
-        ids.extend(batch.ids)
+        rows.top = n + k
         for r, mt in batch.meta.items():
             meta[n + r] = mt
         for j, i in enumerate(batch.ids):
@@ -193,7 +188,7 @@ class Catalog:
         dead = set_bits(self._dead, n, n + k, dead_rows) if dead_rows.size or self._dead is not None else None
         gone = int((self.token_ptr[dead_rows + 1] - self.token_ptr[dead_rows]).sum()) if dead_rows.size else 0
         out = Catalog.__new__(Catalog)
-        out.ids, out.meta, out.attrs = ids, meta, attrs
+        out.ids, out.meta, out.attrs = IdColumn(cols["id_flat"], cols["id_ptr"]), meta, attrs
         out.token_flat, out.token_ptr, out.id_tokens = cols["token_flat"], cols["token_ptr"], cols["id_tokens"]
         out.has_semantic, out.semantic_ids = cols["has_semantic"], cols.get("semantic_ids")
         out.semantic_id_len = nd or None
@@ -204,8 +199,8 @@ class Catalog:
     def with_room(self, spare: float = 0.5) -> "Catalog":
         """This version with its columns moved into storage that later versions append to in
         place (`appended`), with room for `spare` times its rows more (address space: untouched
-        room is not resident). One copy of the columns, once (at start-up), so that no update pays
-        it; the ids, their index and meta are shared, not copied."""
+        room is not resident). One copy of the columns (ids included), once (at start-up), so that no
+        update pays it; the ids' index and meta are shared, not copied."""
         if self._bufs is not None:
             return self
         out = Catalog.__new__(Catalog)
@@ -216,6 +211,11 @@ class Catalog:
             if arr is not None:
                 bufs[name] = Buf.roomy(arr, spare)
                 setattr(out, name, bufs[name].view(len(arr)))
+        for name, arr in (("id_flat", self.ids.flat), ("id_ptr", self.ids.ptr)):
+            bufs[name] = Buf.roomy(arr, spare)
+        out.ids = IdColumn(bufs["id_flat"].view(len(self.ids.flat)), bufs["id_ptr"].view(len(self.ids.ptr)))
+        if self._rows.ids is self.ids:  # the index reads its rows' bytes from the moved column (same bytes)
+            self._rows.ids = out.ids
         out.attrs = AttrTable(self.attrs.n, {k: c.with_room(spare) for k, c in self.attrs.columns.items()})
         out._bufs = bufs
         return out
@@ -223,7 +223,7 @@ class Catalog:
     def compacted(self) -> "Catalog":
         """This version with its live rows only, renumbered from 0 (itself when it has no dead row
         and owns its storage's every row): what a file or a from-scratch build holds."""
-        if self._dead is None and len(self.ids) == self.num_rows:
+        if self._dead is None:
             return self
         return self.take(self.live_rows())
 
@@ -264,10 +264,9 @@ class Catalog:
     def rows(self, item_ids: Iterable[str]) -> list[int]:
         """Catalog rows of these ids, in order; UnknownItemError names every unknown one."""
         ids = list(item_ids)
-        index = self.index
-        out = [index.get(i, -1) if isinstance(i, str) else -1 for i in ids]
-        if -1 in out:
-            raise UnknownItemError([i for i, r in zip(ids, out) if r < 0])
+        out = self.index.get_many(ids)
+        if None in out:
+            raise UnknownItemError([i for i, r in zip(ids, out) if r is None])
         return out
 
     def lookup(self, item_ids: Iterable[str], full: bool = True) -> list[Item]:
@@ -319,7 +318,7 @@ class Catalog:
 class _NoRows:
     """An empty batch for `Catalog.appended` (a catalog cannot be empty)."""
 
-    ids: list = []
+    ids = IdColumn(np.zeros(0, np.uint8), np.zeros(1, np.int64))
     meta: dict = {}
     semantic_ids = semantic_id_len = None
     token_flat = np.zeros(0, np.int32)
@@ -360,16 +359,23 @@ class ItemsView(Sequence):
 
 
 class RowIndex(Mapping):
-    """One version's id -> live row, over the id -> row(s) dict its line of versions shares: an id's
+    """One version's id -> live row, over the id -> row(s) index its line of versions shares: an id's
     row here is its newest row below num_rows, when that row is live here."""
 
     __slots__ = ("_rows", "_n", "_dead", "_live")
 
-    def __init__(self, rows: dict, n: int, dead, live: int):
+    def __init__(self, rows: IdIndex, n: int, dead, live: int):
         self._rows, self._n, self._dead, self._live = rows, n, dead, live
 
     def get(self, item_id, default=None):
-        v = self._rows.get(item_id)
+        return self._live_row(self._rows.get(item_id), default)
+
+    def get_many(self, item_ids) -> list:
+        """[get(i) for i in item_ids], the ids hashed together (None for unknown ones)."""
+        live = self._live_row
+        return [live(v, None) for v in self._rows.get_many(item_ids)]
+
+    def _live_row(self, v, default):
         if v is None:
             return default
         if type(v) is not int:

@@ -103,8 +103,8 @@ def apply_update(catalog: Catalog, upserts: Catalog | None = None, delete: Seque
     upserts = None if upserts is None else upserts.compacted()
     out = Applied(catalog)
     gone = []
-    for i in dict.fromkeys(delete):
-        r = index.get(i)
+    delete = list(dict.fromkeys(delete))
+    for i, r in zip(delete, index.get_many(delete)):
         if r is None:
             out.unknown += 1
         else:
@@ -112,8 +112,8 @@ def apply_update(catalog: Catalog, upserts: Catalog | None = None, delete: Seque
             out.changed.add(i)
     out.deleted = len(gone)
     if upserts is not None:
-        for j, i in enumerate(upserts.ids):
-            r = index.get(i)
+        ids = list(upserts.ids)
+        for j, (i, r) in enumerate(zip(ids, index.get_many(ids))):
             if r is None:
                 out.inserted += 1
                 out.changed.add(i)

@@ -153,6 +153,47 @@ class Placement:
         return sorted(self.replicated) + sorted(k for k, r in self.owner.items() if r == rank)
 
 
+class RowPlacement:
+    """`plan_placement`'s plan for a catalog version, as arrays (no set or dict of 10^7 ids per rank):
+    `pos[row]` is the row's place in the order by descending frequency (-1: a dead row), the first `k`
+    places replicated, place j >= k on rank j mod n. An item the plan does not know (added later) is
+    everyone's, as Placement's `owner.get(id, rank)`."""
+
+    def __init__(self, n: int, catalog, pos: np.ndarray, k: int):
+        self.n, self.catalog, self.pos, self.k = n, catalog, pos, k
+
+    def owns(self, rank: int, item_id: str) -> bool:
+        row = self.catalog.index.get(item_id)
+        if row is None:
+            return True
+        j = int(self.pos[row])
+        return j < self.k or j % self.n == rank
+
+    def _rows(self, mask: np.ndarray) -> list[str]:
+        ids = self.catalog.ids
+        return sorted(ids[r] for r in np.flatnonzero(mask).tolist())
+
+    @property
+    def replicated(self) -> set[str]:
+        return set(self._rows((self.pos >= 0) & (self.pos < self.k)))
+
+    @property
+    def owner(self) -> dict[str, int]:
+        ids = self.catalog.ids
+        return {ids[r]: int(self.pos[r]) % self.n for r in np.flatnonzero(self.pos >= self.k).tolist()}
+
+    def items_of(self, rank: int) -> list[str]:
+        rep = (self.pos >= 0) & (self.pos < self.k)
+        return self._rows(rep) + self._rows((self.pos >= self.k) & (self.pos % self.n == rank))
+
+
+def placement_order(freqs: np.ndarray, ratio: float) -> tuple[np.ndarray, int]:
+    """(order, k): positions by descending frequency (ties: first position first) and how many of
+    them are replicated (round(ratio * |items|))."""
+    order = np.argsort(-np.asarray(freqs, dtype=np.float64), kind="stable")
+    return order, min(order.size, max(0, round(ratio * order.size)))
+
+
 def plan_placement(item_ids: Sequence[str], freqs: Sequence[float], ratio: float, n: int) -> Placement:
     """Replicates the round(ratio * |items|) most frequent items (ties: catalog order); deals the rest
     to the n ranks round-robin in descending frequency, so every rank gets an equal share of the
@@ -161,8 +202,8 @@ def plan_placement(item_ids: Sequence[str], freqs: Sequence[float], ratio: float
     on the owner of every item they both shard."""
     if len(item_ids) != len(freqs):
         raise ValueError("item_ids and freqs differ in length")
-    order = sorted(range(len(item_ids)), key=lambda k: (-float(freqs[k]), k))
-    k = min(len(order), max(0, round(ratio * len(order))))
+    order, k = placement_order(freqs, ratio)
+    order = order.tolist()
     replicated = {item_ids[j] for j in order[:k]}
     owner = {item_ids[j]: pos % n for pos, j in enumerate(order) if pos >= k}
     return Placement(n, replicated, owner)
@@ -196,12 +237,18 @@ def make_plan(item_ids: Sequence[str], item_lens: Sequence[int], freqs: Sequence
     return Plan(rep, pl, per_items, per_tokens, [t * bytes_per_token for t in per_tokens], float(remote))
 
 
-def catalog_freqs(catalog) -> list[float]:
+def catalog_freqs(catalog) -> np.ndarray:
     """Static item frequencies for placement: catalog popularity + 1 (the items' `popularity` key).
     Every rank computes the same numbers, so all agree on the owners (run-time access counts
     differ between ranks). One per live item, in row order."""
-    meta = catalog.meta
-    return [float(meta[r].get("popularity", 0)) + 1.0 if r in meta else 1.0 for r in catalog.live_rows().tolist()]
+    rows = catalog.live_rows()
+    out = np.ones(rows.size, dtype=np.float64)
+    if catalog.meta:
+        with_meta = np.array(sorted(catalog.meta), dtype=np.int64)
+        at = np.searchsorted(rows, with_meta)
+        ok = (at < rows.size) & (rows[np.minimum(at, rows.size - 1)] == with_meta)
+        out[at[ok]] += [float(catalog.meta[r].get("popularity", 0)) for r in with_meta[ok].tolist()]
+    return out
 
 
 def mean_item_tokens(catalog) -> float:
@@ -223,15 +270,18 @@ def fit_catalog_prefill(runner, catalog, max_candidates: int) -> Callable[[float
 
 
 def plan_catalog(catalog, n: int, prefill_time: Callable[[float, float], float], bytes_per_token: int,
-                 max_candidates: int, tau_u: float, bandwidth_gbps: float, alpha: float) -> tuple[Placement, ReplicationResult]:
+                 max_candidates: int, tau_u: float, bandwidth_gbps: float, alpha: float
+                 ) -> tuple[RowPlacement, ReplicationResult]:
     """Algorithm 1 and the placement over `n` ranks (the DP ranks of a server) for a catalog
     (sgrec.catalog.Catalog: read from its columns, no item objects)."""
     freqs = catalog_freqs(catalog)
     c = min(100, max_candidates, len(catalog))
     bandwidth = bandwidth_gbps * 1e9 / 8 / bytes_per_token
     rep = compute_replication_ratio(bandwidth, freqs, tau_u, mean_item_tokens(catalog), alpha, c, n, prefill_time)
-    ids = catalog.ids
-    return plan_placement([ids[r] for r in catalog.live_rows().tolist()], freqs, rep.ratio, n), rep
+    order, k = placement_order(freqs, rep.ratio)
+    pos = np.full(catalog.num_rows, -1, dtype=np.int64)
+    pos[catalog.live_rows()[order]] = np.arange(order.size)
+    return RowPlacement(n, catalog, pos, k), rep
 
 
 def format_plan(plan: Plan) -> str:
