@@ -104,6 +104,10 @@ async def serve(args: ServerArgs, in_addrs: list[str], out_addr: str, launch: di
     # one item-KV endpoint per rank (ipc): with HRCS a rank fetches cold items it does not own from their owner
     item_addrs = [a.replace("/scheduler-", "/items-") for a in in_addrs]
     ctx = mp.get_context("spawn")
+    if args.dp_size > 1 and args.item_catalog:  # one copy of the catalog for the ranks (sgrec.catalog.image)
+        from sgrec.catalog import image
+
+        launch["catalog_image"] = os.environ[image.ENV] = tempfile.mkdtemp(prefix="sgrec-catalog-image-")
     procs = [
         ctx.Process(target=run_scheduler_process, args=(args.to_dict(), r, in_addrs[r], out_addr, item_addrs),
                     name=f"sgrec-scheduler-{r}", daemon=True)
@@ -210,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 p.kill()
                 p.join(1)
         shutil.rmtree(ipc_dir, ignore_errors=True)
+        if launch.get("catalog_image"):
+            shutil.rmtree(launch["catalog_image"], ignore_errors=True)
 
 
 if __name__ == "__main__":

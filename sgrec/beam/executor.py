@@ -96,7 +96,9 @@ class _Request:
 
 class RetrieveExecutor:
     def __init__(self, runner, tree, catalog: Catalog, max_beam_width: int | None = None, reorder_chunk: int = 64,
-                 units=None):
+                 units=None, built=None):
+        """built: the catalog's trie and row map when already made (build_trie's result; the DP ranks'
+        shared catalog image brings one), else built here."""
         self.runner = runner
         self.tree = tree
         self.catalog = catalog
@@ -106,7 +108,7 @@ class RetrieveExecutor:
         self.vocab_size = runner.config.vocab_size
         self.max_beam_width = max_beam_width or runner.args.max_beam_width
         self.reorder_chunk = reorder_chunk
-        self.use_catalog(catalog, self.build_trie(catalog))
+        self.use_catalog(catalog, built if built is not None else self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
         triton = isinstance(runner.backend, TritonBackend)  # --attention-backend triton
         self.backend = StagedBeamBackend(units, triton=triton, runner=runner)

@@ -13,6 +13,7 @@ over them. That is log_softmax(logits + mask) with an additive -inf mask over th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -101,6 +102,31 @@ class SemanticIdTrie:
         self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host = (row_leaf, keys, count) if dev.type == "cpu" else None
         self._host_more = (toks, ptrs, leaf_item) if dev.type == "cpu" else None
+
+    def arrays(self) -> tuple[dict[str, np.ndarray], dict]:
+        """The host arrays every other one derives from, and the few numbers beside them: what
+        `from_arrays` rebuilds the trie from (a CPU trie; sgrec.catalog.image shares them between ranks)."""
+        row_leaf, keys, count = self.host_arrays()
+        toks, ptrs, leaf_item = self._host_more
+        out = {"row_leaf": row_leaf, "leaf_item": leaf_item}
+        for d in range(self.depth):
+            out.update({f"key{d}": keys[d], f"tok{d}": toks[d], f"ptr{d}": ptrs[d], f"tokcount{d}": self._tok_count[d]})
+        out.update({f"count{d}": c for d, c in enumerate(count)})
+        return out, {"depth": self.depth, "vocab_size": self.vocab_size, "max_children": self.max_children}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], info: dict, device="cpu") -> "SemanticIdTrie":
+        """The trie `arrays()` described; the arrays are used as they are (read-only ones too: nothing
+        writes into a trie's arrays, `updated` makes new ones)."""
+        D = info["depth"]
+        out = cls.__new__(cls)
+        with warnings.catch_warnings():  # torch.from_numpy of a read-only map: shared, never written
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            out._assign([arrays[f"key{d}"] for d in range(D)], [arrays[f"tok{d}"] for d in range(D)],
+                        [arrays[f"ptr{d}"] for d in range(D)], [arrays[f"count{d}"] for d in range(D + 1)],
+                        arrays["row_leaf"], arrays["leaf_item"], [arrays[f"tokcount{d}"] for d in range(D)],
+                        list(info["max_children"]), info["vocab_size"], device)
+        return out
 
     def updated(self, rows: np.ndarray, catalog: Catalog, removed_rows: np.ndarray, added_from: int
                 ) -> tuple["SemanticIdTrie", np.ndarray]:

@@ -67,6 +67,22 @@ class Catalog:
         self._init(ids, token_flat, token_ptr, id_tokens, semantic_ids, has_semantic, attrs, meta or {})
         return self
 
+    @classmethod
+    def from_storage(cls, ids: IdColumn, index: IdIndex, cols: dict[str, np.ndarray], attrs: AttrTable,
+                     meta: dict[int, dict], live_tokens: int, bufs: dict[str, Buf]) -> "Catalog":
+        """A first version over storage later versions append to (`bufs`, viewed by `cols`), with its
+        index already built: what `image.load` maps (no copy, no check: the image was written from a
+        catalog that passed them)."""
+        self = cls.__new__(cls)
+        self.ids = ids
+        self.token_flat, self.token_ptr, self.id_tokens = cols["token_flat"], cols["token_ptr"], cols["id_tokens"]
+        self.has_semantic, self.semantic_ids = cols["has_semantic"], cols.get("semantic_ids")
+        self.attrs, self.meta = attrs, meta
+        self.semantic_id_len = None if self.semantic_ids is None else int(self.semantic_ids.shape[1])
+        n = len(ids)
+        self._version(index, n, None, n, live_tokens, bufs)
+        return self
+
     def _init(self, ids, token_flat, token_ptr, id_tokens, semantic_ids, has_semantic, attrs, meta) -> None:
         self.ids = ids = IdColumn.of(ids)
         self.token_flat = np.asarray(token_flat, dtype=np.int32)

@@ -9,6 +9,7 @@ the newest request is retracted (its KV goes to the cache) and re-queued.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future
 
@@ -21,7 +22,7 @@ from sgrec.radix.hicache import make_hicache, predicted_reuse
 from sgrec.radix.tree import RadixCache
 from sgrec.runner import ModelRunner
 from sgrec.sampling import GREEDY_EPS, Sampler
-from sgrec.catalog import load_catalog
+from sgrec.catalog import image, load_catalog
 from sgrec.catalog.update import UpdateError
 from sgrec.catalog.versions import Prepared, catalog_facts, replay
 from sgrec.managers.io_struct import TaskReq, TokenizedGenerateReq, abort_reason
@@ -36,10 +37,42 @@ from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+READY_WAIT_S = 900.0  # how long a rank waits for rank 0's catalog image (the launcher's start-up limit)
 
 DECODE_RESERVE_RATIO = 0.3  # fraction of running requests' remaining tokens kept free at admission
 DECODE_RESERVE_CLIP = 512
 PREFETCH_POLL_S = 0.002  # how often an idle loop looks at storage reads that requests wait for
+
+
+def load_rank_catalog(args: ServerArgs, dp_rank: int, tokenizer: Tokenizer, vocab: int, device: torch.device,
+                      progress: bool):
+    """(catalog, built trie or None) for this rank. With a catalog image folder (the launcher names
+    one when --dp-size > 1: sgrec.catalog.image), rank 0 loads the catalog and writes it there with,
+    on the CPU, its trie, and every rank maps that one copy; else the rank loads its own."""
+    folder = os.environ.get(image.ENV)
+    if not folder:
+        return load_catalog(args.item_catalog, tokenizer, vocab, progress=progress), None
+    if dp_rank == 0:
+        catalog = load_catalog(args.item_catalog, tokenizer, vocab, progress=progress)
+        arrays, info = {}, None
+        if device.type == "cpu" and catalog.semantic_id_len:
+            from sgrec.beam.trie import SemanticIdTrie
+
+            trie, rows = SemanticIdTrie.from_catalog(catalog, vocab)
+            arrays, info = trie.arrays()
+            arrays["trie_rows"] = rows
+        image.write(folder, catalog, arrays, info)
+        del catalog, arrays
+    else:
+        image.wait(folder, READY_WAIT_S)
+    catalog, arrays, info = image.load(folder)
+    built = None
+    if info is not None:
+        from sgrec.beam.trie import SemanticIdTrie
+
+        built = SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"]
+    logger.info("item catalog mapped from %s (shared by the DP ranks)", folder)
+    return catalog, built
 
 
 class Scheduler:
@@ -79,7 +112,7 @@ class Scheduler:
             from sgrec.rank.executor import RankExecutor
 
             vocab = runner.config.vocab_size
-            catalog = load_catalog(args.item_catalog, tokenizer, vocab, progress=show_progress)
+            catalog, built = load_rank_catalog(args, dp_rank, tokenizer, vocab, runner.device, show_progress)
             self.versions = replay(catalog, args.journal_path, args.catalog_history, vocab)
             self.catalog = self.versions.current
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
@@ -87,7 +120,8 @@ class Scheduler:
                 self.rank_executor.tiers = self.hicache  # item KV shared through the storage tier
             self.rank_executor.precompute(progress=show_progress)
             self.retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width,
-                                              units=stage_units(args, backend))
+                                              units=stage_units(args, backend),
+                                              built=built if self.catalog is catalog else None)
 
             def versioned(results: list) -> list:  # every answer names the catalog version it was served on
                 for r in results:
