@@ -91,11 +91,12 @@ def write(folder: str, catalog: Catalog, extra: dict[str, np.ndarray] | None = N
     os.replace(tmp, os.path.join(folder, MANIFEST))
 
 
-def wait(folder: str, timeout: float, alive=lambda: True) -> None:
-    """Until rank 0 has written the image (its manifest is there); TimeoutError past timeout."""
+def wait(folder: str, timeout: float) -> None:
+    """Until rank 0 has written the image (its manifest is there); TimeoutError past timeout (if
+    rank 0 dies first, the launcher stops the server)."""
     deadline = time.monotonic() + timeout
     while not os.path.exists(os.path.join(folder, MANIFEST)):
-        if time.monotonic() > deadline or not alive():
+        if time.monotonic() > deadline:
             raise TimeoutError(f"no catalog image in {folder} after {timeout:.0f} s (rank 0 writes it)")
         time.sleep(0.05)
 
