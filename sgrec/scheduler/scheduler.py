@@ -49,6 +49,8 @@ def load_rank_catalog(args: ServerArgs, dp_rank: int, tokenizer: Tokenizer, voca
     """(catalog, built trie or None) for this rank. With a catalog image folder (the launcher names
     one when --dp-size > 1: sgrec.catalog.image), rank 0 loads the catalog and writes it there with,
     on the CPU, its trie, and every rank maps that one copy; else the rank loads its own."""
+    from sgrec.beam.trie import SemanticIdTrie
+
     folder = os.environ.get(image.ENV)
     if not folder:
         return load_catalog(args.item_catalog, tokenizer, vocab, progress=progress), None
@@ -56,8 +58,6 @@ def load_rank_catalog(args: ServerArgs, dp_rank: int, tokenizer: Tokenizer, voca
         catalog = load_catalog(args.item_catalog, tokenizer, vocab, progress=progress)
         arrays, info = {}, None
         if device.type == "cpu" and catalog.semantic_id_len:
-            from sgrec.beam.trie import SemanticIdTrie
-
             trie, rows = SemanticIdTrie.from_catalog(catalog, vocab)
             arrays, info = trie.arrays()
             arrays["trie_rows"] = rows
@@ -66,11 +66,7 @@ def load_rank_catalog(args: ServerArgs, dp_rank: int, tokenizer: Tokenizer, voca
     else:
         image.wait(folder, READY_WAIT_S)
     catalog, arrays, info = image.load(folder)
-    built = None
-    if info is not None:
-        from sgrec.beam.trie import SemanticIdTrie
-
-        built = SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"]
+    built = None if info is None else (SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"])
     logger.info("item catalog mapped from %s (shared by the DP ranks)", folder)
     return catalog, built
 
