@@ -55,7 +55,10 @@ def fnv1a_many(flat: np.ndarray, ptr: np.ndarray) -> np.ndarray:
 
 def encode(ids: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
     """(flat uint8, ptr int64) of the ids' UTF-8 bytes."""
-    enc = [i.encode() for i in ids]
+    return _pack([i.encode() for i in ids])
+
+
+def _pack(enc: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     ptr = np.zeros(len(enc) + 1, dtype=np.int64)
     if enc:
         np.cumsum(np.fromiter(map(len, enc), dtype=np.int64, count=len(enc)), out=ptr[1:])
@@ -87,16 +90,11 @@ class IdColumn(Sequence):
             row += len(self)
         if not 0 <= row < len(self):
             raise IndexError(row)
-        return self.flat[self.ptr[row] : self.ptr[row + 1]].tobytes().decode()
+        return self.raw(row).decode()
 
     def __iter__(self):
         data, ptr = self.flat.tobytes(), self.ptr.tolist()
         return (data[a:b].decode() for a, b in zip(ptr[:-1], ptr[1:]))
-
-    def __eq__(self, other) -> bool:
-        return list(self) == list(other) if isinstance(other, (IdColumn, list, tuple)) else NotImplemented
-
-    __hash__ = None
 
     def __repr__(self) -> str:
         return f"IdColumn({len(self)} ids)"
@@ -172,10 +170,7 @@ class IdIndex:
         if not look:
             return out
         raws = [item_ids[k].encode() for k in look]
-        flat = np.frombuffer(b"".join(raws), dtype=np.uint8)
-        ptr = np.zeros(len(raws) + 1, dtype=np.int64)
-        np.cumsum([len(r) for r in raws], out=ptr[1:])
-        hs = fnv1a_many(flat, ptr)
+        hs = fnv1a_many(*_pack(raws))
         pos = np.minimum(np.searchsorted(self.hashes, hs), max(self.hashes.size - 1, 0))
         if self.hashes.size:
             hit = self.hashes[pos] == hs
@@ -191,9 +186,7 @@ class IdIndex:
     def __iter__(self):
         """Every id with a row (base ids first, in row order)."""
         changed = self.changed
-        ids = self.ids
-        for r in range(self.base):
-            i = ids[r]
+        for _, i in zip(range(self.base), self.ids):
             if i not in changed:
                 yield i
         yield from changed
