@@ -71,23 +71,28 @@ IMAGE = "sgrec-catalog-image-"  # the DP ranks' shared catalog folder (sgrec.cat
 def tree_pss_gib(pid: int) -> float:
     """Proportional set size of a process and its children, GiB (shared pages split between them),
     with each file of a shared catalog image that a process maps counted once at its whole allocated
-    size, in place of the pages mapped so far: rank 0 wrote it, so it sits in the page cache whether
-    or not a rank has touched it yet (PSS alone would miss the untouched pages). A file no process
-    maps any more (the base trie, once every rank serves an updated one) is reclaimable cache: not
-    counted."""
+    size, in place of the pages mapped so far: the rank that wrote it left it in memory (the page
+    cache, or shared memory when the image is in /dev/shm) whether or not a rank has touched it yet
+    (PSS alone would miss the untouched pages), plus each rank's copy-on-write pages of them. Files are told apart by inode, read through
+    /proc/PID/map_files, so that one removed while still mapped (a trie version being let go of)
+    counts too."""
     root = psutil.Process(pid)
-    total, files = 0, set()
+    total, files = 0, {}
     for p in [root, *root.children(recursive=True)]:
         try:
-            for m in p.memory_maps(grouped=True):
-                if IMAGE in m.path:
-                    files.add(m.path)
-                else:
+            for m in p.memory_maps(grouped=False):
+                if IMAGE not in m.path:
                     total += m.pss
+                    continue
+                total += m.anonymous  # a rank's own copy-on-write pages of the file (its appends)
+                try:
+                    st = os.stat(f"/proc/{p.pid}/map_files/{m.addr}")
+                except OSError:
+                    continue
+                files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    total += sum(os.stat(f).st_blocks * 512 for f in files if os.path.exists(f))
-    return total / 2**30
+    return (total + sum(files.values())) / 2**30
 
 
 def steady_pss(pid: int, settle_s: float = 2.0, readings: int = 30) -> float:

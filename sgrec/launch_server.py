@@ -107,7 +107,7 @@ async def serve(args: ServerArgs, in_addrs: list[str], out_addr: str, launch: di
     if args.dp_size > 1 and args.item_catalog:  # one copy of the catalog for the ranks (sgrec.catalog.image)
         from sgrec.catalog import image
 
-        launch["catalog_image"] = os.environ[image.ENV] = tempfile.mkdtemp(prefix="sgrec-catalog-image-")
+        launch["catalog_image"] = os.environ[image.ENV] = image.folder_for(args.item_catalog)
     procs = [
         ctx.Process(target=run_scheduler_process, args=(args.to_dict(), r, in_addrs[r], out_addr, item_addrs),
                     name=f"sgrec-scheduler-{r}", daemon=True)

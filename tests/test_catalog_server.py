@@ -5,6 +5,7 @@ acknowledged update, a torn journal line, and the item KV of a replaced item equ
 server's."""
 
 import json
+import os
 import random
 import threading
 
@@ -296,3 +297,17 @@ def test_every_data_parallel_rank_serves_the_acknowledged_version(start_server, 
     scores = [{x["item"]: x["score"] for x in a["ranking"]} for a in after]
     assert scores[0] == pytest.approx(scores[1], abs=1e-5)
     assert scores[0] != pytest.approx({x["item"]: x["score"] for x in before[0]["ranking"]}, abs=1e-4)
+    # one trie per version for both ranks (sgrec.catalog.image.shared): each rank maps the files of
+    # version 2's, and they are the only trie files left in the catalog image
+    import psutil
+
+    from sgrec.catalog import image
+
+    mapped = [{m.path for m in p.memory_maps() if image.PREFIX in m.path and not m.path.endswith("(deleted)")}
+              for p in psutil.Process(srv.pid).children(recursive=True)]
+    tries = [{os.path.dirname(f) for f in m if "/trie-" in f} for m in mapped]
+    tries = [t for t in tries if t]
+    assert len(tries) == 2 and tries[0] == tries[1] and len(tries[0]) == 1
+    (folder,) = tries[0]
+    assert os.path.basename(folder).startswith("trie-v2-")
+    assert [n for n in os.listdir(os.path.dirname(folder)) if n.startswith("trie-")] == [os.path.basename(folder)]

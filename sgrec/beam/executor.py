@@ -94,6 +94,15 @@ class _Request:
     t1: float = 0.0
 
 
+def build_trie(catalog: Catalog | None, vocab_size: int, device) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
+    """The valid-path trie of a catalog and the catalog row of each trie row ((None, None) when no
+    item has a semantic ID). Reads nothing that changes: a new version's trie is built off the
+    scheduler's step, then handed to `RetrieveExecutor.use_catalog`."""
+    if catalog is None or not catalog.semantic_id_len:
+        return None, None
+    return SemanticIdTrie.from_catalog(catalog, vocab_size, device)
+
+
 class RetrieveExecutor:
     def __init__(self, runner, tree, catalog: Catalog, max_beam_width: int | None = None, reorder_chunk: int = 64,
                  units=None, built=None):
@@ -130,12 +139,8 @@ class RetrieveExecutor:
                           MAX_GRAPH_STEPS, capture=True)
 
     def build_trie(self, catalog: Catalog | None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
-        """The valid-path trie of a catalog and the catalog row of each trie row ((None, None) when
-        no item has a semantic ID). Reads nothing that changes: a new version's trie is built here
-        off the scheduler's step, then handed to `use_catalog`."""
-        if catalog is None or not catalog.semantic_id_len:
-            return None, None
-        return SemanticIdTrie.from_catalog(catalog, self.vocab_size, self.device)
+        """build_trie (the module's) for this executor's vocabulary and device."""
+        return build_trie(catalog, self.vocab_size, self.device)
 
     def updated_trie(self, applied) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """build_trie of an update's catalog (a catalog.update.Applied), from the served trie: it

@@ -1,26 +1,33 @@
 """One copy of the catalog for every DP rank of a server (issue 42): its arrays in files that each
 rank maps, instead of each rank loading and holding its own.
 
-With `--dp-size` > 1 the launcher names a folder (`ENV`); rank 0 loads the catalog and writes every
-array there (`write`): the columns and the ids (`store.py`, `ids.py`), the attribute columns, the id
-index, and arrays its caller adds (the scheduler: on CPU the semantic-ID trie and its row map,
-`SemanticIdTrie.arrays`); then every rank, rank 0 too, maps them (`load`). Pages that no rank writes
+With `--dp-size` > 1 the launcher names a folder (`ENV`, `folder_for`); rank 0 loads the catalog and
+writes every array there (`write`): the columns and the ids (`store.py`, `ids.py`), the attribute
+columns and the id index; then every rank, rank 0 too, maps them (`load`). Pages that no rank writes
 are the page cache's, one copy for all ranks.
+
+Arrays each version needs whole, the same on every rank (on the CPU, the semantic-ID trie of each
+catalog version and its row map), go through `shared`: the first rank to ask for a version's makes
+them and writes them there, every rank maps that one copy, and the version before is removed.
 
 Updates keep working per rank: a column that versions append to (`grow.py`) is written with room
 for `SPARE` times its rows more (a sparse file: the room costs nothing until written) and mapped
 copy-on-write (numpy's mode "c", MAP_PRIVATE), so a rank's appends go to pages of its own and never
 to the file or another rank; past the room a column moves to memory of its own (Buf.append's copy).
-The index and the trie are read-only maps: updates make new arrays (SemanticIdTrie.updated, the
-index's dict of changes) and never write into them. The manifest is written last, by a rename, so
+The index and the shared arrays are read-only maps: updates make new arrays (the index's dict of
+changes, the next version's trie) and never write into them. The manifest is written last, by a rename, so
 a rank that finds it finds every array.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 import orjson
@@ -31,6 +38,7 @@ from sgrec.catalog.ids import IdColumn, IdIndex
 from sgrec.catalog.store import Catalog
 
 ENV = "SGREC_CATALOG_IMAGE"
+PREFIX = "sgrec-catalog-image-"  # then the launcher's pid
 MANIFEST = "manifest.json"
 SPARE = 0.5  # Catalog.with_room's room
 GROW = ("token_flat", "token_ptr", "id_tokens", "has_semantic", "semantic_ids")
@@ -56,9 +64,29 @@ def _map(folder: str, name: str, spec: dict, writable: bool) -> np.ndarray:
                      shape=shape)
 
 
-def write(folder: str, catalog: Catalog, extra: dict[str, np.ndarray] | None = None, extra_info=None) -> None:
-    """The catalog (a version no update made: no dead rows, no shared storage) and `extra` arrays
-    (read-only once mapped; `extra_info`: JSON that goes with them) as files in folder."""
+def folder_for(catalog_path: str, shm: str = "/dev/shm") -> str:
+    """A new folder for a server's image: in shared memory (`shm`, a tmpfs: the versions' arrays are
+    written there at memory speed, where a disk's page cache can take seconds once its dirty pages
+    pile up) when it has room for 4 times the catalog file, else the system's temporary folder (a
+    container's /dev/shm is often 64 MB). The launcher removes it at exit; folders left by a server
+    that was killed (its process gone) are removed here, so shared memory does not leak."""
+    for root in (shm, tempfile.gettempdir()):
+        for name in os.listdir(root) if os.path.isdir(root) else ():
+            pid = name[len(PREFIX):].split("-")[0]
+            if name.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    try:
+        st = os.statvfs(shm)
+        size = (sum(e.stat().st_size for e in os.scandir(catalog_path) if e.is_file())
+                if os.path.isdir(catalog_path) else os.path.getsize(catalog_path))
+        roomy = st.f_bavail * st.f_frsize >= 4 * size and os.access(shm, os.W_OK)
+    except OSError:
+        roomy = False
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=shm if roomy else None)
+
+
+def write(folder: str, catalog: Catalog) -> None:
+    """The catalog (a version no update made: no dead rows, no shared storage) as files in folder."""
     assert catalog._dead is None and catalog._bufs is None, "an image holds a catalog as loaded"
     arrays: dict[str, dict] = {}
     for name in GROW:
@@ -79,12 +107,14 @@ def write(folder: str, catalog: Catalog, extra: dict[str, np.ndarray] | None = N
                 parts[part] = f"attr{k}_{part}"
                 arrays[parts[part]] = _write(folder, parts[part], arr, SPARE)
         attrs.append({"name": name, "kind": col.kind, "values": list(col.values), "parts": parts})
-    for name, arr in (extra or {}).items():
-        arrays["extra_" + name] = _write(folder, "extra_" + name, arr, None)
     with open(os.path.join(folder, "meta.json"), "wb") as f:
         f.write(orjson.dumps({str(r): m for r, m in catalog.meta.items()}))
-    manifest = {"rows": catalog.num_rows, "live_tokens": catalog.total_tokens, "arrays": arrays, "attrs": attrs,
-                "extra": sorted(extra or {}), "extra_info": extra_info}
+    _manifest(folder, {"rows": catalog.num_rows, "live_tokens": catalog.total_tokens, "arrays": arrays,
+                       "attrs": attrs})
+
+
+def _manifest(folder: str, manifest: dict) -> None:
+    """The manifest, written last and by a rename: whoever finds it finds every file it names."""
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f)
@@ -101,9 +131,8 @@ def wait(folder: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def load(folder: str) -> tuple[Catalog, dict[str, np.ndarray], object]:
-    """(catalog, extra arrays, extra_info): the catalog mapped from folder, ready to be appended to
-    (its storage is the mapping), and the extra arrays `write` was given, mapped read-only."""
+def load(folder: str) -> Catalog:
+    """The catalog mapped from folder, ready to be appended to (its storage is the mapping)."""
     with open(os.path.join(folder, MANIFEST)) as f:
         man = json.load(f)
     specs = man["arrays"]
@@ -128,6 +157,34 @@ def load(folder: str) -> tuple[Catalog, dict[str, np.ndarray], object]:
                                      values=values, _code={v: i for i, v in enumerate(values)}, _bufs=parts)
     with open(os.path.join(folder, "meta.json"), "rb") as f:
         meta = {int(k): v for k, v in orjson.loads(f.read()).items()}
-    catalog = Catalog.from_storage(ids, index, view, AttrTable(n, cols), meta, man["live_tokens"], bufs)
-    extra = {name: _map(folder, "extra_" + name, specs["extra_" + name], False) for name in man["extra"]}
-    return catalog, extra, man["extra_info"]
+    return Catalog.from_storage(ids, index, view, AttrTable(n, cols), meta, man["live_tokens"], bufs)
+
+
+def shared(folder: str, kind: str, key: str, make: Callable[[], tuple[dict[str, np.ndarray], object]]
+           ) -> tuple[dict[str, np.ndarray], object]:
+    """(arrays, info) that every rank needs and one rank makes: the first rank to ask for `key` calls
+    make() -> (arrays, JSON info) and writes them to folder/"{kind}-{key}", and every rank (the maker
+    too, once it has let go of its own) maps those files read-only: one copy for all ranks. Ranks ask
+    one at a time (a lock file), so the others wait for the maker instead of making their own. Once a
+    rank has mapped `key`, the other keys of `kind` are removed: ranks ask for a kind's keys in the
+    same order and one at a time (a catalog version's trie after every rank serves the one before),
+    so no rank asks for them again, and a rank that still maps one keeps its pages until it lets go."""
+    path = os.path.join(folder, f"{kind}-{key}")
+    with open(os.path.join(folder, f"{kind}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # until the file closes
+        if not os.path.isdir(path):
+            arrays, info = make()
+            tmp = path + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)  # a maker that died half-way
+            os.mkdir(tmp)
+            specs = {name: _write(tmp, name, arr, None) for name, arr in arrays.items()}
+            del arrays
+            _manifest(tmp, {"arrays": specs, "info": info})
+            os.rename(tmp, path)
+        with open(os.path.join(path, MANIFEST)) as f:
+            man = json.load(f)
+        out = {name: _map(path, name, spec, False) for name, spec in man["arrays"].items()}
+        for name in os.listdir(folder):
+            if name.startswith(kind + "-") and name != os.path.basename(path):
+                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+    return out, man["info"]

@@ -279,7 +279,7 @@ def plan_catalog(catalog, n: int, prefill_time: Callable[[float, float], float],
     bandwidth = bandwidth_gbps * 1e9 / 8 / bytes_per_token
     rep = compute_replication_ratio(bandwidth, freqs, tau_u, mean_item_tokens(catalog), alpha, c, n, prefill_time)
     order, k = placement_order(freqs, rep.ratio)
-    pos = np.full(catalog.num_rows, -1, dtype=np.int64)
+    pos = np.full(catalog.num_rows, -1, dtype=np.int32 if catalog.num_rows < 2**31 else np.int64)  # per rank
     pos[catalog.live_rows()[order]] = np.arange(order.size)
     return RowPlacement(n, catalog, pos, k), rep
 

@@ -8,11 +8,13 @@ the newest request is retracted (its KV goes to the cache) and re-queued.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
 from concurrent.futures import Future
 
+import orjson
 import torch
 
 from sgrec import layout as L
@@ -44,31 +46,41 @@ DECODE_RESERVE_CLIP = 512
 PREFETCH_POLL_S = 0.002  # how often an idle loop looks at storage reads that requests wait for
 
 
-def load_rank_catalog(args: ServerArgs, dp_rank: int, tokenizer: Tokenizer, vocab: int, device: torch.device,
-                      progress: bool):
-    """(catalog, built trie or None) for this rank. With a catalog image folder (the launcher names
-    one when --dp-size > 1: sgrec.catalog.image), rank 0 loads the catalog and writes it there with,
-    on the CPU, its trie, and every rank maps that one copy; else the rank loads its own."""
+def load_rank_catalog(args: ServerArgs, dp_rank: int, tokenizer: Tokenizer, vocab: int, progress: bool):
+    """This rank's catalog. With a catalog image folder (the launcher names one when --dp-size > 1:
+    sgrec.catalog.image), rank 0 loads the catalog and writes it there, and every rank maps that one
+    copy; else the rank loads its own."""
+    folder = os.environ.get(image.ENV)
+    if not folder:
+        return load_catalog(args.item_catalog, tokenizer, vocab, progress=progress)
+    if dp_rank == 0:
+        image.write(folder, load_catalog(args.item_catalog, tokenizer, vocab, progress=progress))
+    else:
+        image.wait(folder, READY_WAIT_S)
+    logger.info("item catalog mapped from %s (shared by the DP ranks)", folder)
+    return image.load(folder)
+
+
+def shared_trie(key: str, build, device: torch.device):
+    """build() -> (trie, catalog rows) of a catalog version (a RetrieveExecutor's build_trie or
+    updated_trie, or (None, None)), made once for all DP ranks where they share a catalog image and
+    the trie lives on the CPU: the first rank to ask for `key` builds it, every rank maps its arrays
+    (sgrec.catalog.image.shared); ranks ask for the versions' keys in the same order. Else build()."""
     from sgrec.beam.trie import SemanticIdTrie
 
     folder = os.environ.get(image.ENV)
-    if not folder:
-        return load_catalog(args.item_catalog, tokenizer, vocab, progress=progress), None
-    if dp_rank == 0:
-        catalog = load_catalog(args.item_catalog, tokenizer, vocab, progress=progress)
-        arrays, info = {}, None
-        if device.type == "cpu" and catalog.semantic_id_len:
-            trie, rows = SemanticIdTrie.from_catalog(catalog, vocab)
-            arrays, info = trie.arrays()
-            arrays["trie_rows"] = rows
-        image.write(folder, catalog, arrays, info)
-        del catalog, arrays
-    else:
-        image.wait(folder, READY_WAIT_S)
-    catalog, arrays, info = image.load(folder)
-    built = None if info is None else (SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"])
-    logger.info("item catalog mapped from %s (shared by the DP ranks)", folder)
-    return catalog, built
+    if not folder or device.type != "cpu":
+        return build()
+
+    def make():
+        trie, rows = build()
+        if trie is None:
+            return {}, None
+        arrays, info = trie.arrays()
+        return {**arrays, "trie_rows": rows}, info
+
+    arrays, info = image.shared(folder, "trie", key, make)
+    return (None, None) if info is None else (SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"])
 
 
 class Scheduler:
@@ -104,20 +116,22 @@ class Scheduler:
         backend = stream_backend(args, runner.device)
         self.catalog = self.rank_executor = self.retriever = self.versions = None
         if args.item_catalog:
-            from sgrec.beam.executor import RetrieveExecutor
+            from sgrec.beam.executor import RetrieveExecutor, build_trie
             from sgrec.rank.executor import RankExecutor
 
             vocab = runner.config.vocab_size
-            catalog, built = load_rank_catalog(args, dp_rank, tokenizer, vocab, runner.device, show_progress)
+            catalog = load_rank_catalog(args, dp_rank, tokenizer, vocab, show_progress)
             self.versions = replay(catalog, args.journal_path, args.catalog_history, vocab)
             self.catalog = self.versions.current
+            built = shared_trie(f"v{self.versions.version}-start",
+                                lambda: build_trie(self.catalog, vocab, runner.device), runner.device)
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
             if self.hicache is not None and self.hicache.storage is not None:
                 self.rank_executor.tiers = self.hicache  # item KV shared through the storage tier
             self.rank_executor.precompute(progress=show_progress)
             self.retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width,
                                               units=stage_units(args, backend),
-                                              built=built if self.catalog is catalog else None)
+                                              built=built)
 
             def versioned(results: list) -> list:  # every answer names the catalog version it was served on
                 for r in results:
@@ -341,9 +355,12 @@ class Scheduler:
         applied = prepared.applied
         if applied.catalog is self.versions.current:  # nothing changed (unknown ids deleted)
             return prepared, self.retriever.built
+        key = f"v{prepared.version}-{hashlib.sha1(orjson.dumps(record, option=orjson.OPT_SORT_KEYS)).hexdigest()}"
         if prepared.op == "rollback":  # another line of rows: the version's trie from scratch
-            return prepared, self.retriever.build_trie(applied.catalog)
-        return prepared, self.retriever.updated_trie(applied)
+            build = lambda: self.retriever.build_trie(applied.catalog)  # noqa: E731
+        else:
+            build = lambda: self.retriever.updated_trie(applied)  # noqa: E731
+        return prepared, shared_trie(key, build, self.runner.device)
 
     def commit_catalog(self, prepared: Prepared, trie) -> tuple:
         """Serves the prepared version from the next step on (call between steps): the executors
