@@ -360,3 +360,22 @@ def test_bench_catalog_server_runs_its_parts(tmp_path):
                  "the catalog's memory at dp-size 2 within 1.2x of dp-size 1's, after 2 updates:",
                  "rerun: python benchmarks/"):
         assert line in p.stdout
+
+
+def test_bench_fresh_memory_prints_its_table():
+    """benchmarks/bench_fresh_memory.py, small and without pauses (a smoke run, not a measurement): one
+    row per touch with its time and the kernel's fault counters, and the page-reporting line."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fresh_memory.py"), "--gb", "0.01",
+                        "--back-to-back", "2", "--after-idle", "1", "--idle", "0"], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "kernel page reporting: " in p.stdout and "rerun: python benchmarks/bench_fresh_memory.py" in p.stdout
+    rows = re.findall(r"^\| (back to back|after 0 s idle) \| (\d) \| [\d.]+ \| [\d.]+ \| \d+ \| \d+ \| \d+ \| \d+ \|$",
+                      p.stdout, re.M)
+    assert rows == [("back to back", "1"), ("back to back", "2"), ("after 0 s idle", "1")]
