@@ -11,6 +11,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import random
+import shutil
 import tempfile
 
 import numpy as np
@@ -170,18 +171,29 @@ def test_ranks_in_processes_make_each_shared_version_once(tmp_path):
 
 
 def test_the_image_folder_goes_to_shared_memory_when_it_has_room(tmp_path):
+    """folder_for: in `shm` when it has room for 4 times the catalog, else the temporary folder; the
+    folder's owner lock is held while its server runs, and folders whose owner is gone are removed."""
+    import fcntl
+
     shm, cat = tmp_path / "shm", tmp_path / "catalog.jsonl"
     shm.mkdir()
     cat.write_text("{}\n")
-    stale = shm / f"{image.PREFIX}999999999-old"  # a killed server's (no such process)
-    live = shm / f"{image.PREFIX}{os.getpid()}-mine"
-    stale.mkdir()
-    live.mkdir()
-    got = image.folder_for(str(cat), shm=str(shm))
-    assert os.path.dirname(got) == str(shm) and os.path.basename(got).startswith(f"{image.PREFIX}{os.getpid()}-")
-    assert not stale.exists() and live.exists()
+    stale, live, making = (shm / f"{image.PREFIX}{name}" for name in ("stale", "live", "making"))
+    for d in (stale, live, making):
+        d.mkdir()
+    (stale / image.OWNER).touch()  # its server was killed: nobody holds the lock
+    held = open(live / image.OWNER, "a")  # another server, running (another PID namespace as well)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    got = image.folder_for(str(cat), shm=str(shm))  # (making: no lock file yet, as between mkdtemp and the lock)
+    assert os.path.dirname(got) == str(shm) and os.path.basename(got).startswith(image.PREFIX)
+    assert not stale.exists() and live.exists() and making.exists()
+    with open(os.path.join(got, image.OWNER)) as f, pytest.raises(BlockingIOError):
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this process owns the new one
+    held.close()
     with open(cat, "wb") as f:
         f.truncate(2**42)  # sparse: a catalog 4 times larger than any room here
     other = image.folder_for(str(cat), shm=str(shm))
-    assert os.path.dirname(other) == os.path.realpath(tempfile.gettempdir())
-    os.rmdir(other)
+    assert os.path.dirname(other) == os.path.realpath(tempfile.gettempdir()) or \
+        os.path.dirname(other) == tempfile.gettempdir()
+    assert not live.exists()  # its owner let go: removed by the next server
+    shutil.rmtree(other)

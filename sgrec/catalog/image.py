@@ -38,7 +38,8 @@ from sgrec.catalog.ids import IdColumn, IdIndex
 from sgrec.catalog.store import Catalog
 
 ENV = "SGREC_CATALOG_IMAGE"
-PREFIX = "sgrec-catalog-image-"  # then the launcher's pid
+PREFIX = "sgrec-catalog-image-"
+OWNER = "owner.lock"  # locked by the server that made the folder, while it runs
 MANIFEST = "manifest.json"
 SPARE = 0.5  # Catalog.with_room's room
 GROW = ("token_flat", "token_ptr", "id_tokens", "has_semantic", "semantic_ids")
@@ -68,12 +69,13 @@ def folder_for(catalog_path: str, shm: str = "/dev/shm") -> str:
     """A new folder for a server's image: in shared memory (`shm`, a tmpfs: the versions' arrays are
     written there at memory speed, where a disk's page cache can take seconds once its dirty pages
     pile up) when it has room for 4 times the catalog file, else the system's temporary folder (a
-    container's /dev/shm is often 64 MB). The launcher removes it at exit; folders left by a server
-    that was killed (its process gone) are removed here, so shared memory does not leak."""
+    container's /dev/shm is often 64 MB). The calling process holds a lock on the folder's `OWNER`
+    file until it exits (the launcher; it also removes the folder at exit). Folders whose owner is
+    gone (a server that was killed) are removed here, so shared memory does not leak; a lock, not a
+    process id, tells them apart, so servers in other PID namespaces that share /dev/shm are safe."""
     for root in (shm, tempfile.gettempdir()):
         for name in os.listdir(root) if os.path.isdir(root) else ():
-            pid = name[len(PREFIX):].split("-")[0]
-            if name.startswith(PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            if name.startswith(PREFIX) and _unowned(os.path.join(root, name)):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     try:
         st = os.statvfs(shm)
@@ -82,7 +84,27 @@ def folder_for(catalog_path: str, shm: str = "/dev/shm") -> str:
         roomy = st.f_bavail * st.f_frsize >= 4 * size and os.access(shm, os.W_OK)
     except OSError:
         roomy = False
-    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=shm if roomy else None)
+    folder = tempfile.mkdtemp(prefix=PREFIX, dir=shm if roomy else None)
+    owner = open(os.path.join(folder, OWNER), "a")
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    _owned.append(owner)  # held open, so locked, for this process's life
+    return folder
+
+
+_owned: list = []
+
+
+def _unowned(folder: str) -> bool:
+    """Whether folder's owner lock is free (its owner exited or was killed). A folder without the
+    lock file is one being made right now: owned."""
+    try:
+        with open(os.path.join(folder, OWNER)) as f:  # never made here
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+    except BlockingIOError:
+        return False
+    except OSError:  # no lock file (being made) or no access
+        return False
 
 
 def write(folder: str, catalog: Catalog) -> None:
