@@ -153,6 +153,7 @@ class HiCache:
         self._shape = (pool.num_layers, *pool.k_buffer[0].shape[1:])  # layers, heads, head dim
         self._dtype = pool.dtype
         self._like = self.like(page_size)
+        self._upload_stream = None  # on a GPU: the stream loads copy on (made at the first)
         self._writes: queue.Queue | None = None
         self._fetcher: ThreadPoolExecutor | None = None
         if storage is not None:
@@ -226,11 +227,33 @@ class HiCache:
         return LoadPlan((k0 + len(pages)) * P, k, v, [name for name, _ in pages], stored)
 
     def load(self, slots: torch.Tensor, plan: LoadPlan) -> None:
-        """Copies the plan's rows into `slots` (as many as the plan has tokens past its start)."""
-        self.pool.write_rows(slots, plan.k, plan.v)
+        """Copies the plan's rows into `slots` (as many as the plan has tokens past its start). On a
+        GPU the host-to-device copy runs on a stream of its own (`_upload`), so loading never waits
+        for the step the GPU is still running."""
+        k, v = self._upload(plan.k, plan.v) if self.pool.device.type == "cuda" else (plan.k, plan.v)
+        self.pool.write_rows(slots, k, v)
         self._from_storage.difference_update(plan.keys)
         self.loaded_tokens["storage"] += plan.from_storage
         self.loaded_tokens["host"] += len(slots) - plan.from_storage
+
+    def _upload(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host rows on the pool's GPU without the host waiting for the copy: staged in pinned memory
+        and copied on a stream of their own, which the current stream waits for on the device before
+        anything reads them. A copy from pageable memory on the current stream would wait for every
+        kernel queued before it (the step still running) and hold the host meanwhile; this one
+        overlaps them (SGLang's HiCache loads on a stream of its own too). The pinned buffers go back
+        to torch's caching host allocator, which reuses them only once their copies are done."""
+        dev = self.pool.device
+        if self._upload_stream is None:
+            self._upload_stream = torch.cuda.Stream(dev)
+        pinned = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x) for x in (k, v)]
+        current = torch.cuda.current_stream(dev)
+        with torch.cuda.stream(self._upload_stream):
+            out = [x.to(dev, non_blocking=True) for x in pinned]
+        current.wait_stream(self._upload_stream)
+        for x in out:
+            x.record_stream(current)  # made on the upload stream, used on this one
+        return out[0], out[1]
 
     def like(self, tokens: int) -> Page:
         """An empty page of `tokens` rows: the shape and dtype a stored object must have."""
