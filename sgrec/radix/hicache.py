@@ -227,14 +227,19 @@ class HiCache:
         return LoadPlan((k0 + len(pages)) * P, k, v, [name for name, _ in pages], stored)
 
     def load(self, slots: torch.Tensor, plan: LoadPlan) -> None:
-        """Copies the plan's rows into `slots` (as many as the plan has tokens past its start). On a
-        GPU the host-to-device copy runs on a stream of its own (`_upload`), so loading never waits
-        for the step the GPU is still running."""
-        k, v = self._upload(plan.k, plan.v) if self.pool.device.type == "cuda" else (plan.k, plan.v)
-        self.pool.write_rows(slots, k, v)
+        """Copies the plan's rows into `slots` (as many as the plan has tokens past its start)."""
+        self.write_rows(slots, plan.k, plan.v)
         self._from_storage.difference_update(plan.keys)
         self.loaded_tokens["storage"] += plan.from_storage
         self.loaded_tokens["host"] += len(slots) - plan.from_storage
+
+    def write_rows(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Host rows from a tier into the pool's `slots` (KVPool.write_rows). On a GPU the
+        host-to-device copy runs on a stream of its own (`_upload`), so loading never waits for the
+        step the GPU is still running."""
+        if self.pool.device.type == "cuda":
+            k, v = self._upload(k, v)
+        self.pool.write_rows(slots, k, v)
 
     def _upload(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Host rows on the pool's GPU without the host waiting for the copy: staged in pinned memory

@@ -533,7 +533,7 @@ class RankExecutor:
         self._make_room(n)
         got = self.allocator.alloc(n)
         borrowed.append(got)
-        self.runner.kv_pool.write_rows(got, torch.cat([p.k for _, p in found], 1), torch.cat([p.v for _, p in found], 1))
+        self.tiers.write_rows(got, torch.cat([p.k for _, p in found], 1), torch.cat([p.v for _, p in found], 1))
         off = 0
         for j, p in found:
             slots[j] = got[off : off + p.k.shape[1]]
