@@ -142,13 +142,12 @@ class RetrieveExecutor:
         """build_trie (the module's) for this executor's vocabulary and device."""
         return build_trie(catalog, self.vocab_size, self.device)
 
-    def updated_trie(self, applied, alloc=None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
+    def updated_trie(self, applied) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """build_trie of an update's catalog (a catalog.update.Applied), from the served trie: it
-        costs what the update changed (SemanticIdTrie.updated; its large arrays in memory from
-        `alloc`, np.empty's signature, when given), not a sort of the catalog."""
+        costs what the update changed (SemanticIdTrie.updated), not a sort of the catalog."""
         if self.trie is None or applied.added_from is None:
             return self.build_trie(applied.catalog)
-        return self.trie.updated(self._trie_rows, applied.catalog, applied.removed_rows, applied.added_from, alloc)
+        return self.trie.updated(self._trie_rows, applied.catalog, applied.removed_rows, applied.added_from)
 
     @property
     def built(self) -> tuple[SemanticIdTrie | None, np.ndarray | None]:

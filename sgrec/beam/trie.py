@@ -128,18 +128,14 @@ class SemanticIdTrie:
                         list(info["max_children"]), info["vocab_size"], device)
         return out
 
-    def updated(self, rows: np.ndarray, catalog: Catalog, removed_rows: np.ndarray, added_from: int,
-                alloc=None) -> tuple["SemanticIdTrie", np.ndarray]:
+    def updated(self, rows: np.ndarray, catalog: Catalog, removed_rows: np.ndarray, added_from: int
+                ) -> tuple["SemanticIdTrie", np.ndarray]:
         """The trie of the catalog version after an update, from this trie (over catalog rows
         `rows`): `removed_rows` died, rows [added_from, catalog.num_rows) are new (`Applied`). Equal
         to `from_catalog(catalog)`, array for array, without sorting the catalog: per level, the
         nodes left without items are deleted and the new ones inserted (memmoves), node ids shift
         by searches over the few changed ones, and the per-parent and per-token counts change by
-        what changed. This trie is left as it is. `alloc(size, dtype)` (np.empty's signature) gives
-        the memory of the new version's large arrays (sgrec.catalog.image.shared: the shared files
-        themselves, so that the maker writes them once); an array the update leaves as it was is
-        this trie's own."""
-        alloc = alloc or np.empty
+        what changed. This trie is left as it is."""
         V, D = self.vocab_size, self.depth
         host_leaf, host_key, host_count = self.host_arrays()
         toks0, ptrs0, leaf_item0 = self._host_more or (
@@ -151,7 +147,7 @@ class SemanticIdTrie:
         paths = catalog.semantic_ids[new_sem].astype(np.int64) if new_sem.size else np.zeros((0, D), np.int64)
         if paths.size and (paths.min() < 0 or paths.max() >= V):
             raise ValueError(f"semantic id tokens must be in [0, {V})")
-        new_rows = _splice(rows, pos, np.full(new_sem.size, len(rows) - pos.size), new_sem, alloc)
+        new_rows = _splice(rows, pos, np.full(new_sem.size, len(rows) - pos.size), new_sem)
         if not new_rows.size:
             raise ValueError("the item catalog has no semantic_id; retrieval needs one per item")
         # items leaving each node: the removed rows' paths, leaf up to depth 1 (few nodes)
@@ -182,10 +178,9 @@ class SemanticIdTrie:
             fresh, idx = fresh[~hit], np.searchsorted(K, fresh[~hit])
             ins = idx - np.searchsorted(dead, idx)  # new nodes' places among the survivors
             survivors = g[left > 0]
-            K, T = _splice(K, dead, ins, fresh, alloc), _splice(T, dead, ins, fresh % V, alloc)
-            C = _splice(C, dead, ins, 0, alloc)
-            if C is host_count[d + 1]:  # counts change whatever else does: a copy to write into
-                C = _into(alloc, C)
+            K, T, C = _splice(K, dead, ins, fresh), _splice(T, dead, ins, fresh % V), _splice(C, dead, ins, 0)
+            if C is host_count[d + 1]:
+                C = C.copy()
             t = survivors - np.searchsorted(dead, survivors)
             C[t + np.searchsorted(ins, t, side="right")] = left[left > 0]
             at = np.searchsorted(K, want)
@@ -196,8 +191,7 @@ class SemanticIdTrie:
             np.subtract.at(per, parent[~_isin_sorted(parent, dead_up)], 1)
             per = _splice(per, dead_up, ins_up, 0)
             np.add.at(per, fresh // V, 1)
-            ptr = alloc(per.size + 1, np.int64)
-            ptr[0] = 0
+            ptr = np.zeros(per.size + 1, dtype=np.int64)
             np.cumsum(per, out=ptr[1:])
             tc = self._tok_count[d].copy()
             np.subtract.at(tc, host_key[d][dead] % V, 1)
@@ -211,18 +205,14 @@ class SemanticIdTrie:
             dead_up, ins_up = dead, ins
         # rows: the removed ones out, leaf ids shifted as the leaves were, the new rows' leaves after
         leaf_new = _renumbering(dead_up, ins_up)
-        kept = _shifted(_splice(host_leaf, pos, none, 0), *leaf_new)
-        row_leaf = np.concatenate([kept, at], out=alloc(kept.size + at.size, np.int64))
-        del kept
+        row_leaf = np.concatenate([_shifted(_splice(host_leaf, pos, none, 0), *leaf_new), at])
         # each leaf's first row: a surviving leaf keeps its first old row (renumbered) unless that
         # row was removed (then found again below); a new row comes after every old one
         lost = host_leaf[pos]
         lost = np.unique(lost[leaf_item0[lost] == pos])
         lost = lost[~_isin_sorted(lost, dead_up)]  # and the leaf keeps other rows
         li = _shifted(_splice(leaf_item0, dead_up, none, 0), *_renumbering(pos, none))
-        li = _splice(li, none, ins_up, new_rows.size, alloc)
-        if not ins_up.size and alloc is not np.empty:  # no new leaf: still this call's own array
-            li = _into(alloc, li)
+        li = _splice(li, none, ins_up, new_rows.size)
         leaves, first = np.unique(at, return_index=True)
         np.minimum.at(li, leaves, first + (len(rows) - pos.size))
         if lost.size:  # leaves whose first row was removed and which keep other rows: look again
@@ -304,23 +294,14 @@ class SemanticIdTrie:
         return order[int(ptr[leaf]) : int(ptr[leaf + 1])].tolist()
 
 
-def _into(alloc, a: np.ndarray) -> np.ndarray:
-    """A copy of a in memory from alloc (np.empty's signature)."""
-    out = alloc(a.size, a.dtype)
-    out[...] = a
-    return out
-
-
-def _splice(a: np.ndarray, dead: np.ndarray, ins: np.ndarray, vals, alloc=np.empty) -> np.ndarray:
+def _splice(a: np.ndarray, dead: np.ndarray, ins: np.ndarray, vals) -> np.ndarray:
     """np.insert(np.delete(a, dead), ins, vals) as one copy of the runs between the few changes
-    (dead: ascending indices of a; ins: ascending places among the survivors), into memory from
-    `alloc` (np.empty's signature); a itself when nothing changes."""
+    (dead: ascending indices of a; ins: ascending places among the survivors)."""
     if not dead.size and not ins.size:
         return a
     if (dead.size + ins.size) * 256 > a.size:  # many changes for the size: numpy's own passes
-        out = np.insert(np.delete(a, dead), ins, vals)
-        return out if alloc is np.empty else _into(alloc, out)
-    out = alloc(a.size - dead.size + ins.size, a.dtype)
+        return np.insert(np.delete(a, dead), ins, vals)
+    out = np.empty(a.size - dead.size + ins.size, dtype=a.dtype)
     vals = np.broadcast_to(np.asarray(vals, dtype=a.dtype), ins.shape)
     bounds = [-1, *dead.tolist(), a.size]
     places = ins.tolist()

@@ -182,49 +182,30 @@ def load(folder: str) -> Catalog:
     return Catalog.from_storage(ids, index, view, AttrTable(n, cols), meta, man["live_tokens"], bufs)
 
 
-def shared(folder: str, kind: str, key: str, make: Callable[[Callable], tuple[dict[str, np.ndarray], object]]
+def shared(folder: str, kind: str, key: str, make: Callable[[], tuple[dict[str, np.ndarray], object]]
            ) -> tuple[dict[str, np.ndarray], object]:
     """(arrays, info) that every rank needs and one rank makes: the first rank to ask for `key` calls
-    make(alloc) -> (arrays, JSON info) and they become files in folder/"{kind}-{key}", and every rank
-    (the maker too, once it has let go of its own) maps those files read-only: one copy for all ranks.
-    `alloc(size, dtype)` (np.empty's signature) hands the maker memory that is already such a file
-    (a shared writable map), so what it makes there is written once; other arrays are copied into
-    files after. Ranks ask one at a time (a lock file), so the others wait for the maker instead of
-    making their own. Once a rank has mapped `key`, the other keys of `kind` are removed: ranks ask
-    for a kind's keys in the same order and one at a time (a catalog version's trie after every rank
-    serves the one before), so no rank asks for them again, and a rank that still maps one keeps its
-    pages until it lets go."""
+    make() -> (arrays, JSON info) and writes them to folder/"{kind}-{key}", and every rank (the maker
+    too, once it has let go of its own) maps those files read-only: one copy for all ranks. Ranks ask
+    one at a time (a lock file), so the others wait for the maker instead of making their own. Once a
+    rank has mapped `key`, the other keys of `kind` are removed: ranks ask for a kind's keys in the
+    same order and one at a time (a catalog version's trie after every rank serves the one before),
+    so no rank asks for them again, and a rank that still maps one keeps its pages until it lets go."""
     path = os.path.join(folder, f"{kind}-{key}")
     with open(os.path.join(folder, f"{kind}.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # until the file closes
         if not os.path.isdir(path):
+            arrays, info = make()
             tmp = path + ".tmp"
             shutil.rmtree(tmp, ignore_errors=True)  # a maker that died half-way
             os.mkdir(tmp)
-            made: dict[int, tuple[str, np.ndarray]] = {}  # id of each array alloc made -> its file, it
-
-            def alloc(size, dtype):
-                if not size:
-                    return np.empty(size, dtype)
-                name = f"m{len(made)}"
-                arr = np.memmap(os.path.join(tmp, name), dtype=dtype, mode="w+", shape=(size,))
-                made[id(arr)] = (name, arr)  # held: no other array takes its id meanwhile
-                return arr
-
-            arrays, info = make(alloc)
-            specs = {}
-            for name, arr in arrays.items():
-                if made.get(id(arr), (None, None))[1] is arr:  # already its file
-                    specs[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "rows": len(arr),
-                                   "file": made[id(arr)][0]}
-                else:
-                    specs[name] = {**_write(tmp, name, arr, None), "file": name}
-            del arrays, made
+            specs = {name: _write(tmp, name, arr, None) for name, arr in arrays.items()}
+            del arrays
             _manifest(tmp, {"arrays": specs, "info": info})
             os.rename(tmp, path)
         with open(os.path.join(path, MANIFEST)) as f:
             man = json.load(f)
-        out = {name: _map(path, spec["file"], spec, False) for name, spec in man["arrays"].items()}
+        out = {name: _map(path, name, spec, False) for name, spec in man["arrays"].items()}
         for name in os.listdir(folder):
             if name.startswith(kind + "-") and name != os.path.basename(path):
                 shutil.rmtree(os.path.join(folder, name), ignore_errors=True)

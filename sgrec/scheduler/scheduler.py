@@ -62,20 +62,18 @@ def load_rank_catalog(args: ServerArgs, dp_rank: int, tokenizer: Tokenizer, voca
 
 
 def shared_trie(key: str, build, device: torch.device):
-    """build(alloc) -> (trie, catalog rows) of a catalog version (a RetrieveExecutor's build_trie or
-    updated_trie, or (None, None); alloc: where its large arrays go, np.empty's signature, None for
-    numpy's own), made once for all DP ranks where they share a catalog image and the trie lives on
-    the CPU: the first rank to ask for `key` builds it (its arrays straight into the image's files
-    where build uses alloc), every rank maps them (sgrec.catalog.image.shared); ranks ask for the
-    versions' keys in the same order. Else build(None)."""
+    """build() -> (trie, catalog rows) of a catalog version (a RetrieveExecutor's build_trie or
+    updated_trie, or (None, None)), made once for all DP ranks where they share a catalog image and
+    the trie lives on the CPU: the first rank to ask for `key` builds it, every rank maps its arrays
+    (sgrec.catalog.image.shared); ranks ask for the versions' keys in the same order. Else build()."""
     from sgrec.beam.trie import SemanticIdTrie
 
     folder = os.environ.get(image.ENV)
     if not folder or device.type != "cpu":
-        return build(None)
+        return build()
 
-    def make(alloc):
-        trie, rows = build(alloc)
+    def make():
+        trie, rows = build()
         if trie is None:
             return {}, None
         arrays, info = trie.arrays()
@@ -126,7 +124,7 @@ class Scheduler:
             self.versions = replay(catalog, args.journal_path, args.catalog_history, vocab)
             self.catalog = self.versions.current
             built = shared_trie(f"v{self.versions.version}-start",
-                                lambda alloc: build_trie(self.catalog, vocab, runner.device), runner.device)
+                                lambda: build_trie(self.catalog, vocab, runner.device), runner.device)
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
             if self.hicache is not None and self.hicache.storage is not None:
                 self.rank_executor.tiers = self.hicache  # item KV shared through the storage tier
@@ -359,9 +357,9 @@ class Scheduler:
             return prepared, self.retriever.built
         key = f"v{prepared.version}-{hashlib.sha1(orjson.dumps(record, option=orjson.OPT_SORT_KEYS)).hexdigest()}"
         if prepared.op == "rollback":  # another line of rows: the version's trie from scratch
-            build = lambda alloc: self.retriever.build_trie(applied.catalog)  # noqa: E731
+            build = lambda: self.retriever.build_trie(applied.catalog)  # noqa: E731
         else:
-            build = lambda alloc: self.retriever.updated_trie(applied, alloc)  # noqa: E731
+            build = lambda: self.retriever.updated_trie(applied)  # noqa: E731
         return prepared, shared_trie(key, build, self.runner.device)
 
     def commit_catalog(self, prepared: Prepared, trie) -> tuple:
