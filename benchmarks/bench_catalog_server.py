@@ -149,6 +149,8 @@ def main(argv=None) -> None:
             plain = steady_pss(srv.pid)
         t = time.perf_counter()
         journal = os.path.join(work, f"dp{dp}.journal")
+        if os.path.exists(journal):  # a rerun in the same --workdir starts from the catalog file too
+            os.remove(journal)
         with serve([*flags, *with_cat, "--catalog-journal", journal], work, f"catalog-dp{dp}") as srv, \
                 httpx.Client(base_url=srv.url, timeout=600) as c:
             start_s = time.perf_counter() - t
