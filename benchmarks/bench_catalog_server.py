@@ -40,6 +40,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table, verdict  # noqa: E402
+from sgrec.catalog import image  # noqa: E402
 from sgrec.tools.local_server import LocalServer  # noqa: E402
 from sgrec.tools.make_tiny_model import make_tiny_model  # noqa: E402
 
@@ -65,7 +66,6 @@ binary.save(Catalog.from_columns([f"item{i}" for i in range(n)], rng.integers(3,
 """
 
 
-IMAGE = "sgrec-catalog-image-"  # the DP ranks' shared catalog folder (sgrec.catalog.image)
 
 
 def tree_pss_gib(pid: int) -> float:
@@ -73,15 +73,15 @@ def tree_pss_gib(pid: int) -> float:
     with each file of a shared catalog image that a process maps counted once at its whole allocated
     size, in place of the pages mapped so far: the rank that wrote it left it in memory (the page
     cache, or shared memory when the image is in /dev/shm) whether or not a rank has touched it yet
-    (PSS alone would miss the untouched pages), plus each rank's copy-on-write pages of them. Files are told apart by inode, read through
-    /proc/PID/map_files, so that one removed while still mapped (a trie version being let go of)
-    counts too."""
+    (PSS alone would miss the untouched pages), plus each rank's copy-on-write pages of them. Files
+    are told apart by inode, read through /proc/PID/map_files, so that one removed while still
+    mapped (a trie version being let go of) counts too."""
     root = psutil.Process(pid)
     total, files = 0, {}
     for p in [root, *root.children(recursive=True)]:
         try:
             for m in p.memory_maps(grouped=False):
-                if IMAGE not in m.path:
+                if image.PREFIX not in m.path:
                     total += m.pss
                     continue
                 total += m.anonymous  # a rank's own copy-on-write pages of the file (its appends)

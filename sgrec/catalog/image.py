@@ -101,9 +101,7 @@ def _unowned(folder: str) -> bool:
         with open(os.path.join(folder, OWNER)) as f:  # never made here
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
-    except BlockingIOError:
-        return False
-    except OSError:  # no lock file (being made) or no access
+    except OSError:  # locked (BlockingIOError), no lock file yet (being made) or no access
         return False
 
 

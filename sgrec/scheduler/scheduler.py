@@ -61,11 +61,12 @@ def load_rank_catalog(args: ServerArgs, dp_rank: int, tokenizer: Tokenizer, voca
     return image.load(folder)
 
 
-def shared_trie(key: str, build, device: torch.device):
+def shared_trie(key, build, device: torch.device):
     """build() -> (trie, catalog rows) of a catalog version (a RetrieveExecutor's build_trie or
     updated_trie, or (None, None)), made once for all DP ranks where they share a catalog image and
-    the trie lives on the CPU: the first rank to ask for `key` builds it, every rank maps its arrays
-    (sgrec.catalog.image.shared); ranks ask for the versions' keys in the same order. Else build()."""
+    the trie lives on the CPU: the first rank to ask for key() (the version's name, made only then)
+    builds it, every rank maps its arrays (sgrec.catalog.image.shared); ranks ask for the versions'
+    keys in the same order. Else build()."""
     from sgrec.beam.trie import SemanticIdTrie
 
     folder = os.environ.get(image.ENV)
@@ -79,7 +80,7 @@ def shared_trie(key: str, build, device: torch.device):
         arrays, info = trie.arrays()
         return {**arrays, "trie_rows": rows}, info
 
-    arrays, info = image.shared(folder, "trie", key, make)
+    arrays, info = image.shared(folder, "trie", key(), make)
     return (None, None) if info is None else (SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"])
 
 
@@ -123,7 +124,7 @@ class Scheduler:
             catalog = load_rank_catalog(args, dp_rank, tokenizer, vocab, show_progress)
             self.versions = replay(catalog, args.journal_path, args.catalog_history, vocab)
             self.catalog = self.versions.current
-            built = shared_trie(f"v{self.versions.version}-start",
+            built = shared_trie(lambda: f"v{self.versions.version}-start",
                                 lambda: build_trie(self.catalog, vocab, runner.device), runner.device)
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
             if self.hicache is not None and self.hicache.storage is not None:
@@ -355,7 +356,9 @@ class Scheduler:
         applied = prepared.applied
         if applied.catalog is self.versions.current:  # nothing changed (unknown ids deleted)
             return prepared, self.retriever.built
-        key = f"v{prepared.version}-{hashlib.sha1(orjson.dumps(record, option=orjson.OPT_SORT_KEYS)).hexdigest()}"
+        def key() -> str:  # the version and its record: an aborted prepare never serves another record's trie
+            return f"v{prepared.version}-{hashlib.sha1(orjson.dumps(record, option=orjson.OPT_SORT_KEYS)).hexdigest()}"
+
         if prepared.op == "rollback":  # another line of rows: the version's trie from scratch
             build = lambda: self.retriever.build_trie(applied.catalog)  # noqa: E731
         else:
