@@ -102,7 +102,8 @@ def test_fuzz_all_routes_bounded(tmp_path):
     res = fuzz.fuzz(max_examples=FUZZ_EXAMPLES, seed=20261126, workers=1, api_key="ci-fuzz-key",
                     workdir=str(tmp_path))
     summary = {k: v for k, v in res.items() if k != "schemathesis_output"}
-    assert res["operations"] == 24 and res["test_cases"] > 24 * 50, summary
+    # every operation but /pause_generation (benchmarks/fuzz.py excludes it: it would stall the others)
+    assert res["operations"] == 25 and res["test_cases"] > 24 * 50, summary
     assert res["failures"] == [] and res["errors"] == [], res.get("schemathesis_output", summary)
     assert all(r["reason"] in ALLOWED_400S for r in res["data_dependent_400s"]), summary
     assert res["health_after"] == 200 and res["schedulers_alive"], summary

@@ -252,10 +252,15 @@ def test_burst_over_queue_limit_gets_503_and_nothing_hangs(start_server, tiny_mo
     assert done.status_code == 200 and done.json()["meta_info"]["completion_tokens"] == 40
 
 
+PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
+CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
+
+
 def test_full_rank_answers_503_before_validating(start_server, model):
     """With --max-running-requests + --max-queued-requests requests outstanding, the tokenizer manager
     answers 503 at once, before reading the body: a body that would be a 400 gets the 503 then, and
-    the 400 again once the rank has room."""
+    the 400 again once the rank has room. The rank is held full by pausing it in place (no request
+    can end meanwhile on any machine: CI once saw both requests end before the checks)."""
     srv = start_server(model, "--max-total-tokens", "4096", "--max-running-requests", "1",
                        "--max-queued-requests", "1")
     bad = {"text": "", "sampling_params": {"max_new_tokens": 1}}  # empty prompt: 400 when admitted
@@ -266,8 +271,9 @@ def test_full_rank_answers_503_before_validating(start_server, model):
         assert r1.status_code == r2.status_code == 200  # headers come after submission: both are in
         lines = r1.iter_lines()  # kept: a dropped iterator closes the response and the server aborts it
         first = next(x for x in lines if x)
-        # r1 runs (2000 tokens), r2 waits behind it (R = 1): the rank holds 2 = R + Q requests
         assert first.startswith("data: {") and '"error"' not in first, first
+        # r1 runs, r2 waits behind it (R = 1): the rank holds 2 = R + Q requests, kept there
+        assert srv.client.post("/pause_generation", json={"mode": "in_place"}).json() == PAUSED
         g = srv.client.post("/generate", json=bad)
         assert g.status_code == 503 and g.json()["message"] == "The request queue is full."  # the scheduler's shape
         o = srv.client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 1})
@@ -281,9 +287,83 @@ def test_full_rank_answers_503_before_validating(start_server, model):
             r = srv.client.post(path, content=b"{not json")
             assert r.status_code == 503 and r.json()["message"] == "The request queue is full.", path
         assert srv.client.get("/server_info").status_code == 200  # other routes are not gated
-        assert srv.client.get("/health").status_code == 200  # busy, not broken: outputs keep coming
+        assert srv.client.get("/health").status_code == 200  # paused on purpose: alive
+        assert srv.client.post("/continue_generation").json() == CONTINUED
+        # busy, not broken: outputs keep coming (or, had both ended by now, the health request got in)
+        assert srv.client.get("/health").status_code == 200
     # the clients left: both are aborted and the rank has room again
     assert wait_until(lambda: srv.client.post("/generate", json=bad).status_code == 400)
+    ok = srv.client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, **GREEDY}})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
+    assert wait_until(lambda: kv_idle_and_free(srv))
+
+
+def test_a_slow_reader_holds_no_place_in_the_queue(start_server, model):
+    """A request the rank has finished leaves the queue's count when its last output arrives, not
+    when its client reads it: two unread streams that ended let the next request in, and /health
+    answers 200 (it used to wait for outputs that would never come, then 503). 2000 tokens each: the
+    cumulative chunks outgrow the sockets' buffers, so the server's writes wait for the reader."""
+    srv = start_server(model, "--max-total-tokens", "4096", "--max-running-requests", "1",
+                       "--max-queued-requests", "1", "--enable-metrics")
+    unread = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 2000, **GREEDY}}
+    done = scrape(srv)["sgrec:num_requests_total"]
+    with httpx.Client(base_url=srv.url, timeout=60) as c, \
+            c.stream("POST", "/generate", json=unread) as r1, c.stream("POST", "/generate", json=unread) as r2:
+        assert r1.status_code == r2.status_code == 200  # both sent; neither is read until the end
+        assert wait_until(lambda: scrape(srv)["sgrec:num_requests_total"] == done + 2)  # the rank ended both
+        bad = srv.client.post("/generate", json={"text": "", "sampling_params": {"max_new_tokens": 1}})
+        assert bad.status_code == 400  # admitted (validated), not the full queue's 503
+        assert srv.client.get("/health").status_code == 200
+        for r in (r1, r2):
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            assert chunks[-1]["meta_info"]["completion_tokens"] == 2000  # nothing lost for the slow reader
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_keeps_requests_and_their_tokens(start_server, model, mode):
+    """/pause_generation "in_place" (KV kept) and "retract" (back to the queue, recomputed or taken
+    from the cache) stop every batch: a request sent while paused gets no token until
+    /continue_generation, and every request then ends with the tokens an unpaused run gives."""
+    srv = start_server(model, "--max-total-tokens", "4096", "--enable-metrics")
+    body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 400, **GREEDY}}
+    ref = srv.client.post("/generate", json={**body, "stream": False}).json()["output_ids"]
+    with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", "/generate", json=body) as r1:
+        lines = r1.iter_lines()
+        first = next(x for x in lines if x)  # (r1 may end before the pause on a fast machine: still checked)
+        assert srv.client.post("/pause_generation", json={"mode": mode}).json() == PAUSED
+        made = scrape(srv)["sgrec:generation_tokens_total"]
+        late = {}
+        t = threading.Thread(target=lambda: late.update(r=srv.client.post(
+            "/generate", json={**body, "input_ids": [9, 8, 7, 6], "stream": False})))
+        t.start()
+        # the late request reaches the rank and waits there: nothing runs while paused
+        assert wait_until(lambda: srv.client.get("/server_info").json()["internal_states"][0]["num_queue_reqs"] >= 1)
+        assert scrape(srv)["sgrec:generation_tokens_total"] == made and t.is_alive()
+        assert srv.client.get("/health").status_code == 200
+        assert srv.client.post("/continue_generation", json={}).json() == CONTINUED
+        chunks = [json.loads(x[6:]) for x in [first, *lines] if x.startswith("data: {")]
+        t.join(60)
+    assert chunks[-1]["output_ids"] == ref and chunks[-1]["meta_info"]["completion_tokens"] == 400
+    assert late["r"].status_code == 200 and late["r"].json()["meta_info"]["completion_tokens"] == 400
+    assert wait_until(lambda: kv_idle_and_free(srv))
+
+
+def test_pause_abort_ends_every_request_and_bad_bodies_get_400(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "4096")
+    body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 2000, **GREEDY}}
+    with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", "/generate", json=body) as r1:
+        lines = r1.iter_lines()
+        assert next(x for x in lines if x).startswith("data: {")
+        assert srv.client.post("/pause_generation", json={"mode": "in_place"}).json() == PAUSED  # r1 held
+        assert srv.client.post("/pause_generation").json() == PAUSED  # mode "abort", SGLang's default
+        last = [x for x in lines if x.startswith("data: {")][-1]
+        assert json.loads(last[6:])["error"]["message"] == "Aborted by /pause_generation"
+    for bad, field in (({"mode": "later"}, "mode"), ({"mode": None}, "mode"), ({"when": 1}, "when"), ([1], "object")):
+        r = srv.client.post("/pause_generation", json=bad)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    r = srv.client.post("/continue_generation", json={"torch_empty_cache": "yes"})
+    assert r.status_code == 400 and "torch_empty_cache" in r.json()["error"]["message"]
+    assert srv.client.post("/continue_generation").json() == CONTINUED
     ok = srv.client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, **GREEDY}})
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
     assert wait_until(lambda: kv_idle_and_free(srv))

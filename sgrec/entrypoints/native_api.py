@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from sgrec import __version__
 from sgrec.entrypoints.helpers import SSE_DONE, HTTPError, abort_of, native_error, read_json, sse, wait_or_disconnect
-from sgrec.managers.io_struct import QUEUE_FULL
+from sgrec.managers.io_struct import PAUSE_MODES, QUEUE_FULL
 from sgrec.managers.rec import is_beam_generate
 from sgrec.managers.tokenizer_manager import QueueFull, Submission, TokenizerManager
 from sgrec.sampling import SchemaError
@@ -77,6 +77,8 @@ def add_health_routes(app: FastAPI, tm: TokenizerManager) -> None:
         the schedulers keep sending outputs (an orchestrator must not restart an overloaded server)."""
         if tm.dead:
             return Response(status_code=503)
+        if tm.paused:  # every rank acknowledged /pause_generation: alive, not generating on purpose
+            return Response(status_code=200)
         t0 = time.monotonic()
         try:
             sub = tm.submit({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
@@ -169,8 +171,25 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, launch
         return model_card()
 
 
+async def _control_body(request: Request, fields: dict) -> dict:
+    """An admin route's optional JSON object body: `fields` maps each allowed key to its check
+    (value -> error text or None); a missing key is absent from the result."""
+    if not (await request.body()).strip():
+        return {}
+    obj = await read_json(request)
+    if not isinstance(obj, dict):
+        raise HTTPError(400, "The body must be a JSON object")
+    for key, value in obj.items():
+        if key not in fields:
+            raise HTTPError(400, f"{key}: unknown field (allowed: {', '.join(fields)})")
+        if (why := fields[key](value)) is not None:
+            raise HTTPError(400, f"{key}: {why}")
+    return obj
+
+
 def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
-    """/flush_cache and /metrics (Prometheus, with --enable-metrics)."""
+    """/flush_cache, /pause_generation and /continue_generation, /metrics (Prometheus, with
+    --enable-metrics)."""
 
     async def flush_cache():
         ok = await tm.flush_cache()
@@ -182,6 +201,35 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
 
     app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+
+    def pause_mode(v):
+        return None if v in PAUSE_MODES else f"must be one of {', '.join(PAUSE_MODES)}"
+
+    def boolean(v):
+        return None if isinstance(v, bool) else "must be a boolean"
+
+    async def control(mode: str | None, message: str) -> JSONResponse:
+        try:
+            await tm.pause(mode)
+        except RuntimeError as e:
+            raise HTTPError(503, str(e)) from None
+        except asyncio.TimeoutError:
+            raise HTTPError(503, "a scheduler did not answer within 30 s") from None
+        return JSONResponse({"message": message, "status": "ok"})
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        """SGLang's: stops running batches on every rank. mode "abort" (the default) ends every
+        request (503), "retract" puts the running ones back in the queue, "in_place" keeps them
+        and their KV. Requests sent while paused wait in the queue."""
+        obj = await _control_body(request, {"mode": pause_mode})
+        return await control(obj.get("mode", "abort"), "Generation paused successfully.")
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        """Resumes after /pause_generation (torch_empty_cache is accepted and has nothing to do here)."""
+        await _control_body(request, {"torch_empty_cache": boolean})
+        return await control(None, "Generation continued successfully.")
 
     @app.get("/metrics")
     async def metrics():

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from sgrec.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from sgrec.managers.io_struct import PAUSE_MODES
 
 REF = "#/components/schemas/{model}"
 ERROR_STATUSES = {
@@ -312,6 +313,16 @@ def catalog_item_schema(lim: SchemaLimits) -> dict:
     }
 
 
+CONTROL_SCHEMAS = {  # the admin routes' bodies (optional: none means every default)
+    "PauseGenerationReqInput": {
+        "type": "object", "additionalProperties": False,
+        "properties": {"mode": {"enum": list(PAUSE_MODES), "default": "abort"}}},
+    "ContinueGenerationReqInput": {
+        "type": "object", "additionalProperties": False,
+        "properties": {"torch_empty_cache": {"type": "boolean"}}},
+}
+
+
 CATALOG_SCHEMAS = {
     "CatalogItemsRequest": lambda lim: {
         "type": "object", "required": ["items"],
@@ -332,7 +343,7 @@ ERROR_SCHEMA = {
 
 
 def _body(schema_name: str) -> dict:
-    return {"required": True, "content": {"application/json": {
+    return {"required": schema_name not in CONTROL_SCHEMAS, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{schema_name}"}}}}
 
 
@@ -359,6 +370,8 @@ BODIES = {  # path -> (component name, streams)
     "/v1/catalog/items": ("CatalogItemsRequest", False),
     "/v1/catalog/delete": ("CatalogDeleteRequest", False),
     "/v1/catalog/rollback": ("CatalogRollbackRequest", False),
+    "/pause_generation": ("PauseGenerationReqInput", False),
+    "/continue_generation": ("ContinueGenerationReqInput", False),
 }
 CATALOG_ERRORS = {"404": "A rollback to a catalog version that is not kept",
                   "500": "The update could not be made durable (journal write failed)"}
@@ -441,7 +454,7 @@ def build_openapi(app: FastAPI, lim: SchemaLimits, secured=None) -> dict:
         **FILTER_SCHEMAS,
         "ScoringRequest": score_schema(lim), "RecUser": _user_schema(lim), "RankRequest": rank_schema(lim),
         "RetrieveRequest": retrieve_schema(lim), "RecommendRequest": recommend_schema(lim),
-        **{name: make(lim) for name, make in CATALOG_SCHEMAS.items()},
+        **{name: make(lim) for name, make in CATALOG_SCHEMAS.items()}, **CONTROL_SCHEMAS,
     })
     for path, ops in doc["paths"].items():
         for method, op in ops.items():

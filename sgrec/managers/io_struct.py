@@ -82,6 +82,24 @@ class FlushCacheReq:
 @dataclass
 class FlushCacheResult:
     success: bool
+    dp_rank: int = 0
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class PauseReq:
+    """/pause_generation (mode: one of PAUSE_MODES) or /continue_generation (mode None): while
+    paused a scheduler takes requests and control messages but runs no batch."""
+
+    mode: str | None
+
+
+@dataclass
+class PauseResult:
+    dp_rank: int
+    paused: bool
 
 
 @dataclass
@@ -148,7 +166,7 @@ _TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         TokenizedGenerateReq, TaskReq, ReqOutput, BatchReqOutput, AbortReq, FlushCacheReq, FlushCacheResult,
-        SchedulerStats, SchedulerReady, CatalogUpdateReq, CatalogCommitReq, CatalogReply,
+        PauseReq, PauseResult, SchedulerStats, SchedulerReady, CatalogUpdateReq, CatalogCommitReq, CatalogReply,
     )
 }
 

@@ -100,8 +100,10 @@ class TokenizerManager:
         self.ready: dict[int, io.SchedulerReady] = {}
         self.stats: dict[int, io.SchedulerStats] = {}
         self.subs: dict[str, Submission] = {}  # rid -> submission
-        self.rank_load = [0] * len(in_addrs)
-        self.flush_waiters: list[asyncio.Future] = []
+        self.rank_load = [0] * len(in_addrs)  # requests sent to each rank and not yet done there
+        self._at_rank: set[str] = set()  # the rids counted in rank_load
+        self.replies: list[list[asyncio.Future]] = [[] for _ in in_addrs]  # per rank: control replies awaited, in order
+        self.paused: str | None = None  # the mode of /pause_generation until /continue_generation
         self.dead: str | None = None
         self.metrics = None  # set by the server when --enable-metrics
         self.listener: asyncio.Task | None = None
@@ -219,6 +221,7 @@ class TokenizerManager:
         for m in msgs:
             self.subs[m.rid] = sub
         self.rank_load[rank] += len(msgs)
+        self._at_rank.update(m.rid for m in msgs)
         return sub
 
     def _pick_rank(self, routing_key: str | None) -> int:
@@ -266,7 +269,14 @@ class TokenizerManager:
         for s in sub.states:
             if self.subs.get(s.msg.rid) is sub:
                 del self.subs[s.msg.rid]
-                self.rank_load[sub.rank] -= 1
+                self._release(sub.rank, s.msg.rid)
+
+    def _release(self, rank: int, rid: str) -> None:
+        """A request leaves the rank's load once the rank is done with it (its final output arrived, or
+        it was aborted), not when its client has read it: a slow reader holds no place in the queue."""
+        if rid in self._at_rank:
+            self._at_rank.discard(rid)
+            self.rank_load[rank] -= 1
 
     async def outputs_since(self, t0: float, timeout: float) -> bool:
         """Whether some scheduler sends a request output after monotonic time t0 (waits up to
@@ -285,20 +295,37 @@ class TokenizerManager:
                 return False
         return True
 
-    async def flush_cache(self) -> bool:
+    async def _ask_all(self, msg) -> list:
+        """Sends a control message to every rank; their replies (each rank answers its control
+        messages in order)."""
+        if self.dead:
+            raise RuntimeError(self.dead)
         futs = []
-        for sock in self.send_socks:
+        for sock, waiting in zip(self.send_socks, self.replies):
             fut = asyncio.get_running_loop().create_future()
-            self.flush_waiters.append(fut)
+            waiting.append(fut)
             futs.append(fut)
-            sock.send(io.encode(io.FlushCacheReq()))
-        results = await asyncio.wait_for(asyncio.gather(*futs), timeout=30)
-        return all(results)
+            sock.send(io.encode(msg))
+        return await asyncio.wait_for(asyncio.gather(*futs), timeout=30)
+
+    async def flush_cache(self) -> bool:
+        return all(r.success for r in await self._ask_all(io.FlushCacheReq()))
+
+    async def pause(self, mode: str | None) -> None:
+        """/pause_generation (a mode of io.PAUSE_MODES) or /continue_generation (None); returns once
+        every rank has stopped (or resumed) running batches."""
+        await self._ask_all(io.PauseReq(mode))
+        self.paused = mode
 
     def fail_all(self, message: str, status_code: int = 500) -> None:
         self.dead = message
         if self.catalog is not None:
             self.catalog.fail_all(message)
+        for waiting in self.replies:
+            for fut in waiting:
+                if not fut.done():
+                    fut.set_exception(RuntimeError(message))
+            waiting.clear()
         for sub in set(self.subs.values()):
             for s in sub.states:
                 if not s.finished:
@@ -334,9 +361,11 @@ class TokenizerManager:
         elif isinstance(msg, io.CatalogReply):
             if self.catalog is not None:
                 self.catalog.on_reply(msg)
-        elif isinstance(msg, io.FlushCacheResult):
-            if self.flush_waiters:
-                self.flush_waiters.pop(0).set_result(msg.success)
+        elif isinstance(msg, (io.FlushCacheResult, io.PauseResult)):
+            waiting = self.replies[msg.dp_rank]
+            fut = waiting.pop(0) if waiting else None
+            if fut is not None and not fut.done():  # (done: its caller timed out)
+                fut.set_result(msg)
         else:
             logger.warning("dropped an unexpected %s message from a scheduler", type(msg).__name__)
 
@@ -347,6 +376,8 @@ class TokenizerManager:
         state = next(s for s in sub.states if s.msg.rid == out.rid)
         had_first = state.first_token_time is not None
         state.apply(out)
+        if state.finished:
+            self._release(sub.rank, out.rid)
         if self.metrics:
             self.metrics.on_output(state, out, had_first)
         sub.event.set()

@@ -34,6 +34,7 @@ logger = logging.getLogger("sgrec.scheduler")
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
 INTERNAL_ERROR = "Internal error while running the batch"
+PAUSE_ABORTED = "Aborted by /pause_generation"
 PREPARE_SWITCH_S = 0.0005  # GIL switch interval while a catalog version is built beside the steps (default 5 ms)
 
 
@@ -71,6 +72,7 @@ class SchedulerLoop:
         freeze_startup_objects()
         self.last_stats = 0.0
         self.live: dict = {}  # rid -> Req or Task accepted and not yet reported finished
+        self.paused = False  # /pause_generation: requests are taken, no batch runs
         self.gen_tokens = 0
         self.gen_since = time.monotonic()
 
@@ -108,7 +110,7 @@ class SchedulerLoop:
                                     self.runner.config.vocab_size, self.runner.max_input_len,
                                     self.scheduler.catalog_info(), {k: getattr(self.scheduler.args, k) for k in DEVICE_SIZED}))
         while True:
-            wait = self.scheduler.idle_wait()  # rank / retrieve batches waiting for their quota: sleep till due
+            wait = None if self.paused else self.scheduler.idle_wait()  # rank / retrieve batches wait for their quota
             ready = dict(self.poller.poll(IDLE_POLL_MS if wait is None else min(IDLE_POLL_MS, math.ceil(wait * 1000))))
             if self.item_pool is not None:
                 self.item_pool.refresh()  # its share computed at the first call; fetch counters logged
@@ -117,7 +119,7 @@ class SchedulerLoop:
             if os.getppid() != self.parent:
                 logger.error("parent process died; scheduler %d exits", self.dp_rank)
                 return
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() and not self.paused:
                 self.step()
             if time.monotonic() - self.last_stats >= STATS_INTERVAL_S:
                 self.send_stats()
@@ -168,7 +170,9 @@ class SchedulerLoop:
             if req is not None:
                 self.send(io.BatchReqOutput([req.make_output()]))
         elif isinstance(msg, io.FlushCacheReq):
-            self.send(io.FlushCacheResult(sched.flush_cache()))
+            self.send(io.FlushCacheResult(sched.flush_cache(), self.dp_rank))
+        elif isinstance(msg, io.PauseReq):
+            self.pause(msg.mode)
         elif isinstance(msg, io.CatalogUpdateReq):
             threading.Thread(target=self._prepare_catalog, args=(msg,), daemon=True, name="catalog-prepare").start()
         elif isinstance(msg, io.CatalogCommitReq):
@@ -185,6 +189,24 @@ class SchedulerLoop:
                 self.send(reply)
         else:
             logger.warning("dropped an unexpected %s message", type(msg).__name__)
+
+    def pause(self, mode: str | None) -> None:
+        """/pause_generation between two steps: "in_place" keeps every request and its KV, "retract"
+        moves the running ones back to the queue (their KV to the cache), "abort" ends them all (503);
+        mode None (/continue_generation) resumes. Answers once done, so the caller knows no batch runs."""
+        sched = self.scheduler
+        if mode == "abort":
+            reqs = sched.abort_all(PAUSE_ABORTED, 503)
+            for r in reqs:
+                self.live.pop(r.rid, None)
+            if reqs:
+                self.send(io.BatchReqOutput([r.make_output() for r in reqs]))
+        elif mode == "retract":
+            sched.retract_running()
+        elif mode is not None and mode != "in_place":
+            raise ValueError(f"unknown pause mode {mode!r}")
+        self.paused = mode is not None
+        self.send(io.PauseResult(self.dp_rank, self.paused))
 
     def _prepare_catalog(self, msg: io.CatalogUpdateReq) -> None:
         """Phase one of a catalog update, on its own thread while steps go on: builds the next

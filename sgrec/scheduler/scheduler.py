@@ -337,6 +337,11 @@ class Scheduler:
         self.tasks.clear()
         return reqs
 
+    def retract_running(self) -> None:
+        """Every running request back to the front of the queue, in order, its KV to the cache."""
+        for req in reversed(list(self.running)):
+            self._retract(req)
+
     def flush_cache(self) -> bool:
         if self.has_work():
             return False
@@ -636,7 +641,7 @@ class Scheduler:
         self._release(req)
         req.num_retractions += 1
         self.waiting.insert(0, req)
-        logger.info("retracted request %s (KV cache full)", req.rid)
+        logger.info("retracted request %s", req.rid)
 
     # ---- KV ownership -------------------------------------------------------------------
     def _cache_unfinished(self, req: Req) -> None:
