@@ -52,9 +52,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def demo_server(work: str, name: str) -> LocalServer:
+def demo_server(work: str, name: str, cpu_threads: int | None = None) -> LocalServer:
     flags = ["--device", "cpu", "--dtype", "float32", "--item-catalog", demo.catalog_path(), "--catalog-journal",
              os.path.join(work, f"{name}.journal"), "--max-beam-width", "64"]
+    if cpu_threads is not None:
+        flags += ["--cpu-threads", str(cpu_threads)]
     return LocalServer(flags, log_path=os.path.join(work, f"{name}.log"))
 
 
@@ -90,7 +92,7 @@ def push_updates(url: str, bodies: list[bytes], per_s: float, start: float, stop
 def bench_traffic(work: str, a) -> list[dict]:
     items = demo_items()
     rows = []
-    with demo_server(work, "traffic") as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
+    with demo_server(work, "traffic", a.cpu_threads) as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
         for _ in range(2):  # warm-up: both request kinds once
             assert c.post("/v1/retrieve", json=retrieve_body(random.Random(0), items)).status_code == 200
         lat: dict[str, list[float]] = {"quiet": [], "rejected": [], "updates": []}
@@ -214,7 +216,7 @@ def bench_recommend(work: str, a) -> list[dict]:
     users = [retrieve_body(rng, items)["user"] for _ in range(64)]
     stage = {"beam_width": 32, "num_candidates": 20}
     out = []
-    with demo_server(work, "recommend") as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
+    with demo_server(work, "recommend", a.cpu_threads) as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
         def one_call(cc, u):
             r = cc.post("/v1/recommend", json={"user": u, "retrieve": stage, "top_k": 10})
             assert r.status_code == 200, r.text
@@ -280,6 +282,7 @@ def parse_args(argv=None):
     ap.add_argument("--items", type=int, default=1_000_000, help="catalog size of part 2")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--workdir")
+    ap.add_argument("--cpu-threads", type=int, help="the demo servers' --cpu-threads (default: theirs)")
     a = ap.parse_args(argv)
     if a.quick:
         a.phase_s, a.rounds, a.items, a.trials = 5.0, 2, min(a.items, 100_000), 3

@@ -34,6 +34,10 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs):
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         args = self.server_args
+        if args.cpu_threads is not None:  # in-process: torch's own count unless asked (the caller's process)
+            import torch
+
+            torch.set_num_threads(args.cpu_threads)
         self.tokenizer = Tokenizer(args.tokenizer_path or args.model_path)
         self.runner = ModelRunner(args)
         self.scheduler = Scheduler(args, self.runner, self.tokenizer)

@@ -223,6 +223,12 @@ class ServerArgs:
         "percent on saturated serving (BENCHMARKS.md). Candidate order never changes rank scores, with or without it.")
     random_seed: int = _arg(0, "Seed of the shared sampling generator.")
     dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.")
+    cpu_threads: int | None = _arg(
+        None, "Threads of each scheduler's forward on CPU (torch's intra-op threads). Default: the CPUs this "
+        "process may run on, divided among the --dp-size ranks. On a machine with few cores, fewer threads "
+        "than cores leave one to the HTTP process and its clients: on 2 cores, 1 gave retrieve traffic lower "
+        "latency and more requests per second than 2 (BENCHMARKS.md); the default stays all of them, which "
+        "big prefills and batches use.")
     api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")
     enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.")
     log_level: str = _arg("info", "Log level.", ["debug", "info", "warning", "error"])
@@ -278,6 +284,8 @@ class ServerArgs:
             raise ValueError("catalog_history must be at least 1 (the current version)")
         if self.dp_size < 1:
             raise ValueError("dp_size must be at least 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be at least 1")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         self._check_hicache()
@@ -296,6 +304,14 @@ class ServerArgs:
         self.hicache_extra_config()
         if not self.enable_hierarchical_cache and (self.hicache_storage_backend or self.hicache_ratio or self.hicache_size):
             raise ValueError("hicache_ratio, hicache_size and hicache_storage_backend need enable_hierarchical_cache")
+
+    def forward_threads(self) -> int:
+        """--cpu-threads, or the CPUs this process may run on (its affinity: a container's cpuset, taskset)
+        divided among the DP ranks."""
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cpus // self.dp_size)
 
     def hicache_extra_config(self) -> dict:
         """--hicache-storage-backend-extra-config as a dict (ValueError naming the flag when it is not a JSON object

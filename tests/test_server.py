@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 import threading
 import time
 
@@ -154,6 +155,7 @@ def test_info_routes(server, model):
     assert sinfo["version"] == "0.5.23" and sinfo["max_total_num_tokens"] == 4096 and sinfo["status"] == "ready"
     assert c.get("/get_server_info").status_code == 200 and len(sinfo["internal_states"]) == 1
     assert (sinfo["chunked_prefill_size"], sinfo["max_batch_tokens"]) == (2048, 16384)  # sized for the CPU
+    assert sinfo["cpu_threads"] == len(os.sched_getaffinity(0))  # every CPU this process may use: one rank
     models = c.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
     assert models["data"][0]["max_model_len"] == 2048
@@ -162,6 +164,24 @@ def test_info_routes(server, model):
     r = c.get("/flush_cache")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain") and "Cache flushed" in r.text
     assert c.get("/health_generate").status_code == 200 and c.get("/health").text == ""
+
+
+def test_forward_threads_default_to_the_cpus_this_process_may_use(model):
+    from sgrec.server_args import ServerArgs
+
+    cpus = len(os.sched_getaffinity(0))
+    assert ServerArgs(model_path=model).forward_threads() == cpus
+    assert ServerArgs(model_path=model, dp_size=2).forward_threads() == max(1, cpus // 2)
+    assert ServerArgs(model_path=model, cpu_threads=3, dp_size=2).forward_threads() == 3
+    with pytest.raises(ValueError, match="cpu_threads"):
+        ServerArgs(model_path=model, cpu_threads=0)
+
+
+def test_cpu_threads_flag_sets_the_forwards_threads(start_server, model):
+    srv = start_server(model, "--max-total-tokens", "1024", "--cpu-threads", "1")
+    assert srv.client.get("/server_info").json()["cpu_threads"] == 1
+    r = srv.client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, **GREEDY}})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2
 
 
 # ---- metrics ---------------------------------------------------------------------------------

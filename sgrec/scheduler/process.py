@@ -106,9 +106,13 @@ class SchedulerLoop:
         return ItemPool(ex, self.runner, ctx, item_addrs, self.dp_rank)
 
     def run(self) -> None:
+        import torch
+
+        sizes = {k: getattr(self.scheduler.args, k) for k in DEVICE_SIZED}
+        sizes["cpu_threads"] = torch.get_num_threads()  # what --cpu-threads resolved to (/server_info)
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
                                     self.runner.config.vocab_size, self.runner.max_input_len,
-                                    self.scheduler.catalog_info(), {k: getattr(self.scheduler.args, k) for k in DEVICE_SIZED}))
+                                    self.scheduler.catalog_info(), sizes))
         while True:
             wait = None if self.paused else self.scheduler.idle_wait()  # rank / retrieve batches wait for their quota
             ready = dict(self.poller.poll(IDLE_POLL_MS if wait is None else min(IDLE_POLL_MS, math.ceil(wait * 1000))))
@@ -300,7 +304,7 @@ def run_scheduler_process(args_dict: dict, dp_rank: int, in_addr: str, out_addr:
     try:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.dp_size))
+        torch.set_num_threads(args.forward_threads())
         SchedulerLoop(args, dp_rank, in_addr, out_addr, item_addrs).run()
     except KeyboardInterrupt:
         pass
