@@ -474,6 +474,11 @@ def test_dp_ranks_share_load_and_routing_key_pins(start_server, tiny_model_dir):
     with httpx.Client(base_url=srv.url, timeout=HANG_S) as c1, httpx.Client(base_url=srv.url, timeout=HANG_S) as c2:
         with c1.stream("POST", "/generate", json={"input_ids": [20] * 5, **long}):
             wait_for(lambda: sorted(running_per_rank(srv.client)) == [(0, 0), (1, 0)], "one request running")
-            with c2.stream("POST", "/generate", json={"input_ids": [21] * 5, **long}):
+            with c2.stream("POST", "/generate", json={"input_ids": [21] * 5, **long}) as r2:
                 wait_for(lambda: running_per_rank(srv.client) == [(1, 0), (1, 0)], "one request on each rank")
+                # /pause_generation answers once both ranks stopped; "abort" ends the request on each
+                assert srv.client.post("/pause_generation", json={"mode": "abort"}).json() == PAUSED
+                assert '"Aborted by /pause_generation"' in [x for x in r2.iter_lines() if x.startswith("data: {")][-1]
+                wait_for(lambda: running_per_rank(srv.client) == [(0, 0), (0, 0)], "nothing running on either rank")
+                assert srv.client.post("/continue_generation").json() == CONTINUED
     assert wait_until(lambda: kv_idle_and_free(srv))  # leaving aborted both
