@@ -46,8 +46,9 @@ CONFIGS = {
     "torch, float32": ["--attention-backend", "torch", "--dtype", "float32"],
     "native, float32": ["--attention-backend", "native", "--dtype", "float32"],
     "defaults (auto, auto)": [],
-    "defaults, --cpu-threads 1": ["--cpu-threads", "1"],  # a core left to the HTTP process (off by default)
+    "defaults, --cpu-threads 1": ["--cpu-threads", "1"],  # a core left to the HTTP process
 }
+DEFAULT_CONFIGS = ["torch, float32", "native, float32", "defaults (auto, auto)"]
 BASELINE_REV = "bebe1e4"  # the parent of 639fa46, issue 23's first commit
 
 
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS)[:3], help="names of the configurations to run")
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="names of the configurations to run")
     ap.add_argument("--baseline-rev", default=BASELINE_REV,
                     help="a commit whose server (its defaults) runs first, the ratios' base; none: no such row")
     args = ap.parse_args(argv)

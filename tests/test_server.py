@@ -339,12 +339,13 @@ def test_a_slow_reader_holds_no_place_in_the_queue(start_server, model):
             assert chunks[-1]["meta_info"]["completion_tokens"] == 2000  # nothing lost for the slow reader
 
 
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: bfloat16 where the CPU has avx512_bf16 / AMX
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_pause_keeps_requests_and_their_tokens(start_server, model, mode):
+def test_pause_keeps_requests_and_their_tokens(start_server, model, mode, dtype):
     """/pause_generation "in_place" (KV kept) and "retract" (back to the queue, recomputed or taken
     from the cache) stop every batch: a request sent while paused gets no token until
     /continue_generation, and every request then ends with the tokens an unpaused run gives."""
-    srv = start_server(model, "--max-total-tokens", "4096", "--enable-metrics")
+    srv = start_server(model, "--max-total-tokens", "4096", "--enable-metrics", "--dtype", dtype)
     body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 400, **GREEDY}}
     ref = srv.client.post("/generate", json={**body, "stream": False}).json()["output_ids"]
     with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", "/generate", json=body) as r1:

@@ -178,7 +178,7 @@ async def _control_body(request: Request, fields: dict) -> dict:
         return {}
     obj = await read_json(request)
     if not isinstance(obj, dict):
-        raise HTTPError(400, "The body must be a JSON object")
+        raise HTTPError(400, "The request body must be a JSON object")
     for key, value in obj.items():
         if key not in fields:
             raise HTTPError(400, f"{key}: unknown field (allowed: {', '.join(fields)})")
@@ -191,9 +191,15 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
     """/flush_cache, /pause_generation and /continue_generation, /metrics (Prometheus, with
     --enable-metrics)."""
 
+    async def ask(call):
+        """A control round with every scheduler; 503 when one died or did not answer."""
+        try:
+            return await call
+        except RuntimeError as e:
+            raise HTTPError(503, str(e)) from None
+
     async def flush_cache():
-        ok = await tm.flush_cache()
-        if ok:
+        if await ask(tm.flush_cache()):
             return PlainTextResponse(
                 "Cache flushed.\nPlease check backend logs for more details. "
                 "(When there are running or waiting requests, the operation will not be performed.)\n"
@@ -209,12 +215,7 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return None if isinstance(v, bool) else "must be a boolean"
 
     async def control(mode: str | None, message: str) -> JSONResponse:
-        try:
-            await tm.pause(mode)
-        except RuntimeError as e:
-            raise HTTPError(503, str(e)) from None
-        except asyncio.TimeoutError:
-            raise HTTPError(503, "a scheduler did not answer within 30 s") from None
+        await ask(tm.pause(mode))
         return JSONResponse({"message": message, "status": "ok"})
 
     @app.post("/pause_generation")

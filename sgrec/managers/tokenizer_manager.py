@@ -297,7 +297,7 @@ class TokenizerManager:
 
     async def _ask_all(self, msg) -> list:
         """Sends a control message to every rank; their replies (each rank answers its control
-        messages in order)."""
+        messages in order). RuntimeError when a scheduler died or did not answer within 30 s."""
         if self.dead:
             raise RuntimeError(self.dead)
         futs = []
@@ -306,7 +306,10 @@ class TokenizerManager:
             waiting.append(fut)
             futs.append(fut)
             sock.send(io.encode(msg))
-        return await asyncio.wait_for(asyncio.gather(*futs), timeout=30)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*futs), timeout=30)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"a scheduler did not answer {type(msg).__name__} within 30 s") from None
 
     async def flush_cache(self) -> bool:
         return all(r.success for r in await self._ask_all(io.FlushCacheReq()))
