@@ -52,11 +52,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def demo_server(work: str, name: str, cpu_threads: int | None = None) -> LocalServer:
+def demo_server(work: str, name: str, a) -> LocalServer:
     flags = ["--device", "cpu", "--dtype", "float32", "--item-catalog", demo.catalog_path(), "--catalog-journal",
              os.path.join(work, f"{name}.journal"), "--max-beam-width", "64"]
-    if cpu_threads is not None:
-        flags += ["--cpu-threads", str(cpu_threads)]
+    if a.cpu_threads is not None:
+        flags += ["--cpu-threads", str(a.cpu_threads)]
+    if a.catalog_update_cores is not None:
+        flags += ["--catalog-update-cores", str(a.catalog_update_cores)]
     return LocalServer(flags, log_path=os.path.join(work, f"{name}.log"))
 
 
@@ -92,7 +94,7 @@ def push_updates(url: str, bodies: list[bytes], per_s: float, start: float, stop
 def bench_traffic(work: str, a) -> list[dict]:
     items = demo_items()
     rows = []
-    with demo_server(work, "traffic", a.cpu_threads) as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
+    with demo_server(work, "traffic", a) as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
         for _ in range(2):  # warm-up: both request kinds once
             assert c.post("/v1/retrieve", json=retrieve_body(random.Random(0), items)).status_code == 200
         lat: dict[str, list[float]] = {"quiet": [], "rejected": [], "updates": []}
@@ -216,7 +218,7 @@ def bench_recommend(work: str, a) -> list[dict]:
     users = [retrieve_body(rng, items)["user"] for _ in range(64)]
     stage = {"beam_width": 32, "num_candidates": 20}
     out = []
-    with demo_server(work, "recommend", a.cpu_threads) as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
+    with demo_server(work, "recommend", a) as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
         def one_call(cc, u):
             r = cc.post("/v1/recommend", json={"user": u, "retrieve": stage, "top_k": 10})
             assert r.status_code == 200, r.text
@@ -283,6 +285,8 @@ def parse_args(argv=None):
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--workdir")
     ap.add_argument("--cpu-threads", type=int, help="the demo servers' --cpu-threads (default: theirs)")
+    ap.add_argument("--catalog-update-cores", type=int,
+                    help="the demo servers' --catalog-update-cores (default: theirs; 0: the forward keeps every thread)")
     a = ap.parse_args(argv)
     if a.quick:
         a.phase_s, a.rounds, a.items, a.trials = 5.0, 2, min(a.items, 100_000), 3

@@ -229,6 +229,11 @@ class ServerArgs:
         "than cores leave one to the HTTP process and its clients: on 2 cores, 1 gave retrieve traffic lower "
         "latency and more requests per second than 2 (BENCHMARKS.md); the default stays all of them, which "
         "big prefills and batches use.")
+    catalog_update_cores: int = _arg(
+        1, "Threads the forward on CPU leaves to catalog updates while they arrive (from an update request, "
+        "accepted or not, until 2 s after the last one; at least one thread stays): the HTTP process parses and "
+        "validates the bodies and a thread builds each version beside the steps. On 2 cores this kept the retrieve P99 under 1,000 item "
+        "updates/s near quiet's (BENCHMARKS.md). 0: the forward keeps every thread.")
     api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")
     enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.")
     log_level: str = _arg("info", "Log level.", ["debug", "info", "warning", "error"])
@@ -286,6 +291,8 @@ class ServerArgs:
             raise ValueError("dp_size must be at least 1")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("cpu_threads must be at least 1")
+        if self.catalog_update_cores < 0:
+            raise ValueError("catalog_update_cores must be non-negative")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         self._check_hicache()

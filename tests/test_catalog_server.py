@@ -12,6 +12,7 @@ import threading
 import httpx
 import pytest
 
+from sgrec.tools.probe import wait_for
 from tests.test_rec_server import write_catalog
 
 KEY, ADMIN = "user-key", "admin-key"
@@ -265,6 +266,35 @@ def test_a_replaced_items_kv_equals_a_fresh_servers(own_server, start_server, mo
     # and so do these softmax scores (stale KV of k0's old tokens moves them by ~1e-1)
     assert {x["item"]: x["score"] for x in got["ranking"]} == pytest.approx(
         {x["item"]: x["score"] for x in want["ranking"]}, abs=1e-5)
+
+
+def test_the_forward_leaves_a_thread_to_updates_while_they_arrive(start_server, model, files):
+    """--catalog-update-cores 1 (the default) with a 2-thread forward: the scheduler's forward runs on
+    one thread while update requests arrive, rejected or accepted, and on two again once they stop
+    (observed in /server_info)."""
+    srv = start_server(model, *FLAGS, "--item-catalog", files["catalog"], "--catalog-journal", files["journal"],
+                       "--cpu-threads", "2")
+
+    def threads():
+        return httpx.get(srv.url + "/server_info", timeout=60).json()["internal_states"][0]["forward_threads"]
+
+    def updates_until_one_thread(item, status: int) -> int:
+        for n in range(1, 41):
+            r = httpx.post(srv.url + "/v1/catalog/items", json={"items": [item(n)]}, timeout=120)
+            assert r.status_code == status, r.text
+            if threads() == 1:
+                return n
+        pytest.fail("the forward kept 2 threads while updates arrived")
+
+    wait_for(lambda: threads() == 2, "a 2-thread forward before any update")
+    # rejected ones too: their bodies were parsed and validated beside the steps
+    updates_until_one_thread(lambda n: {"id": f"t{n}", "token_ids": "not a list"}, 400)
+    wait_for(lambda: threads() == 2, "every thread again after the rejected updates")
+    n = updates_until_one_thread(lambda n: {"id": f"t{n}", "token_ids": [40 + n], "id_token": 7,
+                                            "semantic_id": [n % 3, 1, 2]}, 200)
+    wait_for(lambda: threads() == 2, "every thread again after the updates")
+    r = retrieve(srv, [5, 6, 7])
+    assert r["meta_info"]["catalog_version"] == n and r["items"]
 
 
 def test_every_data_parallel_rank_serves_the_acknowledged_version(start_server, model, tmp_path):

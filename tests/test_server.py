@@ -177,6 +177,33 @@ def test_forward_threads_default_to_the_cpus_this_process_may_use(model):
         ServerArgs(model_path=model, cpu_threads=0)
 
 
+def test_the_forward_leaves_threads_to_catalog_updates_while_they_arrive(model):
+    from sgrec.scheduler.threads import ForwardThreads
+    from sgrec.server_args import ServerArgs
+
+    now = [100.0]
+    t = ForwardThreads(4, 1, window=2.0, clock=lambda: now[0])
+    assert t.now() == 4  # no update yet
+    t.update_seen()
+    assert t.now() == 3
+    now[0] = 101.9
+    assert t.now() == 3  # within the window after the last update
+    t.update_seen()
+    now[0] = 103.8
+    assert t.now() == 3  # a later update extends it
+    now[0] = 103.9
+    assert t.now() == 4
+    one = ForwardThreads(1, 1, clock=lambda: now[0])
+    one.update_seen()
+    assert one.now() == 1  # at least one thread stays
+    off = ForwardThreads(2, 0, clock=lambda: now[0])
+    off.update_seen()
+    assert off.now() == 2  # --catalog-update-cores 0
+    assert ServerArgs(model_path=model).catalog_update_cores == 1
+    with pytest.raises(ValueError, match="catalog_update_cores"):
+        ServerArgs(model_path=model, catalog_update_cores=-1)
+
+
 def test_cpu_threads_flag_sets_the_forwards_threads(start_server, model):
     srv = start_server(model, "--max-total-tokens", "1024", "--cpu-threads", "1")
     assert srv.client.get("/server_info").json()["cpu_threads"] == 1

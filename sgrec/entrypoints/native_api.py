@@ -146,7 +146,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, launch
                 {"dp_rank": r, "last_gen_throughput": s.last_gen_throughput if s else 0.0,
                  "memory_usage": {"kv_used_tokens": s.kv_used if s else 0, "kv_total_tokens": s.kv_total if s else 0},
                  "num_running_reqs": s.num_running_reqs if s else 0, "num_queue_reqs": s.num_queue_reqs if s else 0,
-                 "hicache": s.hicache if s else None}
+                 "hicache": s.hicache if s else None, "forward_threads": s.forward_threads if s else None}
                 for r, s in enumerate(stats)
             ],
         }

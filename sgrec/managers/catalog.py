@@ -66,6 +66,8 @@ class CatalogAdmin:
 
     async def update(self, op: str, body) -> dict:
         """Applies one update on every rank; the answer: the new version and the update's counts."""
+        if self.facts is not None:  # validating the body is work beside the steps too, accepted or not
+            self._send_all(io.CatalogTraffic())
         rec = self.record(op, body)
         async with self.lock:
             rec = {"version": self.version + 1, **rec}

@@ -114,6 +114,7 @@ class SchedulerStats:
     kv_total: int
     kv_cached: int
     last_gen_throughput: float
+    forward_threads: int = 1  # the threads of its forward now (fewer while catalog updates arrive)
     hicache: dict | None = None  # the lower tiers' counters (radix/hicache.py HiCache.stats), None without them
 
 
@@ -126,6 +127,12 @@ class SchedulerReady:
     max_input_len: int
     catalog: dict | None = None  # the catalog's facts (GET /v1/catalog), None without one
     sizes: dict | None = None  # the server arguments sized by the device (ServerArgs.sized_for)
+
+
+@dataclass
+class CatalogTraffic:
+    """An update request reached the front (before its body is validated): the ranks' forwards leave
+    a thread to update work for a while (--catalog-update-cores)."""
 
 
 @dataclass
@@ -166,7 +173,7 @@ _TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         TokenizedGenerateReq, TaskReq, ReqOutput, BatchReqOutput, AbortReq, FlushCacheReq, FlushCacheResult,
-        PauseReq, PauseResult, SchedulerStats, SchedulerReady, CatalogUpdateReq, CatalogCommitReq, CatalogReply,
+        PauseReq, PauseResult, SchedulerStats, SchedulerReady, CatalogTraffic, CatalogUpdateReq, CatalogCommitReq, CatalogReply,
     )
 }
 

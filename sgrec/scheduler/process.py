@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 
+import torch
 import zmq
 from tqdm import tqdm
 
@@ -26,6 +27,7 @@ from sgrec.runner import ModelRunner
 from sgrec.sampling import SamplingParams
 from sgrec.scheduler.release import Releaser
 from sgrec.scheduler.scheduler import Scheduler
+from sgrec.scheduler.threads import ForwardThreads
 from sgrec.server_args import DEVICE_SIZED, ServerArgs
 from sgrec.tokenizer import Tokenizer
 
@@ -75,6 +77,8 @@ class SchedulerLoop:
         self.paused = False  # /pause_generation: requests are taken, no batch runs
         self.gen_tokens = 0
         self.gen_since = time.monotonic()
+        cpu = self.runner.device.type == "cpu"  # on a GPU the forward's CPU threads only launch kernels
+        self.threads = ForwardThreads(torch.get_num_threads(), args.catalog_update_cores if cpu else 0)
 
     def warm_up(self, show_progress: bool) -> None:
         """One short generation through every code path (prefill, decode, sampling), then a clean cache."""
@@ -106,8 +110,6 @@ class SchedulerLoop:
         return ItemPool(ex, self.runner, ctx, item_addrs, self.dp_rank)
 
     def run(self) -> None:
-        import torch
-
         sizes = {k: getattr(self.scheduler.args, k) for k in DEVICE_SIZED}
         sizes["cpu_threads"] = torch.get_num_threads()  # what --cpu-threads resolved to (/server_info)
         self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
@@ -123,6 +125,7 @@ class SchedulerLoop:
             if os.getppid() != self.parent:
                 logger.error("parent process died; scheduler %d exits", self.dp_rank)
                 return
+            self._set_threads()
             if self.scheduler.has_work() and not self.paused:
                 self.step()
             if time.monotonic() - self.last_stats >= STATS_INTERVAL_S:
@@ -177,9 +180,13 @@ class SchedulerLoop:
             self.send(io.FlushCacheResult(sched.flush_cache(), self.dp_rank))
         elif isinstance(msg, io.PauseReq):
             self.pause(msg.mode)
+        elif isinstance(msg, io.CatalogTraffic):
+            self.threads.update_seen()
         elif isinstance(msg, io.CatalogUpdateReq):
+            self.threads.update_seen()
             threading.Thread(target=self._prepare_catalog, args=(msg,), daemon=True, name="catalog-prepare").start()
         elif isinstance(msg, io.CatalogCommitReq):
+            self.threads.update_seen()
             prepared = self.catalog_prepared.pop(msg.uid, None)
             if msg.commit and prepared is not None:  # here, between two steps
                 try:
@@ -238,6 +245,12 @@ class SchedulerLoop:
         finally:
             sock.close(linger=5000)
 
+    def _set_threads(self) -> None:
+        """The forward's threads for the next step (--catalog-update-cores: fewer while updates arrive)."""
+        n = self.threads.now()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+
     def step(self) -> None:
         try:
             reqs = self.scheduler.step()
@@ -291,6 +304,7 @@ class SchedulerLoop:
             kv_total=pool.size,
             kv_cached=sched.cached_size(),
             last_gen_throughput=self.gen_tokens / max(now - self.gen_since, 1e-9),
+            forward_threads=torch.get_num_threads(),
             hicache=None if sched.hicache is None else self._hicache_stats(),
         ))
         self.gen_tokens, self.gen_since, self.last_stats = 0, now, now
@@ -302,8 +316,6 @@ def run_scheduler_process(args_dict: dict, dp_rank: int, in_addr: str, out_addr:
     args = ServerArgs(**args_dict)
     logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s DP{dp_rank}] %(message)s")
     try:
-        import torch
-
         torch.set_num_threads(args.forward_threads())
         SchedulerLoop(args, dp_rank, in_addr, out_addr, item_addrs).run()
     except KeyboardInterrupt:
