@@ -233,7 +233,8 @@ class ServerArgs:
         1, "Threads the forward on CPU leaves to catalog updates while they arrive (from an update request, "
         "accepted or not, until 2 s after the last one; at least one thread stays): the HTTP process parses and "
         "validates the bodies and a thread builds each version beside the steps. On 2 cores this kept the retrieve P99 under 1,000 item "
-        "updates/s near quiet's (BENCHMARKS.md). 0: the forward keeps every thread.")
+        "updates/s near quiet's (BENCHMARKS.md). 0: the forward keeps every thread, as it does on a GPU and "
+        "under --enable-deterministic-inference (whose check of the linear layers ran at the start-up thread count).")
     api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")
     enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.")
     log_level: str = _arg("info", "Log level.", ["debug", "info", "warning", "error"])

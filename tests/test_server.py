@@ -178,7 +178,7 @@ def test_forward_threads_default_to_the_cpus_this_process_may_use(model):
 
 
 def test_the_forward_leaves_threads_to_catalog_updates_while_they_arrive(model):
-    from sgrec.scheduler.threads import ForwardThreads
+    from sgrec.scheduler.threads import ForwardThreads, update_reserve
     from sgrec.server_args import ServerArgs
 
     now = [100.0]
@@ -200,6 +200,11 @@ def test_the_forward_leaves_threads_to_catalog_updates_while_they_arrive(model):
     off.update_seen()
     assert off.now() == 2  # --catalog-update-cores 0
     assert ServerArgs(model_path=model).catalog_update_cores == 1
+    assert update_reserve(ServerArgs(model_path=model), "cpu") == 1
+    assert update_reserve(ServerArgs(model_path=model, catalog_update_cores=3), "cpu") == 3
+    assert update_reserve(ServerArgs(model_path=model), "cuda") == 0  # CPU threads only launch kernels there
+    # the deterministic mode checked its linear layers' bits at the start-up thread count: kept
+    assert update_reserve(ServerArgs(model_path=model, enable_deterministic_inference=True), "cpu") == 0
     with pytest.raises(ValueError, match="catalog_update_cores"):
         ServerArgs(model_path=model, catalog_update_cores=-1)
 

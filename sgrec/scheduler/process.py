@@ -27,7 +27,7 @@ from sgrec.runner import ModelRunner
 from sgrec.sampling import SamplingParams
 from sgrec.scheduler.release import Releaser
 from sgrec.scheduler.scheduler import Scheduler
-from sgrec.scheduler.threads import ForwardThreads
+from sgrec.scheduler.threads import ForwardThreads, update_reserve
 from sgrec.server_args import DEVICE_SIZED, ServerArgs
 from sgrec.tokenizer import Tokenizer
 
@@ -77,8 +77,7 @@ class SchedulerLoop:
         self.paused = False  # /pause_generation: requests are taken, no batch runs
         self.gen_tokens = 0
         self.gen_since = time.monotonic()
-        cpu = self.runner.device.type == "cpu"  # on a GPU the forward's CPU threads only launch kernels
-        self.threads = ForwardThreads(torch.get_num_threads(), args.catalog_update_cores if cpu else 0)
+        self.threads = ForwardThreads(torch.get_num_threads(), update_reserve(args, self.runner.device.type))
 
     def warm_up(self, show_progress: bool) -> None:
         """One short generation through every code path (prefill, decode, sampling), then a clean cache."""

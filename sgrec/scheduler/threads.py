@@ -17,6 +17,15 @@ from collections.abc import Callable
 UPDATE_WINDOW_S = 2.0  # an update's reserve lasts this long after the last update message
 
 
+def update_reserve(args, device_type: str) -> int:
+    """The threads a scheduler leaves to update traffic: --catalog-update-cores on CPU; none on a GPU
+    (the forward's CPU threads only launch kernels there) nor under --enable-deterministic-inference
+    (its check of the linear layers' bits ran at the start-up thread count: sgrec.model.batch_invariant)."""
+    if device_type != "cpu" or args.enable_deterministic_inference:
+        return 0
+    return args.catalog_update_cores
+
+
 class ForwardThreads:
     def __init__(self, threads: int, reserve: int, window: float = UPDATE_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic):
