@@ -362,3 +362,20 @@ def test_closing_a_stream_early_aborts_and_frees(path):
     it.close()
     assert not eng.scheduler.has_work()
     eng.check_memory()
+
+
+def test_cpu_threads_sets_the_in_process_forwards_threads(path):
+    """Engine(cpu_threads=N) runs its forward on N threads: torch's intra-op count in the caller's
+    process, so it is checked in a process of its own (this one's count stays as it is)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from sgrec import Engine; "
+            f"e = Engine({path!r}, device='cpu', dtype='float32', max_total_tokens=1024, cpu_threads=3); "
+            "out = e.generate(input_ids=[5, 6], sampling_params={'max_new_tokens': 2, 'temperature': 0}); "
+            "print(torch.get_num_threads(), out['meta_info']['completion_tokens'])")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torch's own count there: 1, whatever this machine has
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == ["3", "2"]
