@@ -268,12 +268,13 @@ def test_a_replaced_items_kv_equals_a_fresh_servers(own_server, start_server, mo
         {x["item"]: x["score"] for x in want["ranking"]}, abs=1e-5)
 
 
-def test_the_forward_leaves_a_thread_to_updates_while_they_arrive(start_server, model, files):
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: bfloat16 where the CPU has avx512_bf16 / AMX
+def test_the_forward_leaves_a_thread_to_updates_while_they_arrive(start_server, model, files, dtype):
     """--catalog-update-cores 1 (the default) with a 2-thread forward: the scheduler's forward runs on
     one thread while update requests arrive, rejected or accepted, and on two again once they stop
-    (observed in /server_info)."""
+    (observed in /server_info); retrieval then serves the last version."""
     srv = start_server(model, *FLAGS, "--item-catalog", files["catalog"], "--catalog-journal", files["journal"],
-                       "--cpu-threads", "2")
+                       "--cpu-threads", "2", "--dtype", dtype)
 
     def threads():
         return httpx.get(srv.url + "/server_info", timeout=60).json()["internal_states"][0]["forward_threads"]
