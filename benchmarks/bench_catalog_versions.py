@@ -1,9 +1,11 @@
 """Catalog versions at scale (issue 42): what an update costs a rank, in time and memory, on this
-tree and on the commit before issue 42 (each in its own process, one after the other).
+tree (its LayeredTrie, the CPU default, and its SemanticIdTrie, which the Triton trie step reads)
+and on the commit before issue 42 (each in its own process, one after the other).
 
     python benchmarks/bench_catalog_versions.py                       # 10^6 and 10^7 items
     python benchmarks/bench_catalog_versions.py --sizes 1000000 --updates 4
     python benchmarks/bench_catalog_versions.py --baseline-rev none   # this tree only
+    python benchmarks/bench_catalog_versions.py --baseline-rev none --tries layered
 
 Each side builds an N-item catalog in memory (columns made directly: 1-6 item tokens, an id token,
 a 3-level semantic ID of 1024 codes per level, a genre and a year) and its semantic-ID trie, then
@@ -50,6 +52,9 @@ from sgrec.catalog.attrs import AttrColumn, AttrTable
 from sgrec.catalog.versions import CatalogVersions
 
 n, updates, batch, seed = map(int, sys.argv[1:5])
+kind = sys.argv[5]  # "layered": LayeredTrie (the CPU server's default); "dense": SemanticIdTrie
+if kind == "layered":
+    from sgrec.beam.layered import LayeredTrie
 V, CODES, ND = 4096, 1024, 3
 BASE = V - ND * CODES
 
@@ -71,7 +76,7 @@ del sem, ptr, lens, attrs
 versions = CatalogVersions(cat, 0, keep=8)
 del cat  # what a server keeps: the versions' catalog (this tree moves the columns into storage with room)
 t = time.perf_counter()
-trie, rows = SemanticIdTrie.from_catalog(versions.current, V)
+trie, rows = (LayeredTrie if kind == "layered" else SemanticIdTrie).from_catalog(versions.current, V)
 build_s = time.perf_counter() - t
 rss_one = rss()
 gc.collect()
@@ -124,10 +129,10 @@ print(json.dumps({"n": n, "build_s": build_s, "prepare_s": prepare_s, "commit_s"
 """
 
 
-def run_side(tree: str, n: int, updates: int, batch: int, seed: int) -> dict:
+def run_side(tree: str, n: int, updates: int, batch: int, seed: int, kind: str) -> dict:
     env = {**os.environ, "PYTHONPATH": tree}
-    out = subprocess.run([sys.executable, "-c", CHILD, str(n), str(updates), str(batch), str(seed)], cwd=tree, env=env,
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(n), str(updates), str(batch), str(seed), kind], cwd=tree,
+                         env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -138,22 +143,25 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=100, help="items per upsert")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline-rev", default=BASELINE_REV, help="the commit to compare with; none: this tree only")
+    ap.add_argument("--tries", nargs="+", default=["layered", "dense"], choices=["layered", "dense"],
+                    help="this tree's tries to run: layered (LayeredTrie, the CPU server's default), dense "
+                         "(SemanticIdTrie.updated, what the Triton trie step reads)")
     args = ap.parse_args(argv)
     cmd = ("python benchmarks/bench_catalog_versions.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
     print(header(cmd, "bench_catalog_versions"), flush=True)
     tmp = tempfile.mkdtemp()
-    sides = [("this tree", ROOT)]
+    sides = [(f"this tree, {kind} trie", ROOT, kind) for kind in args.tries]
     base = None
     if args.baseline_rev != "none":
         base = worktree(args.baseline_rev, tmp)
         sides.insert(0, (f"sgrec at {args.baseline_rev}" + (" (before issue 42)" if args.baseline_rev == BASELINE_REV else ""),
-                         base))
+                         base, "dense"))
     rows = []
     try:
         for n in args.sizes:
             got = {}
-            for name, tree in sides:
-                r = got[name] = run_side(tree, n, args.updates, args.batch, args.seed)
+            for name, tree, kind in sides:
+                r = got[name] = run_side(tree, n, args.updates, args.batch, args.seed, kind)
                 p = sorted(r["prepare_s"])
                 rows.append([f"{n:.0e}", name, f"{r['build_s']:.2f}", f"{p[len(p) // 2]:.3f}", f"{p[-1]:.3f}",
                              f"{max(r['commit_s']) * 1e3:.2f}", f"{r['rss_one'] / 2**30:.2f}",
@@ -163,11 +171,10 @@ def main(argv=None) -> None:
                     print(f"  {name}: the old trie freed off the step: {max(r['release_s']) * 1e3:.1f} ms at most in "
                           f"all, its largest part {max(r['part_max_s']) * 1e3:.1f} ms (the longest the step can wait "
                           f"for it)", flush=True)
-            if len(got) == 2:
-                (_, a), (_, b) = got.items()
-                rows.append([f"{n:.0e}", "ratio (before / this tree)", f"{a['build_s'] / b['build_s']:.2f}x",
+            for (first, a), (name, b) in zip(list(got.items())[:1] * (len(got) - 1), list(got.items())[1:]):
+                rows.append([f"{n:.0e}", f"ratio ({first} / {name})", f"{a['build_s'] / b['build_s']:.2f}x",
                              f"{sorted(a['prepare_s'])[len(a['prepare_s']) // 2] / sorted(b['prepare_s'])[len(b['prepare_s']) // 2]:.1f}x",
-                             f"{max(a['prepare_s']) / max(b['prepare_s']):.1f}x", "", "",
+                             f"{max(a['prepare_s']) / max(b['prepare_s']):.3g}x", "", "",
                              f"{a['rss_after'] / b['rss_after']:.2f}x", ""])
     finally:
         if base is not None:
@@ -175,7 +182,7 @@ def main(argv=None) -> None:
     print()
     print(md_table(["items", "tree", "trie build s", "update P50 s", "update max s", "commit max ms", "RSS 1 version GiB",
                     f"RSS after {args.updates} GiB", "growth"], rows))
-    last = {r[1]: r for r in rows if r[0] == f"{max(args.sizes):.0e}"}.get("this tree")
+    last = {r[1]: r for r in rows if r[0] == f"{max(args.sizes):.0e}"}.get(f"this tree, {args.tries[0]} trie")
     if last is not None:
         print(f"\ntargets at {max(args.sizes):.0e} items: update max {last[4]} s < 0.5 s: "
               f"{verdict(float(last[4]) < 0.5)}; memory after {args.updates} versions {last[8]} within 1.10x: "

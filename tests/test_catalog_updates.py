@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+import sgrec.beam.layered
+from sgrec.beam.layered import LayeredTrie
 from sgrec.beam.trie import SemanticIdTrie
 from sgrec.catalog import Catalog, CatalogError, Item
 from sgrec.catalog.attrs import AttrColumn, AttrTable
@@ -166,6 +168,236 @@ def test_the_trie_follows_updates_on_a_large_catalog():
         assert np.array_equal(got_rows, ref_rows)
         same_trie(got, ref)
         cat, trie, rows = res.catalog, got, got_rows
+
+
+def same_readers(got: LayeredTrie, cat: Catalog) -> None:
+    """Every reader of a LayeredTrie (what beam search and filters call) against the SemanticIdTrie
+    built from scratch: each node's children (tokens, in order), leaves by their items and counts,
+    each row's path, filter counts, a leaf's rows, child lookups."""
+    ref, rows = SemanticIdTrie.from_catalog(cat, VOCAB)
+    D = ref.depth
+    slot_of = {}  # the layered leaf id (slot) of each dense leaf id
+    for d in range(D):
+        nodes = torch.arange(ref.num_nodes[d])
+        for trie in (got, ref):
+            start, count = trie.runs(d, nodes)
+            pos = torch.cat([torch.arange(int(s), int(s + c)) for s, c in zip(start, count)])
+            toks, kids = trie.child_at(d, pos)
+            parent = torch.repeat_interleave(nodes, count)
+            assert torch.equal(trie.child_nodes(d, parent, toks), kids)
+            if trie is got:
+                got_toks, got_kids = toks, kids
+        assert torch.equal(got_toks, toks)  # the same children in the same order
+        if d < D - 1:
+            assert torch.equal(got_kids, kids)  # the upper levels' ids are the dense ones
+        else:
+            slot_of = dict(zip(kids.tolist(), got_kids.tolist()))
+    leaves = np.arange(ref.num_nodes[D])
+    slots = np.array([slot_of[x] for x in leaves.tolist()])
+    assert np.array_equal(got.leaf_items(torch.from_numpy(slots)).numpy(), rows[ref.leaf_item.numpy()])
+    assert np.array_equal(got.leaf_count(slots), ref.count[D].numpy())
+    assert got.num_nodes == ref.num_nodes and got.num_duplicate_paths == ref.num_duplicate_paths
+    on_path, ref_path = got.path_nodes(rows, cat), ref.path_nodes(np.arange(rows.size))
+    assert all(np.array_equal(a, b) for a, b in zip(on_path[:D], ref_path[:D]))
+    assert np.array_equal(on_path[D], slots[ref_path[D]])
+    ok = (np.random.default_rng(len(rows)).random(cat.num_rows) < 0.5) & cat.alive_mask()  # as filter_mask's
+    for d, (a, b) in enumerate(zip(got.filter_counts(ok), ref.filter_counts(ok[rows]))):
+        if d:
+            assert torch.equal(a[torch.from_numpy(slots)] if d == D else a, b), d
+    for leaf in leaves[:: max(1, leaves.size // 20)].tolist():
+        assert got.rows_of_leaf(slot_of[leaf], cat) == rows[ref.rows_of_leaf(leaf)].tolist()
+    for d in range(1, D + 1):
+        nodes = slots if d == D else np.arange(ref.num_nodes[d])
+        assert np.array_equal(got.node_count(d, nodes), ref.count[d].numpy())
+
+
+@pytest.mark.parametrize("compact", [0, 10**9], ids=["compact-each", "never"])
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_layered_trie_follows_updates_and_equals_the_one_built_from_scratch(seed, nd, compact, monkeypatch):
+    """LayeredTrie.updated (what a CPU rank runs per update: issue 42's versions that cost what
+    changed) against SemanticIdTrie.from_catalog after every update, array for array (`dense`)
+    and reader for reader: small paths so that nodes are shared, emptied and made again (a parent
+    emptied and refilled by one update), repeated paths, items without a semantic ID, branches
+    from older versions; compacted after every update (in place, as ranks that share a trie do), or
+    never."""
+    monkeypatch.setattr(sgrec.beam.layered, "COMPACT_MIN", compact)
+    monkeypatch.setattr(sgrec.beam.layered, "COMPACT_FRACTION", 0 if compact == 0 else 1.0)
+    rng = random.Random(seed)
+
+    def path():
+        return [rng.randrange(3), rng.randrange(4), rng.randrange(3)][:nd]
+
+    def line(i):
+        return {"id": i, "token_ids": [5], **({"semantic_id": path()} if rng.random() < 0.9 else {})}
+
+    cat = Catalog([Item(f"i{k}", (5,), None, tuple(path())) for k in range(25)])
+    trie, none = LayeredTrie.from_catalog(cat, VOCAB)
+    trie.background = False  # compact in `updated` (as ranks that share their tries do)
+    assert none is None
+    same_readers(trie, cat)
+    versions = [(cat, trie)]
+    for step in range(10):
+        cat, trie = versions[-1] if rng.random() < 0.8 else rng.choice(versions)  # sometimes a branch
+        live = list(cat.index)
+        delete = rng.sample(live, rng.randint(0, min(5, len(live) - 1)))
+        ups = [line(rng.choice(live) if rng.random() < 0.4 else f"n{step}_{j}") for j in range(rng.randint(0, 6))]
+        ups = list({u["id"]: u for u in ups if u["id"] not in delete}.values())
+        res = apply_update(cat, parse_items(ups, None, VOCAB) if ups else None, delete)
+        if res.added_from is None or not res.catalog.semantic_rows().size:
+            continue
+        got, none = trie.updated(None, res.catalog, res.removed_rows, res.added_from)
+        assert none is None and (not got.tail_tok.size if compact == 0 else got.base_tok is trie.base_tok)
+        ref, ref_rows = SemanticIdTrie.from_catalog(res.catalog, VOCAB)
+        dense, dense_rows = got.dense(res.catalog)
+        assert np.array_equal(dense_rows, ref_rows)
+        same_trie(dense, ref)
+        same_readers(got, res.catalog)
+        versions.append((res.catalog, got))
+    same_readers(versions[1][1], versions[1][0])  # an older version is left as it was
+
+
+def test_the_layered_trie_follows_updates_on_a_large_catalog():
+    """As above with 60,000 items, repeated paths, and updates that empty and create nodes at every
+    level, with the default compaction (none here: the changes stay under its threshold)."""
+    rng = np.random.default_rng(1)
+    n = 60_000
+    cat = Catalog.from_columns([f"i{k}" for k in range(n)], np.full(n, 5, np.int32), np.arange(n + 1), np.full(n, -1),
+                               rng.integers(0, [40, 60, 50], (n, 3)).astype(np.int32), np.ones(n, bool), AttrTable(n))
+    trie, _ = LayeredTrie.from_catalog(cat, VOCAB)
+    base = trie.base_tok
+    for step in range(4):
+        live = cat.live_rows()
+        delete = [cat.ids[r] for r in rng.choice(live, 300, replace=False)]
+        ups = [{"id": cat.ids[r] if k % 2 else f"n{step}_{k}", "token_ids": [5],
+                "semantic_id": rng.integers(0, [45, 60, 55]).tolist()} for k, r in enumerate(rng.choice(live, 200))]
+        ups = list({u["id"]: u for u in ups if u["id"] not in delete}.values())
+        res = apply_update(cat, parse_items(ups, None, VOCAB), delete)
+        trie, _ = trie.updated(None, res.catalog, res.removed_rows, res.added_from)
+        assert trie.tail_tok.size and trie.base_tok is base  # the base shared, the changes in the tail
+        ref, ref_rows = SemanticIdTrie.from_catalog(res.catalog, VOCAB)
+        dense, dense_rows = trie.dense(res.catalog)
+        assert np.array_equal(dense_rows, ref_rows)
+        same_trie(dense, ref)
+        cat = res.catalog
+    same_readers(trie, cat)
+
+
+class _HeldCompactor:
+    """sgrec.beam.layered.compactor's stand-in: each compaction waits until the test runs it."""
+
+    def __init__(self):
+        self.jobs = []
+
+    def submit(self, fn):
+        from concurrent.futures import Future
+
+        fut = Future()
+        self.jobs.append((fut, fn))
+        return fut
+
+    def run(self):
+        for fut, fn in self.jobs:
+            fut.set_result(fn())
+        self.jobs.clear()
+
+
+def test_a_layered_trie_compacts_in_the_background_and_replays_the_updates_made_meanwhile(monkeypatch):
+    """Past the threshold an update hands the compaction to the background thread and returns at
+    once; versions made while it runs keep their tails and record their updates; the first update
+    after it is done replays them on the compacted trie. Every version equals the trie built from
+    scratch, before, during and after; a failed compaction leaves the tails serving."""
+    held = _HeldCompactor()
+    monkeypatch.setattr(sgrec.beam.layered, "compactor", held)
+    monkeypatch.setattr(sgrec.beam.layered, "COMPACT_MIN", 30)
+    rng = random.Random(3)
+
+    def path():
+        return [rng.randrange(4), rng.randrange(5), rng.randrange(6)]
+
+    cat = Catalog([Item(f"i{k}", (5,), None, tuple(path())) for k in range(60)])
+    trie, _ = LayeredTrie.from_catalog(cat, VOCAB)
+    phases = []
+    for step in range(14):
+        live = list(cat.index)
+        ups = [{"id": rng.choice(live) if j % 2 else f"n{step}_{j}", "token_ids": [5], "semantic_id": path()}
+               for j in range(4)]
+        ups = list({u["id"]: u for u in ups}.values())
+        res = apply_update(cat, parse_items(ups, None, VOCAB), [rng.choice(live)])
+        before = trie
+        trie, _ = trie.updated(None, res.catalog, res.removed_rows, res.added_from)
+        cat = res.catalog
+        dense, dense_rows = trie.dense(cat)
+        ref, ref_rows = SemanticIdTrie.from_catalog(cat, VOCAB)
+        same_trie(dense, ref)
+        assert np.array_equal(dense_rows, ref_rows)
+        same_readers(trie, cat)
+        if trie._job is None and before._job is not None:
+            phases.append("replayed")
+            assert not trie.tail_tok.size or trie.written < before.written  # a new base under the replayed updates
+        elif trie._job is not None and before._job is None:
+            phases.append("started")
+            assert len(held.jobs) == 1 and trie.tail_tok.size  # nothing compacted yet: the version as it is
+        elif trie._job is not None:
+            phases.append("recorded")
+            assert len(trie._job[1]) == len(before._job[1]) + 1 and trie._job[0] is before._job[0]
+        if phases[-3:] == ["started", "recorded", "recorded"]:
+            held.run()  # done: the next update replays
+    assert phases.count("started") >= 2 and "replayed" in phases, phases
+
+    failing = _HeldCompactor()  # a compaction that fails: logged, the tails go on, the next threshold tries again
+    monkeypatch.setattr(sgrec.beam.layered, "compactor", failing)
+    held.run()
+    while trie._job is None or trie._job[0].done():  # the held one replayed first
+        res = apply_update(cat, parse_items([{"id": f"f{cat.num_rows}", "token_ids": [5], "semantic_id": path()}],
+                                            None, VOCAB))
+        trie, cat = trie.updated(None, res.catalog, res.removed_rows, res.added_from)[0], res.catalog
+    failing.jobs[0][0].set_exception(MemoryError("no room"))
+    failing.jobs.clear()
+    res = apply_update(cat, parse_items([{"id": "g", "token_ids": [5], "semantic_id": path()}], None, VOCAB))
+    trie, _ = trie.updated(None, res.catalog, res.removed_rows, res.added_from)
+    same_trie(trie.dense(res.catalog)[0], SemanticIdTrie.from_catalog(res.catalog, VOCAB)[0])
+    assert trie._job is not None and len(failing.jobs) == 1  # still past the threshold: a new one started
+
+
+def test_a_layered_trie_update_costs_what_it_changed():
+    """The regression guard for issue 42's O(k) versions: a LayeredTrie update of 10 items on a
+    200,000-item catalog allocates its parents' run pointers (O(parents at the level above the
+    leaves): 400 here), the changed runs and counts, and now and then room for its tails, never an
+    array over the leaves or rows (SemanticIdTrie.updated makes half a dozen, 8 bytes per leaf
+    each). Counted with tracemalloc (numpy reports its buffers), so it holds on any machine."""
+    import tracemalloc
+
+    n = 200_000
+    rng = np.random.default_rng(0)
+    cat = Catalog.from_columns([f"i{k}" for k in range(n)], np.full(n, 5, np.int32), np.arange(n + 1), np.full(n, -1),
+                               rng.integers(0, [20, 20, 500], (n, 3)).astype(np.int32), np.ones(n, bool), AttrTable(n))
+    trie, _ = LayeredTrie.from_catalog(cat, VOCAB)
+    assert trie.num_nodes[2] == 400 and trie.num_nodes[3] > 100_000  # 400 parents
+    cat = apply_update(cat, parse_items([{"id": "first", "token_ids": [5], "semantic_id": [1, 2, 3]}], None,
+                                        VOCAB)).catalog  # the first: the columns move into growing storage
+    trie, _ = trie.updated(None, cat, np.zeros(0, np.int64), n)
+    tracemalloc.start()
+    for step in range(5):
+        ups = [{"id": f"i{rng.integers(n)}" if j % 2 else f"n{step}_{j}", "token_ids": [5],
+                "semantic_id": rng.integers(0, [20, 20, 500]).tolist()} for j in range(10)]
+        res = apply_update(cat, parse_items(ups, None, VOCAB), [f"i{rng.integers(n)}"])
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        got, _ = trie.updated(None, res.catalog, res.removed_rows, res.added_from)
+        peak = tracemalloc.get_traced_memory()[1] - before
+        assert peak < 4 * trie.num_nodes[3], peak  # half of one int64 array over the leaves; dense: 6 or more
+        cat, trie = res.catalog, got
+        last = peak
+    tracemalloc.stop()
+    dense, rows = trie.dense(cat)  # the same update on a SemanticIdTrie: the guard tells them apart
+    res = apply_update(cat, parse_items(ups, None, VOCAB), [f"i{rng.integers(n)}"])
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    before = tracemalloc.get_traced_memory()[0]
+    dense.updated(rows, res.catalog, res.removed_rows, res.added_from)
+    assert tracemalloc.get_traced_memory()[1] - before > 10 * max(last, 4 * trie.num_nodes[3])
+    tracemalloc.stop()
 
 
 def test_an_update_costs_what_it_changed():

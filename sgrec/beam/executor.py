@@ -31,6 +31,7 @@ import torch
 from sgrec.beam import kernel_step, search
 from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, StagedMeta, UnsharedKV
 from sgrec.beam.filters import FilterCache, TrieFilter, build_filter
+from sgrec.beam.layered import LayeredTrie
 from sgrec.beam.search import BeamBuffers, inplace_schedule, select_level
 from sgrec.beam.trie import SemanticIdTrie
 from sgrec.catalog import Catalog, check_token_ids
@@ -94,12 +95,23 @@ class _Request:
     t1: float = 0.0
 
 
-def build_trie(catalog: Catalog | None, vocab_size: int, device) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
+def layered_trie(runner) -> bool:
+    """Whether the runner's retrieval reads a LayeredTrie (versions that cost what an update changed):
+    the torch beam step on the CPU. The Triton trie step (--attention-backend triton, a GPU) reads
+    SemanticIdTrie's dense arrays."""
+    return runner.device.type == "cpu" and not isinstance(runner.backend, TritonBackend)
+
+
+def build_trie(catalog: Catalog | None, vocab_size: int, device, layered: bool = False
+               ) -> tuple[SemanticIdTrie | LayeredTrie | None, np.ndarray | None]:
     """The valid-path trie of a catalog and the catalog row of each trie row ((None, None) when no
-    item has a semantic ID). Reads nothing that changes: a new version's trie is built off the
-    scheduler's step, then handed to `RetrieveExecutor.use_catalog`."""
+    item has a semantic ID; a LayeredTrie's rows are the catalog's: None). Reads nothing that
+    changes: a new version's trie is built off the scheduler's step, then handed to
+    `RetrieveExecutor.use_catalog`."""
     if catalog is None or not catalog.semantic_id_len:
         return None, None
+    if layered:
+        return LayeredTrie.from_catalog(catalog, vocab_size)
     return SemanticIdTrie.from_catalog(catalog, vocab_size, device)
 
 
@@ -117,6 +129,7 @@ class RetrieveExecutor:
         self.vocab_size = runner.config.vocab_size
         self.max_beam_width = max_beam_width or runner.args.max_beam_width
         self.reorder_chunk = reorder_chunk
+        self.layered = layered_trie(runner)
         self.use_catalog(catalog, built if built is not None else self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
         triton = isinstance(runner.backend, TritonBackend)  # --attention-backend triton
@@ -140,7 +153,7 @@ class RetrieveExecutor:
 
     def build_trie(self, catalog: Catalog | None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """build_trie (the module's) for this executor's vocabulary and device."""
-        return build_trie(catalog, self.vocab_size, self.device)
+        return build_trie(catalog, self.vocab_size, self.device, self.layered)
 
     def updated_trie(self, applied) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """build_trie of an update's catalog (a catalog.update.Applied), from the served trie: it
@@ -347,12 +360,14 @@ class RetrieveExecutor:
         leaves = r.bufs.nodes[:n][order]
         leaf_rows = self.trie.leaf_items(leaves).tolist()
         if r.filt is not None and self.trie.num_duplicate_paths:  # a repeated path: its first allowed item
-            shared = (self.trie.count[self.trie.depth][leaves.cpu()] > 1).tolist()
-            leaf_rows = [next(x for x in self.trie.rows_of_leaf(int(lf)) if r.filt.row_allowed(x)) if many else lr
-                         for lf, lr, many in zip(leaves.tolist(), leaf_rows, shared)]
+            shared = (self.trie.leaf_count(leaves.cpu().numpy()) > 1).tolist()
+            leaf_rows = [next(x for x in self.trie.rows_of_leaf(int(lf), self.catalog) if r.filt.row_allowed(x))
+                         if many else lr for lf, lr, many in zip(leaves.tolist(), leaf_rows, shared)]
         paths, scores = r.bufs.tokens[:n][order].tolist(), r.bufs.scores[:n][order].tolist()
         ids, catalog_row = self.catalog.ids, self._trie_rows
-        items = [{"item": ids[int(catalog_row[lr])], "semantic_id": path, "score": float(s)}
+        if catalog_row is not None:  # trie rows -> catalog rows (a LayeredTrie's are the catalog's)
+            leaf_rows = [int(catalog_row[lr]) for lr in leaf_rows]
+        items = [{"item": ids[lr], "semantic_id": path, "score": float(s)}
                  for lr, path, s in zip(leaf_rows, paths, scores)]
         available = self.trie.num_nodes[-1] if r.filt is None else r.filt.leaves
         t2 = time.perf_counter()

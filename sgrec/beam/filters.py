@@ -89,19 +89,18 @@ class FilterCache:
         self.size = size
         self.entries: OrderedDict[bytes, tuple] = OrderedDict()
 
-    def get(self, catalog: Catalog, trie: SemanticIdTrie, trie_rows: np.ndarray, spec: dict):
-        """(bool per trie row: passes the filter, items under each node per depth, count > 0 per depth)."""
+    def get(self, catalog: Catalog, trie: SemanticIdTrie, trie_rows: np.ndarray | None, spec: dict):
+        """(bool per trie row: passes the filter, items under each node per depth, count > 0 per depth);
+        trie_rows None: the trie's rows are the catalog's (a LayeredTrie)."""
         key = orjson.dumps(spec, option=orjson.OPT_SORT_KEYS)
         hit = self.entries.get(key)
         if hit is not None:
             self.entries.move_to_end(key)
             return hit
-        ok = catalog.filter_mask(spec)[trie_rows]  # per trie row
-        count = [torch.empty(0)] * (trie.depth + 1)
-        count[trie.depth] = torch.bincount(trie.row_leaf[torch.from_numpy(ok)], minlength=trie.num_nodes[-1])
-        for d in range(trie.depth, 1, -1):
-            count[d - 1] = torch.zeros(trie.num_nodes[d - 1], dtype=torch.int64).index_add_(
-                0, trie.parents(d, trie.child_key[d - 1].cpu()), count[d])
+        ok = catalog.filter_mask(spec)
+        if trie_rows is not None:
+            ok = ok[trie_rows]  # per trie row
+        count = trie.filter_counts(ok)
         dense = [None] + [c > 0 for c in count[1:]]
         hit = (ok, count, dense)
         self.entries[key] = hit
@@ -110,11 +109,15 @@ class FilterCache:
         return hit
 
 
-def trie_rows_of(trie_rows: np.ndarray, catalog_rows: list[int], catalog_size: int) -> np.ndarray:
+def trie_rows_of(trie_rows: np.ndarray | None, catalog_rows: list[int], catalog_size: int,
+                 trie: SemanticIdTrie | None = None) -> np.ndarray:
     """Trie rows of catalog rows, unique (negative rows and rows without a semantic ID left out);
-    catalog_size: the catalog's rows (num_rows, dead ones counted)."""
+    catalog_size: the catalog's rows (num_rows, dead ones counted). trie_rows None: the trie's rows
+    are the catalog's (`trie`, a LayeredTrie, says which have a semantic ID)."""
     r = np.unique(np.asarray(catalog_rows, dtype=np.int64))
     r = r[r >= 0]
+    if trie_rows is None:
+        return r[trie.leaf_of_rows(r) >= 0] if r.size else r
     if not r.size or len(trie_rows) == catalog_size:  # every item has a semantic ID: the same rows
         return r
     idx = np.searchsorted(trie_rows, r).clip(max=len(trie_rows) - 1)
@@ -140,37 +143,28 @@ def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, 
         if None in rows:  # distinct ids no longer in the catalog
             ignored = len({i for i, r in zip(exclude, rows) if r is None})
             rows = [r for r in rows if r is not None]
-        ex = trie_rows_of(trie_rows, rows, catalog.num_rows)
+        ex = trie_rows_of(trie_rows, rows, catalog.num_rows, trie)
     none: list[torch.Tensor | None] = [None] * (D + 1)
     if include is not None:
-        inc = trie_rows_of(trie_rows, catalog.rows(include), catalog.num_rows)
+        inc = trie_rows_of(trie_rows, catalog.rows(include), catalog.num_rows, trie)
         if ok is not None:
             inc = inc[ok[inc]]
         inc = np.setdiff1d(inc, ex, assume_unique=True)
-        allowed = list(none)
-        np_leaf, np_key = trie.host_arrays()[:2]
-        nodes = np.unique(np_leaf[inc])
-        for d in range(D, 0, -1):
-            allowed[d] = torch.from_numpy(nodes)
-            if d > 1:
-                nodes = np.unique(np_key[d - 1][nodes] // trie.vocab_size)
+        on_path = trie.path_nodes(inc, catalog)
+        allowed = [None] + [torch.from_numpy(np.unique(on_path[d])) for d in range(1, D + 1)]
         allowed_set = set(inc.tolist())
         return TrieFilter(D, allowed, list(none), list(none), int(allowed[D].numel()),
                           row_allowed=allowed_set.__contains__, ignored_exclusions=ignored)
-    np_leaf, np_key, np_count = trie.host_arrays()
-    base = np_count if count is None else [c.numpy() for c in count]
     if ok is not None:
         ex = ex[ok[ex]]  # exclusions the filter already removed change nothing
     blocked, blocked_parent = list(none), list(none)
     # numpy, not torch: a few dozen small ops, each ~1 us here against ~5-10 us as torch ops
-    nodes, dec = np.unique(np_leaf[ex], return_counts=True)
+    on_path = trie.path_nodes(ex, catalog)
     for d in range(D, 0, -1):
-        parent = np_key[d - 1][nodes] // trie.vocab_size
-        hit = base[d][nodes] == dec
+        nodes, first, dec = np.unique(on_path[d], return_index=True, return_counts=True)
+        parent = on_path[d - 1][first]
+        hit = (trie.node_count(d, nodes) if count is None else count[d].numpy()[nodes]) == dec
         blocked[d], blocked_parent[d] = torch.from_numpy(nodes[hit]), torch.from_numpy(parent[hit])
-        if d > 1:
-            nodes, inv = np.unique(parent, return_inverse=True)
-            dec = np.bincount(inv, weights=dec, minlength=nodes.size).astype(np.int64)
     leaves = (int(trie.num_nodes[D]) if count is None else int(dense[D].sum())) - int(blocked[D].numel())
     ex_set: set[int] = set()
 

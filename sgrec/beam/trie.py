@@ -89,16 +89,9 @@ class SemanticIdTrie:
         self._tok_count = tok_count
         # per depth d: the distinct tokens of the nodes at depth d + 1 (ascending), and each
         # vocabulary id's column among them: a beam step computes only these logits (`logit_columns`)
-        self.level_tokens, self.level_col = [], []
-        for d, c in enumerate(tok_count):
-            if same_tokens is not None and np.array_equal(c > 0, same_tokens._tok_count[d] > 0):
-                t, col = same_tokens.level_tokens[d], same_tokens.level_col[d]  # the same tokens: shared
-            else:
-                t = torch.from_numpy(np.flatnonzero(c)).to(dev)
-                col = torch.zeros(V, dtype=torch.int64, device=dev)
-                col[t] = torch.arange(t.numel(), device=dev)
-            self.level_tokens.append(t)
-            self.level_col.append(col)
+        self.level_tokens, self.level_col = level_columns(
+            tok_count, V, dev, None if same_tokens is None else same_tokens._tok_count,
+            None if same_tokens is None else (same_tokens.level_tokens, same_tokens.level_col))
         self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host = (row_leaf, keys, count) if dev.type == "cpu" else None
         self._host_more = (toks, ptrs, leaf_item) if dev.type == "cpu" else None
@@ -157,52 +150,9 @@ class SemanticIdTrie:
             gone_nodes[d], gone_count[d] = node, cnt
             node, inv = np.unique(host_key[d - 1][node] // V, return_inverse=True)
             cnt = np.bincount(inv, weights=cnt, minlength=node.size).astype(np.int64)
-        keys, toks, ptrs, count, tok_count, maxc = [], [], [], [np.array([new_rows.size], np.int64)], [], []
-        dead_up = ins_up = np.zeros(0, np.int64)  # the level above: dead old ids; new nodes' places among survivors
-        at = np.zeros(len(new_sem), dtype=np.int64)  # the new rows' nodes at the level above (new ids)
+        keys, toks, ptrs, count, tok_count, maxc, at, dead_up, ins_up = update_levels(
+            V, host_key, toks0, ptrs0, host_count, self._tok_count, gone_nodes, gone_count, paths, new_rows.size)
         none = np.zeros(0, dtype=np.int64)
-        for d in range(D):
-            K, T, C = host_key[d], toks0[d], host_count[d + 1]
-            g, gc = gone_nodes[d + 1], gone_count[d + 1]
-            left = C[g] - gc
-            dead = g[left == 0]  # old ids of nodes with no item left (ascending)
-            if dead_up.size or ins_up.size:  # renumbered as their parents were
-                p = K // V  # ascending: the table is read in order
-                K = K + V * (_shifted(p, *_renumbering(dead_up, ins_up)) - p)
-                K[dead] = -1  # a dead node's parent may be dead (no new number): take the key before it
-                np.maximum.accumulate(K, out=K)  # so K stays sorted for the searches
-            want = at * V + paths[:, d]
-            fresh = np.unique(want)
-            idx = np.minimum(np.searchsorted(K, fresh), K.size - 1)  # among the old nodes, dead ones too
-            hit = (K[idx] == fresh) & ~_isin_sorted(idx, dead)
-            fresh, idx = fresh[~hit], np.searchsorted(K, fresh[~hit])
-            ins = idx - np.searchsorted(dead, idx)  # new nodes' places among the survivors
-            survivors = g[left > 0]
-            K, T, C = _splice(K, dead, ins, fresh), _splice(T, dead, ins, fresh % V), _splice(C, dead, ins, 0)
-            if C is host_count[d + 1]:
-                C = C.copy()
-            t = survivors - np.searchsorted(dead, survivors)
-            C[t + np.searchsorted(ins, t, side="right")] = left[left > 0]
-            at = np.searchsorted(K, want)
-            np.add.at(C, at, 1)
-            # per-parent child counts: less the dead children of surviving parents, renumbered, plus the new
-            per = np.diff(ptrs0[d])
-            parent = host_key[d][dead] // V
-            np.subtract.at(per, parent[~_isin_sorted(parent, dead_up)], 1)
-            per = _splice(per, dead_up, ins_up, 0)
-            np.add.at(per, fresh // V, 1)
-            ptr = np.zeros(per.size + 1, dtype=np.int64)
-            np.cumsum(per, out=ptr[1:])
-            tc = self._tok_count[d].copy()
-            np.subtract.at(tc, host_key[d][dead] % V, 1)
-            np.add.at(tc, fresh % V, 1)
-            keys.append(K)
-            toks.append(T)
-            ptrs.append(ptr)
-            count.append(C)
-            tok_count.append(tc)
-            maxc.append(int(per.max()))
-            dead_up, ins_up = dead, ins
         # rows: the removed ones out, leaf ids shifted as the leaves were, the new rows' leaves after
         leaf_new = _renumbering(dead_up, ins_up)
         row_leaf = np.concatenate([_shifted(_splice(host_leaf, pos, none, 0), *leaf_new), at])
@@ -280,10 +230,48 @@ class SemanticIdTrie:
         toks = self.level_tokens[depth]
         return toks if 2 * toks.numel() <= self.vocab_size else None
 
+    def runs(self, depth: int, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first position, number) of the children of nodes at `depth` (see child_at)."""
+        ptr = self.child_ptr[depth]
+        start = ptr[nodes]
+        return start, ptr[nodes + 1] - start
+
+    def child_at(self, depth: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token, node id at depth + 1) of the children at positions `pos` of `runs(depth, ...)`;
+        here a child's position is its id."""
+        return self.child_tok[depth][pos], pos
+
     def leaf_items(self, leaves: torch.Tensor) -> torch.Tensor:
+        """Each leaf's item: its first row (a trie row: `from_catalog`'s rows map it to the catalog's)."""
         return self.leaf_item[leaves]
 
-    def rows_of_leaf(self, leaf: int) -> list[int]:
+    def leaf_count(self, leaves: np.ndarray) -> np.ndarray:
+        """Rows (items) with each leaf's path."""
+        return self.host_arrays()[2][self.depth][leaves]
+
+    def node_count(self, depth: int, nodes: np.ndarray) -> np.ndarray:
+        """Items under each node at `depth`."""
+        return self.host_arrays()[2][depth][nodes]
+
+    def path_nodes(self, rows: np.ndarray, catalog: Catalog | None = None) -> list[np.ndarray]:
+        """Per depth 0..ND, the node of each of `rows` (trie rows) on its path."""
+        row_leaf, keys, _ = self.host_arrays()
+        out = [row_leaf[rows]]
+        for d in range(self.depth, 0, -1):
+            out.append(keys[d - 1][out[-1]] // self.vocab_size if d > 1 else np.zeros(len(rows), np.int64))
+        return out[::-1]
+
+    def filter_counts(self, ok: np.ndarray) -> list[torch.Tensor]:
+        """Per depth 1..ND (index 0 unused), the items under each node among the rows where `ok`
+        (bool per trie row) holds."""
+        count = [torch.empty(0)] * (self.depth + 1)
+        count[self.depth] = torch.bincount(self.row_leaf[torch.from_numpy(ok)], minlength=self.num_nodes[-1])
+        for d in range(self.depth, 1, -1):
+            count[d - 1] = torch.zeros(self.num_nodes[d - 1], dtype=torch.int64).index_add_(
+                0, self.parents(d, self.child_key[d - 1].cpu()), count[d])
+        return count
+
+    def rows_of_leaf(self, leaf: int, catalog: Catalog | None = None) -> list[int]:
         """Every row with the leaf's path, ascending (the first is leaf_item's)."""
         if self._leaf_rows is None:
             order = torch.argsort(self.row_leaf, stable=True)
@@ -292,6 +280,83 @@ class SemanticIdTrie:
             self._leaf_rows = (order, ptr)
         order, ptr = self._leaf_rows
         return order[int(ptr[leaf]) : int(ptr[leaf + 1])].tolist()
+
+
+def level_columns(tok_count: list[np.ndarray], V: int, dev, same_count: list[np.ndarray] | None = None,
+                  same: tuple[list, list] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per level, the distinct tokens of its nodes (ascending) and each vocabulary id's column among
+    them, from the per-token node counts; a level whose tokens are those of `same_count` shares
+    `same`'s (level_tokens, level_col)."""
+    tokens, cols = [], []
+    for d, c in enumerate(tok_count):
+        if same is not None and d < len(same_count) and np.array_equal(c > 0, same_count[d] > 0):
+            t, col = same[0][d], same[1][d]  # the same tokens: shared
+        else:
+            t = torch.from_numpy(np.flatnonzero(c)).to(dev)
+            col = torch.zeros(V, dtype=torch.int64, device=dev)
+            col[t] = torch.arange(t.numel(), device=dev)
+        tokens.append(t)
+        cols.append(col)
+    return tokens, cols
+
+
+def update_levels(V: int, keys0: list, toks0: list, ptrs0: list, count0: list, tok_count0: list, gone_nodes: list,
+                  gone_count: list, paths: np.ndarray, total: int) -> tuple:
+    """Levels 1..L (L = len(keys0)) of a trie after an update, from the old ones: per level d < L
+    the sorted node keys, tokens and CSR pointers (keys0[d], toks0[d], ptrs0[d]: nodes at depth
+    d + 1, parents at depth d), per depth the item counts (count0[0..L]) and per level the tokens'
+    node counts (tok_count0). gone_nodes[d], gone_count[d] (d = 1..L): the old nodes at depth d that
+    lose items and how many; paths: the new rows' semantic ids (first L columns read); total: the
+    items after. Per level the nodes left without items are deleted and the new ones inserted
+    (memmoves), node ids shift by searches over the few changed ones. Returns (keys, toks, ptrs,
+    count, tok_count, max_children, the new rows' nodes at depth L, the dead old ids at depth L,
+    the new nodes' places among its survivors)."""
+    keys, toks, ptrs, count, tok_count, maxc = [], [], [], [np.array([total], np.int64)], [], []
+    dead_up = ins_up = np.zeros(0, np.int64)  # the level above: dead old ids; new nodes' places among survivors
+    at = np.zeros(len(paths), dtype=np.int64)  # the new rows' nodes at the level above (new ids)
+    for d in range(len(keys0)):
+        K, T, C = keys0[d], toks0[d], count0[d + 1]
+        g, gc = gone_nodes[d + 1], gone_count[d + 1]
+        left = C[g] - gc
+        dead = g[left == 0]  # old ids of nodes with no item left (ascending)
+        if dead_up.size or ins_up.size:  # renumbered as their parents were
+            p = K // V  # ascending: the table is read in order
+            K = K + V * (_shifted(p, *_renumbering(dead_up, ins_up)) - p)
+            K[dead] = -1  # a dead node's parent may be dead (no new number): take the key before it
+            np.maximum.accumulate(K, out=K)  # so K stays sorted for the searches
+        want = at * V + paths[:, d]
+        fresh = np.unique(want)
+        idx = np.minimum(np.searchsorted(K, fresh), K.size - 1)  # among the old nodes, dead ones too
+        hit = (K[idx] == fresh) & ~_isin_sorted(idx, dead)
+        fresh, idx = fresh[~hit], np.searchsorted(K, fresh[~hit])
+        ins = idx - np.searchsorted(dead, idx)  # new nodes' places among the survivors
+        survivors = g[left > 0]
+        K, T, C = _splice(K, dead, ins, fresh), _splice(T, dead, ins, fresh % V), _splice(C, dead, ins, 0)
+        if C is count0[d + 1]:
+            C = C.copy()
+        t = survivors - np.searchsorted(dead, survivors)
+        C[t + np.searchsorted(ins, t, side="right")] = left[left > 0]
+        at = np.searchsorted(K, want)
+        np.add.at(C, at, 1)
+        # per-parent child counts: less the dead children of surviving parents, renumbered, plus the new
+        per = np.diff(ptrs0[d])
+        parent = keys0[d][dead] // V
+        np.subtract.at(per, parent[~_isin_sorted(parent, dead_up)], 1)
+        per = _splice(per, dead_up, ins_up, 0)
+        np.add.at(per, fresh // V, 1)
+        ptr = np.zeros(per.size + 1, dtype=np.int64)
+        np.cumsum(per, out=ptr[1:])
+        tc = tok_count0[d].copy()
+        np.subtract.at(tc, keys0[d][dead] % V, 1)
+        np.add.at(tc, fresh % V, 1)
+        keys.append(K)
+        toks.append(T)
+        ptrs.append(ptr)
+        count.append(C)
+        tok_count.append(tc)
+        maxc.append(int(per.max()))
+        dead_up, ins_up = dead, ins
+    return keys, toks, ptrs, count, tok_count, maxc, at, dead_up, ins_up
 
 
 def _splice(a: np.ndarray, dead: np.ndarray, ins: np.ndarray, vals) -> np.ndarray:
@@ -369,22 +434,21 @@ def children_logp(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes:
     attribute filter by testing each child, exclusions by striking just their blocked nodes
     (nodes: ascending, as beams are kept in path order). `restricted`: logits holds only the
     columns trie.logit_columns(depth), in that order."""
-    ptr = trie.child_ptr[depth]
-    start = ptr[nodes]
-    count = ptr[nodes + 1] - start
+    start, count = trie.runs(depth, nodes)
     C = int(count.max())
     col = torch.arange(C, device=nodes.device)
     valid = col[None, :] < count[:, None]
-    pos = torch.minimum(start[:, None] + col[None, :], ptr[-1] - 1)  # node ids at depth + 1 (clamped pads)
-    toks = trie.child_tok[depth][pos]
+    pos = torch.where(valid, start[:, None] + col[None, :], start[:, None])  # pads: the first child (masked)
+    toks, kids = trie.child_at(depth, pos)  # node ids at depth + 1
     vals = logits.gather(1, trie.level_col[depth][toks] if restricted else toks).float()
     if filt is not None:
-        k = filt.positive(depth + 1, pos)
+        k = filt.positive(depth + 1, kids)
         if k is not None:
             valid &= k
         blocked = filt.blocked_children(depth + 1, nodes)
-        if blocked is not None:
+        if blocked is not None:  # each blocked child's column in its parent's row
             rows, bnodes = blocked
-            valid[rows, bnodes - start[rows]] = False
+            r, c = torch.nonzero(kids[rows] == bnodes[:, None], as_tuple=True)
+            valid[rows[r], c] = False
     vals.masked_fill_(~valid, float("-inf"))
     return torch.log_softmax(vals, dim=-1), toks

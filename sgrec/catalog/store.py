@@ -253,6 +253,13 @@ class Catalog:
         """bool [num_rows]: live rows."""
         return ~unpack(self._dead, self.num_rows)
 
+    def alive(self, rows: np.ndarray) -> np.ndarray:
+        """bool per row of `rows` (rows of this version): is it live. Reads only those rows' bits."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if self._dead is None:
+            return np.ones(rows.shape, dtype=bool)
+        return (self._dead[rows >> 3] >> (rows & 7).astype(np.uint8) & 1) == 0
+
     # ---- lookups ------------------------------------------------------------------------
     def __len__(self) -> int:
         return self._live

@@ -67,6 +67,7 @@ def shared_trie(key, build, device: torch.device):
     the trie lives on the CPU: the first rank to ask for key() (the version's name, made only then)
     builds it, every rank maps its arrays (sgrec.catalog.image.shared); ranks ask for the versions'
     keys in the same order. Else build()."""
+    from sgrec.beam.layered import LayeredTrie
     from sgrec.beam.trie import SemanticIdTrie
 
     folder = os.environ.get(image.ENV)
@@ -78,10 +79,14 @@ def shared_trie(key, build, device: torch.device):
         if trie is None:
             return {}, None
         arrays, info = trie.arrays()
-        return {**arrays, "trie_rows": rows}, info
+        return {**arrays, **({} if rows is None else {"trie_rows": rows})}, info
 
     arrays, info = image.shared(folder, "trie", key(), make)
-    return (None, None) if info is None else (SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"])
+    if info is None:
+        return None, None
+    if info.get("layered"):
+        return LayeredTrie.from_arrays(arrays, info), None
+    return SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"]
 
 
 class Scheduler:
@@ -117,7 +122,7 @@ class Scheduler:
         backend = stream_backend(args, runner.device)
         self.catalog = self.rank_executor = self.retriever = self.versions = None
         if args.item_catalog:
-            from sgrec.beam.executor import RetrieveExecutor, build_trie
+            from sgrec.beam.executor import RetrieveExecutor, build_trie, layered_trie
             from sgrec.rank.executor import RankExecutor
 
             vocab = runner.config.vocab_size
@@ -125,7 +130,8 @@ class Scheduler:
             self.versions = replay(catalog, args.journal_path, args.catalog_history, vocab)
             self.catalog = self.versions.current
             built = shared_trie(lambda: f"v{self.versions.version}-start",
-                                lambda: build_trie(self.catalog, vocab, runner.device), runner.device)
+                                lambda: build_trie(self.catalog, vocab, runner.device, layered_trie(runner)),
+                                runner.device)
             self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
             if self.hicache is not None and self.hicache.storage is not None:
                 self.rank_executor.tiers = self.hicache  # item KV shared through the storage tier
