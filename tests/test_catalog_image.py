@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import json
 import os
 import random
 import shutil
@@ -111,19 +112,34 @@ def test_a_column_past_its_room_moves_to_memory_of_its_own(tmp_path):
     assert not isinstance(res.catalog._bufs["token_flat"].data, np.memmap)
 
 
-def _rank(folder: str, seed: int, steps: int, barrier, results) -> None:
+def _rank(folder: str, seed: int, steps: int, barrier, results, layered: bool = False) -> None:
     """A DP rank in a process of its own: maps the image, serves the shared trie of each version
     (the same updates as every other rank: one seed), and reports the versions it made itself and
     whether each trie equals the one built from scratch. The barrier after each version stands for
-    the update's commit round, which every rank finishes before the next update is sent."""
+    the update's commit round, which every rank finishes before the next update is sent. layered:
+    LayeredTrie versions through the scheduler's share_trie (a base once, each version's own arrays
+    beside), compacted every other update."""
+    import sgrec.beam.layered
+    from sgrec.beam.layered import LayeredTrie
+    from sgrec.scheduler.scheduler import share_trie
+
+    sgrec.beam.layered.COMPACT_MIN, sgrec.beam.layered.COMPACT_FRACTION = 25, 0.0
     rng = random.Random(seed)
     cat = image.load(folder)
-    made, same = [], []
+    made, same, bases = [], [], []
 
     def serve(key, build):
-        def make():
+        def counted():
             made.append(key)
-            trie, rows = build()
+            return build()
+
+        if layered:
+            got = share_trie(folder, lambda: key, counted)
+            barrier.wait()
+            return got
+
+        def make():
+            trie, rows = counted()
             arrays, info = trie.arrays()
             return {**arrays, "trie_rows": rows}, info
 
@@ -131,7 +147,7 @@ def _rank(folder: str, seed: int, steps: int, barrier, results) -> None:
         barrier.wait()
         return SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"]
 
-    trie, rows = serve("v0", lambda: SemanticIdTrie.from_catalog(cat, VOCAB))
+    trie, rows = serve("v0", lambda: (LayeredTrie if layered else SemanticIdTrie).from_catalog(cat, VOCAB))
     for step in range(1, steps + 1):
         ids = [it.id for it in cat.items]
         delete = rng.sample(ids, rng.randint(0, 6))
@@ -142,32 +158,43 @@ def _rank(folder: str, seed: int, steps: int, barrier, results) -> None:
         trie, rows = serve(f"v{step}", lambda: trie.updated(rows, res.catalog, res.removed_rows, res.added_from))
         ref, ref_rows = SemanticIdTrie.from_catalog(res.catalog, VOCAB)
         try:
-            same_trie(trie, ref)
-            same.append(bool(np.array_equal(rows, ref_rows)))
+            got, got_rows = trie.dense(res.catalog) if layered else (trie, rows)
+            same_trie(got, ref)
+            same.append(bool(np.array_equal(got_rows, ref_rows)))
         except AssertionError:
             same.append(False)
         cat = res.catalog
-    results.put((made, same))
+        bases.append(getattr(trie, "base_id", None))
+    results.put((made, same, bases))
 
 
-def test_ranks_in_processes_make_each_shared_version_once(tmp_path):
+@pytest.mark.parametrize("layered", [False, True], ids=["dense", "layered"])
+def test_ranks_in_processes_make_each_shared_version_once(tmp_path, layered):
     """Three ranks in processes of their own ask for each version's trie at about the same time:
     one makes it, the others map its files (every rank's trie equals the one built from scratch),
-    and once a version is served only its files are left."""
+    and once a version is served only its files are left (and, layered, its base's)."""
     write_image(tmp_path, mixed_items(random.Random(5), 150))
     ctx = mp.get_context("spawn")
     barrier, results, steps = ctx.Barrier(3), ctx.Queue(), 4
-    procs = [ctx.Process(target=_rank, args=(str(tmp_path), 11, steps, barrier, results)) for _ in range(3)]
+    procs = [ctx.Process(target=_rank, args=(str(tmp_path), 11, steps, barrier, results, layered)) for _ in range(3)]
     for p in procs:
         p.start()
     got = [results.get(timeout=300) for _ in procs]
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    made = sorted(k for m, _ in got for k in m)
+    made = sorted(k for m, _, _ in got for k in m)
     assert made == sorted(f"v{s}" for s in range(steps + 1))  # each version made once, by one rank
-    assert all(same == [True] * steps for _, same in got)
-    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("trie")) == ["trie-v4", "trie.lock"]
+    assert all(same == [True] * steps for _, same, _ in got)
+    assert all(b == got[0][2] for _, _, b in got)  # every rank on the same bases
+    assert (len(set(got[0][2])) > 1) == layered, got[0][2]  # layered: compacted (in place) along the way
+    files = sorted(n for n in os.listdir(tmp_path) if n.startswith("trie"))
+    if layered:  # one base left: the last version's (compactions made new ones, each written once)
+        with open(tmp_path / "trie-v4" / image.MANIFEST) as f:
+            base = json.load(f)["info"]["base"]
+        assert files == ["trie-v4", "trie.lock", f"triebase-{base}", "triebase.lock"]
+    else:
+        assert files == ["trie-v4", "trie.lock"]
 
 
 def test_the_image_folder_goes_to_shared_memory_when_it_has_room(tmp_path):

@@ -33,6 +33,7 @@ step reads `SemanticIdTrie`'s dense arrays (`RetrieveExecutor` keeps that one wh
 from __future__ import annotations
 
 import logging
+import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,8 +49,10 @@ COMPACT_MIN = 1 << 16  # ... and this many
 compactor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trie-compact")  # see LayeredTrie.updated
 logger = logging.getLogger(__name__)
 
-_ARRAYS = ("run_start", "run_len", "base_tok", "base_count", "base_item", "dup_slot", "dup_ptr", "dup_rows",
-           "tail_slot", "tail_tok", "ov_slot", "ov_count", "ov_item", "row_leaf_base", "row_leaf_tail")
+# a base's arrays (shared by every version on it), and each version's own
+_BASE_ARRAYS = ("base_tok", "base_count", "base_item", "dup_slot", "dup_ptr", "dup_rows", "row_leaf_base")
+_ARRAYS = ("run_start", "run_len", "tail_slot", "tail_tok", "ov_slot", "ov_count", "ov_item", "row_leaf_tail",
+           *_BASE_ARRAYS)
 
 
 def _dup_index(row_leaf: np.ndarray, count: np.ndarray) -> dict[str, np.ndarray]:
@@ -114,6 +117,10 @@ class LayeredTrie:
         self.R0 = self.row_leaf_base.size  # the rows the base's row map covers
         self.num_rows = self.R0 + self.row_leaf_tail.size
         self.num_slots, self.num_leaves = num_slots, num_leaves
+        if same_tokens is not None and same_tokens.base_tok is self.base_tok:
+            self.base_id = same_tokens.base_id  # a version on the same base
+        else:
+            self.base_id = uuid.uuid4().hex  # a new base (from_arrays names the one it maps)
         self._bufs = None  # the tails' growing storage (`updated`), where this version made them
         self._job = None  # a compaction under way: (its future, the updates made since, in order)
         self.background = True  # compact on the `compactor` thread (else in `updated`)
@@ -467,17 +474,24 @@ class LayeredTrie:
 
     # ---- one copy for every DP rank (sgrec.catalog.image.shared) ------------------------------
     def arrays(self) -> tuple[dict[str, np.ndarray], dict]:
-        out = {name: getattr(self, name) for name in _ARRAYS}
+        """This version's own arrays (O(parents + tails): not the base's, see base_arrays) and the
+        numbers beside them, info["base"] naming the base; from_arrays takes both."""
+        out = {name: getattr(self, name) for name in _ARRAYS if name not in _BASE_ARRAYS}
         for d in range(self.depth - 1):
             out.update({f"key{d}": self.keys[d], f"tok{d}": self.toks[d], f"ptr{d}": self.ptrs[d]})
         out.update({f"count{d}": c for d, c in enumerate(self.count)})
         out.update({f"tokcount{d}": c for d, c in enumerate(self.tok_count)})
-        return out, {"layered": True, "depth": self.depth, "vocab_size": self.vocab_size,
+        return out, {"layered": True, "base": self.base_id, "depth": self.depth, "vocab_size": self.vocab_size,
                      "max_children": self.max_children[:-1], "num_slots": self.num_slots,
                      "num_leaves": self.num_leaves}
 
+    def base_arrays(self) -> tuple[dict[str, np.ndarray], dict]:
+        """The base's arrays (O(leaves + rows)), the same for every version on it (base_id)."""
+        return {name: getattr(self, name) for name in _BASE_ARRAYS}, {}
+
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], info: dict) -> "LayeredTrie":
+        """The trie of arrays() and base_arrays() (one dict) and arrays()'s info."""
         D = info["depth"]
         out = cls.__new__(cls)
         out._set(info["vocab_size"], [arrays[f"key{d}"] for d in range(D - 1)],
@@ -485,5 +499,5 @@ class LayeredTrie:
                  [arrays[f"count{d}"] for d in range(D)], [arrays[f"tokcount{d}"] for d in range(D)],
                  list(info["max_children"]), {name: arrays[name] for name in _ARRAYS}, info["num_slots"],
                  info["num_leaves"])
-        out.background = False  # see updated
+        out.background, out.base_id = False, info["base"]  # see updated
         return out

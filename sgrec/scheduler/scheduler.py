@@ -67,25 +67,38 @@ def shared_trie(key, build, device: torch.device):
     the trie lives on the CPU: the first rank to ask for key() (the version's name, made only then)
     builds it, every rank maps its arrays (sgrec.catalog.image.shared); ranks ask for the versions'
     keys in the same order. Else build()."""
-    from sgrec.beam.layered import LayeredTrie
-    from sgrec.beam.trie import SemanticIdTrie
-
     folder = os.environ.get(image.ENV)
     if not folder or device.type != "cpu":
         return build()
+    return share_trie(folder, key, build)
+
+
+def share_trie(folder: str, key, build):
+    """shared_trie in an image folder. A LayeredTrie's base (its O(leaves) arrays) is written once
+    per base ("triebase-<id>", by the maker of the first version on it, before that version's
+    files), each version's own arrays beside (O(parents + what changed since the base))."""
+    from sgrec.beam.layered import LayeredTrie
+    from sgrec.beam.trie import SemanticIdTrie
 
     def make():
         trie, rows = build()
         if trie is None:
             return {}, None
         arrays, info = trie.arrays()
-        return {**arrays, **({} if rows is None else {"trie_rows": rows})}, info
+        if rows is None:  # a LayeredTrie
+            image.shared(folder, "triebase", info["base"], trie.base_arrays)
+            return arrays, info
+        return {**arrays, "trie_rows": rows}, info
+
+    def unmade():
+        raise RuntimeError("a trie version's base is written before the version (by its maker)")
 
     arrays, info = image.shared(folder, "trie", key(), make)
     if info is None:
         return None, None
     if info.get("layered"):
-        return LayeredTrie.from_arrays(arrays, info), None
+        base, _ = image.shared(folder, "triebase", info["base"], unmade)
+        return LayeredTrie.from_arrays({**arrays, **base}, info), None
     return SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"]
 
 
