@@ -304,12 +304,14 @@ class _HeldCompactor:
 
 def test_a_layered_trie_compacts_in_the_background_and_replays_the_updates_made_meanwhile(monkeypatch):
     """Past the threshold an update hands the compaction to the background thread and returns at
-    once; versions made while it runs keep their tails and record their updates; the first update
-    after it is done replays them on the compacted trie. Every version equals the trie built from
-    scratch, before, during and after; a failed compaction leaves the tails serving."""
+    once; versions made while it runs keep their tails and record their updates; once it is done,
+    each update replays CATCH_UP of them on the compacted trie, and the one that replays the last
+    serves it. Every version equals the trie built from scratch, before, during and after; a
+    failed compaction leaves the tails serving."""
     held = _HeldCompactor()
     monkeypatch.setattr(sgrec.beam.layered, "compactor", held)
     monkeypatch.setattr(sgrec.beam.layered, "COMPACT_MIN", 30)
+    monkeypatch.setattr(sgrec.beam.layered, "CATCH_UP", 2)  # the log of 3 updates takes two updates to replay
     rng = random.Random(3)
 
     def path():
@@ -332,23 +334,29 @@ def test_a_layered_trie_compacts_in_the_background_and_replays_the_updates_made_
         same_trie(dense, ref)
         assert np.array_equal(dense_rows, ref_rows)
         same_readers(trie, cat)
-        if trie._job is None and before._job is not None:
+        if trie._job is None and before._job is None:
+            pass  # under the threshold
+        elif trie._job is None:
             phases.append("replayed")
-            assert not trie.tail_tok.size or trie.written < before.written  # a new base under the replayed updates
+            assert trie.base_tok is not before.base_tok and trie.written < before.written  # the new base
+            assert len(before._job[2]) + 1 <= sgrec.beam.layered.CATCH_UP  # what was left, and this update
         elif trie._job is not None and before._job is None:
             phases.append("started")
             assert len(held.jobs) == 1 and trie.tail_tok.size  # nothing compacted yet: the version as it is
-        elif trie._job is not None:
+        elif trie._job[1] is None:
             phases.append("recorded")
-            assert len(trie._job[1]) == len(before._job[1]) + 1 and trie._job[0] is before._job[0]
+            assert len(trie._job[2]) == len(before._job[2]) + 1 and trie._job[0] is before._job[0]
+        else:  # catching up: CATCH_UP replayed, this one recorded
+            phases.append("caught up")
+            assert len(trie._job[2]) == len(before._job[2]) + 1 - sgrec.beam.layered.CATCH_UP
         if phases[-3:] == ["started", "recorded", "recorded"]:
-            held.run()  # done: the next update replays
+            held.run()  # done: the next updates replay
     assert phases.count("started") >= 2 and "replayed" in phases, phases
 
     failing = _HeldCompactor()  # a compaction that fails: logged, the tails go on, the next threshold tries again
     monkeypatch.setattr(sgrec.beam.layered, "compactor", failing)
     held.run()
-    while trie._job is None or trie._job[0].done():  # the held one replayed first
+    while trie._job is None or trie._job[0].done():  # the held one caught up first
         res = apply_update(cat, parse_items([{"id": f"f{cat.num_rows}", "token_ids": [5], "semantic_id": path()}],
                                             None, VOCAB))
         trie, cat = trie.updated(None, res.catalog, res.removed_rows, res.added_from)[0], res.catalog

@@ -46,6 +46,7 @@ from sgrec.catalog.grow import Buf
 
 COMPACT_FRACTION = 0.02  # compact once the entries written since the base pass this fraction of its leaves
 COMPACT_MIN = 1 << 16  # ... and this many
+CATCH_UP = 4  # updates replayed on a finished compaction per update (see LayeredTrie.updated)
 compactor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trie-compact")  # see LayeredTrie.updated
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class LayeredTrie:
         else:
             self.base_id = uuid.uuid4().hex  # a new base (from_arrays names the one it maps)
         self._bufs = None  # the tails' growing storage (`updated`), where this version made them
-        self._job = None  # a compaction under way: (its future, the updates made since, in order)
+        self._job = None  # a compaction under way: (its future, its result caught up so far, the updates left)
         self.background = True  # compact on the `compactor` thread (else in `updated`)
         self.max_children = [*max_children, int(self.run_len.max())]
         self.num_nodes = [1, *(k.size for k in keys), num_leaves]
@@ -310,31 +311,40 @@ class LayeredTrie:
 
         Compaction: once the entries written since the base pass COMPACT_FRACTION of it, the new
         version is compacted on a background thread (`compactor`), and the versions made from it
-        meanwhile record their updates. The first update after the compacted trie is ready
-        replays those updates on it (O(their rows)), so no update waits for an O(catalog) pass. A
-        trie whose arrays are shared between ranks (`from_arrays`) compacts in place instead: the
-        next rank to make a version may be another process."""
+        meanwhile record their updates. Once the compacted trie is ready, each update replays up
+        to CATCH_UP of the recorded ones on it besides its own (the log shrinks by CATCH_UP - 1 per
+        update), and the update that replays the last serves it: no update waits for an
+        O(catalog) pass or replays a long log. A trie whose arrays are shared between ranks
+        (`from_arrays`) compacts in place instead: the next rank to make a version may be another
+        process."""
         update = (catalog, np.asarray(removed_rows, np.int64), added_from)
-        job = self._job
-        if job is not None and job[0].done():
-            try:
-                out = job[0].result()
-            except Exception as e:  # noqa: BLE001 - a failed compaction: go on with the tails
-                logger.warning("trie compaction failed (%s); the next threshold tries again", e)
-                out = None
-            if out is not None:
-                for u in (*job[1], update):
-                    out = out._apply(*u)
-                return out, None
-            job = None
         out = self._apply(*update)
-        if job is not None:
-            out._job = (job[0], (*job[1], update))
-        elif out.written > max(COMPACT_MIN, COMPACT_FRACTION * out.B):
-            if not self.background:
-                return out.compacted(), None
-            out._job = (compactor.submit(out.compacted), ())
+        if self._job is None:
+            return out._compacting(), None
+        future, partial, log = self._job
+        log = (*log, update)
+        if partial is None and future.done():
+            try:
+                partial = future.result()
+            except Exception as e:  # noqa: BLE001 - a failed compaction: go on with the tails, try again
+                logger.warning("trie compaction failed (%s); starting another", e)
+                return out._compacting(), None
+        if partial is not None:  # catching up, a few updates at a time: no update replays them all
+            for u in log[:CATCH_UP]:
+                partial = partial._apply(*u)
+            log = log[CATCH_UP:]
+            if not log:
+                return partial, None  # equal to out, on the new base
+        out._job = (future, partial, log)
         return out, None
+
+    def _compacting(self) -> "LayeredTrie":
+        """This new version, compacted (in place) or with its compaction started when past the threshold."""
+        if self.written > max(COMPACT_MIN, COMPACT_FRACTION * self.B):
+            if not self.background:
+                return self.compacted()
+            self._job = (compactor.submit(self.compacted), None, ())
+        return self
 
     @property
     def written(self) -> int:
