@@ -20,8 +20,8 @@ So an update costs its k rows (the runs of their parents, the changed slots) plu
 levels and the per-parent run pointers (O(parents)), and versions share the base and the tails'
 storage. Once what was written since the base passes a fraction of it, a background thread
 compacts the version (`compacted`: the current leaves in path order become a new base, O(leaves)),
-and the first update after it is done replays the updates made meanwhile on it (`updated`), so no
-update waits for the O(leaves) pass.
+and once it is done the updates made meanwhile are replayed on it, a few per update (`updated`),
+so no update waits for the O(leaves) pass.
 
 A leaf's id is its slot, not its place in path order; readers go through `runs` / `child_at` (the
 beam step), `leaf_items` (catalog rows, not trie rows: there is no row map to rebuild), `leaf_count`,

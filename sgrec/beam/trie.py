@@ -23,6 +23,8 @@ from sgrec.catalog import Catalog
 
 
 class SemanticIdTrie:
+    layered = False  # see sgrec.beam.layered.LayeredTrie
+
     def __init__(self, paths: Sequence[Sequence[int]] | torch.Tensor, vocab_size: int,
                  device: str | torch.device = "cpu"):
         """paths[i] is the semantic id of leaf candidate i (all the same length ND >= 1). When several
@@ -448,7 +450,10 @@ def children_logp(logits: torch.Tensor, trie: SemanticIdTrie, depth: int, nodes:
         blocked = filt.blocked_children(depth + 1, nodes)
         if blocked is not None:  # each blocked child's column in its parent's row
             rows, bnodes = blocked
-            r, c = torch.nonzero(kids[rows] == bnodes[:, None], as_tuple=True)
-            valid[rows[r], c] = False
+            if trie.layered:  # a leaf's id is its slot: found among the row's children
+                r, c = torch.nonzero(kids[rows] == bnodes[:, None], as_tuple=True)
+                valid[rows[r], c] = False
+            else:  # a child's id is its position
+                valid[rows, bnodes - start[rows]] = False
     vals.masked_fill_(~valid, float("-inf"))
     return torch.log_softmax(vals, dim=-1), toks

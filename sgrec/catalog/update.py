@@ -8,9 +8,9 @@ A batch is all or nothing: `parse_items` names the first bad item (`items[3] ('i
 version shares the old one's storage and costs what the batch changed (`Catalog.appended`): a
 deleted item's row dies, a replaced item's old row dies and its new row follows, with the new
 items, in the batch's order. `removed_rows` and `added_from` say which rows changed (the trie
-follows them: `SemanticIdTrie.updated`). `changed` (ids inserted, deleted, or replaced with other
-tokens) is what caches of item KV keyed by id must drop; an item whose attributes or semantic ID
-alone change keeps its KV.
+follows them: `LayeredTrie.updated`, `SemanticIdTrie.updated`). `changed` (ids inserted, deleted,
+or replaced with other tokens) is what caches of item KV keyed by id must drop; an item whose
+attributes or semantic ID alone change keeps its KV.
 """
 
 from __future__ import annotations
