@@ -148,14 +148,17 @@ def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed):
         versions.append((res.catalog, got, got_rows))
 
 
-def test_the_trie_follows_updates_on_a_large_catalog():
+@pytest.mark.parametrize("layered", [False, True], ids=["dense", "layered"])
+def test_the_trie_follows_updates_on_a_large_catalog(layered):
     """As above with 60,000 items (ids past the small tables SemanticIdTrie.updated reads per
-    bucket of ids), repeated paths, and updates that empty and create nodes at every level."""
+    bucket of ids), repeated paths, and updates that empty and create nodes at every level; the
+    LayeredTrie with its default compaction (none here: the changes stay under its threshold)."""
     rng = np.random.default_rng(1)
     n = 60_000
     cat = Catalog.from_columns([f"i{k}" for k in range(n)], np.full(n, 5, np.int32), np.arange(n + 1), np.full(n, -1),
                                rng.integers(0, [40, 60, 50], (n, 3)).astype(np.int32), np.ones(n, bool), AttrTable(n))
-    trie, rows = SemanticIdTrie.from_catalog(cat, VOCAB)
+    trie, rows = (LayeredTrie if layered else SemanticIdTrie).from_catalog(cat, VOCAB)
+    base = getattr(trie, "base_tok", None)
     for step in range(4):
         live = cat.live_rows()
         delete = [cat.ids[r] for r in rng.choice(live, 300, replace=False)]
@@ -163,11 +166,16 @@ def test_the_trie_follows_updates_on_a_large_catalog():
                 "semantic_id": rng.integers(0, [45, 60, 55]).tolist()} for k, r in enumerate(rng.choice(live, 200))]
         ups = list({u["id"]: u for u in ups if u["id"] not in delete}.values())
         res = apply_update(cat, parse_items(ups, None, VOCAB), delete)
-        got, got_rows = trie.updated(rows, res.catalog, res.removed_rows, res.added_from)
+        trie, rows = trie.updated(rows, res.catalog, res.removed_rows, res.added_from)
+        got, got_rows = trie.dense(res.catalog) if layered else (trie, rows)
+        if layered:
+            assert trie.tail_tok.size and trie.base_tok is base  # the base shared, the changes in the tail
         ref, ref_rows = SemanticIdTrie.from_catalog(res.catalog, VOCAB)
         assert np.array_equal(got_rows, ref_rows)
         same_trie(got, ref)
-        cat, trie, rows = res.catalog, got, got_rows
+        cat = res.catalog
+    if layered:
+        same_readers(trie, cat)
 
 
 def same_readers(got: LayeredTrie, cat: Catalog) -> None:
@@ -255,32 +263,6 @@ def test_the_layered_trie_follows_updates_and_equals_the_one_built_from_scratch(
         same_readers(got, res.catalog)
         versions.append((res.catalog, got))
     same_readers(versions[1][1], versions[1][0])  # an older version is left as it was
-
-
-def test_the_layered_trie_follows_updates_on_a_large_catalog():
-    """As above with 60,000 items, repeated paths, and updates that empty and create nodes at every
-    level, with the default compaction (none here: the changes stay under its threshold)."""
-    rng = np.random.default_rng(1)
-    n = 60_000
-    cat = Catalog.from_columns([f"i{k}" for k in range(n)], np.full(n, 5, np.int32), np.arange(n + 1), np.full(n, -1),
-                               rng.integers(0, [40, 60, 50], (n, 3)).astype(np.int32), np.ones(n, bool), AttrTable(n))
-    trie, _ = LayeredTrie.from_catalog(cat, VOCAB)
-    base = trie.base_tok
-    for step in range(4):
-        live = cat.live_rows()
-        delete = [cat.ids[r] for r in rng.choice(live, 300, replace=False)]
-        ups = [{"id": cat.ids[r] if k % 2 else f"n{step}_{k}", "token_ids": [5],
-                "semantic_id": rng.integers(0, [45, 60, 55]).tolist()} for k, r in enumerate(rng.choice(live, 200))]
-        ups = list({u["id"]: u for u in ups if u["id"] not in delete}.values())
-        res = apply_update(cat, parse_items(ups, None, VOCAB), delete)
-        trie, _ = trie.updated(None, res.catalog, res.removed_rows, res.added_from)
-        assert trie.tail_tok.size and trie.base_tok is base  # the base shared, the changes in the tail
-        ref, ref_rows = SemanticIdTrie.from_catalog(res.catalog, VOCAB)
-        dense, dense_rows = trie.dense(res.catalog)
-        assert np.array_equal(dense_rows, ref_rows)
-        same_trie(dense, ref)
-        cat = res.catalog
-    same_readers(trie, cat)
 
 
 class _HeldCompactor:

@@ -40,7 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from sgrec.beam.trie import SemanticIdTrie, _isin_sorted, _renumbering, _shifted, _splice, level_columns, update_levels
+from sgrec.beam.trie import (SemanticIdTrie, _isin_sorted, _renumbering, _shifted, _splice, child_by_key, level_columns,
+                             update_levels)
 from sgrec.catalog import Catalog
 from sgrec.catalog.grow import Buf
 
@@ -176,12 +177,7 @@ class LayeredTrie:
     def child_nodes(self, depth: int, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Node ids at depth + 1 of (parent node, token) pairs; raises if a pair is not a trie edge."""
         if depth < self.depth - 1:
-            keys = self.child_key[depth]
-            want = nodes * self.vocab_size + tokens
-            idx = torch.searchsorted(keys, want).clamp_(max=keys.numel() - 1)
-            if not torch.equal(keys[idx], want):
-                raise RuntimeError("beam search left the valid semantic-id paths")
-            return idx
+            return child_by_key(self.child_key[depth], self.vocab_size, nodes, tokens)
         kids = self._find(nodes.numpy(), tokens.numpy())
         if (kids < 0).any():
             raise RuntimeError("beam search left the valid semantic-id paths")
