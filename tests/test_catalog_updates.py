@@ -114,21 +114,35 @@ def same_trie(a: SemanticIdTrie, b: SemanticIdTrie) -> None:
     assert torch.equal(a.row_leaf, b.row_leaf) and torch.equal(a.leaf_item, b.leaf_item)
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed):
-    """SemanticIdTrie.updated (what a rank runs per update) against from_catalog, array for array:
-    small paths so that nodes are shared, emptied and made again, repeated paths, items without a
-    semantic ID, branches from older versions."""
+@pytest.mark.parametrize("kind", ["dense", "layered, compacted each time", "layered, never compacted"])
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed, nd, kind, monkeypatch):
+    """Each trie's `updated` (what a rank runs per update: SemanticIdTrie's on a GPU, LayeredTrie's,
+    issue 42's versions that cost what changed, on the CPU) against SemanticIdTrie.from_catalog
+    after every update, array for array (a LayeredTrie's `dense`), and a LayeredTrie reader for
+    reader: small paths so that nodes are shared, emptied and made again (a parent emptied and
+    refilled by one update), repeated paths, items without a semantic ID, branches from older
+    versions; the LayeredTrie compacted after every update (in place, as ranks that share a trie
+    do) or never."""
+    layered = kind != "dense"
+    compact = 0 if "each" in kind else 10**9
+    monkeypatch.setattr(sgrec.beam.layered, "COMPACT_MIN", compact)
+    monkeypatch.setattr(sgrec.beam.layered, "COMPACT_FRACTION", 0 if compact == 0 else 1.0)
     rng = random.Random(seed)
 
     def path():
-        return [rng.randrange(3), rng.randrange(4), rng.randrange(3)]
+        return [rng.randrange(3), rng.randrange(4), rng.randrange(3)][:nd]
 
     def line(i):
         return {"id": i, "token_ids": [5], **({"semantic_id": path()} if rng.random() < 0.9 else {})}
 
     cat = Catalog([Item(f"i{k}", (5,), None, tuple(path())) for k in range(25)])
-    trie, rows = SemanticIdTrie.from_catalog(cat, VOCAB)
+    trie, rows = (LayeredTrie if layered else SemanticIdTrie).from_catalog(cat, VOCAB)
+    if layered:
+        trie.background = False  # compact in `updated` (as ranks that share their tries do)
+        assert rows is None
+        same_readers(trie, cat)
     versions = [(cat, trie, rows)]
     for step in range(10):
         cat, trie, rows = versions[-1] if rng.random() < 0.8 else rng.choice(versions)  # sometimes a branch
@@ -141,11 +155,19 @@ def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed):
             continue
         ref, ref_rows = SemanticIdTrie.from_catalog(res.catalog, VOCAB)
         got, got_rows = trie.updated(rows, res.catalog, res.removed_rows, res.added_from)
-        assert np.array_equal(got_rows, ref_rows)
-        same_trie(got, ref)
+        if layered:
+            assert got_rows is None and (not got.tail_tok.size if compact == 0 else got.base_tok is trie.base_tok)
+            same_readers(got, res.catalog)
+            dense, dense_rows = got.dense(res.catalog)
+        else:
+            dense, dense_rows = got, got_rows
+        assert np.array_equal(dense_rows, ref_rows)
+        same_trie(dense, ref)
         fresh, _ = SemanticIdTrie.from_catalog(res.catalog.compacted(), VOCAB)  # the rows renumbered from 0
-        same_trie(SemanticIdTrie(res.catalog.semantic_ids[got_rows], VOCAB), fresh)
+        same_trie(SemanticIdTrie(res.catalog.semantic_ids[dense_rows], VOCAB), fresh)
         versions.append((res.catalog, got, got_rows))
+    if layered:
+        same_readers(versions[1][1], versions[1][0])  # an older version is left as it was
 
 
 @pytest.mark.parametrize("layered", [False, True], ids=["dense", "layered"])
@@ -217,52 +239,6 @@ def same_readers(got: LayeredTrie, cat: Catalog) -> None:
     for d in range(1, D + 1):
         nodes = slots if d == D else np.arange(ref.num_nodes[d])
         assert np.array_equal(got.node_count(d, nodes), ref.count[d].numpy())
-
-
-@pytest.mark.parametrize("compact", [0, 10**9], ids=["compact-each", "never"])
-@pytest.mark.parametrize("nd", [1, 2, 3])
-@pytest.mark.parametrize("seed", range(6))
-def test_the_layered_trie_follows_updates_and_equals_the_one_built_from_scratch(seed, nd, compact, monkeypatch):
-    """LayeredTrie.updated (what a CPU rank runs per update: issue 42's versions that cost what
-    changed) against SemanticIdTrie.from_catalog after every update, array for array (`dense`)
-    and reader for reader: small paths so that nodes are shared, emptied and made again (a parent
-    emptied and refilled by one update), repeated paths, items without a semantic ID, branches
-    from older versions; compacted after every update (in place, as ranks that share a trie do), or
-    never."""
-    monkeypatch.setattr(sgrec.beam.layered, "COMPACT_MIN", compact)
-    monkeypatch.setattr(sgrec.beam.layered, "COMPACT_FRACTION", 0 if compact == 0 else 1.0)
-    rng = random.Random(seed)
-
-    def path():
-        return [rng.randrange(3), rng.randrange(4), rng.randrange(3)][:nd]
-
-    def line(i):
-        return {"id": i, "token_ids": [5], **({"semantic_id": path()} if rng.random() < 0.9 else {})}
-
-    cat = Catalog([Item(f"i{k}", (5,), None, tuple(path())) for k in range(25)])
-    trie, none = LayeredTrie.from_catalog(cat, VOCAB)
-    trie.background = False  # compact in `updated` (as ranks that share their tries do)
-    assert none is None
-    same_readers(trie, cat)
-    versions = [(cat, trie)]
-    for step in range(10):
-        cat, trie = versions[-1] if rng.random() < 0.8 else rng.choice(versions)  # sometimes a branch
-        live = list(cat.index)
-        delete = rng.sample(live, rng.randint(0, min(5, len(live) - 1)))
-        ups = [line(rng.choice(live) if rng.random() < 0.4 else f"n{step}_{j}") for j in range(rng.randint(0, 6))]
-        ups = list({u["id"]: u for u in ups if u["id"] not in delete}.values())
-        res = apply_update(cat, parse_items(ups, None, VOCAB) if ups else None, delete)
-        if res.added_from is None or not res.catalog.semantic_rows().size:
-            continue
-        got, none = trie.updated(None, res.catalog, res.removed_rows, res.added_from)
-        assert none is None and (not got.tail_tok.size if compact == 0 else got.base_tok is trie.base_tok)
-        ref, ref_rows = SemanticIdTrie.from_catalog(res.catalog, VOCAB)
-        dense, dense_rows = got.dense(res.catalog)
-        assert np.array_equal(dense_rows, ref_rows)
-        same_trie(dense, ref)
-        same_readers(got, res.catalog)
-        versions.append((res.catalog, got))
-    same_readers(versions[1][1], versions[1][0])  # an older version is left as it was
 
 
 class _HeldCompactor:
