@@ -90,8 +90,8 @@ class FilterCache:
         self.entries: OrderedDict[bytes, tuple] = OrderedDict()
 
     def get(self, catalog: Catalog, trie: SemanticIdTrie, trie_rows: np.ndarray | None, spec: dict):
-        """(bool per trie row: passes the filter, items under each node per depth, count > 0 per depth);
-        trie_rows None: the trie's rows are the catalog's (a LayeredTrie)."""
+        """(bool per trie row: passes the filter, items under each node per depth, count > 0 per depth,
+        how many leaves pass); trie_rows None: the trie's rows are the catalog's (a LayeredTrie)."""
         key = orjson.dumps(spec, option=orjson.OPT_SORT_KEYS)
         hit = self.entries.get(key)
         if hit is not None:
@@ -102,7 +102,7 @@ class FilterCache:
             ok = ok[trie_rows]  # per trie row
         count = trie.filter_counts(ok)
         dense = [None] + [c > 0 for c in count[1:]]
-        hit = (ok, count, dense)
+        hit = (ok, count, dense, int(dense[trie.depth].sum()))  # the allowed leaves, counted once
         self.entries[key] = hit
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
@@ -135,7 +135,7 @@ def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, 
     ok = count = None
     dense: list[torch.Tensor | None] = [None] * (D + 1)
     if attr_filter:
-        ok, count, dense = cache.get(catalog, trie, trie_rows, attr_filter)
+        ok, count, dense, allowed_leaves = cache.get(catalog, trie, trie_rows, attr_filter)
     ignored = 0
     ex = np.zeros(0, dtype=np.int64)
     if exclude:
@@ -165,7 +165,7 @@ def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, 
         parent = on_path[d - 1][first]
         hit = (trie.node_count(d, nodes) if count is None else count[d].numpy()[nodes]) == dec
         blocked[d], blocked_parent[d] = torch.from_numpy(nodes[hit]), torch.from_numpy(parent[hit])
-    leaves = (int(trie.num_nodes[D]) if count is None else int(dense[D].sum())) - int(blocked[D].numel())
+    leaves = (int(trie.num_nodes[D]) if count is None else allowed_leaves) - int(blocked[D].numel())
     ex_set: set[int] = set()
 
     def row_allowed(r: int) -> bool:  # only called when paths repeat, to pick a leaf's item
