@@ -69,6 +69,11 @@ def _dup_index(row_leaf: np.ndarray, count: np.ndarray) -> dict[str, np.ndarray]
     return {"dup_slot": slot, "dup_ptr": ptr.astype(np.int64), "dup_rows": rows}
 
 
+def _fresh(a: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """`a`, or a copy where it is `old` (a version's arrays are never written once made)."""
+    return a.copy() if a is old else a
+
+
 def _ranges(start: np.ndarray, length: np.ndarray) -> np.ndarray:
     """The positions start[i] .. start[i] + length[i] - 1, for each i in order."""
     total = int(length.sum())
@@ -396,8 +401,7 @@ class LayeredTrie:
         tok, slot = np.concatenate([tok[keep], fresh % V]), np.concatenate([slot[keep], fresh_slot])
         order = np.lexsort((tok, owner))
         owner, tok, slot = owner[order], tok[order], slot[order]
-        run_start = _splice(self.run_start, dead_up, ins_up, 0).copy()
-        run_len = _splice(self.run_len, dead_up, ins_up, 0).copy()
+        run_start, run_len = (_fresh(_splice(a, dead_up, ins_up, 0), a) for a in (self.run_start, self.run_len))
         uo, ofirst, olen = np.unique(owner, return_index=True, return_counts=True)
         run_start[uo] = self.B + self.tail_tok.size + ofirst
         run_len[uo] = olen
