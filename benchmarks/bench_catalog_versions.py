@@ -173,7 +173,7 @@ def main(argv=None) -> None:
                           f"for it)", flush=True)
             for (first, a), (name, b) in zip(list(got.items())[:1] * (len(got) - 1), list(got.items())[1:]):
                 rows.append([f"{n:.0e}", f"ratio ({first} / {name})", f"{a['build_s'] / b['build_s']:.2f}x",
-                             f"{sorted(a['prepare_s'])[len(a['prepare_s']) // 2] / sorted(b['prepare_s'])[len(b['prepare_s']) // 2]:.1f}x",
+                             f"{sorted(a['prepare_s'])[len(a['prepare_s']) // 2] / sorted(b['prepare_s'])[len(b['prepare_s']) // 2]:.3g}x",
                              f"{max(a['prepare_s']) / max(b['prepare_s']):.3g}x", "", "",
                              f"{a['rss_after'] / b['rss_after']:.2f}x", ""])
     finally:

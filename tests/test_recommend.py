@@ -119,7 +119,8 @@ def test_server_recommend_equals_the_two_calls(start_server, model, catalog):
     assert r.status_code == 400 and "rank.prefix must be one of" in r.json()["message"]
 
 
-def test_updates_follow_the_served_trie_and_filters_see_them(model, catalog, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: the default (bfloat16 on AVX-512-BF16 / AMX CPUs)
+def test_updates_follow_the_served_trie_and_filters_see_them(model, catalog, monkeypatch, dtype):
     """Catalog versions in-process (Scheduler.prepare_catalog / commit_catalog, what every rank runs):
     an update's trie follows from the served one (no trie built from the catalog's paths: counted)
     and equals the one built from scratch; a filter on new attributes sees the new values."""
@@ -127,7 +128,7 @@ def test_updates_follow_the_served_trie_and_filters_see_them(model, catalog, mon
     from sgrec.beam.trie import SemanticIdTrie
     from tests.test_catalog_updates import same_trie
 
-    e = Engine(model, device="cpu", dtype="float32", max_total_tokens=4096, item_catalog=catalog)
+    e = Engine(model, device="cpu", dtype=dtype, max_total_tokens=4096, item_catalog=catalog)
     sched, user = e.scheduler, {"token_ids": [5, 6, 7, 8]}
     before = e.retrieve(user, beam_width=8, num_items=6)
     top = [it["item"] for it in before["items"][:3]]

@@ -40,8 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from sgrec.beam.trie import (SemanticIdTrie, _isin_sorted, _renumbering, _shifted, _splice, child_by_key, level_columns,
-                             update_levels)
+from sgrec.beam.trie import SemanticIdTrie, _isin_sorted, _renumbering, _shifted, _splice, level_columns, update_levels
 from sgrec.catalog import Catalog
 from sgrec.catalog.grow import Buf
 
@@ -85,6 +84,9 @@ class LayeredTrie:
     """A catalog version's valid-path trie: dense upper levels, a layered leaf level (module doc)."""
 
     layered = True
+    # the dense levels' readers, as SemanticIdTrie has them (this trie's upper levels are its arrays)
+    max_beams = SemanticIdTrie.max_beams
+    logit_columns = SemanticIdTrie.logit_columns
 
     @classmethod
     def from_catalog(cls, catalog: Catalog, vocab_size: int) -> tuple["LayeredTrie", None]:
@@ -146,27 +148,17 @@ class LayeredTrie:
                 None if same_tokens is None else (same_tokens.level_tokens, same_tokens.level_col))
 
     # ---- readers ----------------------------------------------------------------------------
-    @property
-    def max_beams(self) -> int:
-        return max(self.num_nodes[1:-1], default=0)
-
-    def logit_columns(self, depth: int) -> torch.Tensor | None:
-        toks = self.level_tokens[depth]
-        return toks if 2 * toks.numel() <= self.vocab_size else None
-
     def runs(self, depth: int, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(first position, number) of the children of nodes at `depth`, for child_at."""
-        if depth < self.depth - 1:
-            ptr = self.child_ptr[depth]
-            start = ptr[nodes]
-            return start, ptr[nodes + 1] - start
+        if depth < self.depth - 1:  # a dense level
+            return SemanticIdTrie.runs(self, depth, nodes)
         return self._run[0][nodes], self._run[1][nodes]
 
     def child_at(self, depth: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(token, node id) of the children at positions `pos` of `runs(depth, ...)`; at the leaf
         level the id is the slot."""
         if depth < self.depth - 1:
-            return self.child_tok[depth][pos], pos
+            return SemanticIdTrie.child_at(self, depth, pos)
         toks, kids = self._arena(pos.numpy())  # numpy: a few small ops, each ~1 us against ~5 us as torch ops
         return torch.from_numpy(toks), torch.from_numpy(kids)
 
@@ -182,7 +174,7 @@ class LayeredTrie:
     def child_nodes(self, depth: int, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Node ids at depth + 1 of (parent node, token) pairs; raises if a pair is not a trie edge."""
         if depth < self.depth - 1:
-            return child_by_key(self.child_key[depth], self.vocab_size, nodes, tokens)
+            return SemanticIdTrie.child_nodes(self, depth, nodes, tokens)
         kids = self._find(nodes.numpy(), tokens.numpy())
         if (kids < 0).any():
             raise RuntimeError("beam search left the valid semantic-id paths")

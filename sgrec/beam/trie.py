@@ -218,7 +218,12 @@ class SemanticIdTrie:
 
     def child_nodes(self, depth: int, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Node ids at depth + 1 of (parent node, token) pairs; raises if a pair is not a trie edge."""
-        return child_by_key(self.child_key[depth], self.vocab_size, nodes, tokens)
+        keys = self.child_key[depth]
+        want = nodes * self.vocab_size + tokens
+        idx = torch.searchsorted(keys, want).clamp_(max=keys.numel() - 1)
+        if not torch.equal(keys[idx], want):
+            raise RuntimeError("beam search left the valid semantic-id paths")
+        return idx
 
     def logit_columns(self, depth: int) -> torch.Tensor | None:
         """The vocabulary ids whose logits a step at trie `depth` needs: every token of a node at
@@ -277,16 +282,6 @@ class SemanticIdTrie:
             self._leaf_rows = (order, ptr)
         order, ptr = self._leaf_rows
         return order[int(ptr[leaf]) : int(ptr[leaf + 1])].tolist()
-
-
-def child_by_key(keys: torch.Tensor, V: int, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The ids of (parent node, token) pairs' children in a dense level whose sorted node keys
-    (parent * V + token) are `keys`; raises if a pair is not a trie edge."""
-    want = nodes * V + tokens
-    idx = torch.searchsorted(keys, want).clamp_(max=keys.numel() - 1)
-    if not torch.equal(keys[idx], want):
-        raise RuntimeError("beam search left the valid semantic-id paths")
-    return idx
 
 
 def level_columns(tok_count: list[np.ndarray], V: int, dev, same_count: list[np.ndarray] | None = None,
