@@ -1,9 +1,48 @@
+import atexit
 import os
+import shutil
+import tempfile
+import time
 
+import httpx
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The suite's own state folder, for the whole run and every server it starts: what a user did with a
+# server before (the demo's catalog journal under ~/.local/state/sgrec) changes no verdict, and no
+# test writes into the user's state (RELIABILITY.md, "The same verdict on every machine").
+_STATE = tempfile.mkdtemp(prefix="sgrec-test-state-")
+os.environ["XDG_STATE_HOME"] = _STATE
+atexit.register(shutil.rmtree, _STATE, True)
+
+
+def _slow_the_clients_clock(k: float) -> None:
+    """The fast-machine check (benchmarks/fast_machine.sh): every client timeout and every sleep in the
+    test process lasts k times longer, so the servers under test, their models and their own clocks
+    unchanged, look k times faster to the tests. A test that needs the work to be slower than a client
+    (a timeout shorter than a generation, "not finished yet" after a sleep) fails under it as it would
+    on a machine k times faster."""
+    init, sleep = httpx.Timeout.__init__, time.sleep
+
+    def timeout_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        given = args[0] if args else kwargs.get("timeout")
+        if not isinstance(given, httpx.Timeout):  # else a copy of one already slowed
+            for name in ("connect", "read", "write", "pool"):
+                if getattr(self, name) is not None:
+                    setattr(self, name, getattr(self, name) * k)
+
+    httpx.Timeout.__init__ = timeout_init
+    default = httpx._config.DEFAULT_TIMEOUT_CONFIG  # made at import: the default of every client and call
+    for name in ("connect", "read", "write", "pool"):
+        setattr(default, name, getattr(default, name) * k)
+    time.sleep = lambda seconds: sleep(seconds * k)
+
+
+if float(os.environ.get("SGREC_TEST_CLIENT_SLOWDOWN", "1")) != 1:
+    _slow_the_clients_clock(float(os.environ["SGREC_TEST_CLIENT_SLOWDOWN"]))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -44,8 +83,6 @@ def hf_model():
 
 
 # ---- a real server process on loopback ---------------------------------------------------
-import httpx  # noqa: E402
-
 from sgrec.tools.local_server import LocalServer  # noqa: E402
 
 

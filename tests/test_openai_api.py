@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from sgrec.tools.probe import HANG_S
+from sgrec.tools.probe import HANG_S, Departing, kv_state, paused_in_place, running_per_rank, wait_for
 from transformers import AutoTokenizer
 
 PROMPTS = ["The user likes red shoes", "What is the cheap phone?"]
@@ -379,17 +379,44 @@ def wait_idle(server, timeout=HANG_S) -> float:
     raise AssertionError("requests still running after the client left")
 
 
-def test_disconnect_aborts_streaming_and_non_streaming(server):
-    body = {"prompt": PROMPTS[0], "max_tokens": 1900, "ignore_eos": True, "temperature": 0}
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+@pytest.fixture(scope="module")
+def long_server(start_server, tiny_model_dir):
+    """Requests of 60,000 new tokens (a 65,536-token context): one observed running is still running
+    when the test pauses the rank in place a moment later, on any machine."""
+    return start_server(tiny_model_dir("llama", max_position_embeddings=65536), "--max-total-tokens", "61000")
+
+
+def aborted_while_paused(srv, what: str) -> None:
+    """With the rank paused in place no request can end by itself: the one observed running leaves the
+    rank only by the abort its client's disconnect sent. Then its KV is freed (the cache flushed)."""
+    wait_for(lambda: running_per_rank(srv.client) == [(0, 0)], f"the {what} request aborted")
+    wait_for(lambda: srv.client.post("/flush_cache").status_code == 200 and kv_state(srv.client).kv_used == 0,
+             f"the {what} request's KV freed")
+
+
+def test_disconnect_aborts_streaming_and_non_streaming(long_server):
+    srv = long_server
+    body = {"prompt": PROMPTS[0], "max_tokens": 60000, "ignore_eos": True, "temperature": 0}
+    running = lambda: running_per_rank(srv.client) == [(1, 0)]  # noqa: E731
+    # streaming: the client leaves after the first chunk, while the request is held running
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
         with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             assert r.status_code == 200
-            line = next(line for line in r.iter_lines() if line.startswith("data: "))
+            lines = r.iter_lines()  # kept: a dropped iterator closes the response (the client leaves)
+            line = next(line for line in lines if line.startswith("data: "))
             assert json.loads(line[6:])["choices"][0]["index"] == 0
-    wait_idle(server)
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/chat/completions", json={**body, "messages": MESSAGES}, timeout=0.5)
-    wait_idle(server)
+            with paused_in_place(srv.client):
+                wait_for(running, "the streamed request running")
+                r.close()
+                aborted_while_paused(srv, "streamed")
+    # non-streaming: nothing comes before the end; the client leaves while the request is held running
+    leaving = Departing(srv.url, "/v1/chat/completions", {**body, "messages": MESSAGES})
+    wait_for(running, "the chat request running")
+    with paused_in_place(srv.client):
+        leaving.leave()
+        aborted_while_paused(srv, "chat")
+    done = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 4}, timeout=HANG_S)
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
 
 
 # ---- queue full ----------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from sgrec import demo
 from sgrec.managers import io_struct as io
 from sgrec.sampling import SamplingParams
 from sgrec.server_args import ServerArgs
-from sgrec.tools.probe import HANG_S, alive, kv_after_drain, kv_state, proc_tree, running_per_rank, wait_for
+from sgrec.tools.probe import (HANG_S, Departing, alive, kv_after_drain, kv_state, pause_in_place, paused_in_place, proc_tree,
+                               running_per_rank, wait_for)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 THREAD_SLACK = 4  # uvicorn / asyncio helper threads may come and go
@@ -318,11 +319,15 @@ def test_failed_batch_ends_every_request_and_returns_its_kv(model, tmp_path, mon
 
 # ---- client disconnects ------------------------------------------------------------------------
 def test_disconnect_mid_prefill_frees_kv(start_server, model):
+    """Four streamed clients leave before a byte came, while one prompt is part-way through its chunked
+    prefill: the rank, paused in place with the four queued, is resumed and paused again, which runs at
+    least one step (the first 16-token chunk) and far fewer than the 476 chunks of the four prompts, on
+    any machine; then it stays paused while the clients leave."""
     srv = start_server(model, "--max-total-tokens", "8192", "--chunked-prefill-size", "16")
     warm(srv)
     before = proc_tree(srv.proc.pid)
     prompt = [(7 * i) % 500 + 3 for i in range(1900)]  # 119 prefill chunks
-    clients = [httpx.Client(base_url=srv.url, timeout=60) for _ in range(4)]
+    clients = [httpx.Client(base_url=srv.url, timeout=HANG_S) for _ in range(4)]
     got_chunk = []
     seen_mid_prefill = threading.Event()
 
@@ -335,14 +340,19 @@ def test_disconnect_mid_prefill_frees_kv(start_server, model):
         except httpx.HTTPError:
             pass
 
-    threads = [threading.Thread(target=stream, args=(c, k)) for k, c in enumerate(clients)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: (st := kv_state(srv.client)).running >= 1 and st.kv_used > 0, "a prefill in progress",
-             every=0.05)
-    seen_mid_prefill.set()
-    for t in threads:
-        t.join(HANG_S)
+    with paused_in_place(srv.client):
+        threads = [threading.Thread(target=stream, args=(c, k)) for k, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: running_per_rank(srv.client) == [(0, 4)], "the four prompts queued")
+        assert srv.client.post("/continue_generation").status_code == 200
+        pause_in_place(srv.client)
+        wait_for(lambda: (st := kv_state(srv.client)).running == 1 and st.queued == 3 and st.kv_used > 0,
+                 "one prompt part-way through its prefill, three queued")
+        seen_mid_prefill.set()
+        for t in threads:
+            t.join(HANG_S)
+        wait_for(lambda: running_per_rank(srv.client) == [(0, 0)], "the four requests aborted")
     for c in clients:
         c.close()
     assert_no_leaks(srv, before)
@@ -351,8 +361,9 @@ def test_disconnect_mid_prefill_frees_kv(start_server, model):
 
 
 def test_disconnect_mid_stream_of_every_route_frees_kv(shared):
-    """Streams of /generate, /v1/completions and /v1/chat/completions left after the first chunk, and
-    non-streamed requests left by a client timeout."""
+    """Streams of /generate, /v1/completions and /v1/chat/completions left after the first chunk; then
+    the same requests not streamed, taken into the queue of a rank paused in place (none can end by
+    itself), left once the server shows them all."""
     srv = shared
     warm(srv)
     before = proc_tree(srv.proc.pid)
@@ -367,24 +378,24 @@ def test_disconnect_mid_stream_of_every_route_frees_kv(shared):
     firsts = []
 
     def leave_after_first(path, body):
-        with httpx.stream("POST", srv.url + path, json=body, timeout=30) as r:
+        with httpx.stream("POST", srv.url + path, json=body, timeout=HANG_S) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     firsts.append(path)
                     break
 
-    def leave_on_timeout(path, body):
-        try:
-            httpx.post(srv.url + path, json={**body, "stream": False}, timeout=0.3)
-        except httpx.TimeoutException:
-            pass
-
-    threads = [threading.Thread(target=f, args=pb) for pb in bodies for f in (leave_after_first, leave_on_timeout)]
+    threads = [threading.Thread(target=leave_after_first, args=pb) for pb in bodies]
     for t in threads:
         t.start()
     for t in threads:
         t.join(HANG_S)
     assert sorted(firsts) == sorted(p for p, _ in bodies)
+    with paused_in_place(srv.client):
+        leaving = [Departing(srv.url, path, {**body, "stream": False}) for path, body in bodies]
+        wait_for(lambda: running_per_rank(srv.client) == [(0, 4)], "the four requests queued (n=2 is two)")
+        for d in leaving:
+            d.leave()
+        wait_for(lambda: running_per_rank(srv.client) == [(0, 0)], "the four requests aborted")
     assert_no_leaks(srv, before)
 
 
@@ -425,8 +436,8 @@ def test_disconnect_mid_beam_frees_kv_and_answers_stay_exact(demo_server):
 
 # ---- a killed scheduler among several -----------------------------------------------------------
 def test_killed_scheduler_among_two_fails_inflight_and_exits_without_orphans(start_server, long_model):
-    """Four requests that cannot finish (60,000 tokens each) run on both ranks, observed from the
-    server, when DP1 is killed: all four get the 500, whatever the machine's speed."""
+    """Four requests that cannot finish (60,000 tokens each, and the ranks paused in place once they
+    are observed) run on both ranks when DP1 is killed: all four get the 500, whatever the machine's speed."""
     srv = start_server(long_model, "--max-total-tokens", str(2 * (LONG_NEW + 16)), "--dp-size", "2")
     tree = proc_tree(srv.proc.pid)
     scheds = [psutil.Process(p) for p in tree.pids if "spawn_main" in " ".join(psutil.Process(p).cmdline())]
@@ -445,6 +456,7 @@ def test_killed_scheduler_among_two_fails_inflight_and_exits_without_orphans(sta
     for t in threads:
         t.start()
     wait_for(lambda: running_per_rank(srv.client) == [(2, 0), (2, 0)], "two requests running on each rank")
+    pause_in_place(srv.client)  # held running from here on, on any machine
     assert results == [], f"a request ended before the kill: {results}"
     scheds[1].kill()
     for t in threads:

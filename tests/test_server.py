@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from sgrec.tools.probe import HANG_S, running_per_rank, wait_for
+from sgrec.tools.probe import HANG_S, Departing, pause_in_place, paused_in_place, running_per_rank, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -271,8 +271,8 @@ def test_api_key(start_server, model):
 
 def test_burst_over_queue_limit_gets_503_and_nothing_hangs(start_server, tiny_model_dir):
     """R + Q = 3 streaming requests of 60,000 tokens each hold the rank (observed: their headers come
-    after submission; that long, none can end during the burst on any machine), then a concurrent burst
-    of 13 gets 503 each, at once; once the holders are closed (aborted) the server frees every slot and
+    after submission), kept there by pausing it in place (none can end during the burst on any
+    machine), then a concurrent burst of 13 gets 503 each, at once; once the holders are closed (aborted) the server frees every slot and
     serves again. (It used to send 16 at once and expect some 503s: on a fast CPU the tiny model
     answered them faster than they arrived, and every one got 200.)"""
     srv = start_server(tiny_model_dir("llama", max_position_embeddings=65536), "--max-total-tokens", "200000",
@@ -291,6 +291,7 @@ def test_burst_over_queue_limit_gets_503_and_nothing_hangs(start_server, tiny_mo
         lines = streams[0].iter_lines()  # kept: a dropped iterator closes the response and the server aborts it
         first = next(x for x in lines if x)
         assert first.startswith("data: {") and '"error"' not in first, first
+        pause_in_place(srv.client)  # the holders stay where they are until they leave
         threads = [threading.Thread(target=one, args=(i,)) for i in range(13)]
         for t in threads:
             t.start()
@@ -300,6 +301,7 @@ def test_burst_over_queue_limit_gets_503_and_nothing_hangs(start_server, tiny_mo
         for code, body in results:
             assert code == 503 and body["message"] == "The request queue is full." and body["code"] == 503
     assert wait_until(lambda: kv_idle_and_free(srv))  # the held streams' aborts freed everything
+    assert srv.client.post("/continue_generation").json() == CONTINUED
     done = srv.client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 40, **GREEDY}})
     assert done.status_code == 200 and done.json()["meta_info"]["completion_tokens"] == 40
 
@@ -423,32 +425,36 @@ def test_pause_abort_ends_every_request_and_bad_bodies_get_400(start_server, mod
 
 
 def test_disconnect_storm_frees_kv(start_server, model):
+    """Six streamed clients leave after their first chunk; then six non-streamed ones, taken into the
+    queue of a rank paused in place (none can end by itself), leave once the server shows them all:
+    each is aborted and every slot is freed."""
     srv = start_server(model, "--max-total-tokens", "4096")
     body = {"input_ids": [9, 10, 11, 12], "sampling_params": {"max_new_tokens": 2000, **GREEDY}}
 
     def stream_and_leave():
-        with httpx.stream("POST", srv.url + "/generate", json={**body, "stream": True}, timeout=30) as r:
+        with httpx.stream("POST", srv.url + "/generate", json={**body, "stream": True}, timeout=HANG_S) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     break  # leave after the first chunk
 
-    def timeout_and_leave():
-        try:
-            httpx.post(srv.url + "/generate", json=body, timeout=0.3)
-        except httpx.TimeoutException:
-            pass
-
-    threads = [threading.Thread(target=f) for f in [stream_and_leave, timeout_and_leave] * 6]
+    threads = [threading.Thread(target=stream_and_leave) for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
-    assert wait_until(lambda: kv_idle_and_free(srv), timeout=30), srv.client.get("/server_info").json()["internal_states"]
+        t.join(HANG_S)
+    with paused_in_place(srv.client):
+        leaving = [Departing(srv.url, "/generate", {**body, "input_ids": [9 + i, 10, 11, 12]}) for i in range(6)]
+        wait_for(lambda: running_per_rank(srv.client) == [(0, 6)], "the six requests queued")
+        for d in leaving:
+            d.leave()
+        wait_for(lambda: running_per_rank(srv.client) == [(0, 0)], "the six requests aborted")
+    assert wait_until(lambda: kv_idle_and_free(srv)), srv.client.get("/server_info").json()["internal_states"]
     assert srv.client.post("/generate", json={"text": "after", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
 
 
 def test_killed_scheduler_fails_health_and_inflight_and_exits(start_server, tiny_model_dir):
-    """A request that cannot finish (60,000 tokens), observed running, when the scheduler is killed:
+    """A request that cannot finish (60,000 tokens, and the rank paused in place once it is observed
+    running), when the scheduler is killed:
     it gets a 500 naming the dead process (how fast: RELIABILITY.md; no test bounds a time)."""
     srv = start_server(tiny_model_dir("llama", max_position_embeddings=65536), "--max-total-tokens", "61000")
     result = {}
@@ -465,6 +471,7 @@ def test_killed_scheduler_fails_health_and_inflight_and_exits(start_server, tiny
     t = threading.Thread(target=long_request)
     t.start()
     wait_for(lambda: running_per_rank(srv.client) == [(1, 0)], "the request running")
+    pause_in_place(srv.client)  # held running from here on, on any machine
     assert result == {}, f"the request ended before the kill: {result}"
     children = psutil.Process(srv.proc.pid).children()
     sched = [p for p in children if "spawn_main" in " ".join(p.cmdline())]

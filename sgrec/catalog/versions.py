@@ -100,6 +100,11 @@ def replay(catalog: Catalog, journal_path: str | None, keep: int = 8, vocab_size
     base, records, warning = journal.read(journal_path) if journal_path else (0, [], None)
     if warning:
         logger.warning("%s", warning)
+    if journal_path:  # which journal a server replays, so a user sees why its catalog differs from the file
+        logger.info("catalog journal %s: %s", journal_path,
+                    f"replaying {len(records)} update record(s) over the catalog file (version {base}), "
+                    f"to version {records[-1]['version']}" if records else
+                    f"no update records (the catalog file as it is, version {base})")
     versions = CatalogVersions(catalog, base, keep)
     last_use = {r["to"]: n for n, r in enumerate(records) if r["op"] == "rollback"}  # target -> last record
     for n, rec in enumerate(records):

@@ -1,6 +1,7 @@
 """Reading a running server's health from outside: KV occupancy after drain, process tree RSS and
-threads. Used by the reliability scripts (benchmarks/soak.py, benchmarks/fuzz.py,
-benchmarks/overload.py) and the tests' leak checks.
+threads; and holding it in a state a check needs, whatever the machine's speed (the ranks paused in
+place, clients that leave on cue). Used by the reliability scripts (benchmarks/soak.py,
+benchmarks/fuzz.py, benchmarks/overload.py) and the tests.
 
 `python -m sgrec.tools.probe --url http://127.0.0.1:30000 [--pid LAUNCHER_PID]` prints both.
 """
@@ -8,8 +9,11 @@ benchmarks/overload.py) and the tests' leak checks.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import httpx
@@ -35,6 +39,58 @@ def wait_for(check, what: str = "the awaited state", timeout: float = HANG_S, ev
 def running_per_rank(client: httpx.Client) -> list[tuple[int, int]]:
     """(running, queued) requests of each rank, from the schedulers' latest stats reports."""
     return [(s["num_running_reqs"], s["num_queue_reqs"]) for s in client.get("/server_info").json()["internal_states"]]
+
+
+def pause_in_place(client: httpx.Client) -> None:
+    """/pause_generation in place: once it answers, no batch runs on any rank, so every request stays
+    where it is (running or queued, its KV kept) and none can end by itself, on any machine. Requests
+    sent meanwhile are taken and queued; an abort still ends one."""
+    r = client.post("/pause_generation", json={"mode": "in_place"})
+    assert r.status_code == 200, r.text
+
+
+@contextmanager
+def paused_in_place(client: httpx.Client):
+    """`pause_in_place` for the block, /continue_generation after it."""
+    pause_in_place(client)
+    try:
+        yield
+    finally:
+        r = client.post("/continue_generation")
+        assert r.status_code == 200, r.text
+
+
+class Departing:
+    """A request (POST `path` with a JSON body) whose client leaves when told: `leave()` closes its
+    connection at a point the caller chose from the server's state, never on a client timeout that
+    races the work. The request runs on a thread of its own (an asyncio loop with httpx)."""
+
+    def __init__(self, url: str, path: str, body: dict):
+        self._closed = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._future = asyncio.run_coroutine_threadsafe(self._post(url + path, body), self._loop)
+
+    async def _post(self, url: str, body: dict) -> httpx.Response:
+        try:
+            async with httpx.AsyncClient(timeout=None) as c:
+                return await c.post(url, json=body)
+        finally:
+            self._closed.set()
+
+    def leave(self) -> None:
+        """Closes the connection; AssertionError if the answer had come first (then the request ended
+        before its client left, and what the caller meant to check did not happen)."""
+        try:
+            if not self._future.cancel():
+                r = self._future.result()
+                raise AssertionError(f"the request ended before its client left: {r.status_code} {r.text[:200]}")
+            assert self._closed.wait(HANG_S), "the client's connection never closed"
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(HANG_S)
+            self._loop.close()
 
 
 @dataclass
