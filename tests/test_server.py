@@ -10,7 +10,8 @@ import httpx
 import psutil
 import pytest
 
-from sgrec.tools.probe import HANG_S, Departing, pause_in_place, paused_in_place, running_per_rank, wait_for
+from sgrec.tools.probe import (HANG_S, Departing, kv_state, pause_in_place, paused_in_place, running_per_rank,
+                               wait_for)
 from prometheus_client.parser import text_string_to_metric_families
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -40,10 +41,30 @@ def kv_idle_and_free(srv) -> bool:
     """Flushes the cache (only possible when nothing runs or waits) and checks every KV slot is free."""
     if srv.client.post("/flush_cache").status_code != 200:
         return False
-    time.sleep(0.6)  # a fresh stats report
     info = srv.client.get("/server_info").json()
     return all(s["memory_usage"]["kv_used_tokens"] == 0 and s["num_running_reqs"] == 0 and s["num_queue_reqs"] == 0
                for s in info["internal_states"])
+
+
+def test_server_info_is_current_once_a_flush_or_pause_returns(server):
+    """Each rank reports its stats before it answers a flush or a pause, so /server_info read right
+    after shows the flushed pool and the held request (never the periodic report from before)."""
+    c = server.client
+    for i in range(3):
+        r = c.post("/generate", json={"input_ids": [40 + i] * 30, "sampling_params": {"max_new_tokens": 2, **GREEDY}})
+        assert r.status_code == 200
+        assert c.post("/flush_cache").status_code == 200
+        assert kv_state(c).kv_used == 0
+    body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 2000, **GREEDY}}
+    with httpx.Client(base_url=server.url, timeout=HANG_S) as h, h.stream("POST", "/generate", json=body) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response and the server aborts it
+        assert next(x for x in lines if x).startswith("data: {")
+        with paused_in_place(c):
+            st = kv_state(c)
+            assert (st.running, st.queued) == (1, 0) and st.kv_used > 0
+            r.close()
+            wait_for(lambda: running_per_rank(c) == [(0, 0)], "the request aborted")
+    assert wait_until(lambda: kv_idle_and_free(server))
 
 
 # ---- /generate shapes ----------------------------------------------------------------------

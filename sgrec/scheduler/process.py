@@ -176,7 +176,9 @@ class SchedulerLoop:
             if req is not None:
                 self.send(io.BatchReqOutput([req.make_output()]))
         elif isinstance(msg, io.FlushCacheReq):
-            self.send(io.FlushCacheResult(sched.flush_cache(), self.dp_rank))
+            flushed = sched.flush_cache()
+            self.send_stats()  # ahead of the answer: /server_info shows the flushed pool once the flush returns
+            self.send(io.FlushCacheResult(flushed, self.dp_rank))
         elif isinstance(msg, io.PauseReq):
             self.pause(msg.mode)
         elif isinstance(msg, io.CatalogTraffic):
@@ -216,6 +218,7 @@ class SchedulerLoop:
         elif mode is not None and mode != "in_place":
             raise ValueError(f"unknown pause mode {mode!r}")
         self.paused = mode is not None
+        self.send_stats()  # ahead of the answer: /server_info shows the held (or resumed) state once it returns
         self.send(io.PauseResult(self.dp_rank, self.paused))
 
     def _prepare_catalog(self, msg: io.CatalogUpdateReq) -> None:

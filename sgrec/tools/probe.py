@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import httpx
 import psutil
 
-STATS_PERIOD_S = 0.5  # the schedulers report their KV usage this often (process.STATS_INTERVAL_S)
+STATS_PERIOD_S = 0.5  # the schedulers report their KV usage this often (process.STATS_INTERVAL_S), and on a flush or pause
 HANG_S = 120.0  # how long a waiter waits for a state before calling it a hang: a bound on hangs, never on speed
 
 
@@ -126,13 +126,13 @@ def kv_state(client: httpx.Client) -> KVState:
 
 def kv_after_drain(client: httpx.Client, timeout: float = 30.0) -> KVState:
     """Waits until no request runs or waits, flushes the prefix cache (/flush_cache succeeds only
-    then), waits for a fresh stats report and returns the KV state: after a clean drain every slot
-    is free. Returns the last state seen if the server never went idle within `timeout`."""
+    then; each rank reports its stats before it answers, so /server_info is fresh once it returns) and
+    returns the KV state: after a clean drain every slot is free. Returns the last state seen if the
+    server never went idle within `timeout`."""
     deadline = time.monotonic() + timeout
     state = kv_state(client)
     while time.monotonic() < deadline:
         if client.post("/flush_cache").status_code == 200:
-            time.sleep(STATS_PERIOD_S * 2.2)  # two stats periods: the report postdates the flush
             state = kv_state(client)
             if state.empty:
                 return state
