@@ -11,7 +11,7 @@ AVX-512-BF16 dot products, widening AVX-512, AVX2 ... as the CPU allows) and thr
 best over --repeats of the mean of --calls calls, the kernels taking turns within each repeat (a VM's
 slow moments fall on all of them alike). FLOPs: 4 x query heads x head dim x the query-key pairs a
 causal mask keeps (T (T + 1) / 2). Each row's output is checked against float64 attention over the same
-inputs (max abs error printed) so a fast wrong build cannot pass unseen. Results: BENCHMARKS.md.
+inputs (max abs error printed) so a fast wrong build cannot pass unseen. Results: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_catalog import header, md_table  # noqa: E402
 from sgrec.model import native  # noqa: E402
 from sgrec.model.cpu_caps import cpu_flags  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 BUILDS = [["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"], ["-march=x86-64-v4", "-mavx512bf16"],
           ["-march=x86-64-v4"], ["-march=x86-64-v3"]]
@@ -81,18 +82,25 @@ def best_ms(fns: list, calls: int, repeats: int) -> list[float]:
     return [b * 1e3 for b in best]
 
 
+def record_rows(results: list[dict]) -> list[dict]:
+    """The result record's rows: each sgrec kernel's time beside torch SDPA's on the same inputs."""
+    return [row("extend attention time", "ms", r["ms"], r["sdpa_ms"], higher_is_better=False,
+                params={"tokens": r["tokens"], "dtype": r["dtype"], "kernel": r["kernel"]}) for r in results]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lens", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args()
     print(header("python benchmarks/bench_attention_kernel.py " + shlex.join(sys.argv[1:]), "bench_attention_kernel"))
     hq, hkv, d = 9, 3, 64
     scale = d ** -0.5
     libs = [(m, native.library(m)) for m in builds()]
-    rows = []
+    rows, results = [], []
     for T in args.lens:
         flops = 4 * hq * d * T * (T + 1) / 2
         for name in args.dtypes:
@@ -116,10 +124,17 @@ def main() -> None:
                 out = out.transpose(0, 1).reshape(T, hq * d) if i == 0 else out
                 rows.append([T, name, kernel, f"{ms:.2f}", f"{flops / ms / 1e6:.0f}", f"{times[0] / ms:.2f}",
                              f"{(out.double() - ref).abs().max().item():.1e}"])
+                if i:
+                    results.append({"tokens": T, "dtype": name, "kernel": kernel, "ms": ms, "sdpa_ms": times[0]})
     print()
     print(md_table(["tokens", "dtype", "kernel", "ms", "GFLOP/s", "vs torch SDPA", "max abs err vs float64"], rows))
     print(f"\nauto loads the {' '.join(builds()[0]) or 'default'} build; torch {torch.get_num_threads()} threads")
     print("rerun: python benchmarks/bench_attention_kernel.py " + shlex.join(sys.argv[1:]))
+    if not args.no_record:
+        path = write_record(benchmark="bench_attention_kernel", title="CPU extend attention kernel against torch SDPA",
+                            command=("python benchmarks/bench_attention_kernel.py " + shlex.join(sys.argv[1:])).strip(),
+                            results=record_rows(results), peer=f"torch {torch.__version__} SDPA")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

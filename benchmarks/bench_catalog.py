@@ -57,6 +57,7 @@ from sgrec.rank.executor import RankExecutor  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
 from sgrec.tools.make_tiny_model import make_tiny_model  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 ND = 3
 EXTRA_VOCAB = 320  # token ids below the semantic-ID codes: item tokens, id tokens, prompts
@@ -262,6 +263,28 @@ def report_rank(rows: list[dict], n: int, args) -> None:
               f"({verdict(q <= TARGETS['rank_ratio'])})")
 
 
+def record_rows(load_rows: list[dict], ret_rows: list[dict], rank_rows: list[dict], n_rank: int) -> list[dict]:
+    """The result record's rows: load time and peak RSS per format, retrieve latency beside the same cell
+    without exclusions, rank by semantic ID beside rank by id token."""
+    out = []
+    for r in load_rows:
+        for kind, fmt in (("jsonl", "JSON Lines"), ("npz", "npz bundle")):
+            params = {"items": r["items"], "format": fmt}
+            out.append(row("catalog load time", "s", r[kind]["s"], params=params, higher_is_better=False))
+            out.append(row("catalog load peak RSS", "GB", r[kind]["gb"], params=params, higher_is_better=False))
+    no_excl = {(r["items"], r["bw"]): r["ms"] for r in ret_rows if r["excl"] == 0}
+    for r in ret_rows:
+        peer = no_excl.get((r["items"], r["bw"])) if r["excl"] else None
+        out.append(row("retrieve latency (median)", "ms", r["ms"], peer, higher_is_better=False,
+                       params={"items": r["items"], "beam_width": r["bw"], "exclusions": r["excl"]}))
+    by_id = {r["prefix"]: r["ms"] for r in rank_rows if r["score_by"] == "id_token"}
+    for r in rank_rows:
+        if r["score_by"] == "semantic_id":
+            out.append(row("rank 100 candidates by semantic ID (median)", "ms", r["ms"], by_id.get(r["prefix"]),
+                           params={"items": n_rank, "prefix": r["prefix"]}, higher_is_better=False))
+    return out
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=None, help="catalog sizes (default 10^5 10^6 10^7)")
@@ -279,6 +302,7 @@ def parse_args(argv=None):
     ap.add_argument("--model-path", default=None,
                     help="a real model (e.g. ~/.cache/sgrec/SmolLM2-135M-Instruct) instead of the tiny random one; "
                          "the semantic-ID codes take the top 3 x --codes tokens of its vocabulary")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     a = ap.parse_args(argv)
     a.sizes = sorted(a.sizes or ([10_000, 100_000] if a.quick else [100_000, 1_000_000, 10_000_000]))
     a.repeats = a.repeats or (2 if a.quick else 5)
@@ -354,6 +378,12 @@ def main(argv=None) -> None:
     report_rank(rank_rows, args.sizes[0], args)
     print(f"\nload avg at the end {loadavg():.2f}; files {'kept in ' + work if args.keep else 'deleted'}")
     print(f"rerun: {cmd}")
+    if not args.no_record:
+        path = write_record(benchmark="bench_catalog",
+                            title="Production catalogs: load, retrieve against catalog size and exclusions, rank by semantic ID",
+                            command=cmd, results=record_rows(load_rows, ret_rows, rank_rows, args.sizes[0]),
+                            peer="the same retrieve without exclusions; rank by id token")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from bench_catalog import header, md_table, verdict  # noqa: E402
 from sgrec.catalog import image  # noqa: E402
 from sgrec.tools.local_server import LocalServer  # noqa: E402
 from sgrec.tools.make_tiny_model import make_tiny_model  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 V, CODES, ND = 4096, 1024, 3
 BASE = V - ND * CODES
@@ -123,6 +124,24 @@ def serve(flags: list[str], work: str, name: str) -> LocalServer:
     return LocalServer(flags, log_path=os.path.join(work, f"{name}.log"), ready_timeout=3600)
 
 
+def record_rows(memory: dict, a) -> list[dict]:
+    """The result record's rows, per dp-size: the upserts' acknowledgement times, the server's start, the
+    catalog's memory (PSS over the server without it) with one version and after the updates beside it."""
+    out = []
+    for dp, m in memory.items():
+        params = {"items": a.items, "dp_size": dp}
+        one, after = m["one"] - m["plain"], m["after"] - m["plain"]
+        out.append(row("update acknowledged (median)", "s", statistics.median(m["acks"]), higher_is_better=False,
+                       params={**params, "batch": a.batch}))
+        out.append(row("update acknowledged (max)", "s", max(m["acks"]), higher_is_better=False,
+                       params={**params, "batch": a.batch}))
+        out.append(row("server start with the catalog", "s", m["start_s"], params=params, higher_is_better=False))
+        out.append(row("catalog memory (PSS), one version", "GiB", one, params=params, higher_is_better=False))
+        out.append(row(f"catalog memory (PSS) after {a.updates} updates, beside one version's", "GiB", after, one,
+                       params=params, higher_is_better=False))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--items", type=int, default=10**7)
@@ -130,6 +149,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=100, help="items per upsert")
     ap.add_argument("--dp-sizes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     a = ap.parse_args(argv)
     print(header(" ".join(["python", "benchmarks/bench_catalog_server.py", *map(shlex.quote, argv or sys.argv[1:])]),
                  "bench_catalog_server"), flush=True)
@@ -196,6 +216,13 @@ def main(argv=None) -> None:
             print(f"the catalog's memory at dp-size 2 within 1.2x of dp-size 1's, {when}: {verdict(ratio <= 1.2)} "
                   f"({ratio:.2f}x)")
     print(f"\nrerun: python benchmarks/bench_catalog_server.py {' '.join(argv or sys.argv[1:])}")
+    if not a.no_record and memory:
+        cmd = ("python benchmarks/bench_catalog_server.py " + shlex.join(argv or sys.argv[1:])).strip()
+        path = write_record(benchmark="bench_catalog_server",
+                            title="A server's catalog under updates: ack time and memory",
+                            command=cmd, results=record_rows(memory, a),
+                            peer="the same catalog with one version (memory)")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table, verdict  # noqa: E402
 from bench_serving_ab import worktree  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 BASELINE_REV = "302ae15"  # the last commit before issue 42's work
 
@@ -136,6 +137,21 @@ def run_side(tree: str, n: int, updates: int, batch: int, seed: int, kind: str) 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def record_rows(results: list[tuple[int, str, dict, dict | None]], updates: int) -> list[dict]:
+    """The result record's rows: per catalog size and this tree's trie, (n, trie kind, its side's result,
+    the baseline commit's or None), each number beside the baseline's."""
+    def p50(r):
+        return sorted(r["prepare_s"])[len(r["prepare_s"]) // 2]
+
+    measures = [("trie build", "s", lambda r: r["build_s"]), ("update prepare P50", "s", p50),
+                ("update prepare max", "s", lambda r: max(r["prepare_s"])),
+                ("commit max", "ms", lambda r: max(r["commit_s"]) * 1e3),
+                ("RSS, one version", "GiB", lambda r: r["rss_one"] / 2**30),
+                (f"RSS after {updates} kept versions", "GiB", lambda r: r["rss_after"] / 2**30)]
+    return [row(metric, unit, get(r), None if b is None else get(b), params={"items": n, "trie": kind},
+                higher_is_better=False) for n, kind, r, b in results for metric, unit, get in measures]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[10**6, 10**7])
@@ -146,6 +162,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tries", nargs="+", default=["layered", "dense"], choices=["layered", "dense"],
                     help="this tree's tries to run: layered (LayeredTrie, the CPU server's default), dense "
                          "(SemanticIdTrie.updated, what the Triton trie step reads)")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     cmd = ("python benchmarks/bench_catalog_versions.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
     print(header(cmd, "bench_catalog_versions"), flush=True)
@@ -156,7 +173,7 @@ def main(argv=None) -> None:
         base = worktree(args.baseline_rev, tmp)
         sides.insert(0, (f"sgrec at {args.baseline_rev}" + (" (before issue 42)" if args.baseline_rev == BASELINE_REV else ""),
                          base, "dense"))
-    rows = []
+    rows, results = [], []
     try:
         for n in args.sizes:
             got = {}
@@ -176,6 +193,8 @@ def main(argv=None) -> None:
                              f"{sorted(a['prepare_s'])[len(a['prepare_s']) // 2] / sorted(b['prepare_s'])[len(b['prepare_s']) // 2]:.3g}x",
                              f"{max(a['prepare_s']) / max(b['prepare_s']):.3g}x", "", "",
                              f"{a['rss_after'] / b['rss_after']:.2f}x", ""])
+            results += [(n, kind, got[name], got[sides[0][0]] if base is not None else None)
+                        for name, tree, kind in sides if tree == ROOT]
     finally:
         if base is not None:
             subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT, capture_output=True)
@@ -187,6 +206,12 @@ def main(argv=None) -> None:
         print(f"\ntargets at {max(args.sizes):.0e} items: update max {last[4]} s < 0.5 s: "
               f"{verdict(float(last[4]) < 0.5)}; memory after {args.updates} versions {last[8]} within 1.10x: "
               f"{verdict(float(last[8][:-1]) <= 1.10)}")
+    if not args.no_record and results:
+        path = write_record(benchmark="bench_catalog_versions",
+                            title="A rank's catalog update at scale: update time and memory of kept versions",
+                            command=cmd, results=record_rows(results, args.updates),
+                            peer=None if base is None else sides[0][0])
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

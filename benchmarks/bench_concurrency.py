@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -41,6 +42,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from sgrec.policy.streams import MultiStreamScheduler, SimStreams, UnitCost, WorkUnit  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 KINDS = ("rank", "score", "retrieve")
 
@@ -204,6 +206,24 @@ def p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, max(0, int(round(0.99 * len(xs) + 0.5)) - 1))]
 
 
+def record_rows(gain: list[dict], rows: list[dict], args) -> list[dict]:
+    """The result record's rows: the executor's batch beside one request at a time; per level and kind the
+    measured batched engine's mean and P99 latency beside one-at-a-time's, and the simulated multi-stream
+    run's beside the single stream's."""
+    out = [row(f"{r['kind']}: B requests as one batch", "ms", r["batched_ms"], r["one_ms"], higher_is_better=False,
+               params={"batch": r["batch"]}) for r in gain]
+    for r in rows:
+        params = {"clients": r["clients"], "target": args.target}
+        for stat in ("mean", "P99"):
+            k = stat.lower()
+            out.append(row(f"{r['kind']}: closed-loop {stat} latency, batched", "ms", r[f"batched_{k}_ms"],
+                           r[f"one_{k}_ms"], params=params, higher_is_better=False))
+            out.append(row(f"{r['kind']}: simulated closed-loop {stat} latency, {args.num_streams} streams", "ms",
+                           r[f"sim_multi_{k}_ms"], r[f"sim_single_{k}_ms"], higher_is_better=False,
+                           params={**params, "occupancy": args.occupancy}))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,8,15,22,30")
@@ -222,6 +242,7 @@ def main() -> None:
                          "batches rarely form)")
     ap.add_argument("--batch-sizes", default="1,4,8,16", help="executor-level batch gain: batch sizes")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args()
 
     import torch
@@ -307,6 +328,13 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "costs_s": costs, "batch_gain": gain, "rows": rows}, f, indent=1)
+    if not args.no_record:
+        path = write_record(benchmark="bench_concurrency",
+                            title="Closed-loop mixed rank / score / retrieve traffic at RecOS concurrency levels",
+                            command=("python benchmarks/bench_concurrency.py " + shlex.join(sys.argv[1:])).strip(),
+                            results=record_rows(gain, rows, args),
+                            peer="the same engine one request at a time (--max-batch-tokens 1); simulated: one stream")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ timing, and the runs of the two sides are interleaved (order alternating per rep
 machine drift hits both. On a shared 2-core machine other processes wreck the numbers (one busy
 core made 2-thread runs ~10x slower), so each timed call records how many cores other processes
 used meanwhile, such calls are retried, and the "quiet runs" column says how many were clean.
-Results and method notes: BENCHMARKS.md, section "bench_engine (engine core)".
+Results and method notes: docs/performance.md, section "bench_engine (engine core)".
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ import time
 import warnings
 
 import torch
+
+from sgrec.tools.results import row, write_record
 
 TARGETS = {  # (batch, phase) -> minimum sgrec/HF ratio, from the issue
     (1, "prefill"): 1.0,
@@ -344,6 +346,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join([line(head), sep, *map(line, body)])
 
 
+def record_rows(rows: list[dict], dtype: str) -> list[dict]:
+    """The result record's rows: sgrec's tok/s beside HF's per model, batch size and phase."""
+    return [row(f"{r['phase']} throughput", "tok/s", r["sgrec_tok_s"], r["hf_tok_s"], ratio=r["ratio"],
+                params={"model": r["model"], "batch": r["batch"], "prompt_len": r["prompt_len"],
+                        "decode_tokens": r["decode_tokens"], "dtype": dtype}) for r in rows]
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -380,6 +389,7 @@ def parse_args(argv=None):
     ap.add_argument("--smollm2-wait", type=int, default=SMOLLM2_WAIT_S,
                     help="seconds to keep retrying if SmolLM2 is not prepared yet")
     ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     a = ap.parse_args(argv)
     a.models = [m for m in a.models.split(",") if m]
     bad = set(a.models) - set(DEFAULT_PROMPT_LEN)
@@ -437,6 +447,11 @@ def main(argv=None) -> None:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
         print(f"wrote {args.json}")
+    if not args.no_record:
+        path = write_record(benchmark="bench_engine", title="Engine-core throughput against HF transformers",
+                            command=cmd.strip(), results=record_rows(rows, args.dtype),
+                            peer=f"HF transformers {transformers.__version__}")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

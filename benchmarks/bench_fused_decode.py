@@ -11,7 +11,7 @@ limit, fused_decode.MAX_BATCH, is what this table chose). Time of a decode step:
 new tokens minus the time of one) / --steps, cache flushed before each, best of --repeats, the two engines
 taking turns. Greedy tokens of the two are compared (bf16 rounds differently in the two paths, so a
 near-tie may flip; the count of identical sequences is printed). Needs a CPU with avx512_bf16 for bfloat16,
-AVX2 + FMA or AVX-512 for float32 (the fused step is built only there). Results: BENCHMARKS.md.
+AVX2 + FMA or AVX-512 for float32 (the fused step is built only there). Results: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
 from sgrec import Engine  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
+
+
+def record_rows(results: list[dict], args) -> list[dict]:
+    """The result record's rows: the fused step's time beside the layer-by-layer path's, per batch size."""
+    model = os.path.basename(os.path.expanduser(args.model_path).rstrip("/"))
+    return [row("decode step time", "ms", r["fused_s"] * 1e3, r["layer_s"] * 1e3, higher_is_better=False,
+                params={"batch": r["batch"], "dtype": args.dtype, "model": model}) for r in results]
 
 
 def main() -> None:
@@ -42,6 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(header(" ".join(["python", "benchmarks/bench_fused_decode.py", *map(shlex.quote, sys.argv[1:])]),
@@ -56,7 +65,7 @@ def main() -> None:
     limit = fused.max_batch
     fused.max_batch = max(args.batch_sizes)
     rng = random.Random(0)
-    rows = []
+    rows, results = [], []
     for b in args.batch_sizes:
         vocab = engines["fused"].vocab_size
         prompts = [[rng.randrange(min(100, vocab // 2), min(40000, vocab)) for _ in range(args.prompt_len)]
@@ -78,6 +87,7 @@ def main() -> None:
         f, p = best["fused"], best["layer by layer"]
         rows.append([b, f"{f * 1e3:.2f}", f"{b / f:.0f}", f"{p * 1e3:.2f}", f"{b / p:.0f}", f"**{p / f:.2f}**",
                      f"{same}/{b}"])
+        results.append({"batch": b, "fused_s": f, "layer_s": p})
         print(f"  batch {b}: fused {f * 1e3:.2f} ms/step, layer by layer {p * 1e3:.2f}", flush=True)
     print()
     print(md_table(["batch", "fused ms/step", "fused tok/s", "layer-by-layer ms/step", "tok/s", "ratio",
@@ -85,6 +95,13 @@ def main() -> None:
     print(f"\nthe engine runs the {args.dtype} fused step up to {limit} sequences (fused_decode.MAX_BATCH)")
     for eng in engines.values():
         eng.shutdown()
+    if not args.no_record:
+        cmd = ("python benchmarks/bench_fused_decode.py " + shlex.join(sys.argv[1:])).strip()
+        path = write_record(benchmark="bench_fused_decode",
+                            title="The fused CPU decode step against the layer-by-layer path",
+                            command=cmd, results=record_rows(results, args),
+                            peer="the layer-by-layer decode step (--disable-fused-decode)")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -63,6 +64,7 @@ from sgrec.model.attention import SeqLayout  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
 from sgrec.tools.make_tiny_model import make_tiny_model  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -486,6 +488,95 @@ def variant_args(spec: str) -> dict:
     return out
 
 
+FLASHREC_REQ_S = 28.1  # FlashRec's published point: OneRec-1.7B, 300-token prompts, beam 50, 32 at once, an RTX 5090
+
+
+def flashrec_point(fr: dict) -> bool:
+    """Whether part 6 ran at FlashRec's published shape (its number is then the row's peer)."""
+    return (fr["prompt_tokens"], fr["beam_width"], fr["levels"], fr["concurrency"]) == (300, 50, 4, 32)
+
+
+def record_peer(res: dict) -> str | None:
+    """What the record's rows were run beside."""
+    parts = [f"HF transformers {res['hf']['transformers']}"] if res.get("hf") else []
+    parts += ["sgrec in bf16 (the FP8 rows)"] if "prefill" in (res.get("fp8") or {}) else []
+    if res.get("flashrec") and flashrec_point(res["flashrec"]):
+        parts.append(f"FlashRec's published {FLASHREC_REQ_S} req/s (OneRec-1.7B on an RTX 5090)")
+    return "; ".join(parts) or None
+
+
+def record_rows(res: dict) -> list[dict]:
+    """The result record's rows, from the results file's dict: the GEMM peak measured; prefill (MFU against
+    it) beside HF's; retrieve, rank; generation and the naive rank beside HF's; FP8 beside bf16 (MFU
+    against the FP8 GEMM peak); FlashRec's shape beside its published number."""
+    def share(x):  # of a limit: outside 0..1.5 the limit did not bound the run (check() refuses it)
+        return x if 0 <= x <= 1.5 else None
+
+    def retrieve_rows(ret: dict, extra: dict, peer: dict | None = None) -> list[dict]:
+        p = {**base, **extra, "context": ret["context"], "beam_width": ret["beam_width"], "items": ret["items"]}
+        c, pc = ret["concurrent"], (peer or {}).get("concurrent", {})
+        cp = {**p, "concurrency": c["concurrency"]}
+        rows = [row("retrieve latency, one request at a time (median)", "s", ret["median_s"],
+                    (peer or {}).get("median_s"), params=p, higher_is_better=False),
+                row("retrieve latency, concurrent requests (median)", "s", c["median_s"], pc.get("median_s"),
+                    params=cp, higher_is_better=False),
+                row("retrieve throughput, concurrent requests", "req/s", c["req_per_s"], pc.get("req_per_s"),
+                    params=cp)]
+        rows += [row("retrieve latency, wide beam", "s", w["seconds"], params={**p, "beam_width": w["beam_width"]},
+                     higher_is_better=False) for w in ret.get("wide_beams", []) if "seconds" in w]
+        return rows
+
+    base = {"shape": res["shape"] or "make_tiny_model's default (--quick)", "dtype": res["dtype"]}
+    hf = res.get("hf") or {}
+    hf_prefill = {x["tokens"]: x["hf_s"] for x in hf.get("prefill", [])}
+    out = [row(f"{res['dtype']} GEMM peak, measured (the MFU's limit)", "TFLOP/s", res["gemm_peak_tflops"],
+               params={"dtype": res["dtype"]})]
+    for key, backend in (("prefill", "auto"), ("prefill_torch_backend", "torch")):
+        out += [row(f"prefill time ({backend} attention backend)", "s", r["seconds"], hf_prefill.get(r["tokens"]),
+                    params={**base, "tokens": r["tokens"]}, efficiency=share(r["mfu"]), higher_is_better=False)
+                for r in res[key]]
+    if res.get("retrieve"):
+        out += retrieve_rows(res["retrieve"], {})
+    for v in res.get("retrieve_variants", []):
+        out += retrieve_rows(v, {"engine_args": v["engine_args"]})
+    out += [row(f"rank latency, {r['prefix']} as prefix (median)", "s", r["median_s"], higher_is_better=False,
+                params={**base, "user_tokens": r["user_tokens"], "candidates": r["candidates"]})
+            for r in res.get("rank") or []]
+    out += [row("greedy generation time", "s", r["sgrec_s"], r["hf_s"], higher_is_better=False,
+                params={**base, "batch": r["batch"], "prompt_tokens": r["prompt_tokens"],
+                        "new_tokens": r["new_tokens"]}) for r in hf.get("generate", [])]
+    out += [row("rank, item as prefix, against HF one prompt per candidate", "s", r["sgrec_s"], r["hf_s"],
+                params={**base, "user_tokens": r["user_tokens"], "candidates": r["candidates"]}, higher_is_better=False)
+            for r in hf.get("rank", [])]
+    fp8 = res.get("fp8") or {}
+    if "prefill" in fp8:
+        bf16 = {r["tokens"]: r["seconds"] for r in res["prefill"]}
+        out.append(row("FP8 GEMM peak, measured (_scaled_mm)", "TFLOP/s", fp8["gemm_peak_tflops"],
+                       params={"dtype": "float8_e4m3fn"}))
+        out += [row("prefill time, FP8 weights", "s", r["seconds"], bf16.get(r["tokens"]), higher_is_better=False,
+                    params={**base, "tokens": r["tokens"]}, efficiency=share(r["tflops"] / fp8["gemm_peak_tflops"]))
+                for r in fp8["prefill"]]
+        out.append(row("FP8 next-token top-1 agreement with bf16", "share", fp8["logprobs"]["top1_agree"],
+                       params={**base, "prompts": fp8["logprobs"]["prompts"]}))
+        ov = fp8["retrieve_overlap"]
+        out.append(row("FP8 retrieve overlap with bf16 (mean)", "share", ov["mean"],
+                       params={**base, "beam_width": ov["beam_width"], "prompts": ov["prompts"]}))
+        out += retrieve_rows(fp8["retrieve"], {"quantization": "fp8"}, res.get("retrieve"))
+        demo = fp8.get("demo_overlap") or {}
+        out += [row("retrieve overlap with bf16 on the demo model (mean)", "share", v["overlap_mean"],
+                    params={"model": demo["model"], "variant": name, "beam_width": demo["beam_width"]})
+                for name, v in demo.items() if isinstance(v, dict) and "overlap_mean" in v]
+    fr = res.get("flashrec")
+    if fr:
+        p = {**base, "prompt_tokens": fr["prompt_tokens"], "beam_width": fr["beam_width"], "levels": fr["levels"],
+             "concurrency": fr["concurrency"]}
+        out.append(row("FlashRec's shape: retrieve throughput", "req/s", fr["req_per_s"],
+                       FLASHREC_REQ_S if flashrec_point(fr) else None, params=p))
+        out.append(row("FlashRec's shape: retrieve latency (median)", "s", fr["median_s"], params=p,
+                       higher_is_better=False))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -516,6 +607,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: the code path, not a measurement")
     ap.add_argument("--out", required=True, help="JSON file of the results")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     a = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="sgrec-gpu-")
     if a.quick:
@@ -584,6 +676,12 @@ def main(argv=None) -> int:
         model, a, dtype, os.path.dirname(cat))
     save("flashrec")
     print(json.dumps(res, indent=1))
+    rows = [] if a.no_record else record_rows(res)
+    if rows:  # (--parts may leave nothing to record)
+        cmd = ("python benchmarks/bench_gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip()
+        path = write_record(benchmark="bench_gpu", title="GPU prefill MFU and retrieve latency",
+                            command=cmd, results=rows, peer=record_peer(res))
+        print(f"result record: {path}")
     return 0
 
 

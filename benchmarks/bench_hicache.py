@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import statistics
 import sys
@@ -52,6 +53,7 @@ from bench_catalog import header  # noqa: E402
 
 from sgrec.radix.sim.traces import build_gr_requests  # noqa: E402
 from sgrec.tools.local_server import LocalServer  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 CONFIGS = ("none", "host", "file", "mooncake")  # the default run
 # LARU's eviction under file storage, writing through (file-laru) or only what its LightGBM predictor
@@ -172,8 +174,9 @@ def two_servers(model: str, reqs: list, pool: int, work: str, master: str | None
     return {**{k: c / max(p, 1) for k, (c, p, _) in tok.items()}, **{f"{k}_requests": n for k, (_, _, n) in tok.items()}}
 
 
-def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int = 20) -> None:
-    """Part 3 (see the module docstring): an in-process engine's item store as the owner."""
+def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int = 20) -> list[dict]:
+    """Part 3 (see the module docstring): an in-process engine's item store as the owner. Returns the
+    table's rows (milliseconds)."""
 
     import zmq
 
@@ -210,6 +213,7 @@ def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int =
     like = {i: Page(*(torch_empty(k.shape[0], sizes[i], *k.shape[2:], k.dtype) for _ in range(2))) for i in ids}
     print("\n| items per request | --item-peers ms | Mooncake ms | recompute ms | bytes per item (peers / Mooncake) |")
     print("|---|---|---|---|---|")
+    out = []
     for n in ks:
         tp, tm = [], []
         for r in range(repeats):
@@ -229,8 +233,11 @@ def item_fetch(model: str, work: str, master: str, ks=(1, 8, 32), repeats: int =
         print(f"| {n} | {statistics.median(tp) * 1e3:.2f} | {statistics.median(tm) * 1e3:.2f} | "
               f"{tokens * per_token * 1e3:.2f} | {row_bytes * tokens / n:.0f} / {row_bytes * tokens / n + 48:.0f} |",
               flush=True)
+        out.append({"items": n, "peers_ms": statistics.median(tp) * 1e3, "mooncake_ms": statistics.median(tm) * 1e3,
+                    "recompute_ms": tokens * per_token * 1e3})
     server.close()
     mc.close()
+    return out
 
 
 def torch_empty(*shape_and_dtype):
@@ -238,6 +245,28 @@ def torch_empty(*shape_and_dtype):
 
     *shape, dtype = shape_and_dtype
     return torch.empty(*shape, dtype=dtype)
+
+
+def record_rows(results: list[dict], two: list[tuple[str, dict]], fetch: list[dict], a) -> list[dict]:
+    """The result record's rows: part 1's configurations beside `none` (no hierarchy), part 2's moving
+    users' hit rate beside the staying users', part 3's fetches beside recomputing the items."""
+    base = next((r for r in results if r["config"] == "none"), None)
+    params = {"requests": a.requests, "pool_ratio": a.pool_ratio}
+    out = []
+    for r in results:
+        p = {**params, "config": r["config"]}
+        peer = base if base is not None and r is not base else {}
+        out += [row("TTFT P50", "ms", r["p50"], peer.get("p50"), params=p, higher_is_better=False),
+                row("TTFT P99", "ms", r["p99"], peer.get("p99"), params=p, higher_is_better=False),
+                row("prefix hit rate", "share", r["hit"], peer.get("hit"), params=p),
+                row("throughput, one request at a time", "req/s", r["rps"], peer.get("rps"), params=p)]
+    out += [row("moving users' hit rate, two servers behind sglang-router", "share", h["moving"], h["staying"],
+                params={**params, "servers": name}) for name, h in two]
+    for r in fetch:
+        for key, how in (("mooncake_ms", "from Mooncake Store"), ("peers_ms", "by --item-peers (ZMQ)")):
+            out.append(row(f"item KV fetched {how} (median)", "ms", r[key], r["recompute_ms"],
+                           params={"items_per_request": r["items"]}, higher_is_better=False))
+    return out
 
 
 def main(argv=None) -> None:
@@ -261,6 +290,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prefetch-policy", default="timeout", choices=("best_effort", "wait_complete", "timeout"))
     ap.add_argument("--mooncake-segment-gb", type=float, default=4.0,
                     help="memory each server adds to Mooncake Store (the working set of SmolLM2 fits 4)")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     PREFETCH[-1] = args.prefetch_policy
     global MOONCAKE_SEGMENT
@@ -289,8 +319,8 @@ def main(argv=None) -> None:
         if missing():
             sys.exit(f"mooncake: {missing()}")
         master = MooncakeMaster(os.path.join(work, "master.log")).start()
+    results, two, fetch = [], [], []
     try:
-        results = []
         for config in args.configs:
             results.append(one_config(config, model, reqs, pool, work, master.address if master else None))
             r = results[-1]
@@ -313,17 +343,27 @@ def main(argv=None) -> None:
             print("|---|---|---|---|")
             for m in (None, master.address):
                 h = two_servers(model, reqs, pool, work, m)
+                two.append(("mooncake" if m else "no hierarchy", h))
                 print(f"| {'mooncake' if m else 'no hierarchy'} | {h['moving']:.1%} ({h['moving_requests']}) | "
                       f"{h['staying']:.1%} ({h['staying_requests']}) | "
                       f"{h['moving'] / max(h['staying'], 1e-9):.2f} |", flush=True)
         if not args.no_item_fetch:
             print("\nItem KV across servers (median of 20 requests each):")
-            item_fetch(model, work, master.address)
+            fetch = item_fetch(model, work, master.address)
     finally:
         if master is not None:
             master.stop()
         shutil.rmtree(work, ignore_errors=True)
     print("\nrerun: python benchmarks/bench_hicache.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    rows = [] if args.no_record else record_rows(results, two, fetch, args)
+    if rows:
+        cmd = ("python benchmarks/bench_hicache.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
+        beside = len(results) > 1 and any(r["config"] == "none" for r in results)
+        peers = [what for what, ran in (("no hierarchy (config none)", beside), ("staying users (two servers)", two),
+                                        ("recomputing the items' KV", fetch)) if ran]
+        path = write_record(benchmark="bench_hicache", title="Hierarchical KV cache on the returning-user trace",
+                            command=cmd, results=rows, peer="; ".join(peers) or None)
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

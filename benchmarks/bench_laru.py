@@ -22,11 +22,13 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 
 from sgrec.radix.sim import LCS_POLICIES, SGLANG_POLICIES, TraceIndex, simulate
 from sgrec.radix.sim.traces import gr_users, multiturn, scan, zipf
+from sgrec.tools.results import row, write_record
 
 ROWS = [("lru", "lightgbm"), ("laru", "lightgbm"), ("laru-every", "lightgbm"), ("laru-bets", "lightgbm"),
         ("fpb", "lightgbm"), ("hf", "lightgbm"), ("laru", "oracle"), ("opt", "oracle")] + \
@@ -250,6 +252,40 @@ def print_tables(table: dict, traces: list[str], fractions: list[float], noise: 
                   f"{r['token_hit_rate']:.4f} |")
 
 
+SGREC_LABELS = ("lru", "laru", "laru-every", "laru-bets", "fpb", "hf", "laru (oracle)", "opt")  # the rest: peers
+
+
+def sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001 - not installed: the name alone
+        return "(version unknown)"
+
+
+def record_rows(table: dict, noise: dict, inverted: dict, scale: list[dict]) -> list[dict]:
+    """The result record's rows: sgrec's policies' token hit rates beside SGLang's RadixCache LRU in each
+    cell; the noise sweep and p = 1 beside sgrec's LRU; the per-request cost beside SGLang's."""
+    out = [row("token hit rate", "share", r["token_hit_rate"], table[(t, f, "sglang-lru")]["token_hit_rate"],
+               params={"trace": t, "cache_fraction": f, "policy": lab})
+           for (t, f, lab), r in table.items() if lab in SGREC_LABELS and (t, f, "sglang-lru") in table]
+    out += [row("token hit rate under prediction noise", "share", noise[(policy, p)]["token_hit_rate"], noise["lru"],
+                params={"trace": "multiturn", "cache_tokens": noise["cap"], "policy": policy, "noise": p})
+            for policy in NOISE_POLICIES for p in NOISE]
+    out += [row("token hit rate, inverted predictions (p = 1)", "share", v, inverted[("lru", f)],
+                params={"trace": "multiturn", "cache_fraction": f, "policy": policy})
+            for (policy, f), v in inverted.items() if policy != "lru"]
+    peer = next((r for r in scale if r["policy"].startswith("sglang")), None)
+    for r in scale:
+        if r is not peer:
+            for key, what in (("us_per_access", "wall"), ("cpu_us_per_access", "CPU")):
+                out.append(row(f"{what} time per request at ~10^4 cached nodes", "us", r[key],
+                               None if peer is None else peer[key], params={"policy": r["policy"]},
+                               higher_is_better=False))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=10000, help="gr-users and scan requests")
@@ -260,6 +296,7 @@ def main() -> None:
     ap.add_argument("--scale-repeats", type=int, default=3)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--config-search", action="store_true", help="only the LARU config search (about 15 min)")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     fractions = [float(x) for x in a.fractions.split(",")]
@@ -290,6 +327,13 @@ def main() -> None:
         json.dump({"table": {"|".join(map(str, k)): v for k, v in table.items()},
                    "noise": {"|".join(map(str, k)) if isinstance(k, tuple) else k: v for k, v in noise.items()},
                    "inverted": {"|".join(map(str, k)): v for k, v in inverted.items()}, "scale": scale}, f, indent=1)
+    if not a.no_record:
+        path = write_record(benchmark="bench_laru",
+                            title="Radix-cache eviction policies: LARU against LRU, OPT and other caches",
+                            command=("python benchmarks/bench_laru.py " + shlex.join(sys.argv[1:])).strip(),
+                            results=record_rows(table, noise, inverted, scale),
+                            peer=f"SGLang {sglang_version()} RadixCache, LRU (sgrec's LRU for the noise rows)")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

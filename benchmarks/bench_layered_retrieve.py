@@ -39,9 +39,17 @@ from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
 from sgrec.tools.make_tiny_model import make_tiny_model  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 V, CODES, ND = 4096, 1024, 3
 BASE = V - ND * CODES
+
+
+def record_rows(medians: list[tuple[str, float, float]], a) -> list[dict]:
+    """The result record's rows: per case (name, LayeredTrie s, SemanticIdTrie s), the LayeredTrie's median
+    latency beside the dense trie's."""
+    return [row("retrieve latency (median)", "ms", lay * 1e3, den * 1e3, higher_is_better=False,
+                params={"items": a.items, "updates": a.updates, "case": name}) for name, lay, den in medians]
 
 
 def main(argv=None) -> None:
@@ -51,6 +59,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed requests per case and trie, per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds alternating the two tries")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(header(" ".join(["python", "benchmarks/bench_layered_retrieve.py", *map(shlex.quote, argv or sys.argv[1:])]),
@@ -97,14 +106,22 @@ def main(argv=None) -> None:
                     out = ex.run(prompt, **kw)
                     times.setdefault((name, kind), []).append(time.perf_counter() - t0)
                 items[(name, kind)] = [it["item"] for it in out.items]
-    rows = []
+    rows, medians = [], []
     for name, _ in cases:
         lay, den = np.median(times[(name, "layered")]), np.median(times[(name, "dense")])
+        medians.append((name, float(lay), float(den)))
         rows.append([name, f"{lay * 1e3:.2f}", f"{den * 1e3:.2f}", f"{lay / den:.3f}x",
                      "yes" if items[(name, "layered")] == items[(name, "dense")] else "NO"])
     print()
     print(md_table(["case", "LayeredTrie ms", "SemanticIdTrie ms", "ratio", "same items"], rows))
     print(f"\nrerun: python benchmarks/bench_layered_retrieve.py --items {n} --updates {a.updates}")
+    if not a.no_record:
+        cmd = ("python benchmarks/bench_layered_retrieve.py " + shlex.join(argv or sys.argv[1:])).strip()
+        path = write_record(benchmark="bench_layered_retrieve", command=cmd,
+
+title="Retrieve on the layered trie against the dense trie", results=record_rows(medians, a),
+                            peer="the dense SemanticIdTrie built from scratch, same catalog version")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

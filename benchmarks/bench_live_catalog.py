@@ -29,6 +29,7 @@ import argparse
 import multiprocessing
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -45,6 +46,7 @@ from bench_catalog import header, md_table, verdict, write_jsonl  # noqa: E402
 from sgrec import demo  # noqa: E402
 from sgrec.tools.local_server import LocalServer  # noqa: E402
 from sgrec.tools.make_tiny_model import make_tiny_model  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -271,6 +273,39 @@ def report_recommend(rows: list[dict], a) -> None:
     print(f"\nrecommend / two calls: {ratio:.2f}x (target >= 1.3x: {verdict(ratio >= 1.3)})")
 
 
+def record_rows(got: dict[str, list[dict]], a) -> list[dict]:
+    """The result record's rows, per part run (got: part -> its bench_* rows): retrieve latency under
+    updates (and under the rejected control) beside the quiet phases', the update rate and its
+    acknowledgements; acknowledgement and visibility times; /v1/recommend's req/s beside two calls'."""
+    out = []
+    if "traffic" in got:
+        q, rej, u, up = got["traffic"]
+        p = {"clients": a.clients, "rate": a.rate, "batch": a.batch, "beam_width": 16}
+        for stat in ("p50", "p99"):
+            out.append(row(f"retrieve {stat.upper()} latency while items are updated", "ms", u[stat] * 1e3,
+                           q[stat] * 1e3, params=p, higher_is_better=False))
+            out.append(row(f"retrieve {stat.upper()} latency beside rejected updates (control)", "ms", rej[stat] * 1e3,
+                           q[stat] * 1e3, params=p, higher_is_better=False))
+        out.append(row("item updates acknowledged", "items/s", up["rate"], params=p))
+        for stat in ("p50", "p99"):
+            out.append(row(f"update acknowledgement {stat.upper()}", "ms", up[f"ack_{stat}"] * 1e3, params=p,
+                           higher_is_better=False))
+    if "visibility" in got:
+        trials, start = got["visibility"][:-1], got["visibility"][-1]
+        p = {"items": a.items, "trials": len(trials)}
+        acks, vis = [r["ack"] for r in trials], [r["visible"] for r in trials]
+        for name, xs in (("POST until acknowledged", acks), ("acknowledged until a retrieve returns it", vis),
+                         ("update to visibility", [x + y for x, y in zip(acks, vis)])):
+            out.append(row(f"{name} (median)", "s", statistics.median(xs), params=p, higher_is_better=False))
+            out.append(row(f"{name} (max)", "s", max(xs), params=p, higher_is_better=False))
+        out.append(row("server start-up", "s", start["start_s"], params={"items": a.items}, higher_is_better=False))
+    if "recommend" in got:
+        one, two = got["recommend"]
+        out.append(row("/v1/recommend throughput", "req/s", one["rps"], two["rps"],
+                       params={"clients": a.clients, "beam_width": 32, "candidates": 20, "top_k": 10}))
+    return out
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["traffic", "visibility", "recommend"],
@@ -287,6 +322,7 @@ def parse_args(argv=None):
     ap.add_argument("--cpu-threads", type=int, help="the demo servers' --cpu-threads (default: theirs)")
     ap.add_argument("--catalog-update-cores", type=int,
                     help="the demo servers' --catalog-update-cores (default: theirs; 0: the forward keeps every thread)")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     a = ap.parse_args(argv)
     if a.quick:
         a.phase_s, a.rounds, a.items, a.trials = 5.0, 2, min(a.items, 100_000), 3
@@ -300,12 +336,23 @@ def main(argv=None) -> None:
     print(header(" ".join(["python benchmarks/bench_live_catalog.py", *(argv or sys.argv[1:])]),
                  "bench_live_catalog"))
     print(f"workdir: {work}")
+    got = {}
     if "traffic" in a.parts:
-        report_traffic(bench_traffic(work, a), a)
+        got["traffic"] = bench_traffic(work, a)
+        report_traffic(got["traffic"], a)
     if "visibility" in a.parts:
-        report_visibility(bench_visibility(work, a), a)
+        got["visibility"] = bench_visibility(work, a)
+        report_visibility(got["visibility"], a)
     if "recommend" in a.parts:
-        report_recommend(bench_recommend(work, a), a)
+        got["recommend"] = bench_recommend(work, a)
+        report_recommend(got["recommend"], a)
+    if not a.no_record:
+        cmd = ("python benchmarks/bench_live_catalog.py " + shlex.join(argv or sys.argv[1:])).strip()
+        path = write_record(benchmark="bench_live_catalog",
+                            title="Live catalogs: retrieve under item updates, update visibility, /v1/recommend",
+                            command=cmd, results=record_rows(got, a),
+                            peer="the quiet phases, no updates (traffic); /v1/retrieve then /v1/rank (recommend)")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from sgrec.catalog import Catalog, Item  # noqa: E402
 from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 ND = 3
 
@@ -55,6 +56,7 @@ def main(argv=None) -> None:
     ap.add_argument("--score-items", type=int, default=100)
     ap.add_argument("--score-item-len", type=int, default=4)
     ap.add_argument("--score-query-len", type=int, default=64)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cmd = ("python benchmarks/bench_logit_columns.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
@@ -75,7 +77,7 @@ def main(argv=None) -> None:
     peers = {"all columns": lambda self, depth: None, "level columns": level}
     print(f"model {model} (vocabulary {vocab}); {args.num_items} items; level tokens per depth: "
           f"{[int(t.numel()) for t in ex.trie.level_tokens]}", flush=True)
-    rows = []
+    rows, medians = [], []
     try:
         for bw in args.beam_widths:
             times: dict[str, list[float]] = {k: [] for k in peers}
@@ -91,16 +93,35 @@ def main(argv=None) -> None:
             full, part = (statistics.median(times[k]) * 1e3 for k in peers)
             rows.append([bw, f"{full:.1f}", f"{part:.1f}", f"{full / part:.2f}",
                          items["all columns"] == items["level columns"]])
+            medians.append((bw, full, part))
             print(f"  BW {bw}: {full:.1f} / {part:.1f} ms", flush=True)
     finally:
         SemanticIdTrie.logit_columns = level
     print(md_table(["BW", "all columns ms", "level columns ms", "speed-up", "same items and scores"], rows))
-    print(md_table(["score", "all columns ms", "label columns ms", "speed-up", "max score difference"],
-                   [score_row(model, vocab, args)]))
+    score, score_ms = score_row(model, vocab, args)
+    print(md_table(["score", "all columns ms", "label columns ms", "speed-up", "max score difference"], [score]))
     print(f"rerun: {cmd}")
+    if not args.no_record:
+        path = write_record(benchmark="bench_logit_columns",
+                            title="Beam steps and scoring that compute only the logit columns they need",
+                            command=cmd,
+                            results=record_rows(medians, score_ms, args, os.path.basename(model.rstrip("/"))),
+                            peer="the same step over the whole vocabulary's logits (all columns)")
+        print(f"result record: {path}")
 
 
-def score_row(model: str, vocab: int, args) -> list:
+def record_rows(medians: list[tuple[int, float, float]], score_ms: tuple[float, float], args, model: str) -> list[dict]:
+    """The result record's rows: a retrieve request's median with the level's columns beside all columns,
+    per beam width (medians: (BW, all columns ms, level columns ms)); score's label columns beside all."""
+    out = [row("retrieve latency (median)", "ms", part, full, higher_is_better=False,
+               params={"model": model, "items": args.num_items, "beam_width": bw}) for bw, full, part in medians]
+    full, part = score_ms
+    out.append(row("score latency, label columns (median)", "ms", part, full, higher_is_better=False,
+                   params={"model": model, "items": args.score_items, "item_tokens": args.score_item_len}))
+    return out
+
+
+def score_row(model: str, vocab: int, args) -> tuple[list, tuple[float, float]]:
     from sgrec import Engine
     from sgrec.scheduler.scheduler import Scheduler
 
@@ -127,7 +148,7 @@ def score_row(model: str, vocab: int, args) -> list:
     diff = max(abs(a - b) for x, y in zip(*scores.values()) for a, b in zip(x, y))
     print(f"  score: {full:.1f} / {part:.1f} ms", flush=True)
     return [f"{args.score_items} items x {args.score_item_len} tokens", f"{full:.1f}", f"{part:.1f}",
-            f"{full / part:.2f}", f"{diff:.1e}"]
+            f"{full / part:.2f}", f"{diff:.1e}"], (full, part)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from sgrec.tools.results import row, write_record
 
 MODES = ["standard", "chunked", "hybrid"]
 # a fixed mmap threshold: every large tensor is mmapped and returned to the OS when freed, so the RSS
@@ -124,6 +128,21 @@ def default_model() -> str:
                            max_position_embeddings=65536)
 
 
+def record_rows(peaks: dict[str, list[tuple[int, int]]], mil: dict[str, float], args, model: str) -> list[dict]:
+    """The result record's rows: chunked's and hybrid's peak memory beside the standard prefill's per
+    length, and their maximum input lengths under --budget-mib beside the standard one's."""
+    def finite(x):
+        return x if math.isfinite(x) else None
+
+    base = {"model": model, "chunk": args.chunk, "device": args.device}
+    std = dict(peaks["standard"])
+    out = [row(f"peak memory of one prefill, {mode}", "MiB", peak / 2**20, std[n] / 2**20, higher_is_better=False,
+               params={**base, "tokens": n}) for mode in ("chunked", "hybrid") for n, peak in peaks[mode]]
+    out += [row(f"maximum input length under {args.budget_mib:g} MiB, {mode}", "tokens", finite(mil[mode]),
+                finite(mil["standard"]), params=base) for mode in ("chunked", "hybrid")]
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
@@ -132,6 +151,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-mib", type=float, default=1024.0)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--measure", nargs=3, metavar=("MODEL", "MODE", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     if args.measure:
         model, mode, n = args.measure
@@ -164,6 +184,14 @@ def main(argv=None) -> None:
     print(f"hybrid / standard: {mil['hybrid'] / mil['standard']:.1f}x (target >= 5x); "
           f"chunked / standard: {mil['chunked'] / mil['standard']:.1f}x")
     print("rerun: python benchmarks/bench_mil.py " + " ".join(sys.argv[1:]))
+    if not args.no_record:
+        name = os.path.basename(model.rstrip("/"))
+        name = name if args.model or name == "SmolLM2-135M-Instruct" else "random, SmolLM2-135M's shape"
+        cmd = ("python benchmarks/bench_mil.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip()
+        path = write_record(benchmark="bench_mil", title="Maximum input length of one prefill",
+                            command=cmd, results=record_rows(peaks, mil, args, name),
+                            peer="standard prefill (one forward, every token's KV stored)")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

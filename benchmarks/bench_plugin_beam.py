@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -26,6 +27,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 
 def write_catalog(path: Path, items: int, vocab: int, seed: int = 0) -> None:
@@ -82,6 +85,13 @@ def step_times(width: int, vocab: int, spec: dict | None, steps: int, repeats: i
     return times
 
 
+def record_rows(steps: list[tuple[int, float, float]], args) -> list[dict]:
+    """The result record's rows: the sgrec-sid step's median beside SGLang's plain one, per beam width
+    (steps: (width, plain ms, sgrec-sid ms))."""
+    return [row("beam step time (median)", "ms", sid, plain, higher_is_better=False,
+                params={"vocab": args.vocab, "items": args.items, "beam_width": width}) for width, plain, sid in steps]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, default=32000)
@@ -89,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--widths", default="32,256")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0] if os.path.exists("/proc/cpuinfo") else ""
     print("CPU flags of note:", " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags.split()),
@@ -110,10 +121,20 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.repeats} repeats per side")
     print("| beam width | SGLang plain step ms (median) | sgrec-sid step ms (median) | ratio |")
     print("|---:|---:|---:|---:|")
+    steps = []
     for width in (int(w) for w in args.widths.split(",")):
         plain = statistics.median(step_times(width, args.vocab, None, args.steps, args.repeats)) * 1e3
         sid = statistics.median(step_times(width, args.vocab, {"type": "sgrec-sid"}, args.steps, args.repeats)) * 1e3
         print(f"| {width} | {plain:.2f} | {sid:.2f} | {sid / plain:.2f}x |")
+        steps.append((width, plain, sid))
+    if not args.no_record and steps:
+        import sglang
+
+        cmd = ("python benchmarks/bench_plugin_beam.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip()
+        path = write_record(benchmark="bench_plugin_beam", title="The SGLang plugin's beam step against SGLang's own",
+                            command=cmd, results=record_rows(steps, args),
+                            peer=f"SGLang {sglang.__version__}'s plain beam step")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

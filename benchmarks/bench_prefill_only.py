@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -36,6 +37,7 @@ import numpy as np
 
 from sgrec import Engine
 from sgrec.managers.io_struct import TokenizedGenerateReq
+from sgrec.tools.results import row, write_record
 
 POLICIES = ["fcfs", "srjf-static", "srjf"]
 
@@ -123,6 +125,22 @@ def rate_at_latency(points: list[tuple[float, float]], target: float) -> float:
     return best
 
 
+def record_rows(results: dict, sustained: dict, mults: list[float], unit: int, args) -> list[dict]:
+    """The result record's rows: each SRJF policy's mean and P99 latency and prefix hit rate beside FCFS's
+    at each offered rate, and its sustained rate at FCFS's latency beside FCFS's."""
+    base = {"arrivals": args.arrivals, "clock": args.clock}
+    out = []
+    for p in POLICIES[1:]:
+        for m, (_, r), (_, f) in zip(mults, results[p], results["fcfs"]):
+            params = {**base, "rate_x_capacity": m}
+            out += [row(f"{p}: mean latency", "s", r["mean"], f["mean"], params=params, higher_is_better=False),
+                    row(f"{p}: P99 latency", "s", r["p99"], f["p99"], params=params, higher_is_better=False),
+                    row(f"{p}: prefix hit rate", "share", r["hit"], f["hit"], params=params)]
+        out.append(row("sustained rate at FCFS's mean latency at its capacity", "req/s", sustained[p] * unit,
+                       sustained["fcfs"] * unit, params={**base, "policy": p}))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF model dir (default: a generated 4-layer, hidden-256 random Llama)")
@@ -137,6 +155,7 @@ def main(argv=None) -> None:
     ap.add_argument("--clock", choices=["model", "wall"], default="model")
     ap.add_argument("--arrivals", choices=["requests", "users"], default="requests")
     ap.add_argument("--plot", default="bench_out/bench_prefill_only.png")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
 
     model = args.model
@@ -201,6 +220,13 @@ def main(argv=None) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
     print("rerun: python benchmarks/bench_prefill_only.py " + " ".join(sys.argv[1:]))
+    if not args.no_record:
+        cmd = ("python benchmarks/bench_prefill_only.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip()
+        path = write_record(benchmark="bench_prefill_only",
+                            title="Prefill-only scheduling: FCFS, SRJF and calibrated SRJF",
+                            command=cmd, results=record_rows(results, sustained, mults, unit, args),
+                            peer="FCFS scheduling, the same engine and requests")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ import math
 import os
 import platform
 import random
+import shlex
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -85,6 +87,7 @@ from sgrec.runner import ModelRunner
 from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
 from sgrec.tools.make_tiny_model import make_tiny_model
+from sgrec.tools.results import row, write_record
 
 INSTR_TEXT = "Which item will the user choose next?"
 HEADER_TEXT = "Candidate items:"
@@ -265,6 +268,32 @@ def fmt_row(name, M, r, base):
             f"{', '.join(f'{k} {v}' for k, v in sorted(r['prefixes'].items()))} |")
 
 
+def record_rows(base: dict, measured: list[tuple], ablation: list[tuple], ranks: int) -> list[dict]:
+    """The result record's rows: each system's (name, M, f, replay) estimated and wall req/s, hit rate and
+    computed tokens beside RE's (every prompt recomputed); the ablation's configs (name, user budget, item
+    budget, replay) beside None's (the user prefix only)."""
+    def est(r: dict) -> float | None:  # NaN without a cost model's time
+        return r["est_rps"] if r and math.isfinite(r["est_rps"]) else None
+
+    def rows(r: dict, peer: dict | None, params: dict, what: str = "") -> list[dict]:
+        peer = peer or {}
+        return [row(f"{what}estimated throughput", "req/s", est(r), est(peer), params=params),
+                row(f"{what}wall throughput", "req/s", r["rps"], peer.get("rps"), params=params),
+                row(f"{what}prompt tokens from cache", "share", r["cached"] / r["prompt"],
+                    peer.get("cached", 0) / peer["prompt"] if peer else None, params=params),
+                row(f"{what}computed tokens", "tokens", r["computed"], peer.get("computed"), params=params,
+                    higher_is_better=False)]
+
+    out = []
+    for name, M, f, r in measured:
+        out += rows(r, base, {"system": name, "budget_fraction": f, "budget_tokens": M})
+    none = next((r for name, _, _, r in ablation if name == "None"), None)
+    for name, ub, ib, r in ablation:
+        out += rows(r, none if name != "None" else None,
+                    {"config": name, "ranks": ranks, "user_budget": ub, "item_budget": ib}, "ablation: ")
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=400)
@@ -287,6 +316,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fit-repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     tmp = tempfile.mkdtemp(prefix="bench_rank_")
@@ -330,7 +360,7 @@ def main(argv=None) -> None:
     past_counts = Counter(c for _, _, cs in past_reqs for c in cs)
     history = [(u, ts) for u, _, _, ts in past]
     order = [catalog.get(i) for i in budget.hottest_items(item_tokens, past_counts)]
-    splits = []
+    splits, measured, ablation = [], [], []
     for f in [float(x) for x in a.budgets.split(",") if x.strip()]:
         M = round(f * (C + U))
         if a.item_share is None:
@@ -344,6 +374,7 @@ def main(argv=None) -> None:
             res = replay([Rank(model, catalog, header, pol, ub, ib_, transient, item_order=order,
                                 item_counts=past_counts, user_history=history)], trace, instr, cost)
             rows.append((name, f"{M} (f={f:g})", res))
+            measured.append((name, M, f, res))
             print(f"  done {name} M={M}: est {res['est_rps']:.2f} wall {res['rps']:.2f} req/s", flush=True)
     how = "budget.split_budget on the past period" if a.item_share is None else f"item share {a.item_share:g}"
     print(f"BAT / cache-agnostic split ({how}): " + "; ".join(splits))
@@ -409,9 +440,17 @@ def main(argv=None) -> None:
 
                 connect_loopback([rk.ex for rk in ranks], timeout_ms=2000)
             r = replay(ranks, trace, instr, cost, fetch_cost)
+            ablation.append((name, ub, ib_, r))
             print(f"| {name} | {ub} / {ib_} | {r['cached'] / r['prompt']:.3f} | {r['item_hit']:.3f} | "
                   f"{r['computed'] / base['computed']:.3f} | {r['est_rps']:.2f} | {r['rps']:.2f} |")
         print("(req/s of the N ranks serving in parallel: requests / the busiest rank's time)")
+    if not a.no_record and (measured or ablation):
+        path = write_record(benchmark="bench_rank",
+                            title="Bipartite-attention ranking (BAT) against RE, UP, IP and cache-agnostic",
+                            command=("python benchmarks/bench_rank.py " + shlex.join(argv or sys.argv[1:])).strip(),
+                            results=record_rows(base, measured, ablation, a.ranks),
+                            peer="RE, every prompt recomputed (ablation: None, the user prefix only)")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

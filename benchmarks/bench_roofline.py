@@ -28,7 +28,7 @@ Paths: prefill of --prefill-len tokens (cache flushed); decode at batch 1 and 16
 tokens, --decode-tokens new, decode steps only: the time of K new tokens minus the time of one);
 rank of 100 candidates x 16 tokens for a 512-token user, item-as-prefix, cold (cache flushed: items
 and user computed) and warm (items' KV cached, a new user); retrieve with a --retrieve-prompt prompt
-at BW 128 and 512, ND 3 (cache flushed: the prompt computed). Results: BENCHMARKS.md, "bench_roofline".
+at BW 128 and 512, ND 3 (cache flushed: the prompt computed). Results: docs/performance.md, "bench_roofline".
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend 
 from sgrec.model.backends import make_backend  # noqa: E402
 from sgrec.model.fused_decode import FusedDecode  # noqa: E402
 from sgrec.model.llama import CausalLM  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 ND, ITEM_TOKENS = 3, 16
 # efficiency targets per --dtype: issue 23's in float32 (of the GEMM peak), issue 39's in bfloat16 (of the bf16
@@ -178,6 +179,27 @@ def write_catalog(path: str, n: int, base: int, codes: int, seed: int = 0) -> No
                                        "semantic_id": sem[k]}) + b"\n" for k in range(n)))
 
 
+def record_rows(results: dict, args, model: str) -> list[dict]:
+    """The result record's rows: the machine's limits as measured; each path's time beside the baseline
+    backend's, with its efficiency against the roofline limit (None where the run beat the limit by more
+    than check() takes: a tiny model's weights in cache are not bound by the memory bandwidth measured);
+    decode's tok/s the same way."""
+    params = {"model": model, "dtype": args.dtype, "attention_backend": args.attention_backend}
+    limits = results["limits"]
+    peak = max(limits[f"gemm_{args.dtype}"], limits["proj_1024_rows"])  # as main() takes it
+    out = [row(f"{args.dtype} GEMM peak, measured", "GFLOP/s", peak, params={"dtype": args.dtype}),
+           row("memory bandwidth, measured (256 MiB copy)", "GB/s", limits["membw_gbs"])]
+    for name, p in results["paths"].items():
+        eff = p["efficiency"] if 0 <= p["efficiency"] <= 1.5 else None
+        base = p["baseline_s"]
+        out.append(row(name, "ms", p["s"] * 1e3, None if base is None else base * 1e3, params=params, efficiency=eff,
+                       higher_is_better=False))
+        if "tok_s" in p:
+            out.append(row(f"{name} throughput", "tok/s", p["tok_s"],
+                           None if base is None else p["tok_s"] * p["s"] / base, params=params, efficiency=eff))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="~/.cache/sgrec/SmolLM2-135M-Instruct")
@@ -200,6 +222,7 @@ def main(argv=None) -> None:
                     help="the engine's dtype; the table's peak is this dtype's (bfloat16: where native)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     if args.quick:
         args.num_items, args.prefill_len, args.decode_prompt, args.decode_tokens = 2000, 128, 32, 8
@@ -368,6 +391,12 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if not args.no_record:
+        path = write_record(benchmark="bench_roofline",
+                            title="Roofline: each path's share of the machine's measured limits", command=cmd,
+                            results=record_rows(results, args, os.path.basename(model.rstrip("/"))),
+                            peer=None if base_backend is None else f"the {args.baseline_backend} attention backend")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

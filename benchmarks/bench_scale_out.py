@@ -27,6 +27,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -37,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from launch.local_cluster import LocalCluster  # noqa: E402
 from bench_catalog import header  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 
 def write_catalog(path: str, n: int, seed: int = 0, vocab: int = 500) -> list[dict]:
@@ -107,6 +109,25 @@ def print_read_choice(cluster) -> None:
               f"{(hc.get('item_tokens') or {}).get('not_read', 0)}", flush=True)
 
 
+def record_rows(rows: list[tuple], item_rows: list[tuple], item_cache: int, a) -> list[dict]:
+    """The result record's rows: per number of servers, rank throughput and cached prompt tokens with user
+    affinity beside without it; the item phase's share of candidate item tokens from the store and its
+    throughput."""
+    base = {"dp_size": a.dp_size, "concurrency": a.concurrency, "store": a.store}
+    by = {(n, aff): (rps, cached) for n, aff, rps, _, cached, _ in rows}
+    out = []
+    for n in dict.fromkeys(n for n, *_ in rows):
+        (rps, cached), (rps0, cached0) = by[(n, True)], by[(n, False)]
+        out += [row("rank throughput with user affinity", "req/s", rps, rps0, params={**base, "servers": n}),
+                row("prompt tokens from cache with user affinity", "share", cached, cached0,
+                    params={**base, "servers": n})]
+    for n, stored, cached, rps in item_rows:
+        p = {**base, "item_cache_tokens": item_cache, "servers": n}
+        out += [row("candidate item tokens loaded from the storage tier, prefix item", "share", stored, params=p),
+                row("rank throughput, prefix item", "req/s", rps, params=p)]
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", help="default: a tiny random Llama (sgrec.tools.make_tiny_model)")
@@ -122,6 +143,7 @@ def main(argv=None) -> None:
                     help="the storage tier the launch recipe gives the servers (none: no hierarchical cache)")
     ap.add_argument("--item-cache-tokens", type=int, default=None,
                     help="each server's item store (default: a tenth of the catalog's tokens)")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     a = ap.parse_args(argv)
     # N servers share this host's cores: busy-waiting OpenMP threads of one server would starve the
     # others (measured: 2 servers slower than 1 without this). Passive waiting, as one host needs.
@@ -179,6 +201,14 @@ def main(argv=None) -> None:
     print("|---:|---:|---:|---:|")
     for n, stored, cached, rps in item_rows:
         print(f"| {n} | {stored:.3f} | {cached:.1%} | {rps:.1f} |")
+    if not a.no_record and rows:
+        cmd = ("python benchmarks/bench_scale_out.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip()
+        path = write_record(benchmark="bench_scale_out",
+                            title="Scale-out: rank throughput across servers and item KV shared between them",
+                            command=cmd,
+                            results=record_rows(rows, item_rows, item_cache, a),
+                            peer="the same servers without user affinity (Caddy picks the least busy)")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

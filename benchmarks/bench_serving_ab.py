@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
 from sgrec.tools.local_server import LocalServer  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 CONFIGS = {
     "torch, float32": ["--attention-backend", "torch", "--dtype", "float32"],
@@ -59,6 +60,25 @@ def worktree(rev: str, where: str) -> str:
     return path
 
 
+def record_rows(results: list[tuple[str, dict]], args) -> list[dict]:
+    """The result record's rows: each configuration's bench_serving numbers ((name, its result row) in run
+    order) beside the first configuration's (the baseline commit's where there is one)."""
+    model = os.path.basename(os.path.expanduser(args.model_path).rstrip("/"))
+    first = results[0][1] if results else None
+    out = []
+    for k, (name, r) in enumerate(results):
+        peer = first if k else {}
+        p = {"model": model, "server": name, "num_prompts": args.num_prompts, "input_len": args.input_len,
+             "output_len": args.output_len}
+        out += [row("saturated output throughput", "tok/s", r["output_throughput"], peer.get("output_throughput"),
+                    params=p),
+                row("saturated request throughput", "req/s", r["request_throughput"], peer.get("request_throughput"),
+                    params=p)]
+        out += [row(f"mean {what}", "ms", r[key], peer.get(key), params=p, higher_is_better=False)
+                for what, key in (("TTFT", "mean_ttft_ms"), ("ITL", "mean_itl_ms")) if r.get(key) is not None]
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="~/.cache/sgrec/SmolLM2-135M-Instruct")
@@ -68,26 +88,35 @@ def main(argv=None) -> None:
     ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="names of the configurations to run")
     ap.add_argument("--baseline-rev", default=BASELINE_REV,
                     help="a commit whose server (its defaults) runs first, the ratios' base; none: no such row")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     cmd = ("python benchmarks/bench_serving_ab.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
     print(header(cmd, "bench_serving_ab"), flush=True)
     tmp = tempfile.mkdtemp()
     runs = [(name, CONFIGS[name], None) for name in args.configs]
-    tree = None
+    tree, raw = None, []
     if args.baseline_rev != "none":
         tree = worktree(args.baseline_rev, tmp)
         runs.insert(0, (f"sgrec at {args.baseline_rev} (before issue 23), its defaults", [], tree))
     try:
-        rows = run_all(args, runs, tmp)
+        rows = run_all(args, runs, tmp, raw)
     finally:
         if tree:
             subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=ROOT, capture_output=True)
     print()
     print(md_table(["server", "done", "failed", "out tok/s", "ratio", "req/s", "TTFT mean ms", "ITL mean ms"], rows))
     print(f"rerun: {cmd}")
+    if not args.no_record and raw:
+        path = write_record(benchmark="bench_serving_ab",
+                            title="Saturated serving throughput of server configurations, side by side",
+                            command=cmd, results=record_rows([(run[0], r) for run, r in zip(runs, raw)], args),
+                            peer=runs[0][0])
+        print(f"result record: {path}")
 
 
-def run_all(args, runs, tmp: str) -> list[list]:
+def run_all(args, runs, tmp: str, raw: list | None = None) -> list[list]:
+    """The table's rows, one per (name, flags, tree) of runs; each run's bench_serving result row appended to
+    `raw` where given."""
     rows, first = [], None
     for name, config, root in runs:
         flags = ["--model-path", os.path.expanduser(args.model_path), "--device", "cpu", "--max-total-tokens", "65536",
@@ -104,6 +133,8 @@ def run_all(args, runs, tmp: str) -> list[list]:
         with open(out) as f:
             r = json.load(f)["results"][0]
         first = first or r
+        if raw is not None:
+            raw.append(r)
         rows.append([name, r["completed"], r["failed"], f"{r['output_throughput']:.1f}",
                      f"{r['output_throughput'] / first['output_throughput']:.2f}", f"{r['request_throughput']:.2f}",
                      f"{r['mean_ttft_ms']:.0f}", f"{r['mean_itl_ms']:.0f}"])

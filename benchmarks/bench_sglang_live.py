@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import sys
 import tempfile
 import threading
@@ -47,6 +48,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import cpu_flags  # noqa: E402
 from sgrec.tools.local_server import ServerProcess, free_port  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 VOCAB, EOS = 100_000, 2  # the trace's token ids are below 10^5; the tiny model's EOS
 PLUGIN = ["--radix-eviction-policy", "laru", "--grammar-backend", "sgrec-sid", "--schedule-policy", "srjf"]
@@ -189,6 +191,16 @@ def _wait_metric(url: str, name: str, at_least: float, timeout: float = 120) -> 
         time.sleep(0.05)
 
 
+def record_rows(p: dict, s: dict, sim: dict, args) -> list[dict]:
+    """The result record's rows: the plugin server's (LARU) token hit rate beside the stock one's (LRU), live
+    and in the simulator, and the two replays' times."""
+    params = {"trace": "multiturn", "requests": args.requests, "cache_tokens": args.cache_tokens}
+    return [row("token hit rate, live server", "share", p["hit"], s["hit"], params=params),
+            row("token hit rate, simulator", "share", sim["laru"], sim["sglang-lru"], params=params),
+            row("trace replay, one request at a time", "s", p["replay_s"], s["replay_s"], params=params,
+                higher_is_better=False)]
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default=os.environ.get("SGREC_SGLANG_KERNELS"),
@@ -200,6 +212,7 @@ def parse_args(argv=None):
     ap.add_argument("--queued", type=int, default=6, help="requests queued behind a long decode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     return ap.parse_args(argv)
 
 
@@ -255,6 +268,12 @@ def main(argv=None) -> int:
     for k, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}: {k}")
     print(f"RESULT {json.dumps({'checks': checks, 'plugin': p, 'stock': s, 'sim': sim})}")
+    if not args.no_record and all(checks.values()):  # a failed check: no record of the run
+        cmd = ("python benchmarks/bench_sglang_live.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip()
+        path = write_record(benchmark="bench_sglang_live", title="sgrec's plugin inside a live stock SGLang server",
+                            command=cmd, results=record_rows(p, s, sim, args),
+                            peer=f"stock SGLang {sglang.__version__} (LRU eviction, FCFS)")
+        print(f"result record: {path}")
     return 0 if all(checks.values()) else 1
 
 

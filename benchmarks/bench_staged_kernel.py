@@ -1,7 +1,7 @@
 """The staged beam-step attention kernel alone, its launch variants side by side (issue 41): where a
 retrieve request's beam steps go on a GPU, measured in one short call.
 
-On an H200 (BENCHMARKS.md, session 24) the kernel took 305 us a layer for BW 256 over a 5000-token
+On an H200 (docs/performance.md, session 24) the kernel took 305 us a layer for BW 256 over a 5000-token
 prompt (Qwen3-1.7B's 16 query / 8 KV heads, head dim 128): 17 of a lone request's 55 device ms, and
 splitting the prompt into runs made it slower. This times the default launch against variants that
 test the other suspects: the prompt's products on bf16 tiles instead of float32 ones (register
@@ -18,12 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 CASES = {  # name: (requests, beams each, prompt tokens each, own tokens per beam)
     "sid-gr, 1 request": (1, 256, 5000, 2),
@@ -82,12 +85,22 @@ def timed_us(fn, device: str, repeats: int) -> float:
     return statistics.median(out)
 
 
+def record_rows(rows: list[dict], dtype: str) -> list[dict]:
+    """The result record's rows: each variant's median launch time beside the default launch's in its case
+    (the default's own row without a peer; a variant that failed has none)."""
+    default = {r["case"]: r["us"] for r in rows if r["variant"] == "default" and "us" in r}
+    return [row("staged attention kernel time (median)", "us", r["us"],
+                None if r["variant"] == "default" else default.get(r["case"]), higher_is_better=False,
+                params={"case": r["case"], "variant": r["variant"], "dtype": dtype}) for r in rows if "us" in r]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="tiny cases (the code path, not a measurement)")
     ap.add_argument("--out", help="JSON file of the results")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     a = ap.parse_args(argv)
     if a.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is first built
@@ -132,6 +145,12 @@ def main(argv=None) -> int:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
+    records = [] if a.no_record else record_rows(rows, str(dtype).removeprefix("torch."))
+    if records:
+        cmd = ("python benchmarks/bench_staged_kernel.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip()
+        path = write_record(benchmark="bench_staged_kernel", title="The staged beam-step attention kernel's launches",
+                            command=cmd, results=records, peer="the kernel's default launch")
+        print(f"result record: {path}")
     return 0
 
 

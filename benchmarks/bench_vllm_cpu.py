@@ -27,7 +27,7 @@ libiomp5 preloaded where found, as vLLM's CPU guide asks). Parts (--parts):
 
 Prefix caches stay on in both (their defaults) and are flushed after the warm-up requests, which
 reuse the first prompts (sgrec's /flush_cache; vLLM's /reset_prefix_cache, served in its dev mode).
-Ratios are sgrec over vLLM (higher is better for sgrec). Results: BENCHMARKS.md, "bench_vllm_cpu".
+Ratios are sgrec over vLLM (higher is better for sgrec). Results: docs/performance.md, "bench_vllm_cpu".
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_catalog import header, md_table  # noqa: E402
 from bench_roofline import ND, write_catalog  # noqa: E402
 from sgrec.tools.local_server import LocalServer, ServerProcess, free_port  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 PARTS = ("saturated", "single", "beam")
 
@@ -170,6 +171,33 @@ def table(args, res: dict) -> list[list]:
     return rows
 
 
+def record_rows(args, res: dict) -> list[dict]:
+    """The result record's rows: table()'s measures as numbers, sgrec's beside vLLM's (None without it); the
+    failed-request counts, a check rather than a measure, are left to the printed table."""
+    model = os.path.basename(os.path.expanduser(args.model_path).rstrip("/"))
+    peer = res.get("vllm", {})
+    out = []
+    for part in args.parts:
+        if part in ("saturated", "single"):
+            label = "saturated serving" if part == "saturated" else "one client"
+            p = {"model": model, "dtype": args.dtype, "input_len": args.input_len, "output_len": args.output_len,
+                 "prompts": args.single_prompts if part == "single" else args.num_prompts}
+            for what, key, unit, higher in (("output throughput", "output_throughput", "tok/s", True),
+                                            ("mean TTFT", "mean_ttft_ms", "ms", False),
+                                            ("mean ITL", "mean_itl_ms", "ms", False)):
+                out.append(row(f"{label}: {what}", unit, res["sgrec"][part][key],
+                               peer[part][key] if part in peer else None, params=p, higher_is_better=higher))
+        else:
+            for bw in args.beam_widths:
+                k = f"beam {bw}"
+                out.append(row("beam search, one request at a time (median)", "ms",
+                               statistics.median(res["sgrec"][k]) * 1e3,
+                               statistics.median(peer[k]) * 1e3 if k in peer else None, higher_is_better=False,
+                               params={"model": model, "dtype": args.dtype, "prompt_len": args.beam_prompt_len,
+                                       "beam_width": bw}))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", required=True,
@@ -187,14 +215,17 @@ def main(argv=None) -> None:
     ap.add_argument("--num-items", type=int, default=100_000)
     ap.add_argument("--codes", type=int, default=1024, help="semantic-ID codes per level (top of the vocabulary)")
     ap.add_argument("--vllm-kv-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     cmd = ("python benchmarks/bench_vllm_cpu.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
     print(header(cmd, "bench_vllm_cpu"), flush=True)
     kinds = ("sgrec",) if args.vllm_python == "none" else ("sgrec", "vllm")
+    peer = None
     if "vllm" in kinds:
         version = subprocess.run([args.vllm_python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
                                  capture_output=True, text=True)
         print(f"peer: vllm {version.stdout.strip() or version.stderr.strip()[-200:]} (vllm, torch) in {args.vllm_python}")
+        peer = f"vLLM {(version.stdout.split() or ['(version unknown)'])[0]} CPU backend"
     with open(os.path.join(os.path.expanduser(args.model_path), "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     vocab_top = vocab - ND * args.codes
@@ -205,6 +236,10 @@ def main(argv=None) -> None:
     print()
     print(md_table(["measure", "vLLM CPU", "sgrec", "sgrec vs vLLM"], table(args, res)))
     print(f"rerun: {cmd}")
+    if not args.no_record:
+        path = write_record(benchmark="bench_vllm_cpu", title="sgrec against vLLM's CPU backend", command=cmd,
+                            results=record_rows(args, res), peer=peer)
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

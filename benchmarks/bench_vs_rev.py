@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_catalog import header, md_table  # noqa: E402
 from bench_roofline import ND, write_catalog  # noqa: E402
 from bench_serving_ab import BASELINE_REV, worktree  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 # Runs in the tree under test (cwd and PYTHONPATH there), so it may use only the Engine API both trees
 # share: Engine(model, device, dtype, item_catalog, max_beam_width, log_level), generate, rank,
@@ -144,10 +145,17 @@ def best_of_rounds(sides: dict[str, tuple[str, dict]], rounds: int) -> dict[str,
     return best
 
 
+def record_rows(old: dict, new: dict, args) -> list[dict]:
+    """The result record's rows: each path's best time on this tree beside the earlier commit's."""
+    params = {"model": os.path.basename(os.path.expanduser(args.model_path).rstrip("/")), "dtype": "float32"}
+    return [row(k, "ms", new[k][0] * 1e3, old[k][0] * 1e3, params=params, higher_is_better=False) for k in new]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", default=BASELINE_REV, help="the earlier commit (default: the last before issue 23)")
     add_path_args(ap)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     cmd = ("python benchmarks/bench_vs_rev.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
     print(header(cmd, "bench_vs_rev"), flush=True)
@@ -164,6 +172,11 @@ def main(argv=None) -> None:
     print()
     print(md_table(["path", f"{args.rev} ms", "this tree ms", "speed-up", "same result"], rows))
     print(f"rerun: {cmd}")
+    if not args.no_record:
+        path = write_record(benchmark="bench_vs_rev",
+                            title="Recommendation paths against an earlier commit", command=cmd,
+                            results=record_rows(old, new, args), peer=f"sgrec at {args.rev}")
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ processes inflate the median); speed-ups are ratios of req/s. Peak KV
 memory counts the KV token slots a request holds at its peak x bytes per token: sgrec
 prompt + rows x (ND - 1); naive prompt + BW x (prompt + ND - 1); HF BW x (prompt + ND) (its
 DynamicCache after expanding the prompt to BW rows; the reorder's transient copy not counted).
-Results and the run recorded for the issue: BENCHMARKS.md, section "bench_xbeam".
+Results and the run recorded for the issue: docs/performance.md, section "bench_xbeam".
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -55,6 +56,7 @@ from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
 from sgrec.tools.make_tiny_model import make_tiny_model  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
 
 TARGETS = {"naive_ratio_bw512": 3.5, "kv_ratio_512_vs_128": 1.1, "hf_ratio_bw128": 20.0}
 
@@ -112,6 +114,29 @@ def hf_peer(model_dir: str, catalog: Catalog, prompt: list[int], nd: int):
     return run
 
 
+def record_rows(rows: list[dict], args) -> list[dict]:
+    """The result record's rows: per beam width, sgrec's req/s and peak KV beside the naive in-engine beam
+    search's and (where it ran) HF's, and the warm (prompt cached) req/s."""
+    by = {(r["peer"], r["bw"]): r for r in rows}
+    base = {"prompt_len": args.prompt_len, "nd": args.nd, "items": args.num_items}
+    out = []
+    for (peer, bw), s in by.items():
+        if peer != "sgrec":
+            continue
+        p = {**base, "beam_width": bw}
+        for name, what in (("naive", ""), ("hf", ", against HF")):
+            other = by.get((name, bw))
+            if other is not None or name == "naive":
+                out += [row(f"retrieve throughput, one request at a time{what}", "req/s", s["req_s"],
+                            other and other["req_s"], params=p),
+                        row(f"peak KV memory{what}", "MiB", s["kv_mib"], other and other["kv_mib"], params=p,
+                            higher_is_better=False)]
+        if ("sgrec warm", bw) in by:
+            out.append(row("retrieve throughput, one request at a time, prompt cached", "req/s",
+                           by[("sgrec warm", bw)]["req_s"], params=p))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--beam-widths", default="128,256,512")
@@ -128,6 +153,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     bws = [int(x) for x in args.beam_widths.split(",") if x]
@@ -228,6 +254,18 @@ def main(argv=None) -> None:
                 "torch": torch.__version__, "cpu_count": os.cpu_count()}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if not args.no_record and rows:
+        peer = "sgrec.beam.naive_retrieve (in-engine naive beam search)"
+        if hf_bws:
+            import transformers
+
+            peer += f"; HF transformers {transformers.__version__} generate(num_beams)"
+        cmd = ("python benchmarks/bench_xbeam.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip()
+        path = write_record(benchmark="bench_xbeam",
+                            title="xBeam generative retrieval against naive beam search and HF",
+                            command=cmd,
+                            results=record_rows(rows, args), peer=peer)
+        print(f"result record: {path}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ CHECKS = ["not_a_server_error", "negative_data_rejection", "positive_data_accept
           "missing_required_header", "unsupported_method", "allow_header_conformance", "use_after_free",
           "ensure_resource_availability"]
 # Schema-valid bodies the server rightly answers 400: what makes them wrong is data the schema
-# cannot hold (RELIABILITY.md, "What the schema cannot say"). (operation pattern, message pattern): reason
+# cannot hold (docs/reliability.md, "What the schema cannot say"). (operation pattern, message pattern): reason
 DATA_DEPENDENT_400S = [
     (r"POST /v1/(rank|retrieve|recommend)|(POST|PUT) /generate", r"^Unknown item id\(s\) not in the catalog",
      "an item id the catalog does not hold (items, include_items)"),

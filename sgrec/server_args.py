@@ -220,20 +220,20 @@ class ServerArgs:
         "On CUDA (attention backend auto or triton; torch and flashinfer are refused): the triton backend's "
         "batch-invariant kernel, each row's columns tiled at fixed places of the list of columns it sees, CUDA "
         "graphs off, linear layers checked as on CPU (run on an H200). Off by default: it cost 6 to 22 percent on rank and retrieve and 7 "
-        "percent on saturated serving (BENCHMARKS.md). Candidate order never changes rank scores, with or without it.")
+        "percent on saturated serving (docs/performance.md). Candidate order never changes rank scores, with or without it.")
     random_seed: int = _arg(0, "Seed of the shared sampling generator.")
     dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.")
     cpu_threads: int | None = _arg(
         None, "Threads of each scheduler's forward on CPU (torch's intra-op threads). Default: the CPUs this "
         "process may run on, divided among the --dp-size ranks. On a machine with few cores, fewer threads "
         "than cores leave one to the HTTP process and its clients: on 2 cores, 1 gave retrieve traffic lower "
-        "latency and more requests per second than 2 (BENCHMARKS.md); the default stays all of them, which "
+        "latency and more requests per second than 2 (docs/performance.md); the default stays all of them, which "
         "big prefills and batches use.")
     catalog_update_cores: int = _arg(
         1, "Threads the forward on CPU leaves to catalog updates while they arrive (from an update request, "
         "accepted or not, until 2 s after the last one; at least one thread stays): the HTTP process parses and "
         "validates the bodies and a thread builds each version beside the steps. On 2 cores this kept the retrieve P99 under 1,000 item "
-        "updates/s near quiet's (BENCHMARKS.md). 0: the forward keeps every thread, as it does on a GPU and "
+        "updates/s near quiet's (docs/performance.md). 0: the forward keeps every thread, as it does on a GPU and "
         "under --enable-deterministic-inference (whose check of the linear layers ran at the start-up thread count).")
     api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")
     enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.")

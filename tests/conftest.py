@@ -12,9 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # The suite's own state folder, for the whole run and every server it starts: what a user did with a
 # server before (the demo's catalog journal under ~/.local/state/sgrec) changes no verdict, and no
-# test writes into the user's state (RELIABILITY.md, "The same verdict on every machine").
+# test writes into the user's state (docs/reliability.md, "The same verdict on every machine").
 _STATE = tempfile.mkdtemp(prefix="sgrec-test-state-")
 os.environ["XDG_STATE_HOME"] = _STATE
+os.environ["SGREC_RESULTS_DIR"] = os.path.join(_STATE, "benchmark-results")  # benchmarks run by tests record nothing
 atexit.register(shutil.rmtree, _STATE, True)
 
 

@@ -1,4 +1,4 @@
-"""Engine.generate follows SGLang's native /generate semantics (docs/SGLANG_API.md §2)."""
+"""Engine.generate follows SGLang's native /generate semantics (docs/reference/sglang-api.md §2)."""
 
 import random
 import threading

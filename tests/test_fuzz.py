@@ -2,7 +2,7 @@
 
 CI's run is bounded by examples, not time: a fixed seed, derandomized generation and a fixed number
 of examples per operation, so every machine, fast or slow, sends the same cases and gets the same
-verdict. The time-bounded 10-minute run is `python benchmarks/fuzz.py` (RELIABILITY.md)."""
+verdict. The time-bounded 10-minute run is `python benchmarks/fuzz.py` (docs/reliability.md)."""
 
 import importlib.util
 import json
@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FUZZ_EXAMPLES = 60  # per operation, derandomized: the same cases on every machine
 # The only schema-valid bodies the server may answer 400 (positive_data_acceptance, ST202): what
-# makes them wrong is data, not shape (benchmarks/fuzz.py DATA_DEPENDENT_400S, RELIABILITY.md)
+# makes them wrong is data, not shape (benchmarks/fuzz.py DATA_DEPENDENT_400S, docs/reliability.md)
 ALLOWED_400S = {
     "an item id the catalog does not hold (items, include_items)",
     "a filter on an attribute no catalog item has, or a value of another kind than the attribute's",

@@ -1,7 +1,7 @@
 """The suite's verdicts do not depend on what a user did with a server before: a demo catalog journal
 left in the user's state folder (what catalog updates on the demo server leave there) changes no
 test's verdict, and the suite writes nothing there (tests/conftest.py gives every run a state folder
-of its own). RELIABILITY.md, "The same verdict on every machine"."""
+of its own). docs/reliability.md, "The same verdict on every machine"."""
 
 import json
 import os

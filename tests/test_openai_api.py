@@ -1,5 +1,5 @@
 """OpenAI-compatible routes (/v1/completions, /v1/chat/completions) against a real server, driven
-with the real `openai` client (docs/SGLANG_API.md §5). Greedy outputs are checked against the
+with the real `openai` client (docs/reference/sglang-api.md §5). Greedy outputs are checked against the
 native /generate route for the same prompt."""
 
 import json

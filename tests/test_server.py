@@ -476,7 +476,7 @@ def test_disconnect_storm_frees_kv(start_server, model):
 def test_killed_scheduler_fails_health_and_inflight_and_exits(start_server, tiny_model_dir):
     """A request that cannot finish (60,000 tokens, and the rank paused in place once it is observed
     running), when the scheduler is killed:
-    it gets a 500 naming the dead process (how fast: RELIABILITY.md; no test bounds a time)."""
+    it gets a 500 naming the dead process (how fast: docs/reliability.md; no test bounds a time)."""
     srv = start_server(tiny_model_dir("llama", max_position_embeddings=65536), "--max-total-tokens", "61000")
     result = {}
 

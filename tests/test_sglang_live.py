@@ -2,7 +2,7 @@
 at a small size, its checks asserted. It needs SGLang's CPU kernels, which no package index has: build
 them once with `python -m sgrec.tools.sglang_cpu_kernels --sglang-src SGLANG_TREE --out DIR` and set
 SGREC_SGLANG_KERNELS=DIR (`pytest -m sglang_live`). Skipped without them, as the CUDA tests are
-without a GPU; BENCHMARKS.md records where it ran."""
+without a GPU; docs/performance.md records where it ran."""
 
 from __future__ import annotations
 

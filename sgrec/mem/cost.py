@@ -6,7 +6,7 @@ tokens add to a forward that runs anyway (the slope: the forward's own fixed cos
 
 A per-token mean (seconds / tokens) charges the fixed cost to every token. With a small model, where
 the fixed cost of a forward dominates, that made recomputing look dearer per token than it is, and
-reading won where it lost (BENCHMARKS.md, issue 40: the store's item phase on 3 servers).
+reading won where it lost (docs/performance.md, issue 40: the store's item phase on 3 servers).
 
 The fit is least squares over exponentially weighted moments (weight `alpha` for the newest call).
 Until the calls seen differ in size enough to tell a slope (relative spread MIN_SPREAD), the fit is

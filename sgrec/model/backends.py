@@ -19,7 +19,7 @@ BACKENDS = ("auto", "torch", "native", "triton", "flashinfer")
 
 def native_by_default() -> bool:
     """auto's choice on CPU: sgrec's C kernels where the CPU reports AVX-512 (the ISA they were
-    measured faster than torch on, BENCHMARKS.md) and they build; else torch."""
+    measured faster than torch on, docs/performance.md) and they build; else torch."""
     from sgrec.model import native
     from sgrec.model.cpu_caps import cpu_flags
 

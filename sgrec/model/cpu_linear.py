@@ -1,7 +1,7 @@
 """float32 (and native-bf16) Linear layers with weights prepacked for oneDNN on CPU.
 
 Packing reorders each weight once into oneDNN's blocked layout, so every matmul skips that
-reorder; on a 2-core CPU it roughly halves decode-step matmul time (BENCHMARKS.md). These are
+reorder; on a 2-core CPU it roughly halves decode-step matmul time (docs/performance.md). These are
 the same private aten ops torch.compile uses for frozen CPU weights. The summation order differs
 from plain F.linear, so logits differ by float32 rounding, amplified by large activations (up to
 ~1e-3 in logprob, inside ARCHITECTURE.md's 2e-3 agreement with HF): the default on CPU since issue 23

@@ -3,7 +3,7 @@
 At batch 1 a decode step reads every weight once: its floor is the time the weights take to come from
 memory. Through torch it made about a dozen calls per layer (oneDNN's packed bf16 matmuls streamed the
 weights at about half of what the memory gives, torch's float32 M=1 linears at about a quarter,
-BENCHMARKS.md), so a SmolLM2 step took several times that floor. decode.c runs every layer, the final
+docs/performance.md), so a SmolLM2 step took several times that floor. decode.c runs every layer, the final
 norm and the output layer in one call: matrix-vector products that prefetch the next weight rows (bf16
 on vdpbf16ps, float32 on fused multiply-adds), and the glue and decode attention kernels the torch
 path calls (attention.c, glue.c), so every op rounds where torch's ops round; only the products sum

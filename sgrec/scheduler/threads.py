@@ -3,7 +3,7 @@ updates arrive, when it leaves `reserve` of them (keeping at least one) to the w
 beside the steps: the HTTP process parsing and validating the bodies, the version's build on the
 catalog-prepare thread, the update's clients. On a machine with few cores that work otherwise takes a
 core from one of the forward's OpenMP threads, and a parallel region waits for the thread that lost
-its core (BENCHMARKS.md: on 2 cores the steps of update phases took 15% longer with 2 threads, 4% with 1).
+its core (docs/performance.md: on 2 cores the steps of update phases took 15% longer with 2 threads, 4% with 1).
 
 Plain arithmetic over a clock, so it is tested without a server; the scheduler loop asks it before
 every step and sets torch's intra-op threads when the answer changes.
