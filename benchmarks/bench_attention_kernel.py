@@ -1,5 +1,5 @@
 """The CPU extend attention kernel alone (sgrec/model/native/attention.c), in every ISA build this CPU
-runs, against torch's SDPA on the same inputs (issue 39).
+runs, against torch's SDPA on the same inputs.
 
     python benchmarks/bench_attention_kernel.py                 # SmolLM2's shapes, 1024 and 4096 tokens
     python benchmarks/bench_attention_kernel.py --lens 256 --repeats 3   # a smoke run

@@ -1,4 +1,4 @@
-"""Production catalogs (issue 21): catalog load time and peak memory (JSON Lines and the npz bundle),
+"""Production catalogs: catalog load time and peak memory (JSON Lines and the npz bundle),
 retrieve latency against catalog size and exclusion-list size, and rank by semantic ID vs id token.
 
     python benchmarks/bench_catalog.py                          # 10^5, 10^6, 10^7 items (run it alone)

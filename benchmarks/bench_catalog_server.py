@@ -1,4 +1,4 @@
-"""A server on a 10^7-item catalog under updates (issue 42, part 4's server-level targets): how long a
+"""A server on a 10^7-item catalog under updates (the server-level targets): how long a
 100-item update takes to be acknowledged, what kept versions cost in memory, and what a second DP
 rank costs for the catalog.
 
@@ -15,7 +15,7 @@ files of the ranks' shared catalog image count whole, mapped or not, see tree_ps
 On each server with the catalog, --updates upserts of --batch items (half replace random items with new
 semantic IDs, half are new), one POST /v1/catalog/items at a time: the time until each is
 acknowledged (journaled, every rank switched), then a retrieve restricted to the last new item
-must return it, and the memory after the updates (every version kept). Targets (issue 42): an
+must return it, and the memory after the updates (every version kept). Targets: an
 update acknowledged in under 0.5 s, memory after 8 kept versions within 10% of one version's,
 the catalog's memory at dp-size 2 within 1.2x of dp-size 1's.
 """

@@ -1,6 +1,6 @@
-"""Catalog versions at scale (issue 42): what an update costs a rank, in time and memory, on this
+"""Catalog versions at scale: what an update costs a rank, in time and memory, on this
 tree (its LayeredTrie, the CPU default, and its SemanticIdTrie, which the Triton trie step reads)
-and on the commit before issue 42 (each in its own process, one after the other).
+and on an earlier commit, by default the one before versions shared storage (each in its own process, one after the other).
 
     python benchmarks/bench_catalog_versions.py                       # 10^6 and 10^7 items
     python benchmarks/bench_catalog_versions.py --sizes 1000000 --updates 4
@@ -15,7 +15,7 @@ server's --catalog-history default). Timed per update: what a rank's prepare doe
 (the next version and its trie: `Scheduler.prepare_catalog`'s work, each tree's own way), and the
 commit (with sgrec/scheduler/release.py, as a server does it: the old trie handed to a thread
 that frees it part by part; its whole time and its largest part are printed). Memory: the process's RSS once the catalog and trie are built (one version), and after the
-updates (kept versions and the served trie). Targets (issue 42, at 10^7): a 100-item update
+updates (kept versions and the served trie). Targets (at 10^7): a 100-item update
 acknowledged in under 0.5 s; memory after 8 kept versions within 10% of one version's. The ack
 time of a server adds the journal's fsync and the messages (not measured here).
 """
@@ -38,7 +38,7 @@ from bench_catalog import header, md_table, verdict  # noqa: E402
 from bench_serving_ab import worktree  # noqa: E402
 from sgrec.tools.results import row, write_record  # noqa: E402
 
-BASELINE_REV = "302ae15"  # the last commit before issue 42's work
+BASELINE_REV = "302ae15"  # the last commit before catalog versions shared storage
 
 # Runs in the tree under test; uses only what both trees have: Catalog.from_columns, AttrColumn,
 # AttrTable, CatalogVersions.prepare / commit, SemanticIdTrie.from_catalog, and (this tree only)
@@ -171,7 +171,7 @@ def main(argv=None) -> None:
     base = None
     if args.baseline_rev != "none":
         base = worktree(args.baseline_rev, tmp)
-        sides.insert(0, (f"sgrec at {args.baseline_rev}" + (" (before issue 42)" if args.baseline_rev == BASELINE_REV else ""),
+        sides.insert(0, (f"sgrec at {args.baseline_rev}" + (" (before shared-storage versions)" if args.baseline_rev == BASELINE_REV else ""),
                          base, "dense"))
     rows, results = [], []
     try:

@@ -1,4 +1,4 @@
-"""Concurrent execution (issue 9; RecOS §4.1 concurrency levels, xGR §7 multi-stream batches):
+"""Concurrent execution (RecOS §4.1 concurrency levels, xGR §7 multi-stream batches):
 closed-loop clients at concurrency 1, 8, 15, 22, 30 on mixed rank / score / retrieve traffic.
 
     python benchmarks/bench_concurrency.py                       # CPU defaults below

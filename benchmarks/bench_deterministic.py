@@ -1,4 +1,4 @@
-"""What --enable-deterministic-inference costs (issue 36): the recommendation paths and saturated
+"""What --enable-deterministic-inference costs: the recommendation paths and saturated
 serving with the flag off and on, side by side in one run, on this machine.
 
     python benchmarks/bench_deterministic.py                       # SmolLM2-135M, --dtype auto

@@ -1,5 +1,5 @@
 """What touching memory costs on this machine, right after the process freed as much and after an
-idle pause (issue 42: why the first catalog updates after a pause are the slow ones on some VMs).
+idle pause (why the first catalog updates after a pause are the slow ones on some VMs).
 
     python benchmarks/bench_fresh_memory.py                  # 0.48 GB, 4 back to back, 3 after 10 s idle
     python benchmarks/bench_fresh_memory.py --gb 1 --idle 30

@@ -1,5 +1,4 @@
-"""The fused decode step (sgrec.model.fused_decode) against the layer-by-layer path, per batch size
-(issue 39).
+"""The fused decode step (sgrec.model.fused_decode) against the layer-by-layer path, per batch size.
 
     python benchmarks/bench_fused_decode.py                        # SmolLM2-135M, bf16, batches 1-16
     python benchmarks/bench_fused_decode.py --dtype float32        # the float32 step

@@ -1,4 +1,4 @@
-"""GPU numbers of issue 24 that need no other engine: prefill MFU and retrieve latency on a model of a
+"""GPU numbers that need no other engine: prefill MFU and retrieve latency on a model of a
 real shape with random weights (`make_tiny_model --shape`), written to a JSON file.
 
     python benchmarks/bench_gpu.py --out results.json                   # on the GPU machine (scripts/gpu_suite.sh)
@@ -29,7 +29,7 @@ real shape with random weights (`make_tiny_model --shape`), written to a JSON fi
    user + item, in batches of 8). Ratios are HF time / sgrec time.
 5. FP8 (`--quantization fp8`, on GPUs with FP8 tensor cores; --no-fp8 leaves it out): the FP8 GEMM
    peak (torch._scaled_mm of 8192^3), prefill at each length, next-token logprobs against bf16,
-   retrieve's whole last beam against bf16's for the same prompts (issue 41: at least 95% overlap),
+   retrieve's whole last beam against bf16's for the same prompts (at least 95% overlap),
    and retrieve latency and concurrency as in 2; then the same overlap on the packaged demo model,
    trained on MovieLens-100K (random weights' flat distributions reorder under any rounding), with
    FP8 weights, an FP8 KV pool, and both.

@@ -1,4 +1,4 @@
-"""The hierarchical KV cache (issue 40) on the returning-user trace, with a KV pool ten times too small.
+"""The hierarchical KV cache on the returning-user trace, with a KV pool ten times too small.
 
     python benchmarks/bench_hicache.py                       # all configurations, then two servers
     python benchmarks/bench_hicache.py --configs none host --requests 500

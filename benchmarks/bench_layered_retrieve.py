@@ -1,4 +1,4 @@
-"""Retrieve on the CPU's LayeredTrie against the dense SemanticIdTrie (issue 42): what the leaf
+"""Retrieve on the CPU's LayeredTrie against the dense SemanticIdTrie: what the leaf
 level's runs, slots and overlays cost a request, side by side on one catalog version.
 
     python benchmarks/bench_layered_retrieve.py                    # 10^6 items, 20 updates of 100

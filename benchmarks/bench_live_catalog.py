@@ -1,4 +1,4 @@
-"""Live catalogs (issue 22): retrieve latency while items are updated, update-to-visibility time on a
+"""Live catalogs: retrieve latency while items are updated, update-to-visibility time on a
 10^6-item catalog, and /v1/recommend against retrieve + rank as two calls.
 
     python benchmarks/bench_live_catalog.py            # all three parts (run it alone: ~10 min)

@@ -1,4 +1,4 @@
-"""Beam steps computing only their level's logits vs the whole vocabulary's (issue 23, part 3).
+"""Beam steps computing only their level's logits vs the whole vocabulary's.
 
     python benchmarks/bench_logit_columns.py          # SmolLM2-135M, 10^5 items, BW 128 and 512
 

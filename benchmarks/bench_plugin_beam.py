@@ -1,4 +1,4 @@
-"""The SGLang plugin's beam step against SGLang's own (issue 38): one beam group's step as SGLang's
+"""The SGLang plugin's beam step against SGLang's own: one beam group's step as SGLang's
 scheduler runs it (the worker's pre-sample capture, `_rows_topk_logprobs`, `BeamCoordinator._select_group`
 with joint_select, the commit), for a plain beam request and for an sgrec-sid one (the capture hook
 masks every row to its valid children from the trie, the selection hook advances the rows' trie

@@ -1,4 +1,4 @@
-"""Roofline of sgrec's paths on this CPU (issue 23): the machine's limits and each path's efficiency.
+"""Roofline of sgrec's paths on this CPU: the machine's limits and each path's efficiency.
 
     python benchmarks/bench_roofline.py                  # SmolLM2-135M, float32, the issue's sizes
     python benchmarks/bench_roofline.py --quick          # small sizes (a smoke run)
@@ -58,7 +58,7 @@ from sgrec.model.llama import CausalLM  # noqa: E402
 from sgrec.tools.results import row, write_record  # noqa: E402
 
 ND, ITEM_TOKENS = 3, 16
-# efficiency targets per --dtype: issue 23's in float32 (of the GEMM peak), issue 39's in bfloat16 (of the bf16
+# efficiency targets per --dtype: in float32 (of the GEMM peak), in bfloat16 (of the bf16
 # peak; decode batch 1 of its memory limit)
 TARGETS_BY_DTYPE = {"float32": {"prefill": 0.70, "rank cold": 0.60, "retrieve": 0.50},
                     "bfloat16": {"prefill": 0.60, "rank cold": 0.50, "retrieve": 0.40, "decode batch 1": 0.80}}

@@ -1,5 +1,5 @@
 """Saturated serving throughput of several server configurations, one after another in one run
-(issue 23: "bench_serving saturated output tok/s (256 in / 64 out) >= 2x today's, same machine").
+("bench_serving saturated output tok/s (256 in / 64 out) >= 2x today's, same machine").
 
     python benchmarks/bench_serving_ab.py                 # SmolLM2-135M, the three configurations below
     python benchmarks/bench_serving_ab.py --num-prompts 16 --model-path DIR
@@ -17,7 +17,7 @@ requests. Configurations (flags added to the server's):
   natively, with torch attention, since auto keeps bfloat16 on torch's SDPA; float32 elsewhere);
 * defaults, --cpu-threads 1: the forward on one thread (not in the default set: `--configs` names it).
 
-With --baseline-rev REV (default bebe1e4, the last commit before issue 23's work: float32, plain
+With --baseline-rev REV (default bebe1e4, the last commit before the C kernels: float32, plain
 weights, torch attention over gathered K/V, the "today's" of the issue), a first row runs that
 commit's server with its defaults from a `git worktree` of REV, so the ratios are against it.
 --baseline-rev none leaves it out.
@@ -50,7 +50,7 @@ CONFIGS = {
     "defaults, --cpu-threads 1": ["--cpu-threads", "1"],  # a core left to the HTTP process
 }
 DEFAULT_CONFIGS = ["torch, float32", "native, float32", "defaults (auto, auto)"]
-BASELINE_REV = "bebe1e4"  # the parent of 639fa46, issue 23's first commit
+BASELINE_REV = "bebe1e4"  # the parent of 639fa46, the C kernels' first commit
 
 
 def worktree(rev: str, where: str) -> str:
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     tree, raw = None, []
     if args.baseline_rev != "none":
         tree = worktree(args.baseline_rev, tmp)
-        runs.insert(0, (f"sgrec at {args.baseline_rev} (before issue 23), its defaults", [], tree))
+        runs.insert(0, (f"sgrec at {args.baseline_rev} (before the C kernels), its defaults", [], tree))
     try:
         rows = run_all(args, runs, tmp, raw)
     finally:

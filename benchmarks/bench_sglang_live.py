@@ -1,4 +1,4 @@
-"""sgrec's plugin in a live stock SGLang server on CPU (issue 38, part 4): `python -m sglang.launch_server
+"""sgrec's plugin in a live stock SGLang server on CPU: `python -m sglang.launch_server
 --device cpu` on a tiny random Llama, once with the plugin's three names and once with SGLang's own
 policies, driven with real HTTP requests.
 

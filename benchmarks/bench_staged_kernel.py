@@ -1,7 +1,7 @@
-"""The staged beam-step attention kernel alone, its launch variants side by side (issue 41): where a
+"""The staged beam-step attention kernel alone, its launch variants side by side: where a
 retrieve request's beam steps go on a GPU, measured in one short call.
 
-On an H200 (docs/performance.md, session 24) the kernel took 305 us a layer for BW 256 over a 5000-token
+On an H200 (docs/performance.md) the kernel took 305 us a layer for BW 256 over a 5000-token
 prompt (Qwen3-1.7B's 16 query / 8 KV heads, head dim 128): 17 of a lone request's 55 device ms, and
 splitting the prompt into runs made it slower. This times the default launch against variants that
 test the other suspects: the prompt's products on bf16 tiles instead of float32 ones (register

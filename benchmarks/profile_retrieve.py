@@ -1,4 +1,4 @@
-"""Where one retrieve request's time goes (issue 41): the sid-gr shape of bench_gpu.py (Qwen3-1.7B
+"""Where one retrieve request's time goes: the sid-gr shape of bench_gpu.py (Qwen3-1.7B
 shape, random weights, context 5000, BW 256, ND 3, 100000 items), one warm request profiled three ways:
 Python (cProfile, the calling thread steps the engine), torch's profiler (device and host time per
 operator), and the host-device synchronizations (torch's sync debug mode, counted per call site).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite (issue 24), on a CUDA + PyTorch machine without a package registry, from the
+# The GPU suite, on a CUDA + PyTorch machine without a package registry, from the
 # repository root:
 #   here:        python -m sgrec.tools.gpu_bundle .whl          # the wheels that machine lacks (~7 MiB)
 #   over there:  bash scripts/gpu_suite.sh   # WHEELS=.whl SITE=/tmp/site OUT=$OUT TEST_TIMEOUT=200 BENCH_TIMEOUT=290 STAGED_TIMEOUT=90

@@ -1,4 +1,4 @@
-"""Live catalogs on a real server process (issue 22): updates under concurrent traffic, every answer
+"""Live catalogs on a real server process: updates under concurrent traffic, every answer
 consistent with the version it names, deletes never returned after their acknowledgement, rollback
 restoring earlier answers, all-or-nothing batches, the admin key, a kill -9 right after an
 acknowledged update, a torn journal line, and the item KV of a replaced item equal to a fresh

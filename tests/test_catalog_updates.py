@@ -1,7 +1,7 @@
-"""Catalog updates as plain code (issue 22): a new version from a batch equals the catalog built
+"""Catalog updates as plain code: a new version from a batch equals the catalog built
 from the expected items (columns, attributes, filters); a batch is all or nothing; the journal's
 torn last line is dropped and any other bad line named; versions, rollbacks and replay. Versions
-share storage and cost what changed (issue 42): the trie follows an update without a rebuild and
+share storage and cost what changed: the trie follows an update without a rebuild and
 equals the one built from scratch."""
 
 import json
@@ -119,7 +119,7 @@ def same_trie(a: SemanticIdTrie, b: SemanticIdTrie) -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed, nd, kind, monkeypatch):
     """Each trie's `updated` (what a rank runs per update: SemanticIdTrie's on a GPU, LayeredTrie's,
-    issue 42's versions that cost what changed, on the CPU) against SemanticIdTrie.from_catalog
+    the versions that cost what changed, on the CPU) against SemanticIdTrie.from_catalog
     after every update, array for array (a LayeredTrie's `dense`), and a LayeredTrie reader for
     reader: small paths so that nodes are shared, emptied and made again (a parent emptied and
     refilled by one update), repeated paths, items without a semantic ID, branches from older
@@ -327,7 +327,7 @@ def test_a_layered_trie_compacts_in_the_background_and_replays_the_updates_made_
 
 
 def test_a_layered_trie_update_costs_what_it_changed():
-    """The regression guard for issue 42's O(k) versions: a LayeredTrie update of 10 items on a
+    """The regression guard for the O(k) versions: a LayeredTrie update of 10 items on a
     200,000-item catalog allocates its parents' run pointers (O(parents at the level above the
     leaves): 400 here), the changed runs and counts, and now and then room for its tails, never an
     array over the leaves or rows (SemanticIdTrie.updated makes half a dozen, 8 bytes per leaf

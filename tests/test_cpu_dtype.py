@@ -1,4 +1,4 @@
-"""--dtype auto on CPU (issue 23): bfloat16 where the CPU multiplies it natively, float32 elsewhere;
+"""--dtype auto on CPU: bfloat16 where the CPU multiplies it natively, float32 elsewhere;
 a warning for an explicit half dtype without native matmuls; bf16 agrees with float32 on a tiny model.
 
 Every decision is tested with injected CPU flags, so the verdicts do not depend on this machine."""
@@ -16,7 +16,7 @@ from sgrec.model.cpu_caps import NativeSupport, bf16_support, fp16_support, pars
 from tests.test_hf_equivalence import dists, full_logprob_request, random_ids
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-BF16_TOL = 5e-2  # issue 23: logprob max abs diff of bf16 against float32
+BF16_TOL = 5e-2  # logprob max abs diff of bf16 against float32
 MARGIN = 1e-2  # ... and the same greedy tokens wherever float32's top-2 margin exceeds this
 PROMPT, NEW = 40, 16
 AVX2_ONLY = {"fpu", "sse4_2", "avx", "avx2", "fma", "f16c"}

@@ -1,4 +1,4 @@
-"""The engine on CUDA against the same engine on CPU (issue 24; run by scripts/gpu_suite.sh on a lent
+"""The engine on CUDA against the same engine on CPU (run by scripts/gpu_suite.sh on a lent
 GPU, skipped elsewhere): float32 greedy tokens, rank scores and retrieved items agree, with the torch
 and the Triton attention backends."""
 

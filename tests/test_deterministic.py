@@ -1,4 +1,4 @@
-"""--enable-deterministic-inference (issue 36, part 2): the batch-invariant extend kernel gives a row
+"""--enable-deterministic-inference: the batch-invariant extend kernel gives a row
 the same bits whatever else is computed with it, and the server gives a request the same outputs
 whatever else is batched with it, however its prefill is chunked and whatever it found cached."""
 

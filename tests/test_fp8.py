@@ -1,4 +1,4 @@
-"""--quantization fp8 and --kv-cache-dtype (issue 41): start-up errors where FP8 cannot run, and on a
+"""--quantization fp8 and --kv-cache-dtype: start-up errors where FP8 cannot run, and on a
 GPU with FP8 tensor cores the compiled kernel and an engine in FP8. The kernel and the layer on CPU
 under Triton's interpreter: tests/triton_fp8_interpreted.py (run by tests/test_kernels.py)."""
 

@@ -1,4 +1,4 @@
-"""The KV tiers below the pool (--enable-hierarchical-cache, issue 40): page keys, the host tier,
+"""The KV tiers below the pool (--enable-hierarchical-cache): page keys, the host tier,
 the file storage tier, the radix tree's demotion and load-back, and engines sharing a storage tier.
 
 Every load is checked bit for bit: against the pool rows it replaces (tree level) and against a

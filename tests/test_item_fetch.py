@@ -229,7 +229,7 @@ def test_one_round_trip_per_owner_slow_owner_skipped_misses(tiny_model_dir):
         assert [i for i, _ in got[1].items] == [of[1][0]] and got[1].k.shape[1] == len(cat.get(of[1][0]).token_ids)
         assert got[2].items == [(of[2][0], len(cat.get(of[2][0]).token_ids))]
         assert client.fetch_many({1: [of[1][0]]}, header_key([1, 2]), 2000) == {1: None}
-        # ... and only KV of the tokens the asker's catalog version has (issue 22: a replaced item)
+        # ... and only KV of the tokens the asker's catalog version has (a replaced item)
         i1, i2 = of[1][0], of[2][0]
         fps = {i1: fingerprint(cat.get(i1).token_ids), i2: fingerprint(cat.get(i2).token_ids) ^ 1}
         got = client.fetch_many({1: [i1], 2: [i2]}, header_key(HEADER), 2000, fps)

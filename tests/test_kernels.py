@@ -1,4 +1,4 @@
-"""Triton kernels (issue 24): on CPU under Triton's interpreter, in a subprocess (the cases are
+"""Triton kernels: on CPU under Triton's interpreter, in a subprocess (the cases are
 tests/triton_interpreted.py), and compiled on CUDA where a GPU is present."""
 
 import os

@@ -1,5 +1,5 @@
 """sgrec.mem.cost.LinearCost: the online fit of seconds = fixed + per_token x tokens that weighs a
-storage read of item KV against recomputing it (issue 40), against exact lines and least squares."""
+storage read of item KV against recomputing it, against exact lines and least squares."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Candidate order never matters (issue 36, part 1): for the same user, candidate set and cache
+"""Candidate order never matters: for the same user, candidate set and cache
 state, every permutation of the candidates gives bit-identical scores, in float32 and bfloat16 (the
 default on CPUs with native bf16 matmuls), in every prefix mode, both score_by forms, with the item
 cache on and off; through RankExecutor, Engine.rank / Engine.recommend and the HTTP routes.

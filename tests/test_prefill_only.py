@@ -158,7 +158,7 @@ def test_score_token_ids_and_per_item_labels(engine):
 
 def test_score_softmax_computes_only_the_label_columns(tiny_model_dir, monkeypatch):
     """Score with apply_softmax needs only the labels' logits: the output layer runs over those
-    columns alone (issue 23, part 3), with the scores of the full-vocabulary path (which
+    columns alone, with the scores of the full-vocabulary path (which
     return_token_logprobs keeps: the raw logprobs need the whole vocabulary) within 1e-6; a
     prefill-only batch packing such a request with one that needs the whole distribution gives each
     what it asked for."""

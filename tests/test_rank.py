@@ -628,7 +628,7 @@ def test_auto_uncapped_caches_new_users_while_the_pool_has_room(tiny_model_dir):
     s.check_accounting()
 
 
-# ---- batches (issue 9: one forward for several rank requests) -------------------------------------
+# ---- batches (one forward for several rank requests) -------------------------------------
 @pytest.mark.parametrize("arch,seed", MODELS[:2])
 def test_batch_equals_one_by_one(tiny_model_dir, catalog, arch, seed):
     """run_batch over requests of every prefix policy, a repeated user, a cached user and a bad

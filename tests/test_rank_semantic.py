@@ -1,4 +1,4 @@
-"""Ranking by semantic-ID path (issue 21): the path rows, in the rank forward itself, equal the
+"""Ranking by semantic-ID path: the path rows, in the rank forward itself, equal the
 one-candidate-at-a-time reference in every prefix mode, are order invariant, batch with id-token
 requests, pick score_by, and leave the KV accounting balanced."""
 

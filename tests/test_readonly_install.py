@@ -1,4 +1,4 @@
-"""The installed package stays read-only (issue 37): the embedded default demo (`python -m
+"""The installed package stays read-only: the embedded default demo (`python -m
 sgrec.launch_server` with no --model-path) serves catalog updates from a read-only install, keeping
 their journal in the state directory ($XDG_STATE_HOME/sgrec, default ~/.local/state/sgrec), from
 where a restart serves them again."""

@@ -1,4 +1,4 @@
-"""One-call recommendation (issue 22, part 4): /v1/recommend and Engine.recommend equal retrieve and
+"""One-call recommendation: /v1/recommend and Engine.recommend equal retrieve and
 then rank of the retrieved candidates, called separately on the same catalog version."""
 
 import httpx

@@ -1,4 +1,4 @@
-"""Freeing an old catalog version's trie off the step (sgrec/scheduler/release.py, issue 42)."""
+"""Freeing an old catalog version's trie off the step (sgrec/scheduler/release.py)."""
 
 import weakref
 

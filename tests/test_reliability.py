@@ -1,4 +1,4 @@
-"""Reliability and security (issue 10): authentication on every route, hostile sampling values,
+"""Reliability and security: authentication on every route, hostile sampling values,
 malformed internal messages, failed batches, client disconnects mid-prefill / mid-stream /
 mid-beam, a killed scheduler among several, overload, a bad catalog. Every fault test ends with
 the leak checks: all KV slots free after drain, the same processes alive, no growing thread count.

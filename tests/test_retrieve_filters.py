@@ -1,6 +1,6 @@
 """Exposure filters inside beam search (exclude_items, include_items, attribute filters): every
 filtered search equals the unfiltered search over a catalog with the filtered items removed, on a
-catalog as loaded and on one changed by updates (dead rows, the trie that followed them: issue 42)
+catalog as loaded and on one changed by updates (dead rows, the trie that followed them)
 against the catalog of the same items built from scratch."""
 
 import random

@@ -1,5 +1,5 @@
 """Scale-out (issue #12) on loopback: sgrec servers sharing item KV through one real Mooncake Store
-(issue 40: the storage tier replaced the ZMQ pool across servers) behind the real sglang-router
+(the storage tier replaced the ZMQ pool across servers) behind the real sglang-router
 (generation routes) and Caddy (recommendation routes, rendezvous hashing of X-User-Id), started by
 the launch/ recipe. Which server answered is read from the X-Sgrec-Server response header that every
 sgrec response carries."""

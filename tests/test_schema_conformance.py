@@ -115,7 +115,7 @@ def test_each_broken_constraint_is_a_400_naming_the_field(server, doc, route, wh
 
 
 def test_score_with_empty_items_still_checks_its_labels(server):
-    """Found by schemathesis (issue 19): label ids that are not ints got 200 when `items` was empty."""
+    """Found by schemathesis: label ids that are not ints got 200 when `items` was empty."""
     r = server.client.post("/v1/score", json={"query": None, "items": [], "label_token_ids": ["x"],
                                               "apply_softmax": True, "item_first": False})
     assert r.status_code == 400 and "label_token_ids" in r.json()["message"], r.text

@@ -1,4 +1,4 @@
-"""sgrec's plugin in a live stock SGLang server on CPU (issue 38, part 4): benchmarks/bench_sglang_live.py
+"""sgrec's plugin in a live stock SGLang server on CPU: benchmarks/bench_sglang_live.py
 at a small size, its checks asserted. It needs SGLang's CPU kernels, which no package index has: build
 them once with `python -m sgrec.tools.sglang_cpu_kernels --sglang-src SGLANG_TREE --out DIR` and set
 SGREC_SGLANG_KERNELS=DIR (`pytest -m sglang_live`). Skipped without them, as the CUDA tests are

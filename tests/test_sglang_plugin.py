@@ -1,4 +1,4 @@
-"""sgrec inside stock SGLang (issue 26): the plugin against SGLang 0.5.23's real classes, on CPU.
+"""sgrec inside stock SGLang: the plugin against SGLang 0.5.23's real classes, on CPU.
 
 Each case runs in its own process (tests/sglang_plugin_cases.py), loaded through SGLang's
 `load_plugins()` from the entry point pyproject.toml declares, so the hooks it applies to SGLang's

@@ -1,4 +1,4 @@
-"""Rank / retrieve requests batched inside the scheduler (issue 9, xGR §7): token budget, wait quota,
+"""Rank / retrieve requests batched inside the scheduler (xGR §7): token budget, wait quota,
 aborts, and batched results equal to one-by-one results."""
 
 import random

@@ -142,7 +142,7 @@ def test_qwen3_shapes_have_the_published_sizes(shape, total, non_embedding):
 
 
 def test_gpu_bundle_plans_what_the_gpu_image_lacks(tmp_path):
-    """sgrec.tools.gpu_bundle (issue 24): sgrec's requirements closed over theirs, as installed here,
+    """sgrec.tools.gpu_bundle: sgrec's requirements closed over theirs, as installed here,
     less what the GPU machine has; the download itself (pip, the registry) is not run in CI."""
     from sgrec.tools import gpu_bundle as gb
 

@@ -1,4 +1,4 @@
-"""--enable-deterministic-inference on the triton backend (issue 36), under Triton's interpreter on CPU:
+"""--enable-deterministic-inference on the triton backend, under Triton's interpreter on CPU:
 the batch-invariant kernel (sgrec.model.kernels.det_attention) against float64 attention, a row's
 bits from its visible columns alone, and the engine's requests alone, batched, chunked and cached.
 Run by tests/test_kernels.py with TRITON_INTERPRET=1 (see tests/triton_interpreted.py); the same

@@ -1,4 +1,4 @@
-"""FP8 (issue 41) on CPU under Triton's interpreter: the activation kernel against the float32
+"""FP8 on CPU under Triton's interpreter: the activation kernel against the float32
 quantize-dequantize reference, bit for bit; the layer (the kernel, then torch._scaled_mm, which
 runs on CPU too) against linear_ref; a model with its linear layers in FP8 against the same model in
 bfloat16. Run by tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1."""

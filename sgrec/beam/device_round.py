@@ -1,5 +1,5 @@
-"""A retrieve round whose beam steps read nothing back to the host (xGR §7's multi-round pipeline;
-issue 24): the path of --attention-backend triton, where each level's selection is the Triton trie
+"""A retrieve round whose beam steps read nothing back to the host (xGR §7's multi-round
+pipeline): the path of --attention-backend triton, where each level's selection is the Triton trie
 step (sgrec.model.kernels.trie_step) and each beam step's attention the batched staged kernel.
 
 What makes a step free of host reads is that every shape in it is known before the round starts.

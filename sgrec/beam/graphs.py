@@ -1,4 +1,4 @@
-"""Beam steps replayed from CUDA graphs (issue 24, part 2; FlashRec's and xGR's graph-captured beam
+"""Beam steps replayed from CUDA graphs (FlashRec's and xGR's graph-captured beam
 expansion): the forward of a device round's step (sgrec.beam.device_round) -- embedding, every
 layer with the batched staged attention, the final norm -- captured once per (bucket of beam rows,
 step) over static buffers and replayed; the output layer (the level's logit columns) runs after it.

@@ -1,4 +1,4 @@
-"""The semantic-ID trie of a live catalog as versions that cost what an update changed (issue 42).
+"""The semantic-ID trie of a live catalog as versions that cost what an update changed.
 
 `SemanticIdTrie` numbers every level's nodes densely in path order, so one new leaf renumbers the
 leaves after it and every row's leaf: an update rewrites the leaf level whole (about 0.5 GiB at

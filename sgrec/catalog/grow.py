@@ -1,4 +1,4 @@
-"""Append-only storage that catalog versions share (issue 42): a version built from the newest one
+"""Append-only storage that catalog versions share: a version built from the newest one
 appends its rows in place and keeps viewing the same memory, so an update of k items writes k
 rows, never a copy of the catalog.
 

@@ -1,4 +1,4 @@
-"""Item ids as arrays (issue 42): no Python object per item.
+"""Item ids as arrays: no Python object per item.
 
 A list of 10^7 id strings and a dict from them to rows cost about 1.3 GiB per catalog (two thirds
 of a 10^7-item catalog's memory), and neither can be shared between the DP ranks of a server.

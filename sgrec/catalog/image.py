@@ -1,4 +1,4 @@
-"""One copy of the catalog for every DP rank of a server (issue 42): its arrays in files that each
+"""One copy of the catalog for every DP rank of a server: its arrays in files that each
 rank maps, instead of each rank loading and holding its own.
 
 With `--dp-size` > 1 the launcher names a folder (`ENV`, `folder_for`); rank 0 loads the catalog and

@@ -4,7 +4,7 @@ attributes as columns (`attrs.py`), ids as one byte column with a hashed index (
 object per item). `items` is a sequence of
 `Item` views made on demand, so code that reads items one by one keeps working at 10^7 items.
 
-Versions share storage (issue 42): `appended` makes the next version by marking rows dead and
+Versions share storage: `appended` makes the next version by marking rows dead and
 appending the batch's rows to the columns in place (grow.py), so it costs what changed. A
 version's rows are `num_rows`, some of them dead (a deleted item, or an item's row before it was
 replaced); `len()` counts live items, `index` maps an id to its live row, `items` and

@@ -1,4 +1,4 @@
-"""Catalog updates while serving (issue 22): a batch of items to insert or replace by id, or ids to
+"""Catalog updates while serving: a batch of items to insert or replace by id, or ids to
 delete, applied to a catalog as a new catalog (the old one is left as it is, so a request that
 started on it finishes on it and a rollback can return to it).
 

@@ -1,4 +1,4 @@
-"""The embedded demo recommender: a small Llama trained on MovieLens-100K (issue 8).
+"""The embedded demo recommender: a small Llama trained on MovieLens-100K.
 
 One model serves both tasks of sgrec's recommendation API:
 - rank (BAT): user history + candidate items + RANK_INSTRUCTION; the candidates are scored by

@@ -13,7 +13,7 @@ executor's own forwards (`RankExecutor.token_time`, a moving average).
 
 Across servers, item KV goes through the storage tier (`--hicache-storage-backend mooncake`, see
 `sgrec.radix.hicache`): it replaced the peer file of earlier versions (`--item-peers`), which
-fetched at the same latency and moved the same bytes (docs/performance.md, issue 40) but needed a
+fetched at the same latency and moved the same bytes (docs/performance.md) but needed a
 membership file, TCP ports per rank and a re-plan whenever a server came or went.
 """
 

@@ -1,4 +1,4 @@
-"""The front's side of catalog updates (issue 22), one at a time:
+"""The front's side of catalog updates, one at a time:
 
 1. validate the batch here (tokenizing `text` items), so a malformed one is a 400 naming its first
    bad item before any rank sees it;

@@ -1,12 +1,12 @@
 """What reading or recomputing KV costs, measured: seconds = fixed + per_token x tokens, fitted online
-to timed calls (issue 40). Storage reads of item KV (`sgrec.radix.hicache`) and the forwards that
+to timed calls. Storage reads of item KV (`sgrec.radix.hicache`) and the forwards that
 would recompute it (`sgrec.rank.executor`) each keep one fit; a rank request reads its candidates
 from storage only where the read's whole predicted time (round trips included) is below what its
 tokens add to a forward that runs anyway (the slope: the forward's own fixed cost is paid either way).
 
 A per-token mean (seconds / tokens) charges the fixed cost to every token. With a small model, where
 the fixed cost of a forward dominates, that made recomputing look dearer per token than it is, and
-reading won where it lost (docs/performance.md, issue 40: the store's item phase on 3 servers).
+reading won where it lost (docs/performance.md; the store's item phase on 3 servers).
 
 The fit is least squares over exponentially weighted moments (weight `alpha` for the newest call).
 Until the calls seen differ in size enough to tell a slope (relative spread MIN_SPREAD), the fit is

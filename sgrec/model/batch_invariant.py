@@ -1,4 +1,4 @@
-"""Linear layers whose rows do not depend on the batch, for --enable-deterministic-inference (issue 36).
+"""Linear layers whose rows do not depend on the batch, for --enable-deterministic-inference.
 
 A matmul library may sum a row's products in another order when the row count changes (another
 kernel for a few rows, another blocking): measured on an AVX2-only EPYC, MKL's float32 sgemm gives

@@ -1,4 +1,4 @@
-"""Does this CPU multiply bfloat16 (or float16) natively? Decides `--dtype auto` on CPU (issue 23).
+"""Does this CPU multiply bfloat16 (or float16) natively? Decides `--dtype auto` on CPU.
 
 torch sends CPU bf16 matmuls to oneDNN, which runs them on AVX-512-BF16 or AMX-BF16 at 2-7x the
 float32 rate. Without those instructions bf16 is emulated or falls back to a scalar GEMM: measured

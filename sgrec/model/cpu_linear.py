@@ -4,7 +4,7 @@ Packing reorders each weight once into oneDNN's blocked layout, so every matmul 
 reorder; on a 2-core CPU it roughly halves decode-step matmul time (docs/performance.md). These are
 the same private aten ops torch.compile uses for frozen CPU weights. The summation order differs
 from plain F.linear, so logits differ by float32 rounding, amplified by large activations (up to
-~1e-3 in logprob, inside ARCHITECTURE.md's 2e-3 agreement with HF): the default on CPU since issue 23
+~1e-3 in logprob, inside ARCHITECTURE.md's 2e-3 agreement with HF): the default on CPU
 (--disable-weight-packing turns it off), measured against the plain path in tests.
 bfloat16 weights are packed too where the CPU multiplies bf16 natively (cpu_caps; --dtype auto picks
 bf16 there): plain bf16 F.linear is no faster than packed float32 at 1-16 rows, packed bf16 is

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (issue 24, part 2).
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
 A decode step launches a few hundred small kernels (projections, norms, RoPE, attention, per layer)
 whose launch cost, not their work, bounds a small batch on a GPU. DecodeGraphs captures the whole

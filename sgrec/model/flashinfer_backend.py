@@ -1,4 +1,4 @@
-"""Attention through FlashInfer on CUDA (the `gpu` extra; issue 24, part 2): decode and causal
+"""Attention through FlashInfer on CUDA (the `gpu` extra): decode and causal
 prefill / extend batches over a bfloat16 or float16 KV pool, reading the pool by slot with FlashInfer's
 paged kernels at page size 1 (a page is a pool slot, so a sequence's page list is its slot list and
 every last page holds one token). Rank forwards (bipartite masks), beam steps and CUDA-graph decode

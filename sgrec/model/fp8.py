@@ -1,4 +1,4 @@
-"""FP8 linear layers (`--quantization fp8`, issue 41): W8A8 in float8_e4m3fn on GPUs with FP8 tensor
+"""FP8 linear layers (`--quantization fp8`): W8A8 in float8_e4m3fn on GPUs with FP8 tensor
 cores (compute capability 8.9 and newer: Ada, Hopper).
 
 - Weights: one scale per output channel, taken at load time from the bfloat16 checkpoint

@@ -1,4 +1,4 @@
-"""A decode step on CPU in one C call, bfloat16 or float32 (issue 39; sgrec/model/native/decode.c).
+"""A decode step on CPU in one C call, bfloat16 or float32 (sgrec/model/native/decode.c).
 
 At batch 1 a decode step reads every weight once: its floor is the time the weights take to come from
 memory. Through torch it made about a dozen calls per layer (oneDNN's packed bf16 matmuls streamed the

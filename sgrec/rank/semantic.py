@@ -1,4 +1,4 @@
-"""Ranking candidates by their semantic-ID path (issue 21).
+"""Ranking candidates by their semantic-ID path.
 
 A candidate's score is the teacher-forced log-likelihood of its ND-token path right after the rank
 prompt: log p(s1 | prompt) + log p(s2 | prompt, s1) + ... (full-vocabulary log_softmax). Path token

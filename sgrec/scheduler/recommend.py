@@ -1,4 +1,4 @@
-"""One-call recommendation (issue 22): retrieve candidates with xBeam, then rank them with bipartite
+"""One-call recommendation: retrieve candidates with xBeam, then rank them with bipartite
 attention, as one scheduler task. Both stages run in the same step, so on the same catalog version;
 each stage is its executor's own batched path with the payload its route would send, so the answer
 equals retrieve + rank called one after the other. The rank stage's user prefix can reuse the KV the

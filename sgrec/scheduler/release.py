@@ -1,4 +1,4 @@
-"""Frees what a catalog commit replaced off the step's thread (issue 42): an old trie at 10^7 items
+"""Frees what a catalog commit replaced off the step's thread: an old trie at 10^7 items
 is a few dozen arrays of 10-80 MB, and dropping them all at once held the step for 34-54 ms.
 
 `Releaser.drop(garbage)` queues it; a daemon thread takes it apart (the objects' attributes, then

@@ -369,7 +369,7 @@ class Scheduler:
             self.rank_executor.store.reset()
         return True
 
-    # ---- catalog versions (issue 22) -------------------------------------------------------
+    # ---- catalog versions -------------------------------------------------------
     def prepare_catalog(self, record: dict) -> tuple[Prepared, tuple]:
         """The next catalog version from a journal record and its trie, built without touching what
         is served (safe on another thread while steps run). UpdateError / UnknownVersionError: the

@@ -1,4 +1,4 @@
-"""Rank and retrieve requests inside the scheduler (issue 9, xGR §7, RecOS §3).
+"""Rank and retrieve requests inside the scheduler (xGR §7, RecOS §3).
 
 They never decode: a rank request is one forward, a retrieve request one fixed-step round (prefill
 plus one forward per semantic-ID level). `TaskQueue` batches them by kind under a token budget

@@ -1,4 +1,4 @@
-"""How many threads a scheduler's forward runs on (issue 42): all of its threads, except while catalog
+"""How many threads a scheduler's forward runs on: all of its threads, except while catalog
 updates arrive, when it leaves `reserve` of them (keeping at least one) to the work an update brings
 beside the steps: the HTTP process parsing and validating the bodies, the version's build on the
 catalog-prepare thread, the update's clients. On a machine with few cores that work otherwise takes a

@@ -1,5 +1,5 @@
 """`python -m sgrec.tools.gpu_bundle DIR`: the wheels a CUDA + PyTorch machine without a package
-registry lacks to run sgrec and its CUDA tests (issue 24), downloaded here for Python 3.12 on
+registry lacks to run sgrec and its CUDA tests, downloaded here for Python 3.12 on
 manylinux x86_64, with their total size (what travels with the repository is capped at 64 MiB).
 
 What is needed: sgrec's requirements and the CUDA tests' (pytest), closed over their own

@@ -1,5 +1,5 @@
 """GPU kernels in Triton. Each has a torch reference next to its test and runs on CPU under
-Triton's interpreter (TRITON_INTERPRET=1), so CI tests them without a GPU (issue 24)."""
+Triton's interpreter (TRITON_INTERPRET=1), so CI tests them without a GPU."""
 
 from __future__ import annotations
 

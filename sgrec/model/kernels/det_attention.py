@@ -1,5 +1,5 @@
-"""Batch-invariant attention in Triton, for --enable-deterministic-inference on the triton backend
-(issue 36): a row's output bits depend on its visible columns alone, in their summation order, never
+"""Batch-invariant attention in Triton, for --enable-deterministic-inference on the triton backend:
+a row's output bits depend on its visible columns alone, in their summation order, never
 on its batch mates, on which of its columns were cached, on how its prefill was chunked, or on the
 columns it cannot see that lie between them.
 

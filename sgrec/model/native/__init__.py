@@ -1,7 +1,7 @@
 """sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
 SiLU-times-up fused, float32 and bfloat16; decode.c: a whole decode step, sgrec.model.fused_decode),
 compiled on first use with the machine's C compiler and
-loaded with ctypes (issue 23). No torch headers: each kernel is a plain C function over data pointers, so a
+loaded with ctypes. No torch headers: each kernel is a plain C function over data pointers, so a
 build takes a few seconds. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
 (libgomp.so.1 by soname), so a kernel's threads are torch's own intra-op threads.
 
