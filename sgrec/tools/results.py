@@ -67,24 +67,17 @@ def cpu_kind(flags: set[str]) -> str:
 
 def this_machine() -> dict:
     """The `machine` of a record for the machine this runs on (a CUDA GPU if torch sees one)."""
-    model, flags = "unknown", set()
+    import torch
+
+    from sgrec.model.cpu_caps import cpu_flags
+
+    flags, model = set(cpu_flags()), "unknown"
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
     except OSError:
         pass
-    gpu = None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     kind = cpu_kind(flags)
     if gpu:
         m = re.search(r"\b(H100|H200)\b", gpu)
