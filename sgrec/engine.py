@@ -45,7 +45,7 @@ class Engine:
         self.context_len = self.runner.context_len
         self.builder = RequestBuilder(
             self.tokenizer,
-            Limits(self.vocab_size, self.context_len, self.runner.kv_pool.size, self.runner.max_input_len,
+            Limits(self.vocab_size, self.context_len, self.runner.memory.size, self.runner.max_input_len,
                    args.max_batch_size, args.max_n),
         )
         self._states: dict[str, ReqState] = {}

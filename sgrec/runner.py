@@ -1,4 +1,11 @@
-"""ModelRunner: owns the model, the KV pool and the attention backend; runs one forward batch."""
+"""ModelRunner: owns the model, its memory and the attention backend; the one door the paths use.
+
+The paths (scheduler, rank, beam, items) reach the model and its memory only through the runner:
+a forward (`forward`, `hidden`, `forward_with` for a path's own backend), logits
+(`compute_logits`), the memory object (`memory`: token slots, KV, state slots, bytes per token)
+and the family's capabilities (`capabilities`, `kernels`), never the model's layers or the pool's
+internals.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +16,14 @@ import os
 import torch
 
 from sgrec.mem.kv_pool import FP8, KVPool
-from sgrec.model.attention import ForwardBatch, NativeBackend, SeqLayout, TritonBackend
+from sgrec.mem.memory import Memory
+from sgrec.model import registry
+from sgrec.model.attention import AttentionBackend, ForwardBatch, NativeBackend, SeqLayout, TritonBackend
 from sgrec.model.backends import make_backend
 from sgrec.model.config import ModelConfig, resolve_dtype
 from sgrec.model.cpu_linear import packing_available
 from sgrec.model.fused_decode import FusedDecode
-from sgrec.model.hybrid import hybrid_forward
+from sgrec.model.hybrid_prefill import hybrid_forward
 from sgrec.model.loader import load_model
 from sgrec.server_args import ServerArgs
 
@@ -78,6 +87,8 @@ class ModelRunner:
         self.device_memory = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else None
         self.args = args = args.sized_for(self.device.type, self.device_memory)  # chunk and batch sizes by device
         self.config = ModelConfig.from_dir(args.model_path)
+        self.family = registry.family_named(self.config.family)
+        self.capabilities = self.family.capabilities(self.config)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
         torch.manual_seed(args.random_seed)
@@ -99,10 +110,10 @@ class ModelRunner:
 
             self.model.use_glue(glue)
         self.max_input_len = min(args.max_input_len or self.context_len - 1, self.context_len - 1)
-        self.kv_pool = self._new_pool(1)
+        self.memory = self._new_memory(1)
         reserve = self.profile_peak_bytes(self.max_input_len) if args.max_input_len else 0
-        self.kv_pool = self._new_pool(self._pool_size(reserve))
-        logger.info("KV pool: %d tokens, dtype %s, device %s%s", self.kv_pool.size, self.dtype, self.device,
+        self.memory = self._new_memory(self._pool_size(reserve))
+        logger.info("KV pool: %d tokens, dtype %s, device %s%s", self.memory.size, self.dtype, self.device,
                     ", oneDNN weight packing on" if self.packed else "")
         self.graphs = self._decode_graphs()
 
@@ -113,7 +124,7 @@ class ModelRunner:
         --enable-deterministic-inference, --quantization, another backend, or a dtype the build does not run."""
         args = self.args
         if (args.disable_fused_decode or args.enable_deterministic_inference or args.quantization is not None
-                or not isinstance(self.backend, NativeBackend)):
+                or not isinstance(self.backend, NativeBackend) or not self.capabilities.fused_decode):
             return None
         from sgrec.model import fused_decode, native
 
@@ -126,7 +137,8 @@ class ModelRunner:
         runs eagerly; any other failure is raised (cuda_graph.try_capture)."""
         args = self.args
         if (self.device.type != "cuda" or args.disable_cuda_graph or not isinstance(self.backend, TritonBackend)
-                or self.backend.deterministic):  # the batch-invariant kernel reads a meta built per step
+                or self.backend.deterministic  # the batch-invariant kernel reads a meta built per step
+                or not self.capabilities.decode_graphs):
             return None
         from sgrec.model.cuda_graph import DecodeGraphs, try_capture
 
@@ -134,9 +146,29 @@ class ModelRunner:
         return try_capture(lambda: DecodeGraphs(self.model, self.backend, self.kv_pool, max_bs, 2 * self.kv_pool.size,
                                                 self.context_len, capture=True), "decode runs without graphs")
 
-    def _new_pool(self, size: int) -> KVPool:
+    @property
+    def kv_pool(self) -> KVPool:
+        """The attention layers' KV (what ForwardBatch and the attention backends read)."""
+        return self.memory.kv
+
+    @property
+    def kernels(self) -> str:
+        """Which kernels the attention backend runs: "triton" (--attention-backend triton, and
+        flashinfer over it), "native" (sgrec's C kernels) or "torch"; for paths choosing their own
+        kernels of the same kind (the beam's staged attention)."""
+        if isinstance(self.backend, TritonBackend):
+            return "triton"
+        return "native" if isinstance(self.backend, NativeBackend) else "torch"
+
+    @property
+    def deterministic(self) -> bool:
+        """--enable-deterministic-inference: every forward through the batch-invariant kernels."""
+        return self.backend.deterministic
+
+    def _new_memory(self, size: int) -> Memory:
         cfg = self.config
-        return KVPool(size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device, self.dtype)
+        return Memory(size, self.capabilities.layer_kinds, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
+                      self.device, self.dtype)
 
     def profile_peak_bytes(self, n: int) -> int:
         """Peak memory of one prefill-only forward of n tokens, all KV discarded (PrefillOnly §3.1's
@@ -161,8 +193,7 @@ class ModelRunner:
         (the profile run's peak) are set aside for activations."""
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
-        cfg = self.config
-        per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        per_token = self.memory.bytes_per_token
         on_cpu = self.device.type == "cpu"
         fraction = self.args.mem_fraction_static or (CPU_MEM_FRACTION if on_cpu else CUDA_MEM_FRACTION)
         size = int(max(_available_memory(self.device) - reserve, 0) * fraction) // per_token
@@ -181,7 +212,7 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             out_cache_loc=out_cache_loc.to(dev),
             seqs=seqs,
-            kv_pool=self.kv_pool,
+            kv_pool=self.memory.kv,
         )
 
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:
@@ -194,17 +225,34 @@ class ModelRunner:
             return self.fused.run(batch).index_select(0, torch.as_tensor(logit_rows, dtype=torch.int64))
         return self.model.compute_logits(self.hidden(batch, logit_rows))
 
+    def compute_logits(self, hidden: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of final hidden states: every vocabulary column, or only `columns`."""
+        return self.model.compute_logits(hidden, columns)
+
     def hidden(self, batch: ForwardBatch, rows: torch.Tensor | list[int]) -> torch.Tensor:
         """The final hidden states [len(rows), hidden] of the asked rows (compute_logits makes logits,
         of every column or of some)."""
         hidden = self.model(batch, self.backend)
         return hidden[torch.as_tensor(rows, dtype=torch.int64, device=hidden.device)]
 
+    def forward_with(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every row, attention through a path's own backend
+        (the beam's staged one: its batches carry their own attention meta)."""
+        return self.model(batch, backend)
+
+    def reserve_positions(self, n: int) -> None:
+        """Positions up to n made ready before any step runs (a step replayed on the device reads
+        no position back to grow its tables)."""
+        self.model.rope.reserve(n)
+
     def forward_prefill_only(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:
         """Like forward, through hybrid prefilling (MLP and projections chunk by chunk)."""
         return self.model.compute_logits(self.hidden_prefill_only(batch, logit_rows))
 
     def hidden_prefill_only(self, batch: ForwardBatch, rows: torch.Tensor | list[int]) -> torch.Tensor:
-        """Like hidden, through hybrid prefilling."""
+        """Like hidden, through hybrid prefilling where the family's layers take it (else the whole
+        forward at once)."""
+        if not self.capabilities.hybrid_prefill:
+            return self.hidden(batch, rows)
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         return hybrid_forward(self.model, batch, self.backend, self.args.hybrid_chunk_size, rows)

@@ -22,8 +22,27 @@ RETIRED = {  # flags of earlier versions: an error that says what replaced them,
     "--item-kv-host": _ITEMS_ACROSS_SERVERS}
 
 
-def _arg(default, help: str, choices=None, **kw):
-    return field(default=default, metadata={"help": help, "choices": choices, **kw})
+def _arg(default, help: str, choices=None, *, at_least=None, at_most=None, above=None, below=None, **kw):
+    """A flag: its default, --help text, choices, and the range a value must fall in (checked in
+    __post_init__; None, where a flag may be unset, is never out of range)."""
+    bounds = {"at_least": at_least, "at_most": at_most, "above": above, "below": below}
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            "bounds": {k: v for k, v in bounds.items() if v is not None}, **kw})
+
+
+def _out_of_range(name: str, value, bounds: dict) -> str | None:
+    """The error for a value outside a flag's declared bounds, else None."""
+    lo, hi, gt, lt = (bounds.get(k) for k in ("at_least", "at_most", "above", "below"))
+    if value is None or not ((lo is not None and value < lo) or (hi is not None and value > hi)
+                             or (gt is not None and value <= gt) or (lt is not None and value >= lt)):
+        return None
+    if gt is not None and lt is not None:
+        return f"{name} must be in ({gt}, {lt})"
+    if lo is not None and hi is not None:
+        return f"{name} must be in [{lo}, {hi}]"
+    if gt == 0:
+        return f"{name} must be positive"
+    return f"{name} must be non-negative" if lo == 0 else f"{name} must be at least {lo}"
 
 
 @dataclass
@@ -33,7 +52,7 @@ class ServerArgs:
     tokenizer_path: str | None = _arg(None, "Tokenizer directory (default: the model path).")
     served_model_name: str | None = _arg(None, "Model name reported by the API (default: the model path).")
     host: str = _arg("127.0.0.1", "Address to listen on.")
-    port: int = _arg(30000, "HTTP port.")
+    port: int = _arg(30000, "HTTP port.", at_least=0, at_most=65535)
     device: str = _arg("auto", "Device to run on: auto picks cuda when available.", ["auto", "cpu", "cuda"])
     dtype: str = _arg(
         "auto", "Weights, activations and KV dtype. auto: on CPU bfloat16 where the CPU multiplies it "
@@ -42,18 +61,18 @@ class ServerArgs:
         "float16 on a CPU without native matmuls for it logs a warning: about 100x slower matmul than "
         "float32 was measured for bf16 on an AVX2-only CPU.", ["auto", "float32", "bfloat16", "float16"])
     context_length: int | None = _arg(None, "Longest prompt + output (default: the model's max_position_embeddings).")
-    max_total_tokens: int | None = _arg(None, "KV pool size in tokens (default: from --mem-fraction-static).")
+    max_total_tokens: int | None = _arg(None, "KV pool size in tokens (default: from --mem-fraction-static).", at_least=2)
     mem_fraction_static: float | None = _arg(
-        None, "Share of free memory for the KV pool (default 0.1 on CPU, capped at 131072 tokens; 0.85 on CUDA).")
+        None, "Share of free memory for the KV pool (default 0.1 on CPU, capped at 131072 tokens; 0.85 on CUDA).", above=0, below=1)
     chunked_prefill_size: int | None = _arg(
         None, "Most prompt tokens in one prefill batch (longer prompts are split across steps); -1 disables "
         "chunking. Default: 2048 on CPU; on CUDA by the GPU's memory, as SGLang picks it: 2048 under 35 GB, "
         "8192 under 160 GB (A100, H100, H200), else 16384.")
     max_prefill_tokens: int = _arg(16384, "Most tokens in one prefill batch.")
-    max_running_requests: int = _arg(256, "Most requests decoding at once (per data-parallel rank).")
+    max_running_requests: int = _arg(256, "Most requests decoding at once (per data-parallel rank).", at_least=1)
     max_queued_requests: int | None = _arg(
         None, "Most requests waiting per rank (beyond the free running places); past it new requests get "
-        "503 'The request queue is full.', at once and untokenized once running + queued are outstanding")
+        "503 'The request queue is full.', at once and untokenized once running + queued are outstanding", at_least=0)
     schedule_policy: str = _arg(
         "fcfs", "Order of admission: fcfs; lpm (longest cached prefix first); for prefill-only requests "
         "(score, rank, max_new_tokens 0) srjf (shortest remaining job first with the cached prefix re-read "
@@ -61,18 +80,18 @@ class ServerArgs:
         "prefix read once, on arrival).", ["fcfs", "lpm", "srjf", "srjf-static"])
     jct_fairness: float = _arg(
         500.0, "lambda of SRJF: a request's score is jct - lambda * seconds queued (jct in uncached tokens "
-        "by default), so a long request gets through after a bounded wait; 500 as in PrefillOnly; 0: pure SRJF.")
+        "by default), so a long request gets through after a bounded wait; 500 as in PrefillOnly; 0: pure SRJF.", at_least=0)
     jct_model: str = _arg(
         "tokens", "Estimated job time of a prefill-only request: tokens (uncached tokens) or linear "
         "(a linear model fitted on profiled prefills at start-up).", ["tokens", "linear"])
     prefill_only_batch_tokens: int = _arg(
-        0, "Pack prefill-only requests into one batch up to this many tokens (0: one request at a time).")
+        0, "Pack prefill-only requests into one batch up to this many tokens (0: one request at a time).", at_least=0)
     hybrid_chunk_size: int = _arg(
         512, "Hybrid prefilling of prefill-only requests: attention runs over the whole sequence, the MLP "
-        "and projections chunk by chunk of this many tokens.")
+        "and projections chunk by chunk of this many tokens.", at_least=1)
     max_input_len: int | None = _arg(
         None, "Longest accepted prompt in tokens (longer ones get a 400); the KV pool is sized after a "
-        "profile run at this length (default: the context length).")
+        "profile run at this length (default: the context length).", at_least=1)
     radix_eviction_policy: str = _arg(
         "lru", "Eviction policy of the radix prefix cache: lru; laru (learning-augmented LRU, LCR); "
         "fpb (follow the predictor blindly); hf (predictor over the 4 least recent leaves).",
@@ -87,8 +106,8 @@ class ServerArgs:
         "recomputed (generate, score, rank's user prefix, retrieve's prompt).")
     hicache_ratio: float | None = _arg(
         None, "Host tier size as a multiple of the KV pool (default 2.0 as SGLang's). On CPU the host tier is "
-        "a second store of pages in the same memory.")
-    hicache_size: int = _arg(0, "Host tier size in GB; overrides --hicache-ratio when positive.")
+        "a second store of pages in the same memory.", above=0)
+    hicache_size: int = _arg(0, "Host tier size in GB; overrides --hicache-ratio when positive.", at_least=0)
     hicache_write_policy: str = _arg(
         "write_through", "When KV is written down a tier early: write_through (when the tree takes it), "
         "write_through_selective (at a prefix's second hit), write_back (only when evicted). Evicted KV goes "
@@ -96,7 +115,7 @@ class ServerArgs:
     hicache_page_size: int = _arg(
         16, "sgrec's own: tokens per page of the lower tiers (a page is the unit written, keyed and loaded; "
         "the tail of a prefix shorter than a page is recomputed). Small, as recommendation prefixes are a few "
-        "hundred tokens; larger pages mean fewer, larger storage objects.")
+        "hundred tokens; larger pages mean fewer, larger storage objects.", at_least=1)
     hicache_storage_backend: str | None = _arg(
         None, "SGLang's flag: the storage tier below the host tier, shared by the servers that point at the "
         "same place: file (a directory: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the extra config's "
@@ -127,40 +146,40 @@ class ServerArgs:
         "it into the catalog file.")
     catalog_history: int = _arg(
         8, "Catalog versions kept for POST /v1/catalog/rollback (the current one included); versions share "
-        "the catalog's storage, each costs what its update changed.")
+        "the catalog's storage, each costs what its update changed.", at_least=1)
     admin_api_key: str | None = _arg(
         None, "Require 'Authorization: Bearer KEY' on the catalog update routes (default: --api-key when set).")
     item_cache_tokens: int | None = _arg(
         None, "KV tokens reserved for the item store (default: enough for the whole catalog, capped at "
-        "half the pool); items beyond it are recomputed on a miss.")
+        "half the pool); items beyond it are recomputed on a miss.", at_least=0)
     rank_prefix_policy: str = _arg(
         "auto", "Prefix choice of rank requests that do not set one: auto (BAT's hotness rule), user, "
         "item, none (recompute), greedy (the longer side becomes the prefix).",
         ["auto", "user", "item", "none", "greedy"])
-    max_rank_candidates: int = _arg(1000, "Most candidate items in one rank request.")
-    max_beam_width: int = _arg(512, "Largest beam_width of a retrieve request.")
+    max_rank_candidates: int = _arg(1000, "Most candidate items in one rank request.", at_least=1)
+    max_beam_width: int = _arg(512, "Largest beam_width of a retrieve request.", at_least=1)
     max_filter_items: int = _arg(
-        100000, "Most item ids in one request's exclude_items or include_items (rank, retrieve, beam /generate).")
+        100000, "Most item ids in one request's exclude_items or include_items (rank, retrieve, beam /generate).", at_least=1)
     max_batch_tokens: int | None = _arg(
         None, "Concurrent execution (xGR): token capacity of one batch of rank or retrieve requests; a batch "
         "is dispatched once the next request would not fit (1: every request runs alone). Default: 16384, "
         "and on CUDA at least 4 x --chunked-prefill-size (32768 on an H100 or H200: four 5000-token "
-        "retrieve prompts with 256 beams in one round).")
+        "retrieve prompts with 256 beams in one round).", at_least=1)
     batch_wait_ms: float | None = _arg(
         None, "Longest wait of a batch's oldest request before the batch is dispatched unfilled (default: "
-        "derived per kind from --slo-ms as (SLO - 2 x measured batch time) / 2, else 2 ms).")
+        "derived per kind from --slo-ms as (SLO - 2 x measured batch time) / 2, else 2 ms).", at_least=0)
     slo_ms: float | None = _arg(
-        None, "Latency target per request; sets the batching wait quota when --batch-wait-ms is not given.")
+        None, "Latency target per request; sets the batching wait quota when --batch-wait-ms is not given.", above=0)
     stream_pool_mb: float = _arg(
         64.0, "Per-stream tensor pool of the multi-stream executor: once a stream's pool holds more than "
-        "this many MB, tensors whose recorded event has completed are released.")
+        "this many MB, tensors whose recorded event has completed are released.", at_least=0)
     num_streams: int = _arg(
         4, "Streams of the multi-stream executor running rank / retrieve batches (CUDA streams when > 1 on a "
-        "GPU; on CPU the inline executor uses one).")
-    max_request_bytes: int = _arg(16 << 20, "Largest HTTP request body in bytes; larger ones get a 413.")
+        "GPU; on CPU the inline executor uses one).", at_least=1)
+    max_request_bytes: int = _arg(16 << 20, "Largest HTTP request body in bytes; larger ones get a 413.", at_least=1)
     max_batch_size: int = _arg(
-        1024, "Most prompts in one batch /generate request, and most items in one score request (more: 400).")
-    max_n: int = _arg(64, "Largest n (samples per prompt) of a generate request (more: 400).")
+        1024, "Most prompts in one batch /generate request, and most items in one score request (more: 400).", at_least=1)
+    max_n: int = _arg(64, "Largest n (samples per prompt) of a generate request (more: 400).", at_least=1)
     disable_radix_cache: bool = _arg(False, "Disable prefix reuse.")
     attention_backend: str = _arg(
         "auto", "Attention implementation. auto: on CPU native where the CPU reports AVX-512 (where it was "
@@ -182,11 +201,11 @@ class ServerArgs:
         "replayed; needs the triton attention backend).")
     cuda_graph_max_bs: int | None = _arg(
         None, "Largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most "
-        "256); larger batches run without one.")
+        "256); larger batches run without one.", at_least=1)
     cuda_graph_max_beams: int = _arg(
         1024, "Most beam rows (of all requests of a retrieve round) in a beam step replayed from a CUDA graph "
         "(on CUDA with the triton backend; each (bucket of rows, step) is captured on first use); larger "
-        "steps run without one.")
+        "steps run without one.", at_least=1)
     disable_weight_packing: bool = _arg(
         False, "On CPU, do not prepack float32 (or natively multiplied bfloat16) weights for oneDNN "
         "matmuls (packing is the default: faster decode; float32 logprobs differ from HF transformers by up "
@@ -222,80 +241,36 @@ class ServerArgs:
         "graphs off, linear layers checked as on CPU (run on an H200). Off by default: it cost 6 to 22 percent on rank and retrieve and 7 "
         "percent on saturated serving (docs/performance.md). Candidate order never changes rank scores, with or without it.")
     random_seed: int = _arg(0, "Seed of the shared sampling generator.")
-    dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.")
+    dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.", at_least=1)
     cpu_threads: int | None = _arg(
         None, "Threads of each scheduler's forward on CPU (torch's intra-op threads). Default: the CPUs this "
         "process may run on, divided among the --dp-size ranks. On a machine with few cores, fewer threads "
         "than cores leave one to the HTTP process and its clients: on 2 cores, 1 gave retrieve traffic lower "
         "latency and more requests per second than 2 (docs/performance.md); the default stays all of them, which "
-        "big prefills and batches use.")
+        "big prefills and batches use.", at_least=1)
     catalog_update_cores: int = _arg(
         1, "Threads the forward on CPU leaves to catalog updates while they arrive (from an update request, "
         "accepted or not, until 2 s after the last one; at least one thread stays): the HTTP process parses and "
         "validates the bodies and a thread builds each version beside the steps. On 2 cores this kept the retrieve P99 under 1,000 item "
         "updates/s near quiet's (docs/performance.md). 0: the forward keeps every thread, as it does on a GPU and "
-        "under --enable-deterministic-inference (whose check of the linear layers ran at the start-up thread count).")
+        "under --enable-deterministic-inference (whose check of the linear layers ran at the start-up thread count).", at_least=0)
     api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")
     enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.")
     log_level: str = _arg("info", "Log level.", ["debug", "info", "warning", "error"])
     timeout_keep_alive: float = _arg(
         20.0, "Seconds an idle keep-alive HTTP connection stays open (uvicorn's timeout_keep_alive; SGLang's "
         "SGLANG_TIMEOUT_KEEP_ALIVE, 5 there). Longer than the 5 s after which httpx (and the openai client) "
-        "drop an idle pooled connection, so such a client never sends on a connection the server is closing.")
+        "drop an idle pooled connection, so such a client never sends on a connection the server is closing.", above=0)
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1):
             raise ValueError("chunked_prefill_size must be positive or -1")
-        if self.max_total_tokens is not None and self.max_total_tokens < 2:
-            raise ValueError("max_total_tokens must be at least 2")
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
-            raise ValueError("cuda_graph_max_bs must be at least 1")
-        if self.cuda_graph_max_beams < 1:
-            raise ValueError("cuda_graph_max_beams must be at least 1")
-        if self.timeout_keep_alive <= 0:
-            raise ValueError("timeout_keep_alive must be positive")
-        if self.max_running_requests < 1:
-            raise ValueError("max_running_requests must be at least 1")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError("max_queued_requests must be non-negative")
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            raise ValueError("mem_fraction_static must be in (0, 1)")
-        if self.hybrid_chunk_size < 1:
-            raise ValueError("hybrid_chunk_size must be at least 1")
-        if self.prefill_only_batch_tokens < 0:
-            raise ValueError("prefill_only_batch_tokens must be non-negative")
-        if self.max_input_len is not None and self.max_input_len < 1:
-            raise ValueError("max_input_len must be at least 1")
-        if self.jct_fairness < 0:
-            raise ValueError("jct_fairness must be non-negative")
-        if self.max_rank_candidates < 1 or self.max_beam_width < 1 or self.max_filter_items < 1:
-            raise ValueError("max_rank_candidates, max_beam_width and max_filter_items must be at least 1")
-        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
-            raise ValueError("max_batch_tokens must be at least 1")
-        if self.slo_ms is not None and self.slo_ms <= 0:
-            raise ValueError("slo_ms must be positive")
-        if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
-            raise ValueError("batch_wait_ms must be non-negative")
+        for f in dataclasses.fields(self):
+            error = _out_of_range(f.name, getattr(self, f.name), f.metadata.get("bounds", {}))
+            if error is not None:
+                raise ValueError(error)
         if self.batch_wait_ms is not None and self.slo_ms is not None and self.batch_wait_ms >= self.slo_ms:
             raise ValueError("batch_wait_ms must be below slo_ms (the wait alone would miss the SLO)")
-        if self.stream_pool_mb < 0:
-            raise ValueError("stream_pool_mb must be non-negative")
-        if self.max_request_bytes < 1 or self.max_batch_size < 1 or self.max_n < 1:
-            raise ValueError("max_request_bytes, max_batch_size and max_n must be at least 1")
-        if self.num_streams < 1:
-            raise ValueError("num_streams must be at least 1")
-        if self.item_cache_tokens is not None and self.item_cache_tokens < 0:
-            raise ValueError("item_cache_tokens must be non-negative")
-        if self.catalog_history < 1:
-            raise ValueError("catalog_history must be at least 1 (the current version)")
-        if self.dp_size < 1:
-            raise ValueError("dp_size must be at least 1")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError("cpu_threads must be at least 1")
-        if self.catalog_update_cores < 0:
-            raise ValueError("catalog_update_cores must be non-negative")
-        if not 0 <= self.port < 65536:
-            raise ValueError("port must be in [0, 65535]")
         self._check_hicache()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
@@ -303,12 +278,6 @@ class ServerArgs:
                 raise ValueError(f"Unknown {f.name} {getattr(self, f.name)!r}; choose one of {choices}")
 
     def _check_hicache(self) -> None:
-        if self.hicache_ratio is not None and self.hicache_ratio <= 0:
-            raise ValueError("hicache_ratio must be positive")
-        if self.hicache_size < 0:
-            raise ValueError("hicache_size must be non-negative")
-        if self.hicache_page_size < 1:
-            raise ValueError("hicache_page_size must be at least 1")
         self.hicache_extra_config()
         if not self.enable_hierarchical_cache and (self.hicache_storage_backend or self.hicache_ratio or self.hicache_size):
             raise ValueError("hicache_ratio, hicache_size and hicache_storage_backend need enable_hierarchical_cache")
@@ -343,6 +312,15 @@ class ServerArgs:
         if extra.get("item_reads", "cost") not in ("cost", "always"):
             raise ValueError("hicache_storage_backend_extra_config: item_reads must be cost or always")
         return extra
+
+    @property
+    def prefill_chunk(self) -> int:
+        """The most prompt tokens one prefill forward takes (--chunked-prefill-size once sized_for
+        filled it in; -1, no chunking: no bound)."""
+        chunk = self.chunked_prefill_size
+        if chunk is None:
+            raise ValueError("chunked_prefill_size is left to the device: call sized_for first")
+        return chunk if chunk > 0 else 1 << 62
 
     def sized_for(self, device_type: str, device_memory: int | None = None) -> "ServerArgs":
         """These arguments with the sizes left to the device filled in (chunked_prefill_size,

@@ -103,13 +103,13 @@ def test_lambda_halves_after_k_div_detections():
     assert 64 not in cached(sim) and pol.lam == 1.0
     run(sim, [64], t)  # detection 1: LRU fallback, no halving yet (64 // 32 = 2)
     t += 1
-    assert pol.lru_fallbacks == 1 and pol.lam == 1.0 and pol.line14 == 1 and 1 not in cached(sim)
+    assert pol.lru_fallbacks == 1 and pol.lam == 1.0 and pol.prediction_misses == 1 and 1 not in cached(sim)
     run(sim, [150], t)  # prediction-driven again: 150 is locked, so 100 is the farthest
     t += 1
     assert 100 not in cached(sim)
     run(sim, [100], t)  # detection 2: halves
     t += 1
-    assert pol.lru_fallbacks == 2 and pol.lam == 0.5 and pol.line14 == 0
+    assert pol.lru_fallbacks == 2 and pol.lam == 0.5 and pol.prediction_misses == 0
     run(sim, [151], t)
     assert pol.last_l == 32  # floor(0.5 * 64)
 

@@ -311,7 +311,5 @@ class UnsharedKV:
         if dst.numel() == 0:
             return
         d, s = self.slots[dst, :cols], self.slots[src, :cols]
-        for layer in range(self.pool.num_layers):
-            k_buf, v_buf = self.pool.get_kv(layer)
-            apply_schedule_(k_buf, d, s, self.chunk)
-            apply_schedule_(v_buf, d, s, self.chunk)
+        for buf in self.pool.buffers():
+            apply_schedule_(buf, d, s, self.chunk)

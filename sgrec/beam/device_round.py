@@ -29,7 +29,6 @@ import torch
 from sgrec.beam.attention import StagedMeta
 from sgrec.beam.kernel_step import level_filter
 from sgrec.beam.search import BeamBuffers
-from sgrec.mem.kv_pool import copyable
 from sgrec.model.kernels.staged_attention import BLOCK_B, beam_blocks
 from sgrec.model.kernels.trie_step import plan_step, trie_step_flat
 
@@ -130,10 +129,7 @@ class DeviceRound:
             keep_kv = self.steps[step][4]
             if keep_kv is not None:
                 rows, kv_dst = keep_kv
-                kv_src = self.slots[rows[parents], :step].reshape(-1)
-                for layer in range(ex.pool.num_layers):
-                    for buf in map(copyable, ex.pool.get_kv(layer)):
-                        buf.index_copy_(0, kv_dst, buf.index_select(0, kv_src))
+                ex.pool.copy_rows(kv_dst, self.slots[rows[parents], :step].reshape(-1))
         self.tokens[dst, step] = tokens
         self.scores[dst] = new_scores
         self.nodes[dst] = new_nodes

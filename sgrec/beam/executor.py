@@ -35,7 +35,7 @@ from sgrec.beam.layered import LayeredTrie
 from sgrec.beam.search import BeamBuffers, inplace_schedule, select_level
 from sgrec.beam.trie import SemanticIdTrie
 from sgrec.catalog import Catalog, check_token_ids
-from sgrec.model.attention import ForwardBatch, SeqLayout, TritonBackend
+from sgrec.model.attention import ForwardBatch, SeqLayout
 
 
 MAX_GRAPH_STEPS = 16  # most beam steps (semantic-ID length - 1) a CUDA graph takes: more than catalogs use
@@ -60,8 +60,7 @@ def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
 def _prefill(runner, ids: list[int], kv: torch.Tensor, start: int) -> torch.Tensor:
     """Computes ids[start:] (kv[:start] already holds the prefix) into kv[start:]; returns the
     last position's float32 logits [1, vocab]. Chunked like the scheduler's prefill."""
-    chunk = runner.args.chunked_prefill_size
-    chunk = len(ids) if chunk < 0 else chunk  # -1: no chunking (ServerArgs rejects 0)
+    chunk = runner.args.prefill_chunk
     logits = None
     for a in range(start, len(ids), chunk):
         b = min(len(ids), a + chunk)
@@ -99,7 +98,7 @@ def layered_trie(runner) -> bool:
     """Whether the runner's retrieval reads a LayeredTrie (versions that cost what an update changed):
     the torch beam step on the CPU. The Triton trie step (--attention-backend triton, a GPU) reads
     SemanticIdTrie's dense arrays."""
-    return runner.device.type == "cpu" and not isinstance(runner.backend, TritonBackend)
+    return runner.device.type == "cpu" and runner.kernels != "triton"
 
 
 def build_trie(catalog: Catalog | None, vocab_size: int, device, layered: bool = False
@@ -124,7 +123,7 @@ class RetrieveExecutor:
         self.tree = tree
         self.catalog = catalog
         self.pool = runner.kv_pool
-        self.allocator = runner.kv_pool.allocator
+        self.allocator = runner.memory.allocator
         self.device = runner.device
         self.vocab_size = runner.config.vocab_size
         self.max_beam_width = max_beam_width or runner.args.max_beam_width
@@ -132,13 +131,13 @@ class RetrieveExecutor:
         self.layered = layered_trie(runner)
         self.use_catalog(catalog, built if built is not None else self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
-        triton = isinstance(runner.backend, TritonBackend)  # --attention-backend triton
+        triton = runner.kernels == "triton"  # --attention-backend triton
         self.backend = StagedBeamBackend(units, triton=triton, runner=runner)
         # each level's selection for all of a round's requests in the Triton trie step (kernel_step)
         self.triton_select = triton
         if triton:  # a device round's steps read no position back (RotaryEmbedding.cos_sin's growth check)
-            runner.model.rope.reserve(runner.context_len)
-        graphs = triton and runner.device.type == "cuda" and not runner.backend.deterministic
+            runner.reserve_positions(runner.context_len)
+        graphs = triton and runner.device.type == "cuda" and not runner.deterministic
         self.graphs = self._beam_graphs() if graphs else None
 
     def _beam_graphs(self):
@@ -148,7 +147,7 @@ class RetrieveExecutor:
             return None
         from sgrec.beam.graphs import BeamGraphs
 
-        return BeamGraphs(self.runner.model, self.backend, self.pool, args.cuda_graph_max_beams, self.pool.size,
+        return BeamGraphs(self.runner.forward_with, self.backend, self.pool, args.cuda_graph_max_beams, self.pool.size,
                           MAX_GRAPH_STEPS, capture=True)
 
     def build_trie(self, catalog: Catalog | None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
@@ -293,7 +292,7 @@ class RetrieveExecutor:
 
         # under --enable-deterministic-inference each step's attention goes through the batch-invariant
         # kernel, whose meta is built per step on the host: the per-step hooks, not the device round
-        if (self.triton_select and not self.runner.backend.deterministic
+        if (self.triton_select and not self.runner.deterministic
                 and all(kernel_step.fits(self.trie, d) for d in range(self.trie.depth))):
             from sgrec.beam.device_round import DeviceRound
 
@@ -306,8 +305,7 @@ class RetrieveExecutor:
         """Computes every prompt's uncached tokens: requests are packed into shared forwards of at
         most --chunked-prefill-size tokens; a longer prompt is chunked on its own. Then each prompt
         goes to the radix tree and stays locked while its beams read it."""
-        chunk = self.runner.args.chunked_prefill_size
-        chunk = 1 << 62 if chunk < 0 else chunk
+        chunk = self.runner.args.prefill_chunk
         group: list[_Request] = []
         for r in reqs:
             n = len(r.ids) - r.cached
@@ -324,13 +322,9 @@ class RetrieveExecutor:
             r.t1 = time.perf_counter()
             if self.tree.disable:
                 continue
-            c = r.cached  # hand the prompt to the tree; keep it locked while beams read it
-            prefix = self.tree.insert(r.ids, r.prompt_kv, r.extra_key)
-            self.allocator.free(r.prompt_kv[c:prefix])
+            # hand the prompt to the tree; keep it locked while beams read it
+            full = self.tree.hand_off(r.ids, r.prompt_kv, r.extra_key, r.cached, r.lock)
             r.new_slots = None
-            full = self.tree.match_prefix(r.ids, r.extra_key)
-            self.tree.inc_lock_ref(full.last_node)
-            self.tree.dec_lock_ref(r.lock)
             r.lock, r.prompt_kv = full.last_node, full.indices
 
     def _prefill_round(self, reqs: list[_Request]) -> None:
@@ -401,12 +395,12 @@ class RetrieveExecutor:
                       ) -> torch.Tensor:
         """One token per beam (of one or several requests) -> logits [n, V], or [n, len(columns)]
         of just those vocabulary ids."""
-        model = self.runner.model
+        runner = self.runner
         if self.graphs is not None and isinstance(meta, StagedMeta) and self.graphs.takes(tokens.numel(), meta):
-            return model.compute_logits(self.graphs.run(tokens, positions, out_loc, meta), columns)
+            return runner.compute_logits(self.graphs.run(tokens, positions, out_loc, meta), columns)
         batch = ForwardBatch(input_ids=tokens, positions=positions, out_cache_loc=out_loc, seqs=[],
                              kv_pool=self.pool, attn_meta=meta)
-        return model.compute_logits(model(batch, self.backend), columns)
+        return runner.compute_logits(runner.forward_with(batch, self.backend), columns)
 
     def _level(self, r: _Request, step: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Level `step` of request r: how many beams it keeps, its beams' scores and trie nodes."""

@@ -40,8 +40,9 @@ class BeamGraphs:
     all, through static buffers; each (bucket, step) captured as a CUDA graph on its first use
     (capture=True, CUDA), else run eagerly the same way."""
 
-    def __init__(self, model, backend, pool, max_rows: int, max_shared: int, max_steps: int, capture: bool):
-        self.model, self.backend, self.pool = model, backend, pool
+    def __init__(self, forward, backend, pool, max_rows: int, max_shared: int, max_steps: int, capture: bool):
+        """forward(batch, backend): a step's final hidden states (ModelRunner.forward_with)."""
+        self.forward, self.backend, self.pool = forward, backend, pool
         self.buckets = buckets_up_to(max_rows)
         self.max_rows, self.max_shared, self.max_steps = self.buckets[-1], max_shared, max_steps
         dev = self.device = pool.device
@@ -98,7 +99,7 @@ class BeamGraphs:
         meta = StagedMeta(self.shared, self.sh_ptr, self.unshared[:bs, :s], self.blocks[: programs(bs)])
         batch = ForwardBatch(input_ids=self.ids[:bs], positions=self.pos[:bs], out_cache_loc=self.loc[:bs], seqs=[],
                              kv_pool=self.pool, attn_meta=meta)
-        return self.model(batch, self.backend)
+        return self.forward(batch, self.backend)
 
     def _capture(self, key: tuple[int, int]) -> None:
         """The (bucket, step) graph, in the memory pool all of them share (one step runs at a time and

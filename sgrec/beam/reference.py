@@ -37,7 +37,7 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
     for path in paths:
         for d in range(nd):
             children.setdefault(path[:d], set()).add(path[d])
-    P, dev, alloc, pool = len(ids), runner.device, runner.kv_pool.allocator, runner.kv_pool
+    P, dev, alloc, pool = len(ids), runner.device, runner.memory.allocator, runner.kv_pool
     width = P + nd - 1
     prompt = alloc.alloc(P)
     beam_slots = None
@@ -89,10 +89,7 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
                 sel = torch.tensor(par, device=beam_slots.device)
                 src = beam_slots[sel, : P + step].reshape(-1)
                 dst = beam_slots[: len(beams), : P + step].reshape(-1)
-            for layer in range(pool.num_layers):
-                k_buf, v_buf = pool.get_kv(layer)
-                k_buf[dst] = k_buf[src]
-                v_buf[dst] = v_buf[src]
+            pool.copy_rows(dst, src)
     finally:
         alloc.free(prompt)
         if beam_slots is not None:

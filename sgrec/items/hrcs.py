@@ -80,7 +80,7 @@ def measure_prefill(runner, shapes: Sequence[tuple[int, int]], repeats: int = 2)
     they hold) plus themselves; returns (suffix, prefix, best seconds) per shape."""
     from sgrec.model.attention import SeqLayout
 
-    alloc = runner.kv_pool.allocator
+    alloc = runner.memory.allocator
     vocab = runner.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     out = []

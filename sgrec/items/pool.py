@@ -57,9 +57,7 @@ class ItemPool:
         self.members = list(local_addrs)
         self.clock = clock
         self.bandwidth_gbps = bandwidth_gbps or hrcs.DEFAULT_BANDWIDTH_GBPS
-        cfg = runner.config
-        pool = runner.kv_pool
-        self.bytes_per_token = pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.dtype)
+        self.bytes_per_token = runner.memory.bytes_per_token
         self.server = ItemKVServer(executor.store, self.members[dp_rank], ctx)
         self.server.start()  # answers peers from its own thread, not between scheduler steps
         self.client = ItemKVClient({r: a for r, a in enumerate(self.members) if r != dp_rank}, ctx)

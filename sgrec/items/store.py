@@ -67,7 +67,7 @@ class ItemStore:
         """hot_ids: the ids whose hotness may be nonzero (so the default precompute order needs no
         pass over a huge catalog); None: every catalog id."""
         self.runner = runner
-        self.allocator = runner.kv_pool.allocator
+        self.allocator = runner.memory.allocator
         self.catalog = catalog
         self.budget = int(budget_tokens)
         self.header_ids = [int(t) for t in header_ids]
@@ -207,7 +207,7 @@ class ItemStore:
                      if i in entries and (fps is None or fps.get(i) == entries[i].fp)]
             if not found:
                 return [], None, None
-            k, v = self.runner.kv_pool.read_rows(torch.cat([s for _, s in found]))
+            k, v = self.runner.memory.read_rows(torch.cat([s for _, s in found]))
         return [(i, len(s)) for i, s in found], k, v
 
     # ---- start-up -------------------------------------------------------------------------
@@ -275,8 +275,8 @@ class ItemStore:
             pos += lay.positions[seg.start : seg.stop]
             off += seg.length
         self.runner.forward(self.runner.make_batch(ids, pos, slots, seqs), [])
-        if self.runner.kv_pool.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.kv_pool.device)  # written before readers can see it
+        if self.runner.memory.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.memory.device)  # written before readers can see it
         off = 0
         with self.lock:
             for it in items:

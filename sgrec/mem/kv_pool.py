@@ -103,6 +103,16 @@ class KVPool:
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer], self.v_buffer[layer]
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every layer's K and V buffer: for moving rows in all layers at once."""
+        return [b for layer in range(self.num_layers) for b in self.get_kv(layer)]
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """In every layer, K and V at slots src copied to slots dst (src is read first: the two may
+        overlap, as when beams take their parents' rows)."""
+        for buf in map(copyable, self.buffers()):
+            buf.index_copy_(0, dst, buf.index_select(0, src))
+
     def read_rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` for every layer, copied to host memory: two [layers, n, kv_heads,
         head_dim] tensors in the pool's dtype, bit for bit (what the tiers store and peers are sent)."""

@@ -77,6 +77,10 @@ class ForwardBatch:
     seqs: list[SeqLayout]
     kv_pool: KVPool
     attn_meta: Any = field(default=None, repr=False)  # filled by the backend's prepare()
+    # per sequence (in seqs' order): its state slot in mem.memory.StatePool (families with recurrent
+    # layers) and its encoder's KV slots (encoder-decoder families); None for the dense decoder
+    state_slots: torch.Tensor | None = None
+    encoder_slots: list[torch.Tensor] | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -9,16 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgrec.model import cpu_caps
+from sgrec.model import cpu_caps, registry
 from sgrec.model.cpu_caps import NativeSupport
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 _DTYPES = {
     "float32": torch.float32,
@@ -31,7 +25,10 @@ _DTYPES = {
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | qwen2 | qwen3
+    """The fields every family reads; a family's own flags (`registry.Family.config_flags`) fill the
+    rest, and `hf_config` keeps config.json whole for what only one family reads."""
+
+    arch: str  # the family's variant: llama | qwen2 | qwen3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,28 +41,22 @@ class ModelConfig:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
     config_dtype: torch.dtype | None
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
+    family: str = "decoder"  # registry.Family.name
+    # the dense decoder's flags (sgrec.model.llama.config_flags)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
-        archs = cfg.get("architectures") or []
-        arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
-        if arch is None:
-            raise ValueError(
-                f"Unsupported architecture {archs} in {path}; sgrec supports {sorted(SUPPORTED_ARCHS)}"
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
-        if arch == "qwen2" and cfg.get("use_sliding_window"):
-            raise ValueError("Qwen2 sliding-window attention is not supported")
+        family, _, variant = registry.family_for(cfg.get("architectures") or [], path)
+        flags = family.config_flags(variant, cfg)  # the family refuses what it cannot serve
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters.
@@ -82,7 +73,7 @@ class ModelConfig:
                 eos = json.load(f).get("eos_token_id", eos)
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
-            arch=arch,
+            arch=variant,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -95,13 +86,11 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "qwen3",
             config_dtype=_DTYPES.get(str(dtype_name)) if dtype_name else None,
             eos_token_ids=eos_ids,
             hf_config=cfg,
+            family=family.name,
+            **flags,
         )
 
 

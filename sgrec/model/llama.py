@@ -1,8 +1,9 @@
-"""The Llama / Qwen2 / Qwen3 decoder family, numerically matching HF transformers.
+"""The dense decoder family (Llama / Qwen2 / Qwen3), numerically matching HF transformers.
 
-Differences between the three are flags on ModelConfig: Qwen2's q/k/v bias, Qwen3's
-per-head q/k RMSNorm (and explicit head_dim), tied or untied embeddings.
-q/k/v and gate/up projections are fused into one matmul each.
+Differences between the three are flags on ModelConfig (`config_flags`): Qwen2's q/k/v bias,
+Qwen3's per-head q/k RMSNorm (and explicit head_dim), tied or untied embeddings.
+q/k/v and gate/up projections are fused into one matmul each. Registered as the "decoder" family
+(sgrec.model.registry): every layer attention over the token pool, any prefix reusable.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from sgrec.model.attention import AttentionBackend, ForwardBatch
 from sgrec.model.config import ModelConfig
 from sgrec.model.cpu_linear import MIN_PACKED_NUMEL, pack_linears
+from sgrec.model.registry import ATTENTION, Capabilities, Family, register
 from sgrec.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -240,3 +242,28 @@ class CausalLM(nn.Module):
         missing = [n for n, rows in expected.items() if loaded.get(n, 0) != rows]
         if missing:
             raise ValueError(f"Checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def config_flags(variant: str, cfg: dict) -> dict:
+    """ModelConfig's decoder flags for a variant's config.json; a ValueError for what it cannot serve."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
+    if variant == "qwen2" and cfg.get("use_sliding_window"):
+        raise ValueError("Qwen2 sliding-window attention is not supported")
+    bias = bool(cfg.get("attention_bias", False))
+    return {"qkv_bias": variant == "qwen2" or bias, "o_bias": variant != "qwen2" and bias,
+            "mlp_bias": bool(cfg.get("mlp_bias", False)), "qk_norm": variant == "qwen3"}
+
+
+def capabilities(cfg: ModelConfig) -> Capabilities:
+    # layouts: both of sgrec.layout.KINDS (user-as-prefix, item-as-prefix), masks through the backends
+    return Capabilities(layer_kinds=(ATTENTION,) * cfg.num_layers, prefix_reuse="any",
+                        layouts=frozenset({"user", "item"}), encoder=False, hybrid_prefill=True,
+                        fused_decode=True, decode_graphs=True)
+
+
+FAMILY = register(Family(
+    name="decoder",
+    architectures={"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"},
+    config_flags=config_flags, build=CausalLM, capabilities=capabilities,
+))

@@ -1,4 +1,4 @@
-"""Loads an HF-format model directory (config.json + *.safetensors) into a CausalLM."""
+"""Loads an HF-format model directory (config.json + *.safetensors) into its family's model."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from sgrec.model import registry
 from sgrec.model.config import ModelConfig
 from sgrec.model.cpu_linear import MIN_PACKED_NUMEL
-from sgrec.model.llama import CausalLM
 
 
 def iter_safetensors(path: str, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -35,13 +35,13 @@ def load_model(
     path: str, config: ModelConfig, device: torch.device, dtype: torch.dtype, show_progress: bool = False,
     pack_weights: bool = False, deterministic: bool = False, quantization: str | None = None,
     keep_plain: bool = False,
-) -> CausalLM:
-    """pack_weights: prepack for oneDNN (cpu_linear); deterministic: every layer packed (where
+) -> torch.nn.Module:
+    """The model of config's family (sgrec.model.registry). pack_weights: prepack for oneDNN (cpu_linear); deterministic: every layer packed (where
     pack_weights) and batch-invariant (CausalLM.make_batch_invariant); quantization "fp8": the decoder
     layers' linear layers in FP8 (sgrec.model.fp8); keep_plain: packed layers keep their plain weights
     too (for sgrec.model.fused_decode)."""
     with torch.device("meta"):
-        model = CausalLM(config, device)
+        model = registry.family_named(config.family).build(config, device)
     model.to_empty(device=device)
     model.to(dtype)
     model.load_weights(iter_safetensors(path, show_progress))

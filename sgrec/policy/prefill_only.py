@@ -94,7 +94,7 @@ def _profile(runner, lengths: Sequence[int], repeats: int) -> LinearJct:
 
     from sgrec.model.attention import SeqLayout
 
-    alloc, vocab = runner.kv_pool.allocator, runner.config.vocab_size
+    alloc, vocab = runner.memory.allocator, runner.config.vocab_size
     samples = []
     for n in lengths:
         ids = [(7 * t) % (vocab - 3) + 3 for t in range(n)]

@@ -390,7 +390,7 @@ class LARUPolicy(PredictivePolicy):
         self.old: set[TreeNode] = set()
         self.predicted_out: set[int] = set()  # start keys evicted by predictions in this phase
         self.pending_lru = 0  # prediction-induced misses not yet answered by an LRU eviction
-        self.line14 = 0  # prediction-induced misses since lambda last decreased
+        self.prediction_misses = 0  # prediction-induced misses since lambda last decreased
         self.phases = self.lru_fallbacks = self.prediction_evictions = self.lru_evictions = 0
         self.last_l = 0
 
@@ -421,7 +421,7 @@ class LARUPolicy(PredictivePolicy):
         super().on_reset()
         self.old.clear()
         self.predicted_out.clear()
-        self.pending_lru = self.line14 = 0
+        self.pending_lru = self.prediction_misses = 0
         self.lam = 1.0
         self.open_bets.clear()
         self.bet_phases = deque([[]])
@@ -473,15 +473,15 @@ class LARUPolicy(PredictivePolicy):
             if self.lambda_reset == "bets":
                 self._new_phase_bets()
                 self.bets_won = self.bets_lost = 0
-            self.line14, self.pending_lru = 0, 0
+            self.prediction_misses, self.pending_lru = 0, 0
             self.predicted_out.clear()
             self.phases += 1
         if self.pending_lru:  # lines 14-16
             self.pending_lru -= 1
-            self.line14 += 1
-            if self.line14 >= self.halve_after(k):
+            self.prediction_misses += 1
+            if self.prediction_misses >= self.halve_after(k):
                 self.lam /= self.b
-                self.line14 = 0
+                self.prediction_misses = 0
             self.lru_fallbacks += 1
             return self.index.first()
         l = max(int(self.lam * k), 1)  # line 18

@@ -501,13 +501,14 @@ def host_pages(pool_tokens: int, page_bytes: int, page_size: int, ratio: float |
     return want
 
 
-def make_hicache(args, pool: KVPool, model: torch.nn.Module) -> HiCache | None:
-    """The tiers the server arguments ask for (None without --enable-hierarchical-cache)."""
+def make_hicache(args, memory, model: torch.nn.Module) -> HiCache | None:
+    """The tiers the server arguments ask for (None without --enable-hierarchical-cache), over a
+    runner's memory (mem.memory.Memory: its KV pool and bytes per token)."""
     if not args.enable_hierarchical_cache:
         return None
     extra = args.hicache_extra_config()
     P = args.hicache_page_size
-    page_bytes = KVPool.bytes_per_token(pool.num_layers, *pool.k_buffer[0].shape[1:], pool.dtype) * P
+    pool, page_bytes = memory.kv, memory.bytes_per_token * P
     pages = host_pages(pool.size, page_bytes, P, args.hicache_ratio, args.hicache_size)
     return HiCache(pool, model_fingerprint(model, pool.dtype, machine_kind(pool.device)), pages, P, args.hicache_write_policy,
                    make_storage(args.hicache_storage_backend, extra), args.hicache_storage_prefetch_policy,

@@ -32,7 +32,7 @@ def start_key(node: TreeNode) -> int:
 
 class TreeNode:
     __slots__ = ("children", "parent", "key", "value", "extra_key", "lock_ref", "last_access_time",
-                 "access_count", "access_tick", "creation_time", "depth", "id")
+                 "access_count", "access_tick", "creation_time", "depth", "id", "state", "state_lock_ref")
 
     def __init__(self, parent: TreeNode | None = None, key: list[int] | None = None,
                  value: torch.Tensor | None = None, extra_key: str | None = None, now: float = 0.0):
@@ -48,6 +48,10 @@ class TreeNode:
         self.access_tick = 0  # the cache's tick at the last touch; totally orders accesses
         self.depth = (parent.depth if parent is not None else 0) + len(self.key)
         self.id = next(_node_ids)
+        # a family's per-request state after this node's last token (a StatePool slot, the tree's
+        # own), or None; its lock is apart from the KV's: a state may go while the KV stays
+        self.state: torch.Tensor | None = None
+        self.state_lock_ref = 0
 
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.id}, key={self.key}, extra_key={self.extra_key!r}, depth={self.depth}, "

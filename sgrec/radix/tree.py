@@ -45,8 +45,12 @@ class RadixCache:
     """Prefix tree of token ids -> KV slots with lock counting and policy-ordered leaf eviction."""
 
     def __init__(self, allocator: TokenAllocator | None, policy: str | EvictionPolicy = "lru",
-                 disable: bool = False, clock: Callable[[], float] = time.monotonic, hicache: HiCache | None = None):
+                 disable: bool = False, clock: Callable[[], float] = time.monotonic, hicache: HiCache | None = None,
+                 states=None):
+        """states: the StatePool (sgrec.mem.memory) whose slots nodes may carry (attach_state), for
+        families with per-request state; None for the dense decoder."""
         self.allocator = allocator
+        self.states = states
         self.hicache = hicache  # the tiers below the pool (--enable-hierarchical-cache), or None
         self.policy = make_policy(policy)
         self.disable = disable
@@ -122,6 +126,26 @@ class RadixCache:
             node, i = child, i + m
         return node, i, parts
 
+    def insert_owned(self, key: Sequence[int], value: torch.Tensor, extra_key: str | None, owned_from: int) -> int:
+        """Hands a sequence's KV to the tree: value[:owned_from] are the tree's slots already (a
+        match), the rest the caller's. The caller's slots of tokens the tree held already (cached
+        meanwhile by another request) go back to the allocator, the others are the tree's now.
+        Returns insert's count of tokens cached before."""
+        prefix = self.insert(key, value, extra_key)
+        self.allocator.free(value[owned_from:prefix])
+        return prefix
+
+    def hand_off(self, key: Sequence[int], value: torch.Tensor, extra_key: str | None, owned_from: int,
+                 lock: TreeNode | None = None) -> MatchResult:
+        """insert_owned, then the match of the whole key: the tree's slots for it and its deepest
+        node. `lock`: the node the caller holds locked; the lock moves to that deepest node."""
+        self.insert_owned(key, value, extra_key, owned_from)
+        res = self.match_prefix(key, extra_key)
+        if lock is not None:
+            self.inc_lock_ref(res.last_node)
+            self.dec_lock_ref(lock)
+        return res
+
     def insert(self, key: Sequence[int], value: torch.Tensor, extra_key: str | None = None) -> int:
         """Insert key -> value; return how many leading tokens were already cached. The tree keeps
         only value[returned:]; the caller still owns value[:returned] (free the ones not shared
@@ -146,12 +170,52 @@ class RadixCache:
         return i
 
     # ---- eviction and locks --------------------------------------------------------------------
-    def make_room(self, n: int) -> bool:
-        """Evicts what it must (and can) so that the allocator has n free slots; whether it has them."""
+    def make_room(self, n: int, states: int = 0) -> bool:
+        """Evicts what it must (and can) so that the allocator has n free slots and the state pool
+        `states` free state slots (one budget for both: a request is admitted only if both fit);
+        whether it has them."""
         short = n - self.allocator.available_size()
         if short > 0:
             self.evict(short)
+        if states:
+            short = states - self.states.available_size()
+            if short > 0:
+                self.evict_states(short)
+            if self.states.available_size() < states:
+                return False
         return self.allocator.available_size() >= n
+
+    # ---- per-request states on nodes (families with recurrent layers) --------------------------------
+    def attach_state(self, node: TreeNode, slot: torch.Tensor) -> None:
+        """The tree takes a state slot: the state after node's last token (replacing one it had)."""
+        if node.state is not None:
+            self.states.free(node.state)
+            self.state_count -= 1
+        node.state = slot
+        self.state_count += 1
+
+    def lock_state(self, node: TreeNode) -> None:
+        node.state_lock_ref += 1
+
+    def unlock_state(self, node: TreeNode) -> None:
+        if node.state_lock_ref <= 0:
+            raise RuntimeError(f"unlock_state on an unlocked state of {node!r}")
+        node.state_lock_ref -= 1
+
+    def evict_states(self, n: int) -> int:
+        """Frees up to n unlocked states, least recently used first; their nodes keep their KV.
+        Returns how many were freed."""
+        held = sorted((node.access_tick, node.id, node) for node in self._nodes()
+                      if node.state is not None and node.state_lock_ref == 0)
+        for _, _, node in held[:n]:
+            self._drop_state(node)
+        return min(n, len(held))
+
+    def _drop_state(self, node: TreeNode) -> None:
+        if node.state is not None:
+            self.states.free(node.state)
+            node.state = None
+            self.state_count -= 1
 
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves in policy order until >= num_tokens tokens are freed or nothing is
@@ -198,6 +262,7 @@ class RadixCache:
             self.hicache.on_evict(node)
         del parent.children[child_key(node.extra_key, node.key[0])]
         self._free(node.value)
+        self._drop_state(node)
         self.evictable_size_ -= len(node.key)
         node.parent = None
         self.policy.on_evict(node)
@@ -253,6 +318,7 @@ class RadixCache:
             for node in list(self._nodes()):
                 if node is not self.root:
                     self._free(node.value)
+                self._drop_state(node)
                 node.parent, node.children, node.lock_ref = None, {}, 0
             self.policy.on_reset()
             if self.hicache is not None:
@@ -261,6 +327,7 @@ class RadixCache:
         self.root.lock_ref = 1  # never evictable, never counted
         self.evictable_size_ = 0
         self.protected_size_ = 0
+        self.state_count = 0
 
     def all_values(self) -> torch.Tensor:
         vals = [n.value for n in self._nodes() if n is not self.root]
@@ -295,6 +362,9 @@ class RadixCache:
         vals = self.all_values()
         if len(torch.unique(vals)) != len(vals):
             raise RuntimeError("a KV slot appears twice in the tree")
+        states = [n.state for n in self._nodes() if n.state is not None]
+        if len(states) != self.state_count:
+            raise RuntimeError(f"state_count {self.state_count} != {len(states)} states on nodes")
         self.policy.check_integrity(self)
 
     # ---- internals -----------------------------------------------------------------------------

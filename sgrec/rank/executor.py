@@ -57,15 +57,33 @@ class RankCapacityError(RuntimeError):
     """The KV pool cannot hold a rank request even after evicting every unused cache entry."""
 
 
+def _ranking(items: list[Item], scores: torch.Tensor, caller_pos: dict[str, int], top_k: int | None,
+             semantic_id: bool) -> list[dict]:
+    """The response's ranking: by score, ties in the caller's order, the top_k first. semantic_id:
+    scores are path log-likelihoods, ranked by their softmax and returned beside it."""
+    loglik = None
+    if semantic_id:
+        loglik, scores = scores.tolist(), torch.softmax(scores, dim=0)
+    vals = scores.tolist()
+    order = sorted(range(len(items)), key=lambda j: (-vals[j], caller_pos[items[j].id]))
+    if top_k is not None:
+        order = order[:top_k]
+    ranking = [{"item": items[j].id, "score": vals[j]} for j in order]
+    if loglik is not None:  # the path's summed log-probability, as /v1/retrieve scores it
+        for r, j in zip(ranking, order):
+            r["log_likelihood"] = loglik[j]
+    return ranking
+
+
 class RankExecutor:
     def __init__(self, runner, tree, catalog: Catalog, args, header_ids: Sequence[int] = (),
                  meta: CacheMeta | None = None, dp_rank: int = 0, placement=None,
-                 user_extra_key: str | None = None, user_cache_tokens: int | None = None):
+                 user_extra_key: str | None = None, user_cache_tokens: int | None = None, tiers=None):
         self.runner = runner
         self.tree = tree
         self.catalog = catalog
         self.args = args
-        self.allocator = runner.kv_pool.allocator
+        self.allocator = runner.memory.allocator
         self.vocab_size = runner.config.vocab_size
         self.header_ids = [int(t) for t in header_ids]
         self.meta = meta or CacheMeta()
@@ -76,7 +94,7 @@ class RankExecutor:
         self.fetcher = None
         # The storage tier (radix/hicache.py HiCache with a storage backend), or None: item KV computed
         # here is written there, and a miss found there is loaded instead of recomputed
-        self.tiers = None
+        self.tiers = tiers
         self.forward_cost = LinearCost(TOKEN_TIME_ALPHA)  # measured forwards: fixed + per computed token
         self._reads_skipped = 0  # requests whose candidates were recomputed, not read from storage
         # Hard cap on the user-prefix cache (the radix tree's share of the pool). None: the rest of the
@@ -97,7 +115,10 @@ class RankExecutor:
         """Header and item KV for the whole catalog (this rank's share with dp_size > 1), as far as
         the item budget allows, in `order` (hottest first, e.g. by a past period's access counts, as
         HRCS fills its areas, §5.2) when given, else the store's own (current hotness, then catalog
-        order); returns how many items were computed."""
+        order); returns how many items were computed (none for a family that does not run the
+        item-as-prefix layout: its item KV is never read)."""
+        if L.ITEM_PREFIX not in self.runner.capabilities.layouts:
+            return 0
         if self.args.dp_size > 1 and self.placement is None:
             self.placement = self.plan_placement(self.args.dp_size)
         return self.store.precompute(progress, items=order)
@@ -105,9 +126,7 @@ class RankExecutor:
     def plan_placement(self, n: int, prefill_time=None, bandwidth_gbps: float = hrcs.DEFAULT_BANDWIDTH_GBPS):
         """Algorithm 1 over n ranks (the same plan on every rank): prefill_time(s, p) is the prefill
         model (default: fitted on this runner), bandwidth_gbps the link between the ranks."""
-        cfg = self.runner.config
-        per_token = self.runner.kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                                        self.runner.kv_pool.dtype)
+        per_token = self.runner.memory.bytes_per_token
         prefill = prefill_time or hrcs.fit_catalog_prefill(self.runner, self.catalog, self.args.max_rank_candidates)
         placement, rep = hrcs.plan_catalog(self.catalog, n, prefill, per_token, self.args.max_rank_candidates,
                                            hrcs.DEFAULT_TAU_U, bandwidth_gbps, hrcs.DEFAULT_ALPHA)
@@ -248,8 +267,35 @@ class RankExecutor:
         else:
             targets = [tuple(it.semantic_id) for it in items]
         policy = prefix or self.args.rank_prefix_policy
+        choice, kind = self._choose_prefix(policy, user_key, user_ids, items, instruction_ids)
+        lay = L.build(kind, self.header_ids, user_ids, [it.token_ids for it in items], instruction_ids)
+        fetched = stored = 0
+        if choice == L.USER_PREFIX:
+            scores, cached = yield from self._run_user_prefix(lay, targets, user_key, user_ids,
+                                                              by_freq=policy == "auto")
+        elif choice == L.ITEM_PREFIX:
+            scores, cached, fetched, stored = yield from self._run_item_prefix(lay, targets, item_ids)
+        else:
+            scores, cached = (yield Forward(lay, {}, targets)), 0
+        ranking = _ranking(items, scores, caller_pos, top_k, score_by == "semantic_id")
+        meta = {"prefix": choice, "prompt_tokens": len(lay), "cached_tokens": cached,
+                "computed_tokens": len(lay) - cached, "score_by": score_by, **fmeta}
+        if score_by == "semantic_id":
+            meta["path_tokens"] = semantic.PathTrie(targets).num_rows()  # path tokens forwarded
+        if self.fetcher is not None:
+            meta["fetched_tokens"] = fetched  # of cached_tokens, KV fetched from another rank
+        if self.tiers is not None:
+            meta["stored_tokens"] = stored  # of cached_tokens, item KV loaded from the storage tier
+        return {"ranking": ranking, "meta_info": meta}
+
+    def _choose_prefix(self, policy: str, user_key: str, user_ids: list[int], items: list[Item],
+                       instruction_ids: list[int]) -> tuple[str, str]:
+        """(the prefix the request takes: user, item or none; the layout it builds) by `policy`
+        (§5.3's rule for auto, the larger prefix for greedy), among the layouts the model's family
+        runs. Records the request in the cache meta (frequencies) on the way."""
         tau_u = len(user_ids)
         tau_i = sum(len(it.token_ids) for it in items)
+        item_ids = [it.id for it in items]
         # f_u of §5.3: the user's decayed sliding-window frequency of the requests *before* this one
         # (the predicted near-future frequency), so a first request (f_u = 0) never displaces a
         # cached user: such users would only add compulsory misses (§5.3, "cache-agnostic").
@@ -279,35 +325,13 @@ class RankExecutor:
         elif policy not in (L.USER_PREFIX, L.ITEM_PREFIX, NONE):  # greedy (an unknown name: ValueError)
             choice = select_prefix(policy, tau_u, tau_i)
         kind = L.ITEM_PREFIX if choice == L.ITEM_PREFIX else L.USER_PREFIX
-        lay = L.build(kind, self.header_ids, user_ids, [it.token_ids for it in items], instruction_ids)
-        fetched = stored = 0
-        if choice == L.USER_PREFIX:
-            scores, cached = yield from self._run_user_prefix(lay, targets, user_key, user_ids,
-                                                              by_freq=policy == "auto")
-        elif choice == L.ITEM_PREFIX:
-            scores, cached, fetched, stored = yield from self._run_item_prefix(lay, targets, item_ids)
-        else:
-            scores, cached = (yield Forward(lay, {}, targets)), 0
-        loglik = None
-        if score_by == "semantic_id":
-            loglik, scores = scores.tolist(), torch.softmax(scores, dim=0)
-        vals = scores.tolist()
-        order = sorted(range(len(items)), key=lambda j: (-vals[j], caller_pos[items[j].id]))
-        if top_k is not None:
-            order = order[:top_k]
-        meta = {"prefix": choice, "prompt_tokens": len(lay), "cached_tokens": cached,
-                "computed_tokens": len(lay) - cached, "score_by": score_by, **fmeta}
-        if loglik is not None:
-            meta["path_tokens"] = semantic.PathTrie(targets).num_rows()  # path tokens forwarded
-        if self.fetcher is not None:
-            meta["fetched_tokens"] = fetched  # of cached_tokens, KV fetched from another rank
-        if self.tiers is not None:
-            meta["stored_tokens"] = stored  # of cached_tokens, item KV loaded from the storage tier
-        ranking = [{"item": items[j].id, "score": vals[j]} for j in order]
-        if loglik is not None:  # the path's summed log-probability, as /v1/retrieve scores it
-            for r, j in zip(ranking, order):
-                r["log_likelihood"] = loglik[j]
-        return {"ranking": ranking, "meta_info": meta}
+        layouts = self.runner.capabilities.layouts  # the layouts whose masks the model's family runs
+        if kind == L.ITEM_PREFIX and kind not in layouts and policy != L.ITEM_PREFIX:
+            choice, kind = L.USER_PREFIX, L.USER_PREFIX  # auto or greedy: the other layout
+        if kind not in layouts:
+            raise ValueError(f"prefix {policy!r} needs the {kind}-as-prefix layout, which the "
+                             f"{self.runner.family.name} family does not run (its layouts: {sorted(layouts)})")
+        return choice, kind
 
     def _filter(self, items: list[Item], exclude: list[str] | None, include: list[str] | None,
                 spec: dict | None) -> tuple[list[Item], int]:
@@ -422,11 +446,10 @@ class RankExecutor:
             value = res.indices if fresh["user"] is None else torch.cat([res.indices, fresh["user"]])
             fresh["user"] = None  # owned by `value` now
             try:
-                done = tree.insert(user_ids, value, self.user_extra_key)
+                tree.insert_owned(user_ids, value, self.user_extra_key, m)
             except BaseException:
                 self.allocator.free(value[m:])
                 raise
-            self.allocator.free(value[m:done])  # fresh KV of tokens someone cached meanwhile
             after = tree.match_prefix(user_ids, self.user_extra_key)
             self.meta.set_cached(user_key, after.last_node, after.indices.numel(), user_ids)
         finally:
@@ -554,7 +577,7 @@ class RankExecutor:
             self._make_room(n)
             got = self.allocator.alloc(n)
             borrowed.append(got)
-            self.runner.kv_pool.write_rows(got, chunk.k, chunk.v)  # the pool casts (an fp8 one saturating)
+            self.runner.memory.write_rows(got, chunk.k, chunk.v)  # the pool casts (an fp8 one saturating)
             off = 0
             for item_id, m in zip(chunk.items, chunk.lens):
                 slots[want[item_id]] = got[off : off + m]

@@ -68,7 +68,7 @@ def forward_many(runner, specs: list[Forward], make_room) -> tuple[list[torch.Te
     sizes = [len(fresh_rows) + (0 if t is None else t.num_rows()) for (_, _, fresh_rows, _), t in zip(plans, tries)]
     total = sum(sizes)
     make_room(total)
-    allocator = runner.kv_pool.allocator
+    allocator = runner.memory.allocator
     slots = allocator.alloc(total)  # per spec: its fresh layout tokens, then its path rows
     kept: list[set[str]] = [set() for _ in specs]
     try:
@@ -96,14 +96,14 @@ def forward_many(runner, specs: list[Forward], make_room) -> tuple[list[torch.Te
         t0 = time.perf_counter()
         hidden = runner.hidden(runner.make_batch(ids, pos, slots, seqs), rows)
         seconds = time.perf_counter() - t0
-        model, out, off, a = runner.model, [], 0, 0
+        out, off, a = [], 0, 0
         for b, (spec, (_, _, fresh_rows, owner)) in enumerate(zip(specs, plans)):
             m = sizes[b] - len(fresh_rows)
             if tries[b] is None:  # only the candidates' id-token columns of the output layer
                 ids_t = torch.tensor(spec.targets, device=hidden.device)
-                out.append(torch.softmax(model.compute_logits(hidden[a : a + 1], ids_t)[0], dim=0).cpu())
+                out.append(torch.softmax(runner.compute_logits(hidden[a : a + 1], ids_t)[0], dim=0).cpu())
             else:  # full-vocabulary log-probabilities at the last token and every path row
-                logits = model.compute_logits(hidden[a : a + 1 + m])
+                logits = runner.compute_logits(hidden[a : a + 1 + m])
                 out.append(semantic.path_logliks(tries[b], logits[0], logits[1:]).cpu())
             a += 1 + m
             if spec.keep is not None:

@@ -126,7 +126,7 @@ def reference_loglik(runner, lay, path: Path) -> float:
     mask[T:, T:] = torch.ones(nd - 1, nd - 1, dtype=torch.bool).tril()
     ids = list(lay.token_ids) + [int(t) for t in path[:-1]]
     pos = list(lay.positions) + [lay.positions[-1] + k for k in range(1, nd)]
-    alloc = runner.kv_pool.allocator
+    alloc = runner.memory.allocator
     slots = alloc.alloc(n)
     if slots is None:
         raise RuntimeError(f"reference_loglik: no room for {n} slots")

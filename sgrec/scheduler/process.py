@@ -111,7 +111,7 @@ class SchedulerLoop:
     def run(self) -> None:
         sizes = {k: getattr(self.scheduler.args, k) for k in DEVICE_SIZED}
         sizes["cpu_threads"] = torch.get_num_threads()  # what --cpu-threads resolved to (/server_info)
-        self.send(io.SchedulerReady(self.dp_rank, self.runner.kv_pool.size, self.runner.context_len,
+        self.send(io.SchedulerReady(self.dp_rank, self.runner.memory.size, self.runner.context_len,
                                     self.runner.config.vocab_size, self.runner.max_input_len,
                                     self.scheduler.catalog_info(), sizes))
         while True:
@@ -276,7 +276,7 @@ class SchedulerLoop:
         for r in lost:
             r.finish_reason = io.abort_reason(INTERNAL_ERROR, 500)
         if not self.scheduler.has_work() and self.scheduler.flush_cache():
-            alloc = self.runner.kv_pool.allocator
+            alloc = self.runner.memory.allocator
             leaked = alloc.used_size() - self.scheduler.cached_size()
             if leaked > 0 and self.scheduler.cached_size() == 0:
                 logger.error("reclaiming %d KV slots left allocated by the failed batch", leaked)
@@ -295,7 +295,7 @@ class SchedulerLoop:
     def send_stats(self) -> None:
         now = time.monotonic()
         sched = self.scheduler
-        pool = self.runner.kv_pool
+        pool = self.runner.memory
         used = pool.allocator.used_size()
         self.send(io.SchedulerStats(
             dp_rank=self.dp_rank,

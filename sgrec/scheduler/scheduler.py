@@ -13,12 +13,14 @@ import logging
 import os
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import orjson
 import torch
 
 from sgrec import layout as L
 from sgrec.model.attention import SeqLayout
+from sgrec.model.registry import PREFIX_REUSE
 from sgrec.radix.eviction import make_policy
 from sgrec.radix.hicache import make_hicache, predicted_reuse
 from sgrec.radix.tree import RadixCache
@@ -102,20 +104,41 @@ def share_trie(folder: str, key, build):
     return SemanticIdTrie.from_arrays(arrays, info), arrays["trie_rows"]
 
 
+@dataclass
+class RowPlan:
+    """The logit rows of one request in a prefill batch: rows row .. last_row hold the distributions
+    after positions start .. stop - 1 (row None: it needs none); final: the batch ends its prompt."""
+
+    req: Req
+    final: bool
+    row: int | None = None
+    start: int | None = None
+    stop: int | None = None
+
+    @property
+    def last_row(self) -> int:
+        return self.row + (self.stop - self.start) - 1
+
+
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner, tokenizer: Tokenizer, show_progress: bool = False,
                  dp_rank: int = 0):
-        self.args = args = args.sized_for(runner.device.type, runner.device_memory)
+        self.args = args = runner.args  # the arguments the runner was built with, sized for its device
         self.runner = runner
         self.tokenizer = tokenizer
         eos = set(runner.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self.allocator = runner.kv_pool.allocator
-        self.hicache = None if args.disable_radix_cache else make_hicache(args, runner.kv_pool, runner.model)
+        self.allocator = runner.memory.allocator
+        reuse = runner.capabilities.prefix_reuse
+        if reuse != "any" and not args.disable_radix_cache:  # the tree cuts a match at any token
+            raise ValueError(f"the {runner.family.name} family's cached prefixes are reusable {PREFIX_REUSE[reuse]}, "
+                             f"while the radix cache cuts a match at any token; start with --disable-radix-cache")
+        self.hicache = None if args.disable_radix_cache else make_hicache(args, runner.memory, runner.model)
         self.tree = RadixCache(self.allocator, policy=make_policy(args.radix_eviction_policy, args.radix_eviction_policy_config),
-                               disable=args.disable_radix_cache, hicache=self.hicache)
+                               disable=args.disable_radix_cache, hicache=self.hicache,
+                               states=runner.memory.states if runner.memory.states.size else None)
         if self.hicache is not None:
             self.hicache.reuse = predicted_reuse(self.tree.policy)
         self.prefetching: list[tuple[list[Future], float, Req | Task, int]] = []  # held back while storage pages come up
@@ -127,55 +150,61 @@ class Scheduler:
         self.prefill_only_policy = args.schedule_policy if args.schedule_policy.startswith("srjf") else "fcfs"
         self.jct = jct_uncached_tokens
         if args.jct_model == "linear":
-            longest = max(2, min(runner.max_input_len, runner.kv_pool.size, 4096))
+            longest = max(2, min(runner.max_input_len, runner.memory.size, 4096))
             self.jct = profile_linear_jct(runner, [longest * i // 4 or 2 for i in range(1, 5)]).in_tokens()
             logger.info("JCT model fitted on profiled prefills: %s", self.jct)
         self.clock = time.monotonic
-        kinds: dict[str, TaskKind] = {}  # rank / retrieve: batched by kind, each batch one work unit
         backend = stream_backend(args, runner.device)
         self.catalog = self.rank_executor = self.retriever = self.versions = None
-        if args.item_catalog:
-            from sgrec.beam.executor import RetrieveExecutor, build_trie, layered_trie
-            from sgrec.rank.executor import RankExecutor
-
-            vocab = runner.config.vocab_size
-            catalog = load_rank_catalog(args, dp_rank, tokenizer, vocab, show_progress)
-            self.versions = replay(catalog, args.journal_path, args.catalog_history, vocab)
-            self.catalog = self.versions.current
-            built = shared_trie(lambda: f"v{self.versions.version}-start",
-                                lambda: build_trie(self.catalog, vocab, runner.device, layered_trie(runner)),
-                                runner.device)
-            self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank)
-            if self.hicache is not None and self.hicache.storage is not None:
-                self.rank_executor.tiers = self.hicache  # item KV shared through the storage tier
-            self.rank_executor.precompute(progress=show_progress)
-            self.retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width,
-                                              units=stage_units(args, backend),
-                                              built=built)
-
-            def versioned(results: list) -> list:  # every answer names the catalog version it was served on
-                for r in results:
-                    if isinstance(r, dict):
-                        r["meta_info"]["catalog_version"] = self.versions.version
-                return results
-
-            def retrieve(payloads: list[dict]) -> list:
-                return versioned([r if isinstance(r, Exception) else {"items": r.items, "meta_info": r.meta}
-                                  for r in self.retriever.run_batch(payloads)])
-
-            def recommend_tokens(p: dict) -> int:  # the retrieve stage, then about the rank stage's prompt
-                ranked = len(p["rank"]["user_ids"]) + len(p["rank"]["instruction_ids"])
-                per_item = self.catalog.total_tokens / len(self.catalog)
-                return self.retriever.tokens(p["retrieve"]) + ranked + round(p["retrieve"]["num_items"] * per_item)
-
-            kinds["rank"] = TaskKind(lambda p: versioned(self.rank_executor.run_batch(p)), self.rank_executor.tokens)
-            kinds["retrieve"] = TaskKind(retrieve, self.retriever.tokens)
-            kinds["recommend"] = TaskKind(
-                lambda p: versioned(recommend_batch(self.retriever, self.rank_executor, p)), recommend_tokens)
+        kinds = self._catalog_paths(dp_rank, backend, show_progress) if args.item_catalog else {}
         self.tasks = TaskQueue(args, kinds, backend, clock=lambda: self.clock())
-        self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
+        self.chunk_size = args.prefill_chunk
         self.last_was_prefill = False
         self.last_ran_tasks = False  # the last step ran rank / retrieve batches
+
+    def _catalog_paths(self, dp_rank: int, backend, show_progress: bool) -> dict[str, TaskKind]:
+        """--item-catalog: the catalog (its journal replayed), the rank and retrieve executors over
+        it, and the task kinds they serve (rank, retrieve, recommend)."""
+        from sgrec.beam.executor import RetrieveExecutor, build_trie, layered_trie
+        from sgrec.rank.executor import RankExecutor
+
+        args, runner, tokenizer = self.args, self.runner, self.tokenizer
+        vocab = runner.config.vocab_size
+        catalog = load_rank_catalog(args, dp_rank, tokenizer, vocab, show_progress)
+        self.versions = replay(catalog, args.journal_path, args.catalog_history, vocab)
+        self.catalog = self.versions.current
+        built = shared_trie(lambda: f"v{self.versions.version}-start",
+                            lambda: build_trie(self.catalog, vocab, runner.device, layered_trie(runner)),
+                            runner.device)
+        tiers = self.hicache if self.hicache is not None and self.hicache.storage is not None else None
+        # item KV shared through the storage tier, where there is one
+        self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank, tiers=tiers)
+        self.rank_executor.precompute(progress=show_progress)
+        self.retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width,
+                                          units=stage_units(args, backend),
+                                          built=built)
+
+        def versioned(results: list) -> list:  # every answer names the catalog version it was served on
+            for r in results:
+                if isinstance(r, dict):
+                    r["meta_info"]["catalog_version"] = self.versions.version
+            return results
+
+        def retrieve(payloads: list[dict]) -> list:
+            return versioned([r if isinstance(r, Exception) else {"items": r.items, "meta_info": r.meta}
+                              for r in self.retriever.run_batch(payloads)])
+
+        def recommend_tokens(p: dict) -> int:  # the retrieve stage, then about the rank stage's prompt
+            ranked = len(p["rank"]["user_ids"]) + len(p["rank"]["instruction_ids"])
+            per_item = self.catalog.total_tokens / len(self.catalog)
+            return self.retriever.tokens(p["retrieve"]) + ranked + round(p["retrieve"]["num_items"] * per_item)
+
+        return {  # batched by kind, each batch one work unit
+            "rank": TaskKind(lambda p: versioned(self.rank_executor.run_batch(p)), self.rank_executor.tokens),
+            "retrieve": TaskKind(retrieve, self.retriever.tokens),
+            "recommend": TaskKind(lambda p: versioned(recommend_batch(self.retriever, self.rank_executor, p)),
+                                  recommend_tokens),
+        }
 
     # ---- public -------------------------------------------------------------------------
     def add_request(self, msg: TokenizedGenerateReq) -> Req:
@@ -496,9 +525,12 @@ class Scheduler:
         return items
 
     # ---- prefill ------------------------------------------------------------------------
-    def _run_prefill(self, items: list[tuple[Req, int, torch.Tensor]]) -> list[Req]:
-        ids, pos, seqs, rows, row_plan = [], [], [], [], []
-        label_rows: dict[int, int] = {}  # id(req) -> its last row (label_columns_only: logits of its labels only)
+    def _plan_rows(self, items: list[tuple[Req, int, torch.Tensor]]):
+        """A prefill batch's tokens, sequences and the rows each request needs: (ids, positions,
+        seqs, logit rows, one RowPlan a request, label rows: id(req) -> its last row, for the
+        requests whose labels alone are scored, label_columns_only)."""
+        ids, pos, seqs, rows, plans = [], [], [], [], []
+        label_rows: dict[int, int] = {}
         for req, take, slots in items:
             start, fill = req.kv_len, req.fill_ids
             q_start = len(ids)
@@ -510,44 +542,49 @@ class Scheduler:
             first_row = max(lp_from, start) if lp_from is not None else None
             if final and first_row is None and self._labels_only(req):
                 label_rows[id(req)] = q_start + take - 1
-                row_plan.append((req, None, None, None, final))
+                plans.append(RowPlan(req, final))
                 continue
             if final:  # the last position's distribution is always needed
                 first_row = start + take - 1 if first_row is None else min(first_row, start + take - 1)
             if first_row is not None and first_row < start + take:
-                row_plan.append((req, len(rows), first_row, start + take, final))
+                plans.append(RowPlan(req, final, len(rows), first_row, start + take))
                 rows += range(q_start + first_row - start, q_start + take)
             else:
-                row_plan.append((req, None, None, None, final))
+                plans.append(RowPlan(req, final))
+        return ids, pos, seqs, rows, plans, label_rows
+
+    def _run_prefill(self, items: list[tuple[Req, int, torch.Tensor]]) -> list[Req]:
+        ids, pos, seqs, rows, plans, label_rows = self._plan_rows(items)
         out_loc = torch.cat([s for _, _, s in items])
         batch = self.runner.make_batch(ids, pos, out_loc, seqs)
         hidden_of = self.runner.hidden_prefill_only if all(req.kv_keep is not None for req, _, _ in items) \
             else self.runner.hidden
         hidden = hidden_of(batch, rows + list(label_rows.values()))  # rows may be empty: a middle chunk only fills KV
-        logits = self.runner.model.compute_logits(hidden[: len(rows)])
+        logits = self.runner.compute_logits(hidden[: len(rows)])
         label_hidden = dict(zip(label_rows, hidden[len(rows):]))
 
         progressed, to_sample, sample_rows = [], [], []
-        for (req, take, slots), seq, (_, r0, p0, p1, final) in zip(items, seqs, row_plan):
+        for seq, plan in zip(seqs, plans):
+            req = plan.req
             req.kv_indices = seq.kv_indices if req.kv_keep is None else seq.kv_indices[: req.kv_keep]
-            if r0 is not None and self._input_logprob_from(req) is not None:
-                self._record_input_logprobs(req, logits[r0 : r0 + (p1 - p0)], p0)
+            if plan.row is not None and self._input_logprob_from(req) is not None:
+                self._record_input_logprobs(req, logits[plan.row : plan.last_row + 1], plan.start)
             if req.kv_keep is None:
                 self._cache_unfinished(req)
-            if not final:
+            if not plan.final:
                 continue
             req.input_logprobs_done = True
             if req.sampling.max_new_tokens == 0 or len(req.output_ids) >= req.sampling.max_new_tokens:
                 if id(req) in label_hidden:
                     self._record_label_distribution(req, label_hidden[id(req)])
                 elif req.logprob.return_logprob and not req.output_ids:
-                    self._record_next_token_distribution(req, logits[r0 + (p1 - p0) - 1])
+                    self._record_next_token_distribution(req, logits[plan.last_row])
                 req.finish_reason = {"type": "length", "length": req.sampling.max_new_tokens}
                 self._release(req)
                 progressed.append(req)
                 continue
             to_sample.append(req)
-            sample_rows.append(r0 + (p1 - p0) - 1)
+            sample_rows.append(plan.last_row)
         if to_sample:
             self._sample_and_append(to_sample, logits[sample_rows])
             for req in to_sample:
@@ -598,7 +635,7 @@ class Scheduler:
         rows of those ids only: log_softmax over the labels of the full logprobs, within float32."""
         ids = req.logprob.token_ids_logprob
         cols = torch.tensor(ids, dtype=torch.int64, device=hidden.device)
-        vals = self._logprobs(self.runner.model.compute_logits(hidden[None], cols), [req])[0].tolist()
+        vals = self._logprobs(self.runner.compute_logits(hidden[None], cols), [req])[0].tolist()
         req.output_token_ids_logprobs.append(list(zip(vals, ids)))
 
     def _logprobs(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
@@ -668,12 +705,7 @@ class Scheduler:
         if self.tree.disable:
             return
         n = req.kv_len
-        key = req.fill_ids[:n]
-        prefix = self.tree.insert(key, req.kv_indices, req.extra_key)
-        self.allocator.free(req.kv_indices[req.cache_protected_len : prefix])
-        res = self.tree.match_prefix(key, req.extra_key)
-        self.tree.dec_lock_ref(req.last_node)
-        self.tree.inc_lock_ref(res.last_node)
+        res = self.tree.hand_off(req.fill_ids[:n], req.kv_indices, req.extra_key, req.cache_protected_len, req.last_node)
         req.kv_indices, req.cache_protected_len, req.last_node = res.indices, n, res.last_node
 
     def _release(self, req: Req, cache: bool = True) -> None:
@@ -682,8 +714,7 @@ class Scheduler:
         if req.last_node is None:
             return
         if cache and not self.tree.disable:
-            prefix = self.tree.insert(req.fill_ids[: req.kv_len], req.kv_indices, req.extra_key)
-            self.allocator.free(req.kv_indices[req.cache_protected_len : prefix])
+            self.tree.insert_owned(req.fill_ids[: req.kv_len], req.kv_indices, req.extra_key, req.cache_protected_len)
         else:
             self.allocator.free(req.kv_indices[req.cache_protected_len :])
         self.tree.dec_lock_ref(req.last_node)

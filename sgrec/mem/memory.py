@@ -1,0 +1,105 @@
+"""A model's memory in one object: the attention layers' per-token KV and the per-request states.
+
+`Memory` is what the runner hands every path: the token slots' allocator, the KV pool of the
+attention layers (with the layer map: model layer -> KV buffer, None for a layer without KV), and
+a `StatePool` of fixed-size per-request state slots for families whose layers keep one (a
+recurrent layer's state; none for the dense decoder). Bytes per token and per state are computed
+here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sgrec.mem.kv_pool import KVPool, TokenAllocator
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class StatePool:
+    """`size` state slots (slot 0 is padding, as the KV pool's): for each stateful layer, one
+    [size + 1, *shape] tensor per named part. alloc / free hand out slots; fork copies a slot's
+    state into fresh ones (a beam taking its parent's state); gather reads some slots' states."""
+
+    def __init__(self, size: int, shapes: dict[int, dict[str, tuple[int, ...]]], dtype: torch.dtype,
+                 device: str | torch.device = "cpu"):
+        self.size, self.dtype, self.device = size, dtype, torch.device(device)
+        self.buffers = {layer: {name: torch.zeros((size + 1, *shape), dtype=dtype, device=self.device)
+                                for name, shape in parts.items()} for layer, parts in shapes.items()}
+        self.allocator = TokenAllocator(size, self.device) if size else None
+        self.bytes_per_state = sum(element_size(dtype) * int(torch.Size(shape).numel())
+                                   for parts in shapes.values() for shape in parts.values())
+
+    def available_size(self) -> int:
+        return self.allocator.available_size() if self.allocator is not None else 0
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots with zeroed states, or None when fewer are free."""
+        slots = None if self.allocator is None else self.allocator.alloc(n)
+        if slots is not None:
+            for parts in self.buffers.values():
+                for buf in parts.values():
+                    buf.index_fill_(0, slots, 0)
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        if self.allocator is not None:
+            self.allocator.free(slots)
+
+    def fork(self, src: torch.Tensor) -> torch.Tensor | None:
+        """Fresh slots holding copies of the states at `src` (one a source slot), or None when the
+        pool cannot hold them."""
+        dst = None if self.allocator is None else self.allocator.alloc(src.numel())
+        if dst is not None:
+            for parts in self.buffers.values():
+                for buf in parts.values():
+                    buf.index_copy_(0, dst, buf.index_select(0, src))
+        return dst
+
+    def gather(self, slots: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
+        """Copies of the states at `slots`: layer -> part -> [len(slots), *shape]."""
+        return {layer: {name: buf.index_select(0, slots) for name, buf in parts.items()}
+                for layer, parts in self.buffers.items()}
+
+
+class Memory:
+    """The token pool's KV for the attention layers and, where a family has them, the state slots.
+
+    layer_kinds: one entry a model layer ("attention" has KV; any other kind none); kv_layers[i]
+    is the KV buffer of model layer i (None without). states/state_shapes: the StatePool's size
+    and, per stateful layer, its parts' shapes."""
+
+    def __init__(self, tokens: int, layer_kinds: Sequence[str], num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu", attn_dtype: torch.dtype | None = None,
+                 states: int = 0, state_shapes: dict[int, dict[str, tuple[int, ...]]] | None = None,
+                 state_dtype: torch.dtype | None = None):
+        self.kv_layers: list[int | None] = []
+        for kind in layer_kinds:
+            self.kv_layers.append(sum(k is not None for k in self.kv_layers) if kind == "attention" else None)
+        n_kv = sum(k is not None for k in self.kv_layers)
+        self.kv = KVPool(tokens, n_kv, num_kv_heads, head_dim, dtype, device, attn_dtype)
+        self.allocator = self.kv.allocator  # the token slots
+        self.bytes_per_token = KVPool.bytes_per_token(n_kv, num_kv_heads, head_dim, dtype)
+        self.states = StatePool(states, state_shapes or {}, state_dtype or self.kv.attn_dtype, device)
+        self.bytes_per_state = self.states.bytes_per_state
+
+    @property
+    def size(self) -> int:
+        """Token slots."""
+        return self.kv.size
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    def read_rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KVPool.read_rows: the attention layers' K and V at `slots`, on the host, bit for bit."""
+        return self.kv.read_rows(slots)
+
+    def write_rows(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """KVPool.write_rows."""
+        self.kv.write_rows(slots, k, v)

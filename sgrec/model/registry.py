@@ -1,0 +1,108 @@
+"""Model families: an architecture name (config.json's `architectures`) to the family that serves it.
+
+A family builds its model and says what it can do. The paths around the runner ask for these
+capabilities, never for the architecture, and a capability a family lacks is refused at start-up
+or with a 400 naming the option. Today's one family is the dense decoder (`sgrec.model.llama`);
+a new one is a module that calls `register` with its architectures.
+
+Capabilities:
+- `layer_kinds`: one entry a layer, "attention" (per-token KV in the pool) or "recurrent" (a
+  fixed-size state a request, `mem.memory.StatePool`); the memory object is sized from it.
+- `prefix_reuse`: how a cached prefix may be reused: "any" (cut at any token: a radix match),
+  "snapshot" (only where a state was kept), "exact" (only the whole sequence).
+- `layouts`: the rank layouts (`sgrec.layout.KINDS`) whose attention masks it runs.
+- `encoder`: whether requests carry encoder inputs (cross-attention slots in ForwardBatch).
+- `chunked_prefill` (`hybrid_prefill`): forward parts the family's layers support; the runner
+  turns on only those it has. `fused_decode` and `decode_graphs`: the CPU fused decode step and
+  the CUDA decode graphs, both written for the dense decoder's layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+ATTENTION, RECURRENT = "attention", "recurrent"
+PREFIX_REUSE = {"any": "cut at any token", "snapshot": "only where a state was kept",
+                "exact": "only as the whole sequence"}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    layer_kinds: tuple[str, ...]
+    prefix_reuse: str = "any"
+    layouts: frozenset[str] = frozenset()
+    encoder: bool = False
+    hybrid_prefill: bool = False
+    fused_decode: bool = False
+    decode_graphs: bool = False
+
+    def __post_init__(self):
+        if self.prefix_reuse not in PREFIX_REUSE:
+            raise ValueError(f"prefix_reuse must be one of {list(PREFIX_REUSE)}, got {self.prefix_reuse!r}")
+        unknown = set(self.layer_kinds) - {ATTENTION, RECURRENT}
+        if unknown:
+            raise ValueError(f"unknown layer kinds {sorted(unknown)}")
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers whose KV lives in the token pool, in layer order."""
+        return [i for i, kind in enumerate(self.layer_kinds) if kind == ATTENTION]
+
+    def refuse_layout(self, layout: str, family: str) -> None:
+        """A 400's ValueError naming the field when this family cannot run a rank layout."""
+        if layout not in self.layouts:
+            raise ValueError(f"layout {layout!r} is not served for {family} models "
+                             f"(supported: {sorted(self.layouts) or 'none'})")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: its name, the checkpoint architectures it reads (architecture -> variant
+    name), how its variants' flags come from config.json, and how its model is built."""
+
+    name: str
+    architectures: dict[str, str]
+    config_flags: Callable[[str, dict], dict]  # (variant, config.json) -> ModelConfig flag fields
+    build: Callable[..., torch.nn.Module]  # (ModelConfig, device) -> the model, on the meta device
+    capabilities: Callable[..., Capabilities]  # (ModelConfig) -> what it can do
+
+
+_FAMILIES: dict[str, Family] = {}  # architecture name -> family
+_BY_NAME: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    for arch in family.architectures:
+        if arch in _FAMILIES and _FAMILIES[arch] is not family:
+            raise ValueError(f"architecture {arch} is already served by the {_FAMILIES[arch].name} family")
+        _FAMILIES[arch] = family
+    _BY_NAME[family.name] = family
+    return family
+
+
+def family_named(name: str) -> Family:
+    _load_builtin()
+    return _BY_NAME[name]
+
+
+def _load_builtin() -> None:
+    import sgrec.model.llama  # noqa: F401  (registers the dense decoder family)
+
+
+def supported_architectures() -> list[str]:
+    _load_builtin()
+    return sorted(_FAMILIES)
+
+
+def family_for(architectures: list[str], where: str = "config.json") -> tuple[Family, str, str]:
+    """(family, the architecture it matched, its variant) for a checkpoint's `architectures`;
+    a ValueError naming the supported ones otherwise."""
+    _load_builtin()
+    for arch in architectures:
+        if arch in _FAMILIES:
+            family = _FAMILIES[arch]
+            return family, arch, family.architectures[arch]
+    raise ValueError(f"Unsupported architecture {architectures} in {where}; sgrec supports {supported_architectures()}")
