@@ -17,7 +17,7 @@ import torch
 
 from sgrec.mem.kv_pool import FP8, KVPool
 from sgrec.mem.memory import Memory
-from sgrec.model import registry
+from sgrec.model import families
 from sgrec.model.attention import AttentionBackend, ForwardBatch, NativeBackend, SeqLayout, TritonBackend
 from sgrec.model.backends import make_backend
 from sgrec.model.config import ModelConfig, resolve_dtype
@@ -87,7 +87,7 @@ class ModelRunner:
         self.device_memory = torch.cuda.get_device_properties(self.device).total_memory if on_gpu else None
         self.args = args = args.sized_for(self.device.type, self.device_memory)  # chunk and batch sizes by device
         self.config = ModelConfig.from_dir(args.model_path)
-        self.family = registry.family_named(self.config.family)
+        self.family = families.family_named(self.config.family)
         self.capabilities = self.family.capabilities(self.config)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
@@ -239,6 +239,10 @@ class ModelRunner:
         """Final hidden states [T, hidden] of every row, attention through a path's own backend
         (the beam's staged one: its batches carry their own attention meta)."""
         return self.model(batch, backend)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's tensors by name (what names the KV it computes: radix/hicache.model_fingerprint)."""
+        return self.model.state_dict()
 
     def reserve_positions(self, n: int) -> None:
         """Positions up to n made ready before any step runs (a step replayed on the device reads

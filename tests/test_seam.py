@@ -16,7 +16,7 @@ from sgrec import layout as L
 from sgrec.engine import Engine
 from sgrec.mem.kv_pool import KVPool, TokenAllocator
 from sgrec.mem.memory import Memory, StatePool
-from sgrec.model import llama, registry
+from sgrec.model import families, llama, registry
 from sgrec.model.config import ModelConfig
 from sgrec.radix.tree import RadixCache
 from sgrec.rank.executor import RankExecutor
@@ -46,18 +46,18 @@ def restricted_family(name: str, arch: str, **caps) -> registry.Family:
     (registered once a test process)."""
     if arch in _REGISTERED:
         return _REGISTERED[arch]
-    _REGISTERED[arch] = registry.register(registry.Family(
+    _REGISTERED[arch] = families.register(registry.Family(
         name=name, architectures={arch: "llama"}, config_flags=llama.config_flags, build=llama.CausalLM,
         capabilities=lambda cfg: dataclasses.replace(llama.capabilities(cfg), **caps)))
     return _REGISTERED[arch]
 
 
 def test_registry_maps_architectures_to_the_decoder_family():
-    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(registry.supported_architectures())
-    family, arch, variant = registry.family_for(["Foo", "Qwen3ForCausalLM"])
+    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(families.supported_architectures())
+    family, arch, variant = families.family_for(["Foo", "Qwen3ForCausalLM"])
     assert (family.name, arch, variant) == ("decoder", "Qwen3ForCausalLM", "qwen3")
     with pytest.raises(ValueError, match=r"Unsupported architecture \['T5ForConditionalGeneration'\] in x/y"):
-        registry.family_for(["T5ForConditionalGeneration"], "x/y")
+        families.family_for(["T5ForConditionalGeneration"], "x/y")
     assert llama.config_flags("qwen3", {}) == {"qkv_bias": False, "o_bias": False, "mlp_bias": False, "qk_norm": True}
     assert llama.config_flags("qwen2", {"attention_bias": True})["qkv_bias"] is True
     assert llama.config_flags("llama", {"attention_bias": True})["o_bias"] is True
@@ -66,7 +66,7 @@ def test_registry_maps_architectures_to_the_decoder_family():
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         llama.config_flags("llama", {"hidden_act": "gelu"})
     with pytest.raises(ValueError, match="already served by the decoder family"):
-        registry.register(registry.Family("other", {"LlamaForCausalLM": "x"}, llama.config_flags, llama.CausalLM,
+        families.register(registry.Family("other", {"LlamaForCausalLM": "x"}, llama.config_flags, llama.CausalLM,
                                           llama.capabilities))
 
 

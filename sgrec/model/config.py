@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgrec.model import cpu_caps, registry
+from sgrec.model import cpu_caps, families
 from sgrec.model.cpu_caps import NativeSupport
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class ModelConfig:
     def from_dir(cls, path: str) -> "ModelConfig":
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
-        family, _, variant = registry.family_for(cfg.get("architectures") or [], path)
+        family, _, variant = families.family_for(cfg.get("architectures") or [], path)
         flags = family.config_flags(variant, cfg)  # the family refuses what it cannot serve
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads

@@ -2,23 +2,25 @@
 
 Differences between the three are flags on ModelConfig (`config_flags`): Qwen2's q/k/v bias,
 Qwen3's per-head q/k RMSNorm (and explicit head_dim), tied or untied embeddings.
-q/k/v and gate/up projections are fused into one matmul each. Registered as the "decoder" family
-(sgrec.model.registry): every layer attention over the token pool, any prefix reusable.
+q/k/v and gate/up projections are fused into one matmul each. The "decoder" family
+(sgrec.model.families): every layer attention over the token pool, any prefix reusable.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sgrec.model.attention import AttentionBackend, ForwardBatch
-from sgrec.model.config import ModelConfig
 from sgrec.model.cpu_linear import MIN_PACKED_NUMEL, pack_linears
-from sgrec.model.registry import ATTENTION, Capabilities, Family, register
+from sgrec.model.registry import ATTENTION, Capabilities, Family
 from sgrec.model.rope import RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:  # the config reads sgrec.model.families, which lists this family: a type only here
+    from sgrec.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -262,8 +264,8 @@ def capabilities(cfg: ModelConfig) -> Capabilities:
                         fused_decode=True, decode_graphs=True)
 
 
-FAMILY = register(Family(
+FAMILY = Family(  # listed in sgrec.model.families
     name="decoder",
     architectures={"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"},
     config_flags=config_flags, build=CausalLM, capabilities=capabilities,
-))
+)

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from sgrec.model import registry
+from sgrec.model import families
 from sgrec.model.config import ModelConfig
 from sgrec.model.cpu_linear import MIN_PACKED_NUMEL
 
@@ -36,12 +36,12 @@ def load_model(
     pack_weights: bool = False, deterministic: bool = False, quantization: str | None = None,
     keep_plain: bool = False,
 ) -> torch.nn.Module:
-    """The model of config's family (sgrec.model.registry). pack_weights: prepack for oneDNN (cpu_linear); deterministic: every layer packed (where
+    """The model of config's family (sgrec.model.families). pack_weights: prepack for oneDNN (cpu_linear); deterministic: every layer packed (where
     pack_weights) and batch-invariant (CausalLM.make_batch_invariant); quantization "fp8": the decoder
     layers' linear layers in FP8 (sgrec.model.fp8); keep_plain: packed layers keep their plain weights
     too (for sgrec.model.fused_decode)."""
     with torch.device("meta"):
-        model = registry.family_named(config.family).build(config, device)
+        model = families.family_named(config.family).build(config, device)
     model.to_empty(device=device)
     model.to(dtype)
     model.load_weights(iter_safetensors(path, show_progress))

@@ -1,9 +1,10 @@
-"""Model families: an architecture name (config.json's `architectures`) to the family that serves it.
+"""What a model family is: the architectures it reads, how it builds its model, what it can do.
 
 A family builds its model and says what it can do. The paths around the runner ask for these
 capabilities, never for the architecture, and a capability a family lacks is refused at start-up
-or with a 400 naming the option. Today's one family is the dense decoder (`sgrec.model.llama`);
-a new one is a module that calls `register` with its architectures.
+or with a 400 naming the option. `sgrec.model.families` maps architecture names to the families
+(today's one: the dense decoder, `sgrec.model.llama`); a new family is a module that defines its
+`Family`, listed there.
 
 Capabilities:
 - `layer_kinds`: one entry a layer, "attention" (per-token KV in the pool) or "recurrent" (a
@@ -68,41 +69,3 @@ class Family:
     config_flags: Callable[[str, dict], dict]  # (variant, config.json) -> ModelConfig flag fields
     build: Callable[..., torch.nn.Module]  # (ModelConfig, device) -> the model, on the meta device
     capabilities: Callable[..., Capabilities]  # (ModelConfig) -> what it can do
-
-
-_FAMILIES: dict[str, Family] = {}  # architecture name -> family
-_BY_NAME: dict[str, Family] = {}
-
-
-def register(family: Family) -> Family:
-    for arch in family.architectures:
-        if arch in _FAMILIES and _FAMILIES[arch] is not family:
-            raise ValueError(f"architecture {arch} is already served by the {_FAMILIES[arch].name} family")
-        _FAMILIES[arch] = family
-    _BY_NAME[family.name] = family
-    return family
-
-
-def family_named(name: str) -> Family:
-    _load_builtin()
-    return _BY_NAME[name]
-
-
-def _load_builtin() -> None:
-    import sgrec.model.llama  # noqa: F401  (registers the dense decoder family)
-
-
-def supported_architectures() -> list[str]:
-    _load_builtin()
-    return sorted(_FAMILIES)
-
-
-def family_for(architectures: list[str], where: str = "config.json") -> tuple[Family, str, str]:
-    """(family, the architecture it matched, its variant) for a checkpoint's `architectures`;
-    a ValueError naming the supported ones otherwise."""
-    _load_builtin()
-    for arch in architectures:
-        if arch in _FAMILIES:
-            family = _FAMILIES[arch]
-            return family, arch, family.architectures[arch]
-    raise ValueError(f"Unsupported architecture {architectures} in {where}; sgrec supports {supported_architectures()}")

@@ -55,12 +55,12 @@ SELECTIVE_HITS = 2  # write_through_selective writes a node down at its second h
 WRITE_QUEUE = 4096  # pages waiting for the storage writer; beyond that a write is dropped (counted)
 
 
-def model_fingerprint(model: torch.nn.Module, kv_dtype: torch.dtype, extra: str = "") -> str:
-    """Names the KV a model computes: every parameter's name, shape, dtype and leading bytes, and the
-    KV dtype. Servers with the same weights get the same name on any machine; other weights (even of
-    the same shape) get another, so their pages never mix."""
+def model_fingerprint(weights: dict[str, torch.Tensor], kv_dtype: torch.dtype, extra: str = "") -> str:
+    """Names the KV a model computes from its weights (ModelRunner.weights): every tensor's name,
+    shape, dtype and leading bytes, and the KV dtype. Servers with the same weights get the same name
+    on any machine; other weights (even of the same shape) get another, so their pages never mix."""
     h = hashlib.blake2b(f"{kv_dtype}\0{extra}".encode(), digest_size=16)
-    for name, p in model.state_dict().items():
+    for name, p in weights.items():
         h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
         head = p.detach().reshape(-1)[:1024].cpu().contiguous()
         h.update(head.view(torch.uint8).numpy().tobytes())
@@ -501,16 +501,17 @@ def host_pages(pool_tokens: int, page_bytes: int, page_size: int, ratio: float |
     return want
 
 
-def make_hicache(args, memory, model: torch.nn.Module) -> HiCache | None:
+def make_hicache(args, memory, weights: dict[str, torch.Tensor]) -> HiCache | None:
     """The tiers the server arguments ask for (None without --enable-hierarchical-cache), over a
-    runner's memory (mem.memory.Memory: its KV pool and bytes per token)."""
+    runner's memory (mem.memory.Memory: its KV pool and bytes per token); `weights` name the KV
+    (model_fingerprint)."""
     if not args.enable_hierarchical_cache:
         return None
     extra = args.hicache_extra_config()
     P = args.hicache_page_size
     pool, page_bytes = memory.kv, memory.bytes_per_token * P
     pages = host_pages(pool.size, page_bytes, P, args.hicache_ratio, args.hicache_size)
-    return HiCache(pool, model_fingerprint(model, pool.dtype, machine_kind(pool.device)), pages, P, args.hicache_write_policy,
+    return HiCache(pool, model_fingerprint(weights, pool.dtype, machine_kind(pool.device)), pages, P, args.hicache_write_policy,
                    make_storage(args.hicache_storage_backend, extra), args.hicache_storage_prefetch_policy,
                    extra.get("prefetch_timeout_base", 1.0), extra.get("prefetch_timeout_per_ki_token", 0.25),
                    extra.get("item_reads", "cost"))

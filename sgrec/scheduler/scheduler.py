@@ -135,7 +135,7 @@ class Scheduler:
         if reuse != "any" and not args.disable_radix_cache:  # the tree cuts a match at any token
             raise ValueError(f"the {runner.family.name} family's cached prefixes are reusable {PREFIX_REUSE[reuse]}, "
                              f"while the radix cache cuts a match at any token; start with --disable-radix-cache")
-        self.hicache = None if args.disable_radix_cache else make_hicache(args, runner.memory, runner.model)
+        self.hicache = None if args.disable_radix_cache else make_hicache(args, runner.memory, runner.weights())
         self.tree = RadixCache(self.allocator, policy=make_policy(args.radix_eviction_policy, args.radix_eviction_policy_config),
                                disable=args.disable_radix_cache, hicache=self.hicache,
                                states=runner.memory.states if runner.memory.states.size else None)
