@@ -97,7 +97,8 @@ def main(argv=None) -> None:
     tree, raw = None, []
     if args.baseline_rev != "none":
         tree = worktree(args.baseline_rev, tmp)
-        runs.insert(0, (f"sgrec at {args.baseline_rev} (before the C kernels), its defaults", [], tree))
+        what = " (before the C kernels)" if args.baseline_rev == BASELINE_REV else ""
+        runs.insert(0, (f"sgrec at {args.baseline_rev}{what}, its defaults", [], tree))
     try:
         rows = run_all(args, runs, tmp, raw)
     finally:
