@@ -58,12 +58,13 @@ class ServerArgs:
         "auto", "Weights, activations and KV dtype. auto: on CPU bfloat16 where the CPU multiplies it "
         "natively (avx512_bf16 or amx_bf16 in its flags), else float32 (the choice and the flags are logged "
         "at start-up); on CUDA the checkpoint's dtype (bfloat16 for float32 checkpoints). bfloat16 or "
-        "float16 on a CPU without native matmuls for it logs a warning: about 100x slower matmul than "
-        "float32 was measured for bf16 on an AVX2-only CPU.", ["auto", "float32", "bfloat16", "float16"])
+        "float16 on a CPU without native matmuls for it logs a warning: such matmuls run far slower than "
+        "float32 (docs/performance.md).", ["auto", "float32", "bfloat16", "float16"])
     context_length: int | None = _arg(None, "Longest prompt + output (default: the model's max_position_embeddings).")
     max_total_tokens: int | None = _arg(None, "KV pool size in tokens (default: from --mem-fraction-static).", at_least=2)
     mem_fraction_static: float | None = _arg(
-        None, "Share of free memory for the KV pool (default 0.1 on CPU, capped at 131072 tokens; 0.85 on CUDA).", above=0, below=1)
+        None, "Share of free memory for the KV pool (default 0.1 on CPU, capped at 131072 tokens; 0.85 on CUDA).",
+        above=0, below=1)
     chunked_prefill_size: int | None = _arg(
         None, "Most prompt tokens in one prefill batch (longer prompts are split across steps); -1 disables "
         "chunking. Default: 2048 on CPU; on CUDA by the GPU's memory, as SGLang picks it: 2048 under 35 GB, "
@@ -213,9 +214,9 @@ class ServerArgs:
     disable_fused_decode: bool = _arg(
         False, "On CPU with sgrec's C kernels, do not run small decode batches as one C call per step (every "
         "layer, the final norm and the output layer; on by default: bfloat16 batches of up to 8 sequences "
-        "where the CPU has avx512_bf16, about 2x faster decode at batch 1 on SmolLM2; float32 batches of up "
-        "to 2 on AVX-512 (or AVX2 + FMA builds), about 1.5x; keeps a plain copy of the projection weights "
-        "beside the packed one). Its products sum in another order than oneDNN's (within the dtype's rounding, "
+        "where the CPU has avx512_bf16, float32 batches of up to 2 on AVX-512 (or AVX2 + FMA builds), each "
+        "faster than the layer-by-layer step (docs/performance.md); keeps a plain copy of the projection "
+        "weights beside the packed one). Its products sum in another order than oneDNN's (within the dtype's rounding, "
         "as any other implementation).")
     quantization: str | None = _arg(
         None, "SGLang's flag. fp8: the decoder layers' linear layers in FP8 (float8_e4m3fn weights with one "
@@ -238,22 +239,23 @@ class ServerArgs:
         "and checked at start-up to give a row the same bits at any row count (one row per matmul where not). "
         "On CUDA (attention backend auto or triton; torch and flashinfer are refused): the triton backend's "
         "batch-invariant kernel, each row's columns tiled at fixed places of the list of columns it sees, CUDA "
-        "graphs off, linear layers checked as on CPU (run on an H200). Off by default: it cost 6 to 22 percent on rank and retrieve and 7 "
-        "percent on saturated serving (docs/performance.md). Candidate order never changes rank scores, with or without it.")
+        "graphs off, linear layers checked as on CPU (run on an H200). Off by default, for what it costs on "
+        "rank, retrieve and saturated serving (docs/performance.md). Candidate order never changes rank "
+        "scores, with or without it.")
     random_seed: int = _arg(0, "Seed of the shared sampling generator.")
     dp_size: int = _arg(1, "Data-parallel ranks: one scheduler process (own model, KV pool, caches) each.", at_least=1)
     cpu_threads: int | None = _arg(
         None, "Threads of each scheduler's forward on CPU (torch's intra-op threads). Default: the CPUs this "
         "process may run on, divided among the --dp-size ranks. On a machine with few cores, fewer threads "
-        "than cores leave one to the HTTP process and its clients: on 2 cores, 1 gave retrieve traffic lower "
-        "latency and more requests per second than 2 (docs/performance.md); the default stays all of them, which "
-        "big prefills and batches use.", at_least=1)
+        "than cores leave one to the HTTP process and its clients, which can help retrieve traffic there "
+        "(docs/performance.md); the default stays all of them, which big prefills and batches use.", at_least=1)
     catalog_update_cores: int = _arg(
         1, "Threads the forward on CPU leaves to catalog updates while they arrive (from an update request, "
         "accepted or not, until 2 s after the last one; at least one thread stays): the HTTP process parses and "
-        "validates the bodies and a thread builds each version beside the steps. On 2 cores this kept the retrieve P99 under 1,000 item "
-        "updates/s near quiet's (docs/performance.md). 0: the forward keeps every thread, as it does on a GPU and "
-        "under --enable-deterministic-inference (whose check of the linear layers ran at the start-up thread count).", at_least=0)
+        "validates the bodies and a thread builds each version beside the steps (its effect on retrieve "
+        "latency under updates: docs/performance.md). 0: the forward keeps every thread, as it does on a GPU "
+        "and under --enable-deterministic-inference (whose check of the linear layers ran at the start-up "
+        "thread count).", at_least=0)
     api_key: str | None = _arg(None, "Require 'Authorization: Bearer KEY' on every route but health and metrics.")
     enable_metrics: bool = _arg(False, "Serve Prometheus metrics at /metrics.")
     log_level: str = _arg("info", "Log level.", ["debug", "info", "warning", "error"])
