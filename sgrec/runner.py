@@ -97,7 +97,8 @@ class ModelRunner:
         check_quantization(args, self.device)
         self.kv_dtype = FP8 if args.kv_cache_dtype == "fp8_e4m3" else self.dtype  # the KV pool's
         self.backend = make_backend(args.attention_backend, self.device, deterministic=det)
-        fused = self._fused_decode_lib()
+        # the fused decode step and the decode graphs run only for families that declare them
+        fused = self._fused_decode_lib() if self.capabilities.fused_decode else None
         self.model = load_model(args.model_path, self.config, self.device, self.dtype, show_progress, self.packed, det,
                                 args.quantization, keep_plain=fused is not None)
         self.fused = None if fused is None else FusedDecode(self.model, fused)
@@ -115,7 +116,7 @@ class ModelRunner:
         self.memory = self._new_memory(self._pool_size(reserve))
         logger.info("KV pool: %d tokens, dtype %s, device %s%s", self.memory.size, self.dtype, self.device,
                     ", oneDNN weight packing on" if self.packed else "")
-        self.graphs = self._decode_graphs()
+        self.graphs = self._decode_graphs() if self.capabilities.decode_graphs else None
 
     def _fused_decode_lib(self):
         """The C kernels' library where decode batches of up to fused_decode.MAX_BATCH run as one call
@@ -124,7 +125,7 @@ class ModelRunner:
         --enable-deterministic-inference, --quantization, another backend, or a dtype the build does not run."""
         args = self.args
         if (args.disable_fused_decode or args.enable_deterministic_inference or args.quantization is not None
-                or not isinstance(self.backend, NativeBackend) or not self.capabilities.fused_decode):
+                or not isinstance(self.backend, NativeBackend)):
             return None
         from sgrec.model import fused_decode, native
 
@@ -137,8 +138,7 @@ class ModelRunner:
         runs eagerly; any other failure is raised (cuda_graph.try_capture)."""
         args = self.args
         if (self.device.type != "cuda" or args.disable_cuda_graph or not isinstance(self.backend, TritonBackend)
-                or self.backend.deterministic  # the batch-invariant kernel reads a meta built per step
-                or not self.capabilities.decode_graphs):
+                or self.backend.deterministic):  # the batch-invariant kernel reads a meta built per step
             return None
         from sgrec.model.cuda_graph import DecodeGraphs, try_capture
 
