@@ -89,7 +89,7 @@ def test_runner_memory_is_the_pool_it_forwards_with(tiny_model_dir):
     assert runner.kv_pool is mem.kv and mem.allocator is mem.kv.allocator and mem.size == 64
     assert mem.bytes_per_token == KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     assert mem.kv_layers == list(range(cfg.num_layers)) and mem.states.size == 0 and mem.bytes_per_state == 0
-    assert runner.kernels in ("native", "torch") and runner.capabilities is not None
+    assert runner.kernels in ("native", "torch") and runner.capabilities == llama.capabilities(cfg)
 
 
 def test_memory_maps_attention_layers_and_sizes_states():
@@ -160,7 +160,8 @@ def test_tree_nodes_carry_states_with_their_own_lock_and_budget():
     assert states.available_size() == 2 and tree.state_count == 0 and alloc.available_size() == 8
 
 
-def test_a_layout_the_family_does_not_run_is_refused_by_name(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: bfloat16 where the CPU has avx512_bf16 / AMX
+def test_a_layout_the_family_does_not_run_is_refused_by_name(tiny_model_dir, tmp_path, dtype):
     restricted_family("decoder-user-only", "UserOnlyForCausalLM", layouts=frozenset({L.USER_PREFIX}))
     base = tiny_model_dir("llama", seed=0)
     path = with_architecture(base, str(tmp_path / "user_only"), "UserOnlyForCausalLM")
@@ -169,7 +170,7 @@ def test_a_layout_the_family_does_not_run_is_refused_by_name(tiny_model_dir, tmp
     user = ids(3, 4)
 
     def executor(model_path):
-        args = ServerArgs(model_path=model_path, device="cpu", dtype="float32", max_total_tokens=256)
+        args = ServerArgs(model_path=model_path, device="cpu", dtype=dtype, max_total_tokens=256)
         runner = ModelRunner(args)
         return RankExecutor(runner, RadixCache(runner.memory.allocator), cat, args, header_ids=HEADER)
 

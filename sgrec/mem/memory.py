@@ -16,10 +16,6 @@ import torch
 from sgrec.mem.kv_pool import KVPool, TokenAllocator
 
 
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class StatePool:
     """`size` state slots (slot 0 is padding, as the KV pool's): for each stateful layer, one
     [size + 1, *shape] tensor per named part. alloc / free hand out slots; fork copies a slot's
@@ -31,7 +27,7 @@ class StatePool:
         self.buffers = {layer: {name: torch.zeros((size + 1, *shape), dtype=dtype, device=self.device)
                                 for name, shape in parts.items()} for layer, parts in shapes.items()}
         self.allocator = TokenAllocator(size, self.device) if size else None
-        self.bytes_per_state = sum(element_size(dtype) * int(torch.Size(shape).numel())
+        self.bytes_per_state = sum(dtype.itemsize * int(torch.Size(shape).numel())
                                    for parts in shapes.values() for shape in parts.values())
 
     def available_size(self) -> int:
@@ -78,9 +74,10 @@ class Memory:
                  states: int = 0, state_shapes: dict[int, dict[str, tuple[int, ...]]] | None = None,
                  state_dtype: torch.dtype | None = None):
         self.kv_layers: list[int | None] = []
+        n_kv = 0
         for kind in layer_kinds:
-            self.kv_layers.append(sum(k is not None for k in self.kv_layers) if kind == "attention" else None)
-        n_kv = sum(k is not None for k in self.kv_layers)
+            self.kv_layers.append(n_kv if kind == "attention" else None)
+            n_kv += kind == "attention"
         self.kv = KVPool(tokens, n_kv, num_kv_heads, head_dim, dtype, device, attn_dtype)
         self.allocator = self.kv.allocator  # the token slots
         self.bytes_per_token = KVPool.bytes_per_token(n_kv, num_kv_heads, head_dim, dtype)

@@ -267,7 +267,7 @@ class RankExecutor:
         else:
             targets = [tuple(it.semantic_id) for it in items]
         policy = prefix or self.args.rank_prefix_policy
-        choice, kind = self._choose_prefix(policy, user_key, user_ids, items, instruction_ids)
+        choice, kind = self._choose_prefix(policy, user_key, user_ids, items, item_ids, instruction_ids)
         lay = L.build(kind, self.header_ids, user_ids, [it.token_ids for it in items], instruction_ids)
         fetched = stored = 0
         if choice == L.USER_PREFIX:
@@ -289,13 +289,12 @@ class RankExecutor:
         return {"ranking": ranking, "meta_info": meta}
 
     def _choose_prefix(self, policy: str, user_key: str, user_ids: list[int], items: list[Item],
-                       instruction_ids: list[int]) -> tuple[str, str]:
+                       item_ids: list[str], instruction_ids: list[int]) -> tuple[str, str]:
         """(the prefix the request takes: user, item or none; the layout it builds) by `policy`
         (§5.3's rule for auto, the larger prefix for greedy), among the layouts the model's family
         runs. Records the request in the cache meta (frequencies) on the way."""
         tau_u = len(user_ids)
         tau_i = sum(len(it.token_ids) for it in items)
-        item_ids = [it.id for it in items]
         # f_u of §5.3: the user's decayed sliding-window frequency of the requests *before* this one
         # (the predicted near-future frequency), so a first request (f_u = 0) never displaces a
         # cached user: such users would only add compulsory misses (§5.3, "cache-agnostic").
