@@ -306,7 +306,7 @@ def main() -> None:
     for c in levels:
         one, bat = measured["one"][c], measured["batched"][c]
         single = simulated_closed_loop(costs, c, args.requests_per_client, "single", 1, args.occupancy)
-        multi = simulated_closed_loop(costs, c, args.requests_per_client, "sgrec", args.num_streams, args.occupancy)
+        multi = simulated_closed_loop(costs, c, args.requests_per_client, "depvalue", args.num_streams, args.occupancy)
         for kind in KINDS + ("all",):
             pick = (lambda d: [x for k in KINDS for x in d[k]]) if kind == "all" else (lambda d, kind=kind: d[kind])
             m, b, s, u = pick(one), pick(bat), pick(single), pick(multi)

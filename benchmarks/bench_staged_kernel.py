@@ -1,10 +1,9 @@
 """The staged beam-step attention kernel alone, its launch variants side by side: where a
 retrieve request's beam steps go on a GPU, measured in one short call.
 
-On an H200 (docs/performance.md) the kernel took 305 us a layer for BW 256 over a 5000-token
-prompt (Qwen3-1.7B's 16 query / 8 KV heads, head dim 128): 17 of a lone request's 55 device ms, and
-splitting the prompt into runs made it slower. This times the default launch against variants that
-test the other suspects: the prompt's products on bf16 tiles instead of float32 ones (register
+The kernel is a large share of a lone retrieve request's device time on a GPU (docs/performance.md
+has the records), and splitting the prompt into runs merged by log-sum-exp made it slower. This
+times the default launch against variants that test the other suspects: the prompt's products on bf16 tiles instead of float32 ones (register
 pressure; P rounded to bf16), other tile widths (BLOCK_N), warps and pipeline stages, beams per
 program (BLOCK_B). Cases: sid-gr's shape alone and four at once, FlashRec's (32 requests of 50 beams
 over 300-token prompts). Each variant's output is compared with the default's (max |difference|).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -76,6 +77,25 @@ def _available_memory(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 4 << 30
+
+
+@dataclass(frozen=True)
+class BeamStepPlan:
+    """How a beam step runs on this runner (`ModelRunner.beam_plan`); the beam executor builds its
+    staged attention and graphs from it and never tests the backend itself.
+
+    staged: the staged attention's kernels: "triton" (every request's stages in one launch),
+    "native" (sgrec's C extend kernel, each request's beams one block of a bipartite layout) or
+    "torch" (the staged matmuls). deterministic: the runner's batch-invariant kernels, which every
+    step goes through. device_select: each level's selection in the Triton trie step, on the
+    device. graphs: device rounds replayed from CUDA graphs. layered_trie: versions read as a
+    LayeredTrie (the host's beam step) rather than SemanticIdTrie's dense arrays."""
+
+    staged: str
+    deterministic: bool
+    device_select: bool
+    graphs: bool
+    layered_trie: bool
 
 
 class ModelRunner:
@@ -165,10 +185,24 @@ class ModelRunner:
         """--enable-deterministic-inference: every forward through the batch-invariant kernels."""
         return self.backend.deterministic
 
+    def beam_plan(self) -> BeamStepPlan:
+        """The beam step's kernels on this runner: the staged attention of the runner's own kind of
+        kernels; on triton the trie step's selection on the device, and on CUDA, unless
+        --disable-cuda-graph or the batch-invariant kernels (whose meta is built per step), its
+        rounds from CUDA graphs."""
+        triton = self.kernels == "triton"
+        on_gpu = self.device.type == "cuda"
+        return BeamStepPlan(staged=self.kernels, deterministic=self.deterministic, device_select=triton,
+                            graphs=triton and on_gpu and not self.deterministic and not self.args.disable_cuda_graph,
+                            layered_trie=not on_gpu and not triton)
+
     def _new_memory(self, size: int) -> Memory:
-        cfg = self.config
-        return Memory(size, self.capabilities.layer_kinds, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
-                      self.device, self.dtype)
+        """The memory object: `size` token slots for the attention layers and, for a family with
+        recurrent layers, one state slot per request that may run at once (--max-running-requests)."""
+        cfg, caps = self.config, self.capabilities
+        states = self.args.max_running_requests if caps.state_shapes else 0
+        return Memory(size, caps.layer_kinds, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device, self.dtype,
+                      states=states, state_shapes=caps.state_shapes)
 
     def profile_peak_bytes(self, n: int) -> int:
         """Peak memory of one prefill-only forward of n tokens, all KV discarded (PrefillOnly §3.1's
@@ -190,12 +224,13 @@ class ModelRunner:
 
     def _pool_size(self, reserve: int = 0) -> int:
         """KV pool tokens: --max-total-tokens, else a share of the memory left after `reserve` bytes
-        (the profile run's peak) are set aside for activations."""
+        (the profile run's peak) are set aside for activations and the state slots for theirs."""
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
         per_token = self.memory.bytes_per_token
         on_cpu = self.device.type == "cpu"
         fraction = self.args.mem_fraction_static or (CPU_MEM_FRACTION if on_cpu else CUDA_MEM_FRACTION)
+        reserve += self.memory.states.size * self.memory.bytes_per_state  # the state slots come first
         size = int(max(_available_memory(self.device) - reserve, 0) * fraction) // per_token
         if on_cpu:
             size = min(size, CPU_MAX_TOKENS)

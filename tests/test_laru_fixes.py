@@ -186,11 +186,11 @@ def test_unsettled_bets_lapse_after_the_next_phase():
     pol, sim = _laru_run("bets", [1, 2, 3, 4, 5])
     bet = pol.bet_phases[-1][0]
     one = next(n for n in sim.tree._nodes() if n.key == [1])
-    assert bet[1] == pol.keys[one] and set(pol.open_bets) == {bet[0], bet[1]}  # z = 4 (evicted), h = 1
+    assert bet.h == pol.keys[one] and set(pol.open_bets) == {bet.z, bet.h}  # z = 4 (evicted), h = 1
     pol._new_phase_bets()  # phase 2: still open
-    assert bet[2] and pol.open_bets
+    assert bet.open and pol.open_bets
     pol._new_phase_bets()  # phase 3: made two phases ago, so it lapses
-    assert not bet[2] and not pol.open_bets and len(pol.bet_phases) == 2
+    assert not bet.open and not pol.open_bets and len(pol.bet_phases) == 2
 
 
 @pytest.mark.parametrize("reset,won,lost,want", [("phase", 0, 3, 1.0), ("carry", 5, 0, 0.5), ("bets", 0, 0, 0.5),

@@ -20,8 +20,11 @@ from sgrec.model import families, llama, registry
 from sgrec.model.config import ModelConfig
 from sgrec.radix.tree import RadixCache
 from sgrec.rank.executor import RankExecutor
+from sgrec.managers.io_struct import TokenizedGenerateReq
 from sgrec.runner import ModelRunner
+from sgrec.scheduler.scheduler import Scheduler
 from sgrec.server_args import ServerArgs
+from sgrec.tokenizer import Tokenizer
 
 from test_rank import HEADER, INSTR, ids, make_catalog
 
@@ -41,14 +44,14 @@ def with_architecture(src: str, dst: str, arch: str) -> str:
 _REGISTERED: dict[str, registry.Family] = {}
 
 
-def restricted_family(name: str, arch: str, **caps) -> registry.Family:
-    """The dense decoder under another architecture name, with some capabilities taken away
-    (registered once a test process)."""
+def restricted_family(name: str, arch: str, of_config=lambda cfg: {}, **caps) -> registry.Family:
+    """The dense decoder under another architecture name, with some capabilities replaced: `caps`,
+    and those `of_config(cfg)` returns (registered once a test process)."""
     if arch in _REGISTERED:
         return _REGISTERED[arch]
     _REGISTERED[arch] = families.register(registry.Family(
         name=name, architectures={arch: "llama"}, config_flags=llama.config_flags, build=llama.CausalLM,
-        capabilities=lambda cfg: dataclasses.replace(llama.capabilities(cfg), **caps)))
+        capabilities=lambda cfg: dataclasses.replace(llama.capabilities(cfg), **caps, **of_config(cfg))))
     return _REGISTERED[arch]
 
 
@@ -80,6 +83,8 @@ def test_decoder_capabilities_and_config(tiny_model_dir):
         registry.Capabilities(layer_kinds=(), prefix_reuse="sometimes")
     with pytest.raises(ValueError, match="unknown layer kinds"):
         registry.Capabilities(layer_kinds=("attention", "conv"))
+    with pytest.raises(ValueError, match=r"state_shapes must name the recurrent layers \[1\], got \[\]"):
+        registry.Capabilities(layer_kinds=("attention", "recurrent"))
 
 
 def test_runner_memory_is_the_pool_it_forwards_with(tiny_model_dir):
@@ -197,3 +202,53 @@ def test_a_family_without_cut_anywhere_prefixes_needs_the_radix_cache_off(tiny_m
         assert out["meta_info"]["completion_tokens"] == 3
     finally:
         engine.shutdown()
+
+
+def with_a_state_layer(cfg) -> dict:
+    """The decoder's layers and one recurrent layer after them, which the model never reads: its
+    memory has a state slot a running request, and nothing else changes."""
+    n = cfg.num_layers
+    return {"layer_kinds": ("attention",) * n + ("recurrent",), "state_shapes": {n: {"h": (4,)}}}
+
+
+def drain(sch: Scheduler) -> dict[str, list[int]]:
+    out = {}
+    while sch.has_work():
+        for req in sch.step():
+            if req.finished:
+                out[req.rid] = list(req.output_ids)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_a_family_with_states_admits_each_request_with_a_state_slot(tiny_model_dir, tmp_path, dtype):
+    restricted_family("decoder-stateful", "StatefulForCausalLM", of_config=with_a_state_layer)
+    base = tiny_model_dir("llama", seed=0)
+    path = with_architecture(base, str(tmp_path / "stateful"), "StatefulForCausalLM")
+
+    def scheduler(model_path):
+        args = ServerArgs(model_path=model_path, device="cpu", dtype=dtype, max_total_tokens=256,
+                          max_running_requests=2)
+        runner = ModelRunner(args)
+        return Scheduler(args, runner, Tokenizer(model_path))
+
+    def submit(sch):
+        for i in range(2):
+            sch.add_request(TokenizedGenerateReq(f"g{i}", [5, 6, 7 + i], {"max_new_tokens": 3, "temperature": 0}))
+        sch.add_request(TokenizedGenerateReq("p", [9, 10, 11], {"max_new_tokens": 0}))  # prefill-only
+
+    sch, ref = scheduler(path), scheduler(base)
+    mem = sch.runner.memory
+    assert mem.states.size == 2 and mem.states_per_request == 1 and mem.bytes_per_state == 4 * mem.kv.attn_dtype.itemsize
+    assert ref.runner.memory.states_per_request == 0
+    held = mem.states.alloc(1)  # one of the two slots held elsewhere: one request can run at a time
+    submit(sch)
+    sch.step()
+    assert len(sch.running) + len(sch.prefill_only) == 2 and len(sch.waiting) == 1  # the tokens fit; the state not
+    assert mem.states.available_size() == 0
+    got = drain(sch)
+    assert mem.states.available_size() == 1 and sch.tree.state_count == 0
+    mem.states.free(held)
+    sch.check_memory()
+    submit(ref)
+    assert got == drain(ref) and len(got["g0"]) == 3 and got["p"] == []  # the state slots change no answer

@@ -54,20 +54,20 @@ def test_one_query_depvalue_picks_the_critical_op_first():
     assert run_queries(1, 3, "topo")[0].now() == 4.0
     sim, sch, _ = run_queries(1, 2, "topo")
     assert sim.now() == 5.0 and [n for n, _ in sch.launch_order[1:3]] == ["q0.v2", "q0.v5"]
-    sim, sch, _ = run_queries(1, 2, "sgrec")
+    sim, sch, _ = run_queries(1, 2, "depvalue")
     assert sim.now() == 4.0 and sch.launch_order[1][0] == "q0.v3"  # after v1: v3, the highest DepValue
 
 
 def test_figure3_five_queries_throughput_ordering():
     single, _, lat_single = run_queries(5, 1, "single")
     per_query, sch_pq, lat_pq = run_queries(5, 4, "per_query")
-    ours, _, lat_ours = run_queries(5, 4, "sgrec")
-    thr = {name: 5 / sim.now() for name, sim in (("single", single), ("per_query", per_query), ("sgrec", ours))}
+    ours, _, lat_ours = run_queries(5, 4, "depvalue")
+    thr = {name: 5 / sim.now() for name, sim in (("single", single), ("per_query", per_query), ("depvalue", ours))}
     assert single.now() == 30.0 and round(thr["single"], 3) == 0.167  # one op at a time
     assert per_query.now() == 12.0 and round(thr["per_query"], 3) == 0.417  # query 5 queues behind query 1
     assert {s for n, s in sch_pq.launch_order if n.startswith("q4.")} == {0}  # round-robin: back on stream 0
-    assert ours.now() == 8.0 and thr["sgrec"] == 0.625  # 30 ops on 4 quarter-device slots: ceil(7.5)
-    assert thr["single"] < thr["per_query"] < thr["sgrec"]
+    assert ours.now() == 8.0 and thr["depvalue"] == 0.625  # 30 ops on 4 quarter-device slots: ceil(7.5)
+    assert thr["single"] < thr["per_query"] < thr["depvalue"]
     assert sum(lat_ours) / 5 < sum(lat_pq) / 5 < sum(lat_single) / 5
     assert max_occupancy(ours.trace) == 1.0  # never more than the device
 
@@ -184,7 +184,7 @@ def test_tensor_pool_random_events_never_release_early():
 def test_inline_backend_runs_a_dag_in_dependency_order():
     ran = []
     units = [WorkUnit(u.name, u.cost, u.deps, u.group, fn=(lambda n=u.name: ran.append(n) or n)) for u in query(0)]
-    sch = MultiStreamScheduler(InlineStreams(clock=lambda: 0.0), "sgrec")
+    sch = MultiStreamScheduler(InlineStreams(clock=lambda: 0.0), "depvalue")
     sch.submit(units)
     sch.run_until_idle()
     assert ran == ["q0.v1", "q0.v3", "q0.v4", "q0.v2", "q0.v5", "q0.v6"]  # DepValue order, one stream
@@ -238,7 +238,7 @@ def test_cuda_streams_match_serial_results_and_pool_waits():
 
     units = [WorkUnit(f"v{v}", UnitCost(1e-4, 0.25), tuple(f"v{p}" for p, c in EDGES if c == v),
                       fn=mm(f"v{v}", *[f"v{p}" for p, c in EDGES if c == v])) for v in TOPO_ORDER]
-    sch = MultiStreamScheduler(backend, "sgrec")
+    sch = MultiStreamScheduler(backend, "depvalue")
     sch.submit(units)
     sch.run_until_idle()
     backend.synchronize()

@@ -19,7 +19,7 @@ import torch
 
 from sgrec.beam.search import apply_schedule_, inplace_schedule
 from sgrec.mem.kv_pool import KVPool
-from sgrec.model.attention import AttentionBackend, ColumnMeta, DetMeta, ForwardBatch, NativeBackend, TritonBackend
+from sgrec.model.attention import AttentionBackend, ColumnMeta, DetMeta, ForwardBatch, NativeBackend
 from sgrec.model.kernels.det_attention import DetTiles, det_attention
 
 
@@ -200,12 +200,12 @@ class StagedBeamBackend(AttentionBackend):
     (independent) and a merge that depends on both; the stages' partial results go to the tensor
     pool of the stream that made them until the merge that reads them is done.
 
-    With a `runner` whose backend is a NativeBackend (CPU; read at each step, so swapping the
-    runner's backend swaps this too) and no units, a step over a pool whose dtype it extends runs
-    through sgrec's C extend kernel instead, every beam of a request one block of a bipartite layout
-    (`beams_as_blocks`): one pass over the prompt's K/V per tile of beams, the softmax fused (the
-    staged path materialises every beam's scores against the prompt); equal to the staged path
-    within float32 rounding (tests/test_beam.py)."""
+    With a `runner` whose kernels are sgrec's C kernels (`runner.kernels == "native"`, CPU; read
+    at each step, so swapping the runner's backend swaps this too) and no units, a step over a pool
+    whose dtype it extends runs through sgrec's C extend kernel instead, every beam of a request one
+    block of a bipartite layout (`beams_as_blocks`): one pass over the prompt's K/V per tile of
+    beams, the softmax fused (the staged path materialises every beam's scores against the prompt);
+    equal to the staged path within float32 rounding (tests/test_beam.py)."""
 
     def __init__(self, units=None, triton: bool = False, runner=None):
         self.units = units
@@ -214,9 +214,9 @@ class StagedBeamBackend(AttentionBackend):
 
     @property
     def native(self) -> NativeBackend | None:
-        """The runner's backend where it is sgrec's C kernels."""
-        backend = getattr(self.runner, "backend", None)
-        return backend if isinstance(backend, NativeBackend) else None
+        """The runner's backend where it runs sgrec's C kernels."""
+        runner = self.runner
+        return runner.backend if runner is not None and runner.kernels == "native" else None
 
     def prepare(self, batch: ForwardBatch) -> None:
         meta = batch.attn_meta
@@ -225,8 +225,8 @@ class StagedBeamBackend(AttentionBackend):
         if not isinstance(meta, (BeamStepMeta, BeamBatchMeta)):
             raise TypeError("StagedBeamBackend needs batch.attn_meta = BeamStepMeta(...), BeamBatchMeta(...) or "
                             "StagedMeta(...)")
-        backend = getattr(self.runner, "backend", None)
-        if isinstance(backend, TritonBackend) and backend.deterministic:  # the flag on triton: its batch-invariant kernel
+        runner = self.runner
+        if runner is not None and runner.kernels == "triton" and runner.deterministic:  # its batch-invariant kernel
             # a beam step's meta is built on the host: its tiles go where the kernel reads them
             batch.attn_meta = DetTiles.of(DetMeta.of_columns(beams_as_blocks(meta)), device=batch.out_cache_loc.device)
             return

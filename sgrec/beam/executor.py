@@ -95,10 +95,9 @@ class _Request:
 
 
 def layered_trie(runner) -> bool:
-    """Whether the runner's retrieval reads a LayeredTrie (versions that cost what an update changed):
-    the torch beam step on the CPU. The Triton trie step (--attention-backend triton, a GPU) reads
-    SemanticIdTrie's dense arrays."""
-    return runner.device.type == "cpu" and runner.kernels != "triton"
+    """Whether the runner's retrieval reads a LayeredTrie (versions that cost what an update changed:
+    the host's beam step) rather than SemanticIdTrie's dense arrays (the Triton trie step)."""
+    return runner.beam_plan().layered_trie
 
 
 def build_trie(catalog: Catalog | None, vocab_size: int, device, layered: bool = False
@@ -128,27 +127,22 @@ class RetrieveExecutor:
         self.vocab_size = runner.config.vocab_size
         self.max_beam_width = max_beam_width or runner.args.max_beam_width
         self.reorder_chunk = reorder_chunk
-        self.layered = layered_trie(runner)
+        plan = runner.beam_plan()  # the runner's choice of kernels for a beam step
+        self.layered = plan.layered_trie
         self.use_catalog(catalog, built if built is not None else self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
-        triton = runner.kernels == "triton"  # --attention-backend triton
-        self.backend = StagedBeamBackend(units, triton=triton, runner=runner)
-        # each level's selection for all of a round's requests in the Triton trie step (kernel_step)
-        self.triton_select = triton
-        if triton:  # a device round's steps read no position back (RotaryEmbedding.cos_sin's growth check)
+        self.backend = StagedBeamBackend(units, triton=plan.staged == "triton", runner=runner)
+        self.triton_select = plan.device_select  # each level's selection for all of a round's requests in one step
+        if plan.device_select:  # a device round's steps read no position back (RotaryEmbedding.cos_sin's growth check)
             runner.reserve_positions(runner.context_len)
-        graphs = triton and runner.device.type == "cuda" and not runner.deterministic
-        self.graphs = self._beam_graphs() if graphs else None
+        self.graphs = self._beam_graphs() if plan.graphs else None
 
     def _beam_graphs(self):
-        """Device-round beam steps replayed from CUDA graphs (sgrec.beam.graphs), unless --disable-cuda-graph."""
-        args = self.runner.args
-        if args.disable_cuda_graph:
-            return None
+        """Device-round beam steps replayed from CUDA graphs (sgrec.beam.graphs)."""
         from sgrec.beam.graphs import BeamGraphs
 
-        return BeamGraphs(self.runner.forward_with, self.backend, self.pool, args.cuda_graph_max_beams, self.pool.size,
-                          MAX_GRAPH_STEPS, capture=True)
+        return BeamGraphs(self.runner.forward_with, self.backend, self.pool, self.runner.args.cuda_graph_max_beams,
+                          self.pool.size, MAX_GRAPH_STEPS, capture=True)
 
     def build_trie(self, catalog: Catalog | None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """build_trie (the module's) for this executor's vocabulary and device."""

@@ -466,7 +466,7 @@ def connect_loopback(executors: Sequence, ctx: zmq.Context | None = None, thread
     servers = [ItemKVServer(ex.store, eps[k], ctx) for k, ex in enumerate(executors)]
     for k, ex in enumerate(executors):
         client = ItemKVClient({r: e for r, e in eps.items() if r != k}, ctx)
-        ex.fetcher = ItemFetcher(k, ex.placement, client, ex.header_ids, **fetcher_kw)
+        ex.join(k, ex.placement, ItemFetcher(k, ex.placement, client, ex.header_ids, **fetcher_kw))
         if threaded:
             servers[k].start()
     return servers

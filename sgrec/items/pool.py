@@ -44,7 +44,7 @@ def measure_recompute_per_token(runner, catalog, max_candidates: int, repeats: i
 
 
 class ItemPool:
-    """The item pool as seen by one rank: its server, its fetcher (set on the executor) and the
+    """The item pool as seen by one rank: its server, its fetcher (the executor's, `join`) and the
     placement over `local_addrs` (every rank of this server, in order); `refresh()` (called from the
     scheduler loop) computes this rank's share at its first call and logs the fetch counters."""
 
@@ -62,15 +62,15 @@ class ItemPool:
         self.server.start()  # answers peers from its own thread, not between scheduler steps
         self.client = ItemKVClient({r: a for r, a in enumerate(self.members) if r != dp_rank}, ctx)
         n = len(self.members)
-        executor.dp_rank = dp_rank  # the executor's rank in the placement
+        placement = executor.placement  # the one precompute planned, if it was for n ranks
         if n == 1:
-            executor.placement = None
-        elif executor.placement is None or executor.placement.n != n:  # else: the one precompute planned
-            executor.placement = executor.plan_placement(n, prefill_time, self.bandwidth_gbps)
-        self.fetcher = ItemFetcher(dp_rank, executor.placement, self.client, executor.header_ids,
+            placement = None
+        elif placement is None or placement.n != n:
+            placement = executor.plan_placement(n, prefill_time, self.bandwidth_gbps, dp_rank)
+        self.fetcher = ItemFetcher(dp_rank, placement, self.client, executor.header_ids,
                                    bytes_per_token=self.bytes_per_token,
                                    bandwidth_Bps=self.bandwidth_gbps * 1e9 / 8, clock=clock)
-        executor.fetcher = self.fetcher
+        executor.join(dp_rank, placement, self.fetcher)
         if n > 1:
             per_token = recompute_per_token_s
             if per_token is None:

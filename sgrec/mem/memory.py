@@ -90,6 +90,11 @@ class Memory:
         return self.kv.size
 
     @property
+    def states_per_request(self) -> int:
+        """State slots a running request holds: one where some layer keeps a state, else none."""
+        return 1 if self.states.buffers else 0
+
+    @property
     def device(self) -> torch.device:
         return self.kv.device
 

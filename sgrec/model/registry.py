@@ -9,6 +9,9 @@ or with a 400 naming the option. `sgrec.model.families` maps architecture names 
 Capabilities:
 - `layer_kinds`: one entry a layer, "attention" (per-token KV in the pool) or "recurrent" (a
   fixed-size state a request, `mem.memory.StatePool`); the memory object is sized from it.
+- `state_shapes`: for each recurrent layer, its state's parts and their shapes (empty for a family
+  without recurrent layers): every running request holds one state slot, admitted through the same
+  budget as its tokens.
 - `prefix_reuse`: how a cached prefix may be reused: "any" (cut at any token: a radix match),
   "snapshot" (only where a state was kept), "exact" (only the whole sequence).
 - `layouts`: the rank layouts (`sgrec.layout.KINDS`) whose attention masks it runs.
@@ -21,7 +24,7 @@ Capabilities:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +36,7 @@ PREFIX_REUSE = {"any": "cut at any token", "snapshot": "only where a state was k
 @dataclass(frozen=True)
 class Capabilities:
     layer_kinds: tuple[str, ...]
+    state_shapes: dict[int, dict[str, tuple[int, ...]]] = field(default_factory=dict)
     prefix_reuse: str = "any"
     layouts: frozenset[str] = frozenset()
     encoder: bool = False
@@ -46,6 +50,10 @@ class Capabilities:
         unknown = set(self.layer_kinds) - {ATTENTION, RECURRENT}
         if unknown:
             raise ValueError(f"unknown layer kinds {sorted(unknown)}")
+        recurrent = {i for i, kind in enumerate(self.layer_kinds) if kind == RECURRENT}
+        if set(self.state_shapes) != recurrent:
+            raise ValueError(f"state_shapes must name the recurrent layers {sorted(recurrent)}, "
+                             f"got {sorted(self.state_shapes)}")
 
     @property
     def attention_layers(self) -> list[int]:

@@ -14,8 +14,8 @@ device it can fill (RecOS measures it as the kernels' grid size; occupancy = gri
   DepValue(c) / indegree(c) (RecOS §3.2); among ready units the highest goes first.
 - `MultiStreamScheduler` launches units whose dependencies have completed, with one of four
   policies: `single` (one stream, FIFO), `per_query` (each group of units, e.g. a query, on one
-  stream chosen round-robin), `topo` (submission order + RecOS stream selection) and `sgrec`
-  (DepValue order + RecOS stream selection).
+  stream chosen round-robin), `topo` (submission order + RecOS stream selection) and `depvalue`
+  (DepValue order + RecOS stream selection: RecOS's full method, what sgrec runs).
 - `StreamTensorPool` keeps tensors produced on a stream until the event recorded after their last
   use has completed; a pool is checked when it holds more than its threshold (--stream-pool-mb).
 
@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 EPS = 1e-9
-POLICIES = ("single", "per_query", "topo", "sgrec")
+POLICIES = ("single", "per_query", "topo", "depvalue")
 
 
 @dataclass(frozen=True)
@@ -393,7 +393,7 @@ class MultiStreamScheduler:
     `max_queued` units, so a more critical unit that becomes ready later can still overtake it.
     """
 
-    def __init__(self, backend: StreamBackend, policy: str = "sgrec", occupancy_threshold: float = 1.0,
+    def __init__(self, backend: StreamBackend, policy: str = "depvalue", occupancy_threshold: float = 1.0,
                  max_queued: int = 2, on_launch: Callable[[str, int, Event], None] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"Unknown policy {policy!r}; choose one of {POLICIES}")
@@ -445,7 +445,7 @@ class MultiStreamScheduler:
         return self._dep_value[name]
 
     def _push_ready(self, p: _Pending) -> None:
-        prio = self._dep_value[p.unit.name] if self.policy == "sgrec" else 0.0
+        prio = self._dep_value[p.unit.name] if self.policy == "depvalue" else 0.0
         heapq.heappush(self._ready, (-prio, p.seq, p.unit.name))
 
     def _stream_for(self, unit: WorkUnit) -> int | None:
@@ -594,7 +594,7 @@ class UnitRunner:
     event recorded after it, as soon as it is launched: they stay referenced until that event is
     done, whatever the caller drops meanwhile."""
 
-    def __init__(self, backend: StreamBackend, pool: StreamTensorPool | None = None, policy: str = "sgrec"):
+    def __init__(self, backend: StreamBackend, pool: StreamTensorPool | None = None, policy: str = "depvalue"):
         self.backend = backend
         self.pool = pool
         self.policy = policy

@@ -23,6 +23,7 @@ import json
 from abc import ABC
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sgrec.radix.leaf_index import RecencyIndex
@@ -325,6 +326,16 @@ class HFPolicy(PredictivePolicy):
         return self._farthest_among_oldest(self.candidates)
 
 
+@dataclass(eq=False)  # a bet is itself: two on the same keys are two bets
+class Bet:
+    """LARU's lambda_reset "bets": evicting `z` by prediction while LRU would have evicted `h` bets
+    that z is needed after h; `open` until either is requested or the bet lapses."""
+
+    z: int  # start key of the leaf the prediction evicted
+    h: int  # start key of the leaf LRU would have evicted
+    open: bool = True
+
+
 class LARUPolicy(PredictivePolicy):
     """Learning-augmented LRU, LCR Algorithm 1, over the tree's evictable leaves.
 
@@ -338,10 +349,10 @@ class LARUPolicy(PredictivePolicy):
       max(1, k // k_div) under lambda_rule "k_div" alias "paper" (the default; LCR §5.1: k_div = 32,
       b = 2; for k < 64 it is Algorithm 1's per-miss rule), 1 under "every" (Algorithm 1 as
       written, for any k), and under "auto" 1 while k < large_k (1024), the §5.1 rule from there.
-      Which one wins depends on the trace (bench_laru: "every" loses less under inverted
-      predictions, "k_div" gains more with the online predictor); neither keeps LARU within 5% of
-      LRU at noise p = 1 on multiturn, because lambda restarts at 1 every phase and the first
-      detection comes only when the first wrongly evicted leaf is requested again;
+      Which one wins depends on the trace (bench_laru's records in docs/performance.md);
+      under inverted predictions neither keeps LARU near LRU on long phases, because lambda
+      restarts at 1 every phase and the first detection comes only when the first wrongly evicted
+      leaf is requested again;
     - otherwise l = max(floor(lambda * k), 1): l = 1 evicts the LRU leaf, else the leaf with the
       largest predicted next access among the l least recent ones (a prediction-driven eviction).
     The miss is seen when its leaf is inserted; the LRU fallback it earns applies to the next
@@ -350,9 +361,8 @@ class LARUPolicy(PredictivePolicy):
 
     `lambda_reset` (opt-in robustness beyond Algorithm 1; the default "phase" is line 12, lambda = 1
     at every new phase). Under inverted predictions every phase restarts at lambda = 1 and keeps
-    evicting the soonest-needed leaves until the first of them is requested again (10-60 requests
-    on multiturn), so LARU stays 7-16% below LRU at noise p = 1 (bench_laru). The options keep what
-    earlier phases learned:
+    evicting the soonest-needed leaves until the first of them is requested again, so LARU stays
+    below LRU (bench_laru). The options keep what earlier phases learned:
     - "carry": a new phase starts at min(1, b * lambda) instead of 1;
     - "bets": each prediction-driven eviction of z while LRU would have evicted h (the least recent
       leaf) is a bet that z is needed after h, settled by whichever start key is requested first
@@ -361,7 +371,7 @@ class LARUPolicy(PredictivePolicy):
       as "carry".
     Both keep 1-consistency (exact predictions never trigger line 14, so lambda stays 1) and the
     O(k) bound (lambda <= 1 at every phase start); both give up part of the gain of good but
-    imperfect predictions (bench_laru has the numbers)."""
+    imperfect predictions (bench_laru's records in docs/performance.md)."""
 
     name = "laru"
     config_keys = PredictivePolicy.config_keys | {"b", "lambda_rule", "k_div", "large_k", "lambda_reset"}
@@ -383,8 +393,8 @@ class LARUPolicy(PredictivePolicy):
             raise ValueError(f"lambda_reset must be 'phase', 'carry' or 'bets', got {lambda_reset!r}")
         self.b, self.lambda_rule, self.k_div, self.large_k = b, lambda_rule, k_div, large_k
         self.lambda_reset = lambda_reset
-        self.open_bets: dict[int, list[list]] = {}  # start key -> the open bets [z key, h key, open] naming it
-        self.bet_phases: deque[list[list]] = deque([[]])  # bets made in the previous and current phase
+        self.open_bets: dict[int, list[Bet]] = {}  # start key -> the open bets naming it
+        self.bet_phases: deque[list[Bet]] = deque([[]])  # bets made in the previous and current phase
         self.bets_won = self.bets_lost = 0  # settled since the current phase started
         self.lam = 1.0
         self.old: set[TreeNode] = set()
@@ -429,22 +439,22 @@ class LARUPolicy(PredictivePolicy):
 
     # ---- lambda_reset "bets" -----------------------------------------------------------------
     def _bet(self, z: TreeNode, h: TreeNode) -> None:
-        bet = [self.key(z), self.key(h), True]
-        self.open_bets.setdefault(bet[0], []).append(bet)
-        self.open_bets.setdefault(bet[1], []).append(bet)
+        bet = Bet(self.key(z), self.key(h))
+        self.open_bets.setdefault(bet.z, []).append(bet)
+        self.open_bets.setdefault(bet.h, []).append(bet)
         self.bet_phases[-1].append(bet)
 
     def _settle(self, key: int) -> None:
         """Content starting at `key` is requested (a touch, or a new leaf after a miss)."""
         for bet in self.open_bets.pop(key, ()):
-            bet[2] = False
-            if key == bet[0]:
+            bet.open = False
+            if key == bet.z:
                 self.bets_lost += 1
             else:
                 self.bets_won += 1
-            self._drop(bet, bet[1] if key == bet[0] else bet[0])
+            self._drop(bet, bet.h if key == bet.z else bet.z)
 
-    def _drop(self, bet: list, key: int) -> None:
+    def _drop(self, bet: Bet, key: int) -> None:
         lst = self.open_bets.get(key)
         if lst is not None:
             lst.remove(bet)
@@ -455,10 +465,10 @@ class LARUPolicy(PredictivePolicy):
         self.bet_phases.append([])
         if len(self.bet_phases) > 2:  # bets made two phases ago lapse
             for bet in self.bet_phases.popleft():
-                if bet[2]:
-                    bet[2] = False
-                    self._drop(bet, bet[0])
-                    self._drop(bet, bet[1])
+                if bet.open:
+                    bet.open = False
+                    self._drop(bet, bet.z)
+                    self._drop(bet, bet.h)
 
     def _choose(self) -> TreeNode | None:
         k = len(self.index)

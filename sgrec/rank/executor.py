@@ -24,7 +24,7 @@ candidates' item tokens the store holds (what item-as-prefix would reuse), and a
 weighted by the share of its prefix that item-as-prefix would not reuse anyway (CacheMeta.user_value:
 tokens saved per window per token of cache, the rule's own objective). With the whole catalog
 cached and long users both reduce to the paper's rule. Cross-rank items (HRCS): with
-`self.fetcher` set (sgrec.items.fetch.ItemFetcher), a miss on an item another rank owns is
+a fetcher (`join`, an sgrec.items.fetch.ItemFetcher), a miss on an item another rank owns is
 filled with the owner's KV for this request (borrowed slots, freed afterwards; all of a request's
 items from one owner in one round trip) or recomputed.
 """
@@ -90,7 +90,7 @@ class RankExecutor:
         self.dp_rank = dp_rank
         self.placement = placement
         self.user_extra_key = user_extra_key
-        # Cross-rank item KV (sgrec.items.fetch.ItemFetcher): fetch_many([(item_id, n)]) -> fetched chunks
+        # Cross-rank item KV (an ItemFetcher, set by join): fetch_many([(item_id, n)]) -> fetched chunks
         self.fetcher = None
         # The storage tier (radix/hicache.py HiCache with a storage backend), or None: item KV computed
         # here is written there, and a miss found there is loaded instead of recomputed
@@ -123,16 +123,23 @@ class RankExecutor:
             self.placement = self.plan_placement(self.args.dp_size)
         return self.store.precompute(progress, items=order)
 
-    def plan_placement(self, n: int, prefill_time=None, bandwidth_gbps: float = hrcs.DEFAULT_BANDWIDTH_GBPS):
+    def plan_placement(self, n: int, prefill_time=None, bandwidth_gbps: float = hrcs.DEFAULT_BANDWIDTH_GBPS,
+                       dp_rank: int | None = None):
         """Algorithm 1 over n ranks (the same plan on every rank): prefill_time(s, p) is the prefill
-        model (default: fitted on this runner), bandwidth_gbps the link between the ranks."""
+        model (default: fitted on this runner), bandwidth_gbps the link between the ranks; dp_rank
+        (for the log) the rank this executor will be, default the one it is."""
         per_token = self.runner.memory.bytes_per_token
         prefill = prefill_time or hrcs.fit_catalog_prefill(self.runner, self.catalog, self.args.max_rank_candidates)
         placement, rep = hrcs.plan_catalog(self.catalog, n, prefill, per_token, self.args.max_rank_candidates,
                                            hrcs.DEFAULT_TAU_U, bandwidth_gbps, hrcs.DEFAULT_ALPHA)
         logger.info("HRCS: replication ratio %.3f (%d items), rank %d of %d", rep.ratio, rep.num_replicated,
-                    self.dp_rank, n)
+                    self.dp_rank if dp_rank is None else dp_rank, n)
         return placement
+
+    def join(self, dp_rank: int, placement, fetcher) -> None:
+        """Serves as rank `dp_rank` of `placement` (HRCS, BAT §5.2; None: this rank holds every
+        item): a miss on an item another rank owns goes through `fetcher` (an ItemFetcher)."""
+        self.dp_rank, self.placement, self.fetcher = dp_rank, placement, fetcher
 
     def use_catalog(self, catalog: Catalog, changed: set[str]) -> None:
         """Serves a new catalog version (between scheduler steps): the item KV of changed items is

@@ -42,6 +42,7 @@ class Req:
     input_logprobs_done: bool = False
     cached_on_arrival: int = 0  # prefill-only: cached prefix when queued (plain SRJF's estimate)
     kv_keep: int | None = None  # prefill-only: KV kept for fill_ids[:kv_keep]; the rest is discarded
+    state_slot: torch.Tensor | None = None  # a family with recurrent layers: the request's running state
 
     finish_reason: dict | None = None
     generator: torch.Generator | None = None

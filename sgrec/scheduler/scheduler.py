@@ -1,9 +1,11 @@
 """The scheduler loop: continuous batching over a radix prefix cache.
 
 Each step either runs one prefill batch (new prompts, or the next chunk of a long one; at most
-chunked_prefill_size tokens in all) or one decode batch of every running request. Admission checks the KV budget (free slots plus
-evictable cache, minus a reserve for running decodes); when decode still runs out of slots,
-the newest request is retracted (its KV goes to the cache) and re-queued.
+chunked_prefill_size tokens in all) or one decode batch of every running request. Admission checks
+one budget (the tree's make_room): the KV slots (free plus evictable cache, minus a reserve for
+running decodes) and, for a family with recurrent layers, a state slot a request; when decode
+still runs out of slots, the newest request is retracted (its KV goes to the cache, its state is
+freed) and re-queued.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class Scheduler:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.allocator = runner.memory.allocator
+        self.states_per_request = runner.memory.states_per_request  # admitted with the tokens, one budget
         reuse = runner.capabilities.prefix_reuse
         if reuse != "any" and not args.disable_radix_cache:  # the tree cuts a match at any token
             raise ValueError(f"the {runner.family.name} family's cached prefixes are reusable {PREFIX_REUSE[reuse]}, "
@@ -435,7 +438,7 @@ class Scheduler:
         return catalog_facts(self.catalog, self.versions)
 
     def check_memory(self) -> None:
-        """When idle: every slot is either free or held by the cache."""
+        """When idle: every token slot and every state slot is either free or held by the cache."""
         if self.has_work():
             return
         self.tree.check_integrity()
@@ -445,6 +448,10 @@ class Scheduler:
                 f"KV accounting broken: free {free} + cached {cached} != {self.allocator.size} "
                 f"(protected {self.tree.protected_size()})"
             )
+        states = self.runner.memory.states
+        if states.available_size() + self.tree.state_count != states.size:
+            raise RuntimeError(f"state accounting broken: free {states.available_size()} + cached "
+                               f"{self.tree.state_count} != {states.size}")
 
     # ---- admission ----------------------------------------------------------------------
     def _decode_reserve(self, extra: list[Req]) -> int:
@@ -478,12 +485,16 @@ class Scheduler:
             take = min(remaining, budget)
             reserve = self._decode_reserve([r for r, _, _ in items] + [req])
             alone = not self.running and not items  # nothing else can free memory: admit without reserve
-            fits = take > 0 and (self.tree.make_room(take + reserve) or (alone and self.tree.make_room(take)))
+            states = 0 if continuing else self.states_per_request  # a chunk goes on with the state it has
+            fits = take > 0 and (self.tree.make_room(take + reserve, states)
+                                 or (alone and self.tree.make_room(take, states)))
             if not fits:
                 if not continuing:
                     self._release(req, cache=False)
                 break
             slots = self.allocator.alloc(take)
+            if states:
+                req.state_slot = self.runner.memory.states.alloc(states)
             items.append((req, take, slots))
             if not continuing:
                 self.waiting.remove(req)
@@ -511,6 +522,9 @@ class Scheduler:
             n = len(req.input_ids)
             if items and total + n > budget:
                 break
+            states = self.states_per_request
+            if states and not self.tree.make_room(0, states):  # waits for a running request's state
+                break
             self.prefill_only.pop(i)
             self._match(req)
             m = req.kv_len
@@ -518,6 +532,8 @@ class Scheduler:
             if keep > m and not self.tree.make_room(keep - m):
                 keep = m + self.allocator.available_size()  # keep what fits, discard the rest
             kept = self.allocator.alloc(keep - m)
+            if states:
+                req.state_slot = self.runner.memory.states.alloc(states)
             slots = torch.cat([kept, torch.zeros(n - keep, dtype=torch.int64, device=kept.device)])
             req.kv_keep, req.cached_tokens = keep, m
             items.append((req, n - m, slots))
@@ -709,8 +725,11 @@ class Scheduler:
         req.kv_indices, req.cache_protected_len, req.last_node = res.indices, n, res.last_node
 
     def _release(self, req: Req, cache: bool = True) -> None:
-        """Drops the request's lock and its KV: into the cache (cache=True and the tree is on),
-        else back to the allocator. Slots the tree already holds stay with the tree."""
+        """Drops the request's lock, its state slot and its KV: into the cache (cache=True and the
+        tree is on), else back to the allocator. Slots the tree already holds stay with the tree."""
+        if req.state_slot is not None:
+            self.runner.memory.states.free(req.state_slot)
+            req.state_slot = None
         if req.last_node is None:
             return
         if cache and not self.tree.disable:

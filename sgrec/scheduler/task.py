@@ -157,7 +157,7 @@ class TaskQueue:
             cost = UnitCost(self.batcher.exec_s.get(b.kind, 0.0), min(1.0, b.num_tokens / self.batcher.max_batch_tokens))
             units.append(WorkUnit(f"batch{self.batches_run}", cost, group=b.kind, fn=self._unit(b, tasks)))
             self.batches_run += 1
-        streams = MultiStreamScheduler(self.backend, policy="sgrec")  # drained here: no state to keep
+        streams = MultiStreamScheduler(self.backend, policy="depvalue")  # drained here: no state to keep
         streams.submit(units)
         streams.run_until_idle()
         done += self.inflight

@@ -19,13 +19,8 @@ loops over is read on the device (sh_ptr, blocks), so a launch's metadata can si
 (a CUDA graph's). The products run on float32 operands: IEEE float32 for float32 inputs, TF32 for
 bfloat16/float16 ones (which TF32 holds exactly), like the bipartite kernel's. Running max, sum and
 output are float32; the output has q's dtype. The torch reference is
-sgrec.beam.attention.staged_attention, per request. (The first version broadcast [B, G, N, D]
-products in registers instead of tl.dot: 7.9 ms a layer for BW 256 over a 5000-token prompt on an
-H100, 90% of a retrieve request's time.) Measured on an H200 (2026-11-28): 305 us a layer for BW 256
-over a 5000-token prompt, 17 of a lone request's 55 device ms. Splitting each prompt into runs merged
-by log-sum-exp (as the decode kernel does) was tried and measured slower (a request's beam steps 28 ->
-33 ms; FlashRec's shape 28.9 -> 19.4 req/s), so the serial walk's latency is not what it costs; the
-float32 K and V tiles (register pressure) are the next suspect, not yet measured.
+sgrec.beam.attention.staged_attention, per request. Its measured time per layer and step, and the
+launch variants compared with it (benchmarks/bench_staged_kernel.py), are in docs/performance.md.
 
 Under TRITON_INTERPRET=1 (set before triton is imported) it runs on CPU tensors.
 """
