@@ -202,7 +202,7 @@ class ModelRunner:
         cfg, caps = self.config, self.capabilities
         states = self.args.max_running_requests if caps.state_shapes else 0
         return Memory(size, caps.layer_kinds, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device, self.dtype,
-                      states=states, state_shapes=caps.state_shapes)
+                      states=states, state_shapes=caps.state_shapes, state_float32=caps.state_float32)
 
     def profile_peak_bytes(self, n: int) -> int:
         """Peak memory of one prefill-only forward of n tokens, all KV discarded (PrefillOnly §3.1's
@@ -239,8 +239,12 @@ class ModelRunner:
         return size
 
     def make_batch(
-        self, input_ids: list[int], positions: list[int], out_cache_loc: torch.Tensor, seqs: list[SeqLayout]
+        self, input_ids: list[int], positions: list[int], out_cache_loc: torch.Tensor, seqs: list[SeqLayout],
+        state_slots: list[torch.Tensor] | None = None,
     ) -> ForwardBatch:
+        """A forward batch over the runner's memory. state_slots: each sequence's state slot (a
+        family with recurrent layers: the state it starts from and leaves), or None (every
+        sequence from a zero state, none kept)."""
         dev = self.device
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -248,6 +252,8 @@ class ModelRunner:
             out_cache_loc=out_cache_loc.to(dev),
             seqs=seqs,
             kv_pool=self.memory.kv,
+            state_slots=None if state_slots is None else torch.cat(state_slots).to(dev),
+            state_pool=self.memory.states,
         )
 
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:

@@ -231,6 +231,9 @@ class RetrieveExecutor:
     def _parse(self, index: int, input_ids, beam_width, top_k, num_items, extra_key=None, exclude_items=None,
                include_items=None, filter=None) -> _Request:
         t0 = time.perf_counter()
+        if not self.runner.capabilities.staged_beams:  # a 400, before any memory is taken
+            raise ValueError(f"retrieval by beam search is not served for {self.runner.family.name} models: "
+                             f"their recurrent layers keep a state per sequence, which beams cannot share")
         trie = self._validate(beam_width, top_k, num_items)
         ids = list(check_token_ids(input_ids, "input_ids", self.vocab_size))
         if len(ids) + trie.depth - 1 > self.runner.context_len:

@@ -18,17 +18,19 @@ from sgrec.mem.kv_pool import KVPool, TokenAllocator
 
 class StatePool:
     """`size` state slots (slot 0 is padding, as the KV pool's): for each stateful layer, one
-    [size + 1, *shape] tensor per named part. alloc / free hand out slots; fork copies a slot's
-    state into fresh ones (a beam taking its parent's state); gather reads some slots' states."""
+    [size + 1, *shape] tensor per named part, in `dtype` (the parts named in `float32`: float32).
+    alloc / free hand out slots; fork copies a slot's state into fresh ones (a beam taking its
+    parent's state); gather reads some slots' states."""
 
     def __init__(self, size: int, shapes: dict[int, dict[str, tuple[int, ...]]], dtype: torch.dtype,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", float32: frozenset[str] = frozenset()):
         self.size, self.dtype, self.device = size, dtype, torch.device(device)
-        self.buffers = {layer: {name: torch.zeros((size + 1, *shape), dtype=dtype, device=self.device)
+        part_dtype = {name: torch.float32 if name in float32 else dtype for parts in shapes.values() for name in parts}
+        self.buffers = {layer: {name: torch.zeros((size + 1, *shape), dtype=part_dtype[name], device=self.device)
                                 for name, shape in parts.items()} for layer, parts in shapes.items()}
         self.allocator = TokenAllocator(size, self.device) if size else None
-        self.bytes_per_state = sum(dtype.itemsize * int(torch.Size(shape).numel())
-                                   for parts in shapes.values() for shape in parts.values())
+        self.bytes_per_state = sum(part_dtype[name].itemsize * int(torch.Size(shape).numel())
+                                   for parts in shapes.values() for name, shape in parts.items())
 
     def available_size(self) -> int:
         return self.allocator.available_size() if self.allocator is not None else 0
@@ -67,12 +69,12 @@ class Memory:
 
     layer_kinds: one entry a model layer ("attention" has KV; any other kind none); kv_layers[i]
     is the KV buffer of model layer i (None without). states/state_shapes: the StatePool's size
-    and, per stateful layer, its parts' shapes."""
+    and, per stateful layer, its parts' shapes (`state_float32`: the parts kept in float32)."""
 
     def __init__(self, tokens: int, layer_kinds: Sequence[str], num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", attn_dtype: torch.dtype | None = None,
                  states: int = 0, state_shapes: dict[int, dict[str, tuple[int, ...]]] | None = None,
-                 state_dtype: torch.dtype | None = None):
+                 state_dtype: torch.dtype | None = None, state_float32: frozenset[str] = frozenset()):
         self.kv_layers: list[int | None] = []
         n_kv = 0
         for kind in layer_kinds:
@@ -81,7 +83,7 @@ class Memory:
         self.kv = KVPool(tokens, n_kv, num_kv_heads, head_dim, dtype, device, attn_dtype)
         self.allocator = self.kv.allocator  # the token slots
         self.bytes_per_token = KVPool.bytes_per_token(n_kv, num_kv_heads, head_dim, dtype)
-        self.states = StatePool(states, state_shapes or {}, state_dtype or self.kv.attn_dtype, device)
+        self.states = StatePool(states, state_shapes or {}, state_dtype or self.kv.attn_dtype, device, state_float32)
         self.bytes_per_state = self.states.bytes_per_state
 
     @property

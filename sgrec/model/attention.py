@@ -77,10 +77,12 @@ class ForwardBatch:
     seqs: list[SeqLayout]
     kv_pool: KVPool
     attn_meta: Any = field(default=None, repr=False)  # filled by the backend's prepare()
-    # per sequence (in seqs' order): its state slot in mem.memory.StatePool (families with recurrent
-    # layers) and its encoder's KV slots (encoder-decoder families); None for the dense decoder
+    # per sequence (in seqs' order): its state slot in state_pool (families with recurrent layers;
+    # None: every sequence from a zero state, none kept) and its encoder's KV slots (encoder-decoder
+    # families); None for the dense decoder
     state_slots: torch.Tensor | None = None
     encoder_slots: list[torch.Tensor] | None = None
+    state_pool: Any = field(default=None, repr=False)  # mem.memory.StatePool
 
     @property
     def is_decode(self) -> bool:

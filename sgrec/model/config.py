@@ -57,6 +57,7 @@ class ModelConfig:
             cfg = json.load(f)
         family, _, variant = families.family_for(cfg.get("architectures") or [], path)
         flags = family.config_flags(variant, cfg)  # the family refuses what it cannot serve
+        hf, cfg = cfg, cfg.get("text_config") or cfg  # a multimodal checkpoint: its text model's fields
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters.
@@ -85,10 +86,10 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
             config_dtype=_DTYPES.get(str(dtype_name)) if dtype_name else None,
             eos_token_ids=eos_ids,
-            hf_config=cfg,
+            hf_config=hf,
             family=family.name,
             **flags,
         )

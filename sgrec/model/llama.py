@@ -124,26 +124,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device)
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Final hidden states [T, hidden] (after the last norm)."""
-        x = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
-        backend.prepare(batch)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, batch, backend)
-        return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
+class LMBase(nn.Module):
+    """What every family's causal LM shares: the output layer over `embed_tokens` / `lm_head`
+    (tied or not), and the whole-model transforms the loader and the runner apply (weight packing,
+    batch invariance, fused element-wise glue). A subclass sets cfg, embed_tokens, lm_head (None
+    when tied) and rope, and defines forward(batch, backend) and load_weights."""
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,28 +191,27 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight  # shared
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """This model's parameter name for a checkpoint tensor's, or None to skip it."""
+        raise NotImplementedError
+
+    def fused_projections(self) -> dict[str, tuple[str, int, int]]:
+        """Checkpoint projections stored as rows of one fused matrix: module name -> (the fused
+        module, its first row, its rows)."""
+        return {}
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads HF-named tensors, fusing q/k/v and gate/up. Every parameter must be set."""
-        cfg = self.cfg
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        fused = {
-            "q_proj": ("qkv_proj", 0, q),
-            "k_proj": ("qkv_proj", q, kv),
-            "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
-        }
+        """Loads HF-named tensors (`checkpoint_name`), fusing the projections `fused_projections`
+        names. Every parameter must be set."""
+        fused = self.fused_projections()
         params = dict(self.named_parameters())
         expected = {name: params[name].shape[0] for name in params}
         loaded: dict[str, int] = {}
         for name, tensor in weights:
-            if name.startswith("model."):
-                name = name[len("model.") :]
-            if "rotary_emb" in name:
+            name = self.checkpoint_name(name)
+            if name is None:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the checkpoint may still carry a copy
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
                 target, start, size = fused[parts[-2]]
@@ -239,11 +223,51 @@ class CausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"Unexpected weight {name} in checkpoint")
-            params[name].copy_(tensor)
+            params[name].copy_(tensor.reshape(params[name].shape))
             loaded[name] = params[name].shape[0]
         missing = [n for n, rows in expected.items() if loaded.get(n, 0) != rows]
         if missing:
             raise ValueError(f"Checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+class CausalLM(LMBase):
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Final hidden states [T, hidden] (after the last norm)."""
+        x = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
+        backend.prepare(batch)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, batch, backend)
+        return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """This model's parameter name for a checkpoint tensor's, or None to skip it."""
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            return None  # tied: the checkpoint may still carry a copy
+        return name
+
+    def fused_projections(self) -> dict[str, tuple[str, int, int]]:
+        cfg = self.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
 
 
 def config_flags(variant: str, cfg: dict) -> dict:
@@ -260,7 +284,7 @@ def config_flags(variant: str, cfg: dict) -> dict:
 def capabilities(cfg: ModelConfig) -> Capabilities:
     # layouts: both of sgrec.layout.KINDS (user-as-prefix, item-as-prefix), masks through the backends
     return Capabilities(layer_kinds=(ATTENTION,) * cfg.num_layers, prefix_reuse="any",
-                        layouts=frozenset({"user", "item"}), encoder=False, hybrid_prefill=True,
+                        layouts=frozenset({"user", "item"}), encoder=False, staged_beams=True, hybrid_prefill=True,
                         fused_decode=True, decode_graphs=True)
 
 

@@ -11,11 +11,14 @@ Capabilities:
   fixed-size state a request, `mem.memory.StatePool`); the memory object is sized from it.
 - `state_shapes`: for each recurrent layer, its state's parts and their shapes (empty for a family
   without recurrent layers): every running request holds one state slot, admitted through the same
-  budget as its tokens.
+  budget as its tokens. `state_float32`: the parts kept in float32 whatever the model's dtype.
 - `prefix_reuse`: how a cached prefix may be reused: "any" (cut at any token: a radix match),
   "snapshot" (only where a state was kept), "exact" (only the whole sequence).
 - `layouts`: the rank layouts (`sgrec.layout.KINDS`) whose attention masks it runs.
 - `encoder`: whether requests carry encoder inputs (cross-attention slots in ForwardBatch).
+- `staged_beams`: whether a beam step may read the prompt's KV in place, every beam's own tokens
+  apart (xBeam's staged attention): true where every layer's context is per-token KV; retrieve
+  and recommend are refused with a 400 without it.
 - `chunked_prefill` (`hybrid_prefill`): forward parts the family's layers support; the runner
   turns on only those it has. `fused_decode` and `decode_graphs`: the CPU fused decode step and
   the CUDA decode graphs, both written for the dense decoder's layers.
@@ -37,9 +40,11 @@ PREFIX_REUSE = {"any": "cut at any token", "snapshot": "only where a state was k
 class Capabilities:
     layer_kinds: tuple[str, ...]
     state_shapes: dict[int, dict[str, tuple[int, ...]]] = field(default_factory=dict)
+    state_float32: frozenset[str] = frozenset()
     prefix_reuse: str = "any"
     layouts: frozenset[str] = frozenset()
     encoder: bool = False
+    staged_beams: bool = False
     hybrid_prefill: bool = False
     fused_decode: bool = False
     decode_graphs: bool = False

@@ -540,6 +540,10 @@ class Scheduler:
             total += n
         return items
 
+    def _state_slots(self, reqs: list[Req]) -> list[torch.Tensor] | None:
+        """The batch's state slots, one a request (a family with recurrent layers), else None."""
+        return [req.state_slot for req in reqs] if self.states_per_request else None
+
     # ---- prefill ------------------------------------------------------------------------
     def _plan_rows(self, items: list[tuple[Req, int, torch.Tensor]]):
         """A prefill batch's tokens, sequences and the rows each request needs: (ids, positions,
@@ -572,7 +576,7 @@ class Scheduler:
     def _run_prefill(self, items: list[tuple[Req, int, torch.Tensor]]) -> list[Req]:
         ids, pos, seqs, rows, plans, label_rows = self._plan_rows(items)
         out_loc = torch.cat([s for _, _, s in items])
-        batch = self.runner.make_batch(ids, pos, out_loc, seqs)
+        batch = self.runner.make_batch(ids, pos, out_loc, seqs, self._state_slots([req for req, _, _ in items]))
         hidden_of = self.runner.hidden_prefill_only if all(req.kv_keep is not None for req, _, _ in items) \
             else self.runner.hidden
         hidden = hidden_of(batch, rows + list(label_rows.values()))  # rows may be empty: a middle chunk only fills KV
@@ -687,7 +691,7 @@ class Scheduler:
             ids.append(req.output_ids[-1])
             pos.append(req.kv_len)
             seqs.append(SeqLayout(i, 1, torch.cat([req.kv_indices, slots[i : i + 1]])))
-        batch = self.runner.make_batch(ids, pos, slots, seqs)
+        batch = self.runner.make_batch(ids, pos, slots, seqs, self._state_slots(reqs))
         logits = self.runner.forward(batch, list(range(len(reqs))))
         for req, seq in zip(reqs, seqs):
             req.kv_indices = seq.kv_indices

@@ -1,4 +1,4 @@
-"""Write a tiny random-weight HF-format model directory (llama / qwen2 / qwen3) with a
+"""Write a tiny random-weight HF-format model directory (llama / qwen2 / qwen3 / qwen3_5) with a
 small trained byte-level BPE tokenizer, for fast tests; or, with --shape, random weights of a real
 model's exact shape (for timings at the sizes the field reports; no hub needed).
 
@@ -13,7 +13,7 @@ import json
 import os
 import random
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5")
 
 DEFAULTS = dict(
     vocab_size=512,
@@ -29,6 +29,11 @@ DEFAULTS = dict(
     tie_word_embeddings=False,
 )
 
+# qwen3_5 (hybrid): three Gated DeltaNet layers, then a gated attention layer (transformers' default
+# full_attention_interval), small linear-attention heads
+HYBRID_DEFAULTS = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+
 # Real models' shapes (from their config.json): (arch, config). Random weights at HF's init scale.
 SHAPES = {
     "smollm2-135m": ("llama", dict(
@@ -39,6 +44,11 @@ SHAPES = {
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=True)),
+    "qwen3.5-0.8b": ("qwen3_5", dict(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144, rope_theta=10000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True)),
     "qwen3-1.7b": ("qwen3", dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -171,9 +181,14 @@ def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, shape: str
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    if arch == "qwen3_5" and shape is None:
+        base = {**base, **HYBRID_DEFAULTS}
     cfg = {**base, **{k: v for k, v in overrides.items() if v is not None}}
     if arch == "qwen3":
         cfg.setdefault("head_dim", 32)
+    if arch == "qwen3_5":
+        rope_theta = cfg.pop("rope_theta")
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": 0.25}
     family = "llama" if arch == "llama" else "qwen"
     tokenizer = _build_tokenizer(cfg["vocab_size"], family)
     ids = dict(
@@ -184,8 +199,8 @@ def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, shape: str
     assert all(i is None or i < cfg["vocab_size"] for i in ids.values()), ids
     assert len(tokenizer) <= cfg["vocab_size"], (len(tokenizer), cfg["vocab_size"])
 
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
-    config = getattr(transformers, f"{name}Config")(**cfg, **ids)
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_5": "Qwen3_5"}[arch]
+    config = getattr(transformers, f"{name}TextConfig" if arch == "qwen3_5" else f"{name}Config")(**cfg, **ids)
     config.dtype = torch.float32
     torch.manual_seed(seed)
     model = getattr(transformers, f"{name}ForCausalLM")(config).float().eval()

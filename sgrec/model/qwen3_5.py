@@ -1,0 +1,309 @@
+"""The hybrid family: Qwen3.5 text models (Gated DeltaNet and gated attention), matching transformers.
+
+config.json's `layer_types` gives each layer's kind (by default three "linear_attention" layers
+before every "full_attention" one):
+- a **linear-attention layer** is a Gated DeltaNet: one projection gives q, k, v (through a causal
+  depthwise convolution of `linear_conv_kernel_dim` taps and SiLU), the output gate z, the rate
+  beta and the decay; the gated delta rule (`sgrec.model.delta_rule`) runs over the sequence; a
+  gated RMSNorm and an output projection follow. Its context is a fixed-size state a request: the
+  convolution's last K - 1 inputs ("conv", in the model's dtype) and the rule's [heads, dk, dv]
+  matrix ("ssm", float32), kept in the memory's state slots (`ForwardBatch.state_slots`).
+- a **full-attention layer** is attention over the token pool with an output gate (sigmoid of a
+  second half of q_proj), per-head zero-centred q/k norms and rotary embeddings on the first
+  `partial_rotary_factor` of each head.
+Norms are zero-centred (scale 1 + weight). With text positions only, Qwen3.5's multi-axis rotary
+embedding is the plain one. The text part of a multimodal checkpoint (`Qwen3_5ForConditionalGeneration`,
+weights under `model.language_model`) loads too; its vision tower and multi-token-prediction
+weights are not read.
+
+Capabilities: a cached prefix is reusable only where a state was kept ("snapshot"), so the radix
+cache must be off; no rank layout (rank is a 400 naming `prefix`), no staged beams (retrieve is a
+400); no hybrid prefilling, fused decode or decode graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sgrec.model import delta_rule
+from sgrec.model.attention import AttentionBackend, ForwardBatch
+from sgrec.model.llama import MLP, LMBase
+from sgrec.model.registry import ATTENTION, RECURRENT, Capabilities, Family
+from sgrec.model.rope import RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from sgrec.model.config import ModelConfig
+
+KINDS = {"full_attention": ATTENTION, "linear_attention": RECURRENT}
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """The hybrid fields of config.json (or of its text_config)."""
+
+    layer_types: tuple[str, ...]
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+    rotary_dim: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "HybridShape":
+        hf = cfg.hf_config.get("text_config") or cfg.hf_config
+        every = hf.get("full_attention_interval", 4)
+        types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                          for i in range(cfg.num_layers)]
+        rope = hf.get("rope_parameters") or {}
+        factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        return cls(tuple(types), hf.get("linear_num_key_heads", 16), hf.get("linear_num_value_heads", 32),
+                   hf.get("linear_key_head_dim", 128), hf.get("linear_value_head_dim", 128),
+                   hf.get("linear_conv_kernel_dim", 4), int(cfg.head_dim * factor))
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by 1 + weight, in float32 (transformers' Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of x, times SiLU of the gate (the DeltaNet output's norm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (normed * F.silu(gate.float())).to(dtype)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kv_layer: int, rotary_dim: int):
+        super().__init__()
+        self.kv_layer = kv_layer  # its buffer in the KV pool (attention layers only are there)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = 2 * cfg.num_heads * cfg.head_dim  # each head's query, then its gate
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.rotary_dim = rotary_dim
+        self.scale = cfg.head_dim**-0.5
+        bias = bool(cfg.hf_config.get("attention_bias", False))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rotary_dim
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qg = qg.view(T, self.num_heads, 2 * D)
+        q, gate = self.q_norm(qg[..., :D]), qg[..., D:].reshape(T, self.num_heads * D)
+        k = self.k_norm(k.view(T, self.num_kv_heads, D))
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        out = backend.forward(q, k, v.reshape(T, self.num_kv_heads, D), self.kv_layer, batch, self.scale)
+        return self.o_proj(out * torch.sigmoid(gate))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, shape: HybridShape):
+        super().__init__()
+        self.layer = layer  # its parts in the state pool
+        s = shape
+        self.k_heads, self.v_heads, self.k_dim, self.v_dim = s.k_heads, s.v_heads, s.k_dim, s.v_dim
+        self.key_size, self.value_size, self.conv_dim = s.k_heads * s.k_dim, s.v_heads * s.v_dim, s.conv_dim
+        self.kernel = s.conv_kernel
+        # q, k, v (convolved), the output gate z, beta's and the decay's inputs: one matmul
+        self.in_proj = nn.Linear(cfg.hidden_size, s.conv_dim + self.value_size + 2 * s.v_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(s.conv_dim, s.conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(s.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.v_heads))
+        self.norm = GatedRMSNorm(s.v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_size, cfg.hidden_size, bias=False)
+
+    def _convolve(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal depthwise convolution and SiLU of x [B, C, L] after the previous K - 1
+        inputs `window` [B, C, K - 1]; returns (out [B, C, L], the new window)."""
+        ext = torch.cat([window.to(x.dtype), x], dim=-1)
+        out = F.silu(F.conv1d(ext, self.conv_weight.unsqueeze(1), groups=self.conv_dim))
+        return out, ext[..., ext.shape[-1] - (self.kernel - 1):]
+
+    def _heads(self, mixed: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (normalised, per value head, float32) and v [rows, H, d] of the convolved q, k, v."""
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        q = q.reshape(rows, self.k_heads, self.k_dim).float()
+        k = k.reshape(rows, self.k_heads, self.k_dim).float()
+        groups = self.v_heads // self.k_heads
+        if groups > 1:
+            q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+        q = delta_rule.l2norm(q) * self.k_dim**-0.5
+        return q, delta_rule.l2norm(k), v.reshape(rows, self.v_heads, self.v_dim).float()
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_size, self.v_heads, self.v_heads], dim=-1)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        parts = None if batch.state_slots is None else batch.state_pool.buffers[self.layer]
+        out = torch.empty(T, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        singles = [i for i, s in enumerate(batch.seqs) if s.q_len == 1]
+        if singles:  # decode: one token of each, all at once
+            self._tokens(mixed, g, beta, batch, parts, singles, out)
+        for i, seq in enumerate(batch.seqs):
+            if seq.q_len > 1:
+                self._sequence(mixed, g, beta, batch, parts, i, out)
+        out = self.norm(out.reshape(T * self.v_heads, self.v_dim), z.reshape(T * self.v_heads, self.v_dim))
+        return self.out_proj(out.reshape(T, self.value_size))
+
+    def _state(self, parts, slots: torch.Tensor | None, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (window, matrix) states at `slots`, or zero ones."""
+        if slots is None:
+            return (torch.zeros(n, self.conv_dim, self.kernel - 1, device=device),
+                    torch.zeros(n, self.v_heads, self.k_dim, self.v_dim, device=device))
+        return parts["conv"].index_select(0, slots), parts["ssm"].index_select(0, slots)
+
+    def _keep(self, parts, slots: torch.Tensor | None, window: torch.Tensor, matrix: torch.Tensor) -> None:
+        if slots is not None:
+            parts["conv"].index_copy_(0, slots, window.to(parts["conv"].dtype))
+            parts["ssm"].index_copy_(0, slots, matrix)
+
+    def _tokens(self, mixed, g, beta, batch, parts, which: list[int], out: torch.Tensor) -> None:
+        rows = torch.tensor([batch.seqs[i].q_start for i in which], dtype=torch.int64, device=mixed.device)
+        slots = None if batch.state_slots is None else batch.state_slots[which]
+        window, matrix = self._state(parts, slots, len(which), mixed.device)
+        conv, window = self._convolve(mixed.index_select(0, rows)[..., None], window)
+        q, k, v = self._heads(conv[..., 0], len(which))
+        o, matrix = delta_rule.step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), matrix)
+        out.index_copy_(0, rows, o.to(out.dtype))
+        self._keep(parts, slots, window, matrix)
+
+    def _sequence(self, mixed, g, beta, batch, parts, i: int, out: torch.Tensor) -> None:
+        seq = batch.seqs[i]
+        a, n = seq.q_start, seq.q_len
+        slots = None if batch.state_slots is None else batch.state_slots[i : i + 1]
+        window, matrix = self._state(parts, slots, 1, mixed.device)
+        conv, window = self._convolve(mixed[a : a + n].T[None], window)
+        q, k, v = self._heads(conv[0].T, n)
+        o, state = delta_rule.chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                      g[a : a + n].T, beta[a : a + n].T, matrix[0])
+        out[a : a + n] = o.transpose(0, 1).to(out.dtype)
+        self._keep(parts, slots, window, state[None])
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, kv_layer: int | None, shape: HybridShape):
+        super().__init__()
+        if kv_layer is None:
+            self.linear_attn, self.self_attn = GatedDeltaNet(cfg, layer, shape), None
+        else:
+            self.linear_attn, self.self_attn = None, GatedAttention(cfg, kv_layer, shape.rotary_dim)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, backend):
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, batch) if self.self_attn is None else self.self_attn(h, cos, sin, batch, backend)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridLM(LMBase):
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        shape = HybridShape.of(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        kv_layers = [sum(KINDS[t] == ATTENTION for t in shape.layer_types[:i]) if KINDS[t] == ATTENTION else None
+                     for i, t in enumerate(shape.layer_types)]  # as mem.memory.Memory maps them
+        self.layers = nn.ModuleList(HybridLayer(cfg, i, kv, shape) for i, kv in enumerate(kv_layers))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(shape.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
+                                    device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Final hidden states [T, hidden] (after the last norm)."""
+        if any(s.masked for s in batch.seqs):
+            raise ValueError("a hybrid model's recurrent layers read tokens in order: no attention mask")
+        x = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
+        backend.prepare(batch)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, backend)
+        return self.norm(x)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith(("mtp.", "model.visual.")) or "rotary_emb" in name:
+            return None
+        name = name.removeprefix("model.language_model.").removeprefix("model.")
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: the checkpoint may still carry a copy
+        return name.replace("linear_attn.conv1d.weight", "linear_attn.conv_weight")
+
+    def fused_projections(self) -> dict[str, tuple[str, int, int]]:
+        cfg, shape = self.cfg, HybridShape.of(self.cfg)
+        q, kv = 2 * cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        c, z = shape.conv_dim, shape.v_heads * shape.v_dim
+        return {
+            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+            "in_proj_qkv": ("in_proj", 0, c), "in_proj_z": ("in_proj", c, z),
+            "in_proj_b": ("in_proj", c + z, shape.v_heads), "in_proj_a": ("in_proj", c + z + shape.v_heads, shape.v_heads),
+        }
+
+
+def config_flags(variant: str, cfg: dict) -> dict:
+    """No ModelConfig flags of its own (the model reads HybridShape); a ValueError naming the
+    config field for what it cannot serve."""
+    text = cfg.get("text_config") or cfg
+    if text.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Unsupported hidden_act {text['hidden_act']!r} (only silu)")
+    unknown = sorted(set(text.get("layer_types") or []) - set(KINDS))
+    if unknown:
+        raise ValueError(f"Unsupported layer_types {unknown} (supported: {sorted(KINDS)})")
+    if text.get("linear_num_value_heads", 32) % text.get("linear_num_key_heads", 16):
+        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    return {}
+
+
+def capabilities(cfg: ModelConfig) -> Capabilities:
+    shape = HybridShape.of(cfg)
+    kinds = tuple(KINDS[t] for t in shape.layer_types)
+    states = {i: {"conv": (shape.conv_dim, shape.conv_kernel - 1), "ssm": (shape.v_heads, shape.k_dim, shape.v_dim)}
+              for i, kind in enumerate(kinds) if kind == RECURRENT}
+    return Capabilities(layer_kinds=kinds, state_shapes=states, state_float32=frozenset({"ssm"}),
+                        prefix_reuse="snapshot")
+
+
+FAMILY = Family(  # listed in sgrec.model.families
+    name="hybrid",
+    architectures={"Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5ForConditionalGeneration": "qwen3_5"},
+    config_flags=config_flags, build=HybridLM, capabilities=capabilities,
+)
