@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from sgrec.mem.kv_pool import FP8, KVPool
-from sgrec.mem.memory import Memory
+from sgrec.mem.memory import Memory, StatePool
 from sgrec.model import families
 from sgrec.model.attention import AttentionBackend, ForwardBatch, NativeBackend, SeqLayout, TritonBackend
 from sgrec.model.backends import make_backend
@@ -34,6 +34,7 @@ CPU_MEM_FRACTION = 0.1  # of available RAM, when neither max_total_tokens nor me
 CPU_MAX_TOKENS = 1 << 17
 CUDA_MEM_FRACTION = 0.85
 CUDA_GRAPH_MAX_BS = 256  # the default largest decode batch replayed from a CUDA graph
+STATE_MEMORY_SHARE = 0.5  # at most this share of the memory share goes to state slots, by default
 
 
 def resolve_device(device: str) -> torch.device:
@@ -198,11 +199,31 @@ class ModelRunner:
 
     def _new_memory(self, size: int) -> Memory:
         """The memory object: `size` token slots for the attention layers and, for a family with
-        recurrent layers, one state slot per request that may run at once (--max-running-requests)."""
+        recurrent layers, its state slots (_state_slots)."""
         cfg, caps = self.config, self.capabilities
-        states = self.args.max_running_requests if caps.state_shapes else 0
+        states = self._state_slots() if caps.state_shapes else 0
         return Memory(size, caps.layer_kinds, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device, self.dtype,
                       states=states, state_shapes=caps.state_shapes, state_float32=caps.state_float32)
+
+    def _state_slots(self) -> int:
+        """--max-mamba-cache-size, else one state slot a running request and as many for the radix
+        cache's snapshots (none without the cache), within STATE_MEMORY_SHARE of the memory share the
+        KV pool is sized from."""
+        args = self.args
+        if args.max_mamba_cache_size:
+            return args.max_mamba_cache_size
+        want = args.max_running_requests * (1 if args.disable_radix_cache else 2)
+        caps = self.capabilities
+        per_state = StatePool(0, caps.state_shapes, self.dtype, "meta", caps.state_float32).bytes_per_state
+        fit = int(_available_memory(self.device) * self._memory_fraction() * STATE_MEMORY_SHARE) // per_state
+        if fit < want:
+            logger.info("state slots: %d (of %d wanted) fit in %.0f%% of the memory share; --max-mamba-cache-size "
+                        "sets them", max(fit, 1), want, 100 * STATE_MEMORY_SHARE)
+        return max(1, min(want, fit))
+
+    def _memory_fraction(self) -> float:
+        on_cpu = self.device.type == "cpu"
+        return self.args.mem_fraction_static or (CPU_MEM_FRACTION if on_cpu else CUDA_MEM_FRACTION)
 
     def profile_peak_bytes(self, n: int) -> int:
         """Peak memory of one prefill-only forward of n tokens, all KV discarded (PrefillOnly §3.1's
@@ -229,9 +250,8 @@ class ModelRunner:
             return self.args.max_total_tokens
         per_token = self.memory.bytes_per_token
         on_cpu = self.device.type == "cpu"
-        fraction = self.args.mem_fraction_static or (CPU_MEM_FRACTION if on_cpu else CUDA_MEM_FRACTION)
         reserve += self.memory.states.size * self.memory.bytes_per_state  # the state slots come first
-        size = int(max(_available_memory(self.device) - reserve, 0) * fraction) // per_token
+        size = int(max(_available_memory(self.device) - reserve, 0) * self._memory_fraction()) // per_token
         if on_cpu:
             size = min(size, CPU_MAX_TOKENS)
         if size < 2:

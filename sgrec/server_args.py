@@ -71,6 +71,11 @@ class ServerArgs:
         "8192 under 160 GB (A100, H100, H200), else 16384.")
     max_prefill_tokens: int = _arg(16384, "Most tokens in one prefill batch.")
     max_running_requests: int = _arg(256, "Most requests decoding at once (per data-parallel rank).", at_least=1)
+    max_mamba_cache_size: int | None = _arg(
+        None, "State slots of a model with recurrent layers (Qwen3.5's Gated DeltaNet): each running request "
+        "holds one, the radix cache's state snapshots the others; a request waits for a free one. Default: "
+        "twice --max-running-requests (once with --disable-radix-cache), at most half of the memory share the "
+        "KV pool is sized from.", at_least=1)
     max_queued_requests: int | None = _arg(
         None, "Most requests waiting per rank (beyond the free running places); past it new requests get "
         "503 'The request queue is full.', at once and untokenized once running + queued are outstanding", at_least=0)

@@ -231,10 +231,67 @@ def test_the_engine_generates_transformers_greedy_tokens(hybrid_dir, hf_hybrid, 
         engine.shutdown()
 
 
+# ---- prefix caching from state snapshots ---------------------------------------------------------
+def generate(engine, prompt, n=6):
+    out = engine.generate(input_ids=prompt, return_logprob=True,
+                          sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    return out["output_ids"], [lp[0] for lp in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_returning_prompt_resumes_from_a_snapshot_with_a_cold_runs_numbers(hybrid_dir, dtype):
+    """A second turn (the first prompt, its answer, a new message) matches the first request's
+    snapshot, kept where its KV ends, and computes only what follows it; its tokens and logprobs
+    are a cold run's (no cache) within rounding."""
+    kw = dict(device="cpu", dtype=dtype, max_total_tokens=2048, chunked_prefill_size=32)
+    warm, cold = Engine(hybrid_dir, **kw), Engine(hybrid_dir, disable_radix_cache=True, **kw)
+    try:
+        first = ids(70, seed=21)
+        answer, _, meta = generate(warm, first)
+        assert meta["cached_tokens"] == 0 and warm.scheduler.tree.state_count >= 3  # chunk ends and the finish
+        second = first + answer + ids(20, seed=22)
+        got, got_lp, meta = generate(warm, second)
+        ref, ref_lp, _ = generate(cold, second)
+        # the first request's KV ends before its last sampled token: its snapshot is there
+        assert meta["cached_tokens"] == len(first) + len(answer) - 1
+        tol = tolerance(warm.runner.dtype)
+        assert got[0] == ref[0] and abs(got_lp[0] - ref_lp[0]) <= tol
+        if warm.runner.dtype == torch.float32:
+            assert got == ref and max(abs(a - b) for a, b in zip(got_lp, ref_lp)) <= tol
+        warm.check_memory()
+        states = warm.runner.memory.states
+        assert states.available_size() + warm.scheduler.tree.state_count == states.size
+    finally:
+        warm.shutdown()
+        cold.shutdown()
+
+
+def test_snapshots_make_room_for_running_requests_in_one_state_budget(hybrid_dir):
+    """Three state slots, two requests at a time: snapshots are evicted (least recently used first)
+    whenever a request needs a slot, and every answer is the cold run's."""
+    kw = dict(device="cpu", dtype="float32", max_total_tokens=2048, chunked_prefill_size=32, max_running_requests=2)
+    warm = Engine(hybrid_dir, max_mamba_cache_size=3, **kw)
+    cold = Engine(hybrid_dir, disable_radix_cache=True, **kw)
+    try:
+        assert warm.runner.memory.states.size == 3 and cold.runner.memory.states.size == 2
+        prompts = [ids(40 + 7 * i, seed=30 + i) for i in range(5)]
+        prompts.append(prompts[0] + ids(5, seed=40))  # may find its prefix, or find it evicted
+        params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+        got = warm.generate(input_ids=prompts, sampling_params=params)
+        ref = cold.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+        warm.check_memory()
+        assert warm.scheduler.tree.state_count <= 3
+    finally:
+        warm.shutdown()
+        cold.shutdown()
+
+
 # ---- what the family does not serve ------------------------------------------------------------------
-def test_the_radix_cache_rank_layouts_and_beams_are_refused_by_name(hybrid_dir):
-    with pytest.raises(ValueError, match="reusable only where a state was kept.*--disable-radix-cache"):
-        Engine(hybrid_dir, device="cpu", dtype="float32", max_total_tokens=256)
+def test_the_host_tier_rank_layouts_and_beams_are_refused_by_name(hybrid_dir):
+    with pytest.raises(ValueError, match="--enable-hierarchical-cache: the host and storage tiers keep KV, not "
+                                         "the hybrid family's state snapshots"):
+        Engine(hybrid_dir, device="cpu", dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True)
     runner = runner_for(hybrid_dir, "float32")
     tree = RadixCache(runner.memory.allocator, disable=True)
     cat = make_catalog(6, seed=1)

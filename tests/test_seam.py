@@ -228,7 +228,7 @@ def test_a_family_with_states_admits_each_request_with_a_state_slot(tiny_model_d
 
     def scheduler(model_path):
         args = ServerArgs(model_path=model_path, device="cpu", dtype=dtype, max_total_tokens=256,
-                          max_running_requests=2)
+                          max_running_requests=2, max_mamba_cache_size=2)
         runner = ModelRunner(args)
         return Scheduler(args, runner, Tokenizer(model_path))
 

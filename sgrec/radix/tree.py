@@ -71,6 +71,17 @@ class RadixCache:
             node = self._load_back(key, extra_key, node, i, parts)
         return MatchResult(torch.cat(parts) if parts else self._empty(), node)
 
+    def match_snapshot(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
+        """match_prefix cut back to the deepest matched node that carries a state (a family whose
+        prefixes are reusable only where a state was kept): that node's KV and the node (the root
+        when no matched node has one)."""
+        res = self.match_prefix(key, extra_key)
+        node, n = res.last_node, res.indices.numel()
+        while node is not self.root and node.state is None:
+            n -= len(node.key)
+            node = node.parent
+        return MatchResult(res.indices[:n], node)
+
     def _load_back(self, key: list[int], extra_key: str | None, node: TreeNode, i: int,
                    parts: list[torch.Tensor]) -> TreeNode:
         """Extends a match that ends at node (depth i) with the host tier's pages: they are copied

@@ -111,6 +111,9 @@ class SchedulerLoop:
     def run(self) -> None:
         sizes = {k: getattr(self.scheduler.args, k) for k in DEVICE_SIZED}
         sizes["cpu_threads"] = torch.get_num_threads()  # what --cpu-threads resolved to (/server_info)
+        if self.runner.memory.states.size:  # what --max-mamba-cache-size resolved to, and a state's bytes
+            sizes["max_mamba_cache_size"] = self.runner.memory.states.size
+            sizes["state_bytes_per_request"] = self.runner.memory.bytes_per_state
         self.send(io.SchedulerReady(self.dp_rank, self.runner.memory.size, self.runner.context_len,
                                     self.runner.config.vocab_size, self.runner.max_input_len,
                                     self.scheduler.catalog_info(), sizes))

@@ -43,6 +43,7 @@ class Req:
     cached_on_arrival: int = 0  # prefill-only: cached prefix when queued (plain SRJF's estimate)
     kv_keep: int | None = None  # prefill-only: KV kept for fill_ids[:kv_keep]; the rest is discarded
     state_slot: torch.Tensor | None = None  # a family with recurrent layers: the request's running state
+    snapshot: object = None  # the radix node whose state (locked) the running state is copied from on admission
 
     finish_reason: dict | None = None
     generator: torch.Generator | None = None

@@ -135,9 +135,15 @@ class Scheduler:
         self.allocator = runner.memory.allocator
         self.states_per_request = runner.memory.states_per_request  # admitted with the tokens, one budget
         reuse = runner.capabilities.prefix_reuse
-        if reuse != "any" and not args.disable_radix_cache:  # the tree cuts a match at any token
+        if reuse == "exact" and not args.disable_radix_cache:  # the tree cuts a match at any token
             raise ValueError(f"the {runner.family.name} family's cached prefixes are reusable {PREFIX_REUSE[reuse]}, "
                              f"while the radix cache cuts a match at any token; start with --disable-radix-cache")
+        # a match resumes from the deepest cached state (RadixCache.match_snapshot), kept at every
+        # prefill chunk's end and with every finished request
+        self.snapshots = reuse == "snapshot" and not args.disable_radix_cache
+        if self.snapshots and args.enable_hierarchical_cache:
+            raise ValueError(f"--enable-hierarchical-cache: the host and storage tiers keep KV, not the "
+                             f"{runner.family.name} family's state snapshots; leave it out")
         self.hicache = None if args.disable_radix_cache else make_hicache(args, runner.memory, runner.weights())
         self.tree = RadixCache(self.allocator, policy=make_policy(args.radix_eviction_policy, args.radix_eviction_policy_config),
                                disable=args.disable_radix_cache, hicache=self.hicache,
@@ -462,9 +468,30 @@ class Scheduler:
 
     def _match(self, req: Req) -> None:
         limit = req.prefix_match_limit()
-        res = self.tree.match_prefix(req.fill_ids[:limit], req.extra_key)
+        match = self.tree.match_snapshot if self.snapshots else self.tree.match_prefix
+        res = match(req.fill_ids[:limit], req.extra_key)
         req.kv_indices, req.cache_protected_len, req.last_node = res.indices, res.indices.numel(), res.last_node
         self.tree.inc_lock_ref(res.last_node)
+        if self.snapshots and res.last_node.state is not None:  # kept until admission copies it
+            self.tree.lock_state(res.last_node)
+            req.snapshot = res.last_node
+
+    def _running_state(self, req: Req) -> torch.Tensor:
+        """An admitted request's running state: a copy of the snapshot its match ends at, else a
+        zero state (make_room has made room for one)."""
+        states, node = self.runner.memory.states, req.snapshot
+        if node is None:
+            return states.alloc(1)
+        self.tree.unlock_state(node)
+        req.snapshot = None
+        return states.fork(node.state)
+
+    def _snapshot(self, req: Req, node) -> None:
+        """Keeps a copy of the request's running state on `node` (the end of the tokens it has
+        consumed), evicting an older unlocked snapshot if the state pool is full; none when every
+        state is in use."""
+        if self.snapshots and req.state_slot is not None and node is not self.tree.root and self.tree.make_room(0, 1):
+            self.tree.attach_state(node, self.runner.memory.states.fork(req.state_slot))
 
     def _order_waiting(self) -> list[Req]:
         if self.args.schedule_policy == "lpm" and len(self.waiting) <= 128:
@@ -494,7 +521,7 @@ class Scheduler:
                 break
             slots = self.allocator.alloc(take)
             if states:
-                req.state_slot = self.runner.memory.states.alloc(states)
+                req.state_slot = self._running_state(req)
             items.append((req, take, slots))
             if not continuing:
                 self.waiting.remove(req)
@@ -533,7 +560,7 @@ class Scheduler:
                 keep = m + self.allocator.available_size()  # keep what fits, discard the rest
             kept = self.allocator.alloc(keep - m)
             if states:
-                req.state_slot = self.runner.memory.states.alloc(states)
+                req.state_slot = self._running_state(req)
             slots = torch.cat([kept, torch.zeros(n - keep, dtype=torch.int64, device=kept.device)])
             req.kv_keep, req.cached_tokens = keep, m
             items.append((req, n - m, slots))
@@ -727,21 +754,32 @@ class Scheduler:
         n = req.kv_len
         res = self.tree.hand_off(req.fill_ids[:n], req.kv_indices, req.extra_key, req.cache_protected_len, req.last_node)
         req.kv_indices, req.cache_protected_len, req.last_node = res.indices, n, res.last_node
+        self._snapshot(req, res.last_node)
 
     def _release(self, req: Req, cache: bool = True) -> None:
         """Drops the request's lock, its state slot and its KV: into the cache (cache=True and the
-        tree is on), else back to the allocator. Slots the tree already holds stay with the tree."""
+        tree is on; the state too, as the snapshot of what the KV covers, where it covers the
+        tokens the state consumed), else back to the allocator. Slots the tree already holds stay
+        with the tree."""
+        if req.last_node is not None:
+            key = req.fill_ids[: req.kv_len]
+            if cache and not self.tree.disable:
+                self.tree.insert_owned(key, req.kv_indices, req.extra_key, req.cache_protected_len)
+                # a prefill-only request's state has read its whole prompt, its KV only what it keeps
+                consumed = req.kv_keep is None or req.kv_keep == len(req.input_ids)
+                if self.snapshots and key and req.state_slot is not None and consumed:
+                    self.tree.attach_state(self.tree.match_prefix(key, req.extra_key).last_node, req.state_slot)
+                    req.state_slot = None
+            else:
+                self.allocator.free(req.kv_indices[req.cache_protected_len :])
+            if req.snapshot is not None:  # matched, never admitted
+                self.tree.unlock_state(req.snapshot)
+                req.snapshot = None
+            self.tree.dec_lock_ref(req.last_node)
+            req.kv_indices, req.cache_protected_len, req.last_node = req.kv_indices[:0], 0, None
         if req.state_slot is not None:
             self.runner.memory.states.free(req.state_slot)
             req.state_slot = None
-        if req.last_node is None:
-            return
-        if cache and not self.tree.disable:
-            self.tree.insert_owned(req.fill_ids[: req.kv_len], req.kv_indices, req.extra_key, req.cache_protected_len)
-        else:
-            self.allocator.free(req.kv_indices[req.cache_protected_len :])
-        self.tree.dec_lock_ref(req.last_node)
-        req.kv_indices, req.cache_protected_len, req.last_node = req.kv_indices[:0], 0, None
 
     def _finish_abort(self, req: Req, message: str, status_code: int = 400) -> None:
         self._release(req, cache=False)  # an aborted request's KV is not cached

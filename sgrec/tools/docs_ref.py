@@ -36,7 +36,7 @@ GROUPS = {
         "enable_deterministic_inference"),
     "Memory and batching": (
         "max_total_tokens", "mem_fraction_static", "chunked_prefill_size", "max_prefill_tokens",
-        "max_running_requests", "max_queued_requests", "max_input_len"),
+        "max_running_requests", "max_mamba_cache_size", "max_queued_requests", "max_input_len"),
     "Scheduling": ("schedule_policy", "jct_fairness", "jct_model", "prefill_only_batch_tokens", "hybrid_chunk_size"),
     "Caches: radix tree, LARU and hierarchical tiers": (
         "disable_radix_cache", "radix_eviction_policy", "radix_eviction_policy_config", "enable_hierarchical_cache",
