@@ -1,0 +1,152 @@
+"""The hybrid family (Qwen3.5: Gated DeltaNet and gated attention) against transformers on the same
+checkpoint: prefill of one prompt and decode steps of a batch, side by side in one run.
+
+    python benchmarks/bench_hybrid.py                              # Qwen3.5-0.8B's shape, random weights, bf16
+    python benchmarks/bench_hybrid.py --model-path DIR --dtype float32
+    python benchmarks/bench_hybrid.py --prompt-len 128 --batch 2 --steps 2 --repeats 1   # a smoke run
+
+Without --model-path, random weights of Qwen3.5-0.8B's exact shape are written once (bfloat16,
+`make_tiny_model --shape qwen3.5-0.8b`) under ~/.cache/sgrec/. Both sides run in --dtype on
+--threads threads, one after the other, best of --repeats:
+- prefill: one --prompt-len prompt; sgrec's engine with one new token (cache flushed), transformers'
+  forward with the last position's logits only;
+- decode: a batch of --batch prompts of --decode-prompt-len tokens; the time of a step is (the time
+  of --steps + 1 new tokens minus that of one) / --steps, on each side (transformers' generate with
+  its cache, greedy).
+Greedy tokens of the two are compared (bf16 rounds differently in the two; the count of identical
+sequences is printed). transformers runs its own torch forms of the gated delta rule (without
+`flash-linear-attention`, which needs a GPU). Results: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from bench_catalog import header, md_table  # noqa: E402
+from sgrec import Engine  # noqa: E402
+from sgrec.tools.results import row, write_record  # noqa: E402
+
+SHAPE = "qwen3.5-0.8b"
+
+
+def model_dir(args) -> str:
+    if args.model_path:
+        return os.path.expanduser(args.model_path)
+    from sgrec.server_args import cache_dir
+    from sgrec.tools.make_tiny_model import make_tiny_model
+
+    path = os.path.join(cache_dir(), f"random-{SHAPE}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        print(f"writing random weights of {SHAPE}'s shape to {path} ...", flush=True)
+        make_tiny_model(path, shape=SHAPE, dtype="bfloat16")
+    return path
+
+
+def best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--decode-prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cmd = " ".join(["python", "benchmarks/bench_hybrid.py", *map(shlex.quote, sys.argv[1:])])
+    print(header(cmd, "bench_hybrid"), flush=True)
+    path = model_dir(args)
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    engine = Engine(path, device="cpu", dtype=args.dtype, disable_radix_cache=True,
+                    chunked_prefill_size=max(args.prompt_len, 2048), max_total_tokens=max(8192, 2 * args.prompt_len))
+    rng = random.Random(0)
+    vocab = engine.vocab_size
+    prompt = [rng.randrange(100, min(vocab, 40000)) for _ in range(args.prompt_len)]
+    greedy = {"temperature": 0, "ignore_eos": True}
+
+    def sgrec_prefill():
+        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, **greedy})
+
+    def hf_prefill():
+        with torch.inference_mode():
+            hf(torch.tensor([prompt]), logits_to_keep=1)
+
+    sgrec_prefill(), hf_prefill()  # warm-up
+    pre = {"sgrec": best(sgrec_prefill, args.repeats), "transformers": best(hf_prefill, args.repeats)}
+    print(f"  prefill {args.prompt_len}: sgrec {pre['sgrec']:.3f} s, transformers {pre['transformers']:.3f} s",
+          flush=True)
+
+    prompts = [[rng.randrange(100, min(vocab, 40000)) for _ in range(args.decode_prompt_len)]
+               for _ in range(args.batch)]
+    outs = {}
+
+    def sgrec_gen(k):
+        out = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": k, **greedy})
+        outs["sgrec"] = [o["output_ids"] for o in out]
+
+    def hf_gen(k):
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor(prompts), attention_mask=torch.ones(len(prompts), len(prompts[0]),
+                              dtype=torch.int64), max_new_tokens=k, min_new_tokens=k, do_sample=False)
+        outs["transformers"] = out[:, len(prompts[0]):].tolist()
+
+    step = {}
+    for name, gen in (("sgrec", sgrec_gen), ("transformers", hf_gen)):
+        gen(2)
+        t_long = best(lambda: gen(args.steps + 1), args.repeats)
+        seqs = outs[name]
+        t_one = best(lambda: gen(1), args.repeats)
+        outs[name] = seqs
+        step[name] = (t_long - t_one) / args.steps
+        print(f"  decode batch {args.batch}: {name} {step[name] * 1e3:.1f} ms/step", flush=True)
+    same = sum(a == b for a, b in zip(outs["sgrec"], outs["transformers"]))
+    engine.shutdown()
+
+    model = os.path.basename(path.rstrip("/"))
+    rows = [["prefill", f"{args.prompt_len} tokens", f"{pre['sgrec']:.3f} s", f"{pre['transformers']:.3f} s",
+             f"**{pre['transformers'] / pre['sgrec']:.2f}x**"],
+            ["decode", f"batch {args.batch}", f"{args.batch / step['sgrec']:.1f} tok/s",
+             f"{args.batch / step['transformers']:.1f} tok/s", f"**{step['transformers'] / step['sgrec']:.2f}x**"]]
+    print()
+    print(md_table(["phase", "shape", "sgrec", "transformers", "sgrec speed-up"], rows))
+    print(f"\nidentical greedy decode sequences: {same}/{args.batch}")
+    if not args.no_record:
+        params = {"model": model, "dtype": args.dtype}
+        results = [
+            row("prefill time", "s", pre["sgrec"], pre["transformers"], higher_is_better=False,
+                params={**params, "prompt_tokens": args.prompt_len}),
+            row("decode throughput", "tok/s", args.batch / step["sgrec"], args.batch / step["transformers"],
+                params={**params, "batch": args.batch, "prompt_tokens": args.decode_prompt_len}),
+        ]
+        out = write_record(benchmark="bench_hybrid", title="The hybrid family (Qwen3.5) against transformers",
+                           command=cmd, results=results, peer="transformers (torch forms of the gated delta rule)")
+        print(f"result record: {out}")
+
+
+if __name__ == "__main__":
+    main()
