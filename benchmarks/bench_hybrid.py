@@ -25,7 +25,6 @@ import os
 import random
 import shlex
 import sys
-import time
 
 import torch
 
@@ -34,6 +33,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
+from bench_roofline import best  # noqa: E402  (one warm-up call, then the best of `repeats`)
 from sgrec import Engine  # noqa: E402
 from sgrec.tools.results import row, write_record  # noqa: E402
 
@@ -51,15 +51,6 @@ def model_dir(args) -> str:
         print(f"writing random weights of {SHAPE}'s shape to {path} ...", flush=True)
         make_tiny_model(path, shape=SHAPE, dtype="bfloat16")
     return path
-
-
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:
@@ -96,7 +87,6 @@ def main() -> None:
         with torch.inference_mode():
             hf(torch.tensor([prompt]), logits_to_keep=1)
 
-    sgrec_prefill(), hf_prefill()  # warm-up
     pre = {"sgrec": best(sgrec_prefill, args.repeats), "transformers": best(hf_prefill, args.repeats)}
     print(f"  prefill {args.prompt_len}: sgrec {pre['sgrec']:.3f} s, transformers {pre['transformers']:.3f} s",
           flush=True)
