@@ -33,6 +33,7 @@ class Task:
     finish_reason: dict | None = None
     result: dict | None = None
     last_node: object = None  # holds no KV between steps (the scheduler's release path skips it)
+    state_slot: object = None  # nor a state
     cached_tokens: int = 0
 
     @property
