@@ -190,11 +190,12 @@ class ModelRunner:
         """The beam step's kernels on this runner: the staged attention of the runner's own kind of
         kernels; on triton the trie step's selection on the device, and on CUDA, unless
         --disable-cuda-graph or the batch-invariant kernels (whose meta is built per step), its
-        rounds from CUDA graphs."""
+        rounds from CUDA graphs (not for a family with recurrent layers: the graphs carry no states)."""
         triton = self.kernels == "triton"
         on_gpu = self.device.type == "cuda"
+        graphs = triton and on_gpu and not self.deterministic and not self.args.disable_cuda_graph
         return BeamStepPlan(staged=self.kernels, deterministic=self.deterministic, device_select=triton,
-                            graphs=triton and on_gpu and not self.deterministic and not self.args.disable_cuda_graph,
+                            graphs=graphs and not self.capabilities.state_shapes,
                             layered_trie=not on_gpu and not triton)
 
     def _new_memory(self, size: int) -> Memory:

@@ -48,8 +48,8 @@ def hf_hybrid(hybrid_dir):
 
 
 def runner_for(path: str, dtype: str, **kw) -> ModelRunner:
-    return ModelRunner(ServerArgs(model_path=path, device="cpu", dtype=dtype, max_total_tokens=1024,
-                                  disable_radix_cache=True, **kw))
+    return ModelRunner(ServerArgs(model_path=path, device="cpu", dtype=dtype,
+                                  **{"max_total_tokens": 1024, "disable_radix_cache": True, **kw}))
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -108,7 +108,7 @@ def test_the_config_names_its_layers_and_states(hybrid_dir):
     ssm = runner.memory.states.buffers[0]["ssm"]
     assert ssm.dtype == torch.float32 and runner.memory.states.size == runner.args.max_running_requests
     assert runner.memory.bytes_per_state == 3 * (conv_dim * 3 * 4 + 4 * 16 * 16 * 4)
-    assert caps.prefix_reuse == "snapshot" and not caps.layouts and not caps.staged_beams
+    assert caps.prefix_reuse == "snapshot" and caps.layouts == {"user"} and caps.rank_forks and caps.staged_beams
 
 
 def test_an_unsupported_layer_kind_is_refused_naming_the_field(hybrid_dir, tmp_path):
@@ -288,24 +288,217 @@ def test_snapshots_make_room_for_running_requests_in_one_state_budget(hybrid_dir
 
 
 # ---- what the family does not serve ------------------------------------------------------------------
-def test_the_host_tier_rank_layouts_and_beams_are_refused_by_name(hybrid_dir):
+def test_the_host_tier_is_refused_by_name(hybrid_dir):
     with pytest.raises(ValueError, match="--enable-hierarchical-cache: the host and storage tiers keep KV, not "
                                          "the hybrid family's state snapshots"):
         Engine(hybrid_dir, device="cpu", dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True)
-    runner = runner_for(hybrid_dir, "float32")
-    tree = RadixCache(runner.memory.allocator, disable=True)
-    cat = make_catalog(6, seed=1)
-    rank = RankExecutor(runner, tree, cat, runner.args, header_ids=HEADER)
-    assert rank.precompute() == 0
-    for prefix in ("user", "item", "auto"):
-        with pytest.raises(ValueError, match="prefix '.*' needs the .* layout, which the hybrid family does not run"):
-            rank.run("u", ids(3, 4), [it.id for it in cat.items], INSTR, prefix=prefix)
-    rng = random.Random(0)
-    sids = Catalog([Item(f"s{i}", (1,), 1, (rng.randrange(3, 60), rng.randrange(3, 60))) for i in range(8)])
-    retrieve = RetrieveExecutor(runner, tree, sids)
-    with pytest.raises(ValueError, match="retrieval by beam search is not served for hybrid models"):
-        retrieve.run(ids(5, 2), beam_width=4, top_k=2, num_items=2)
-    assert runner.memory.allocator.available_size() == runner.memory.size  # nothing was taken
+
+
+# ---- rank: user-as-prefix, a state fork per candidate ---------------------------------------------
+def ranker(runner, catalog: Catalog) -> RankExecutor:
+    tree = RadixCache(runner.memory.allocator, states=runner.memory.states)
+    return RankExecutor(runner, tree, catalog, runner.args, header_ids=HEADER)
+
+
+def sid_items(n: int, seed: int) -> Catalog:
+    """Candidates with item tokens, an id token and a semantic ID each."""
+    rng = random.Random(seed)
+    paths = sid_catalog(n, seed).items
+    return Catalog([Item(f"c{k}", tuple(rng.randrange(3, 500) for _ in range(rng.randint(1, 5))),
+                         rng.randrange(3, 500), p.semantic_id) for k, p in enumerate(paths)])
+
+
+def forked_reference(hf, user: list[int], items, by_path: bool) -> dict[str, float]:
+    """Each candidate scored on its own prompt [user, item tokens, instruction] by transformers: the
+    last logit at its id token (then a softmax over the candidates), or its path's log-likelihood."""
+    out = {}
+    with torch.no_grad():
+        for it in items:
+            prompt = user + list(it.token_ids) + INSTR
+            if by_path:
+                seq = prompt + list(it.semantic_id)
+                lp = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), -1)
+                out[it.id] = sum(float(lp[len(prompt) - 1 + k, t]) for k, t in enumerate(it.semantic_id))
+            else:
+                out[it.id] = float(hf(torch.tensor([prompt])).logits[0, -1, it.id_token].float())
+    if not by_path:
+        probs = torch.softmax(torch.tensor(list(out.values()), dtype=torch.float64), 0)
+        out = dict(zip(out, probs.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("score_by", ["id_token", "semantic_id"])
+def test_rank_scores_each_candidate_on_its_own_fork_with_transformers_numbers(hybrid_dir, hf_hybrid, dtype,
+                                                                              score_by):
+    runner = runner_for(hybrid_dir, dtype, max_mamba_cache_size=40)
+    ex = ranker(runner, sid_items(12, seed=5))
+    user, cands = ids(31, seed=6), [f"c{k}" for k in (7, 2, 9, 0, 4, 11, 5)]
+    out = ex.run("u", user, cands, INSTR, prefix="user", score_by=score_by)
+    key = "log_likelihood" if score_by == "semantic_id" else "score"
+    got = {r["item"]: r[key] for r in out["ranking"]}
+    want = forked_reference(hf_hybrid(runner.dtype), user, ex.catalog.lookup(cands), score_by == "semantic_id")
+    bf16 = runner.dtype == torch.bfloat16
+    tol = (0.5 if bf16 else 2e-3) if score_by == "semantic_id" else (0.05 if bf16 else 1e-4)
+    assert sorted(got) == sorted(cands) and max(abs(got[c] - want[c]) for c in cands) <= tol
+    meta = out["meta_info"]
+    assert meta["prefix"] == "user" and meta["cached_tokens"] == 0
+    assert meta["prompt_tokens"] == len(user) + sum(len(it.token_ids) + len(INSTR) for it in ex.catalog.lookup(cands))
+    # candidates never read one another: the caller's order changes no bit
+    again = ex.run("u2", user, cands[::-1], INSTR, prefix="none", score_by=score_by)
+    assert {r["item"]: r[key] for r in again["ranking"]} == got and again["meta_info"]["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_returning_user_resumes_rank_from_its_snapshot(hybrid_dir, dtype):
+    warm = ranker(runner_for(hybrid_dir, dtype, max_mamba_cache_size=40), sid_items(12, seed=5))
+    cold = ranker(runner_for(hybrid_dir, dtype, max_mamba_cache_size=40), sid_items(12, seed=5))
+    user, cands = ids(40, seed=7), [f"c{k}" for k in range(10)]
+    warm.run("u", user, cands, INSTR)
+    longer = user + ids(4, seed=8)
+    got = warm.run("u", longer, cands, INSTR)
+    ref = cold.run("u", longer, cands, INSTR, prefix="none")
+    assert got["meta_info"]["cached_tokens"] == len(user) and ref["meta_info"]["cached_tokens"] == 0
+    tol = 1e-5 if warm.runner.dtype == torch.float32 else 0.02
+    want = {r["item"]: r["score"] for r in ref["ranking"]}
+    assert max(abs(r["score"] - want[r["item"]]) for r in got["ranking"]) <= tol
+    states = warm.runner.memory.states
+    assert states.available_size() + warm.tree.state_count == states.size and warm.tree.state_count == 2
+    assert warm.runner.memory.allocator.available_size() + warm.tree.total_size() == warm.runner.memory.size
+
+
+def test_rank_refuses_item_as_prefix_and_more_candidates_than_state_slots(hybrid_dir):
+    from sgrec.rank.executor import RankCapacityError
+
+    runner = runner_for(hybrid_dir, "float32", max_mamba_cache_size=6)
+    ex = ranker(runner, sid_items(12, seed=5))
+    assert ex.precompute() == 0  # no item KV: a recurrent family never reads it
+    with pytest.raises(ValueError, match="prefix 'item' needs the item-as-prefix layout, which the hybrid family "
+                                         "does not run"):
+        ex.run("u", ids(5, 1), ["c1", "c2"], INSTR, prefix="item")
+    with pytest.raises(RankCapacityError, match="needs 8 state slots .*--max-mamba-cache-size"):
+        ex.run("u", ids(5, 1), [f"c{k}" for k in range(8)], INSTR)
+    states = runner.memory.states
+    assert states.available_size() + ex.tree.state_count == states.size
+    assert runner.memory.allocator.available_size() + ex.tree.total_size() == runner.memory.size
+    assert len(ex.run("u", ids(5, 1), [f"c{k}" for k in range(5)], INSTR)["ranking"]) == 5  # what fits is served
+
+
+# ---- retrieve: xBeam with a state a beam -------------------------------------------------------------
+def sid_catalog(n: int, seed: int, fan=(4, 5, 40)) -> Catalog:
+    rng = random.Random(seed)
+    paths = set()
+    while len(paths) < n:
+        paths.add(tuple(3 + rng.randrange(f) for f in fan))
+    return Catalog([Item(f"s{i}", (1,), 1, p) for i, p in enumerate(sorted(paths))])
+
+
+def retriever(runner, cache: bool = True) -> RetrieveExecutor:
+    tree = RadixCache(runner.memory.allocator, disable=not cache, states=runner.memory.states)
+    return RetrieveExecutor(runner, tree, sid_catalog(60, seed=2))
+
+
+def states_accounted(ex: RetrieveExecutor) -> bool:
+    states = ex.runner.memory.states
+    return states.available_size() + ex.tree.state_count == states.size
+
+
+def exhaustive_scores(hf, catalog: Catalog, prompt: list[int]) -> dict[str, float]:
+    """Every item's summed log-probability under transformers' logits, each level normalised over the
+    valid children of the path so far (what retrieve documents): the whole catalog scored."""
+    paths = {tuple(it.semantic_id): it.id for it in catalog.items}
+    depth = len(next(iter(paths)))
+    children: dict[tuple, list[int]] = {}
+    for p in paths:
+        for d in range(depth):
+            children.setdefault(p[:d], []).append(p[d])
+    logp: dict[tuple, dict[int, float]] = {}
+    for d in range(depth):
+        prefixes = sorted({p[:d] for p in paths})
+        with torch.no_grad():
+            last = hf(torch.tensor([prompt + list(q) for q in prefixes])).logits[:, -1].float()
+        for q, row in zip(prefixes, last):
+            kids = sorted(set(children[q]))
+            lp = torch.log_softmax(row[kids], -1)
+            logp[q] = dict(zip(kids, lp.tolist()))
+    return {item: sum(logp[p[:d]][p[d]] for d in range(depth)) for p, item in paths.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_retrieve_over_the_whole_catalog_gives_transformers_scores(hybrid_dir, hf_hybrid, dtype):
+    """Beams wide enough to keep every path: every item comes back with its exhaustive score under
+    transformers' logits in the same dtype, best first (float32: rounding; bfloat16: a few steps of
+    each level's logits; transformers' own bfloat16 and float32 scores differ by about 2 here)."""
+    runner = runner_for(hybrid_dir, dtype, max_mamba_cache_size=80)
+    ex = retriever(runner)
+    prompt = ids(37, seed=11)
+    want = exhaustive_scores(hf_hybrid(runner.dtype), ex.catalog, prompt)
+    got = ex.run(prompt, beam_width=64, top_k=64, num_items=60)
+    tol = 2e-3 if runner.dtype == torch.float32 else 0.3
+    assert sorted(it["item"] for it in got.items) == sorted(want)
+    assert max(abs(it["score"] - want[it["item"]]) for it in got.items) <= tol
+    scores = [it["score"] for it in got.items]
+    assert scores == sorted(scores, reverse=True)
+    assert states_accounted(ex) and ex.tree.state_count == 1  # the prompt's snapshot
+
+
+@pytest.mark.parametrize("bw,top_k", [(4, 2), (16, 16), (32, 5)])
+def test_retrieve_equals_the_naive_beam_search_with_states_copied_per_beam(hybrid_dir, bw, top_k):
+    from sgrec.beam.reference import naive_retrieve
+
+    runner = runner_for(hybrid_dir, "float32", max_total_tokens=4096, max_mamba_cache_size=80)
+    ex = retriever(runner, cache=False)
+    prompt = ids(29, seed=bw)
+    got = ex.run(prompt, beam_width=bw, top_k=top_k, num_items=bw // 2)
+    ref = naive_retrieve(runner, ex.catalog, prompt, bw, top_k, bw // 2)
+    assert [it["item"] for it in got.items] == [it["item"] for it in ref.items]
+    assert [it["semantic_id"] for it in got.items] == [it["semantic_id"] for it in ref.items]
+    assert max(abs(a["score"] - b["score"]) for a, b in zip(got.items, ref.items)) <= 1e-5
+    assert states_accounted(ex) and runner.memory.allocator.available_size() == runner.memory.size
+
+
+def test_excluded_items_are_the_catalog_without_them(hybrid_dir):
+    from sgrec.beam.reference import naive_retrieve
+
+    runner = runner_for(hybrid_dir, "float32", max_total_tokens=4096, max_mamba_cache_size=80)
+    ex = retriever(runner, cache=False)
+    prompt = ids(21, seed=4)
+    first = [it["item"] for it in ex.run(prompt, beam_width=8, top_k=8, num_items=8).items]
+    drop = set(first[:3])
+    got = ex.run(prompt, beam_width=8, top_k=8, num_items=8, exclude_items=sorted(drop))
+    rest = Catalog([it for it in ex.catalog.items if it.id not in drop])
+    ref = naive_retrieve(runner, rest, prompt, 8, 8, 8)
+    assert not drop & {it["item"] for it in got.items}
+    assert [it["item"] for it in got.items] == [it["item"] for it in ref.items]
+    assert max(abs(a["score"] - b["score"]) for a, b in zip(got.items, ref.items)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_returning_users_retrieve_resumes_from_the_prompts_snapshot(hybrid_dir, dtype):
+    """The first prompt's state is kept at its end; the user's longer prompt resumes from it and gets
+    a cold run's items and scores (the resumed state is the cold one's to float32 rounding)."""
+    warm = retriever(runner_for(hybrid_dir, dtype, max_total_tokens=4096, max_mamba_cache_size=80))
+    cold = retriever(runner_for(hybrid_dir, dtype, max_total_tokens=4096, max_mamba_cache_size=80), cache=False)
+    history = ids(40, seed=8)
+    warm.run(history, beam_width=16, top_k=16, num_items=8)
+    again = history + ids(6, seed=9)
+    got = warm.run(again, beam_width=16, top_k=16, num_items=8)
+    ref = cold.run(again, beam_width=16, top_k=16, num_items=8)
+    assert got.meta["cached_tokens"] == len(history) and ref.meta["cached_tokens"] == 0
+    tol = 1e-4 if warm.runner.dtype == torch.float32 else 0.1
+    assert [it["item"] for it in got.items] == [it["item"] for it in ref.items]
+    assert max(abs(a["score"] - b["score"]) for a, b in zip(got.items, ref.items)) <= tol
+    assert states_accounted(warm) and warm.tree.state_count == 2
+
+
+def test_beams_beyond_the_state_pool_are_a_clear_error(hybrid_dir):
+    from sgrec.beam import KVCacheFullError
+
+    ex = retriever(runner_for(hybrid_dir, "float32", max_mamba_cache_size=6))
+    with pytest.raises(KVCacheFullError, match=r"retrieve needs 8 state slots \(one a beam\).*--max-mamba-cache-size"):
+        ex.run(ids(12, seed=1), beam_width=8, top_k=8, num_items=4)
+    assert states_accounted(ex)
+    assert len(ex.run(ids(12, seed=1), beam_width=6, top_k=6, num_items=4).items) == 4  # what fits is served
 
 
 # ---- a real server ---------------------------------------------------------------------------------
@@ -342,3 +535,73 @@ def test_a_server_answers_generate_the_openai_routes_and_score_with_transformers
         with torch.no_grad():
             last = torch.softmax(hf(torch.tensor([prompt + item])).logits[0, -1].float(), -1)
         assert scores == pytest.approx([float(last[t]) for t in labels], abs=1e-4)
+
+
+def test_a_default_dtype_server_retrieves_ranks_and_recommends_with_transformers_numbers(
+        start_server, hybrid_dir, hf_hybrid, tmp_path):
+    """The dtype the defaults pick here (bfloat16 on AVX-512-BF16/AMX, else float32), the radix cache
+    on: /v1/retrieve over the whole catalog gives transformers' exhaustive scores; the user's next,
+    longer history resumes from the first one's snapshot; /generate's constrained beams are
+    retrieve's; rank scores each candidate on its own fork (resuming from retrieve's snapshot) and
+    recommend equals retrieve then rank; item-as-prefix is a 400 naming `prefix`, and the server goes
+    on serving."""
+    from sgrec.model import cpu_caps
+
+    from test_rec_server import write_catalog
+
+    catalog = write_catalog(tmp_path / "catalog.jsonl", n=27, seed=1, semantic=True)
+    srv = start_server(hybrid_dir, "--dtype", "auto", "--max-total-tokens", "4096", "--item-catalog", catalog,
+                       "--max-beam-width", "32")
+    dtype = torch.bfloat16 if cpu_caps.cpu_bf16_support().native else torch.float32
+    tol = 2e-3 if dtype == torch.float32 else 0.3
+    history = ids(33, seed=21)
+    r = srv.client.post("/v1/retrieve", json={"user": {"id": "u1", "token_ids": history}, "beam_width": 32,
+                                              "num_items": 27})
+    assert r.status_code == 200, r.text
+    paths, items = {}, {}
+    with open(catalog) as f:
+        for line in f:
+            item = json.loads(line)
+            paths[item["id"]] = item["semantic_id"]
+            items[item["id"]] = Item(item["id"], tuple(item["token_ids"]), item["id_token"], tuple(item["semantic_id"]))
+    sids = Catalog([Item(i, (1,), 1, tuple(p)) for i, p in paths.items()])
+    want = exhaustive_scores(hf_hybrid(dtype), sids, history)
+    got = r.json()["items"]
+    assert sorted(it["item"] for it in got) == sorted(want) and all(it["semantic_id"] == paths[it["item"]] for it in got)
+    assert max(abs(it["score"] - want[it["item"]]) for it in got) <= tol
+    assert r.json()["meta_info"]["cached_tokens"] == 0
+
+    longer = history + ids(5, seed=22)
+    r = srv.client.post("/v1/retrieve", json={"user": {"id": "u1", "token_ids": longer}, "beam_width": 32,
+                                              "num_items": 27})
+    assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == len(history)
+    want = exhaustive_scores(hf_hybrid(dtype), sids, longer)
+    assert max(abs(it["score"] - want[it["item"]]) for it in r.json()["items"]) <= tol
+
+    body = {"input_ids": longer, "sampling_params": {"beam_width": 8, "n": 3}, "constrain_to_catalog": True}
+    beams = srv.client.post("/generate", json=body).json()["meta_info"]["beam_results"]
+    ref = srv.client.post("/v1/retrieve", json={"user": {"token_ids": longer}, "beam_width": 8,
+                                                "num_items": 3}).json()["items"]
+    assert [b["meta_info"]["item"] for b in beams] == [x["item"] for x in ref]
+    assert [b["output_ids"] for b in beams] == [x["semantic_id"] for x in ref]
+
+    cands = ["i4", "i19", "i1", "i23", "i8"]
+    rank = srv.client.post("/v1/rank", json={"user": {"id": "u2", "token_ids": history}, "items": cands,
+                                             "instruction": INSTR})
+    assert rank.status_code == 200, rank.text
+    want = forked_reference(hf_hybrid(dtype), history, [items[c] for c in sorted(cands)], by_path=False)
+    assert max(abs(x["score"] - want[x["item"]]) for x in rank.json()["ranking"]) <= (1e-4 if tol < 0.1 else 0.05)
+    assert rank.json()["meta_info"]["cached_tokens"] == len(history)  # the snapshot retrieve kept
+    item = srv.client.post("/v1/rank", json={"user": {"id": "u1", "token_ids": history}, "items": cands,
+                                             "instruction": INSTR, "prefix": "item"})
+    assert item.status_code == 400 and "prefix 'item'" in item.json()["message"], item.text
+    rec = srv.client.post("/v1/recommend", json={"user": {"id": "u1", "token_ids": longer}, "rank": {"instruction": INSTR},
+                                                 "retrieve": {"beam_width": 8, "num_candidates": 4}})
+    assert rec.status_code == 200, rec.text
+    retrieved = srv.client.post("/v1/retrieve", json={"user": {"token_ids": longer}, "beam_width": 8,
+                                                      "num_items": 4}).json()["items"]
+    ranked = srv.client.post("/v1/rank", json={"user": {"id": "u1", "token_ids": longer}, "instruction": INSTR,
+                                               "items": [x["item"] for x in retrieved]}).json()["ranking"]
+    assert [x["item"] for x in rec.json()["items"]] == [x["item"] for x in ranked]
+    r = srv.client.post("/generate", json={"input_ids": history, "sampling_params": {"max_new_tokens": 3}})
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 3

@@ -19,6 +19,7 @@ import torch
 
 from sgrec.beam.search import apply_schedule_, inplace_schedule
 from sgrec.mem.kv_pool import KVPool
+from sgrec.mem.memory import StatePool
 from sgrec.model.attention import AttentionBackend, ColumnMeta, DetMeta, ForwardBatch, NativeBackend
 from sgrec.model.kernels.det_attention import DetTiles, det_attention
 
@@ -313,3 +314,25 @@ class UnsharedKV:
         d, s = self.slots[dst, :cols], self.slots[src, :cols]
         for buf in self.pool.buffers():
             apply_schedule_(buf, d, s, self.chunk)
+
+
+class BeamStates:
+    """Each beam's recurrent state (a family with recurrent layers): `slots` [rows] state-pool
+    slots, row i holding beam i's state. Row 0 holds the prompt's until level 0 forks it to every
+    beam (parents all 0); a level's reorder then gives each kept beam its parent's state, in place
+    (inplace_schedule's order), `chunk` states at a time in every part of every layer."""
+
+    def __init__(self, pool: StatePool, slots: torch.Tensor, chunk: int = 64):
+        self.pool = pool
+        self.slots = slots
+        self.chunk = chunk
+
+    def reorder_(self, parents: torch.Tensor, schedule: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Rows 0..len(parents)-1 take the states of rows `parents` (non-decreasing)."""
+        dst, src = schedule if schedule is not None else inplace_schedule(parents)[:2]
+        if dst.numel() == 0:
+            return
+        d, s = self.slots[dst], self.slots[src]
+        for parts in self.pool.buffers.values():
+            for buf in parts.values():
+                apply_schedule_(buf, d, s, self.chunk)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from sgrec.beam import kernel_step, search
-from sgrec.beam.attention import BeamBatchMeta, BeamStepMeta, StagedBeamBackend, StagedMeta, UnsharedKV
+from sgrec.beam.attention import BeamBatchMeta, BeamStates, BeamStepMeta, StagedBeamBackend, StagedMeta, UnsharedKV
 from sgrec.beam.filters import FilterCache, TrieFilter, build_filter
 from sgrec.beam.layered import LayeredTrie
 from sgrec.beam.search import BeamBuffers, inplace_schedule, select_level
@@ -57,15 +57,17 @@ def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
 
 
-def _prefill(runner, ids: list[int], kv: torch.Tensor, start: int) -> torch.Tensor:
-    """Computes ids[start:] (kv[:start] already holds the prefix) into kv[start:]; returns the
-    last position's float32 logits [1, vocab]. Chunked like the scheduler's prefill."""
+def _prefill(runner, ids: list[int], kv: torch.Tensor, start: int, state: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """Computes ids[start:] (kv[:start] already holds the prefix; `state`, a family with recurrent
+    layers: the state slot that has read it) into kv[start:]; returns the last position's float32
+    logits [1, vocab]. Chunked like the scheduler's prefill."""
     chunk = runner.args.prefill_chunk
     logits = None
     for a in range(start, len(ids), chunk):
         b = min(len(ids), a + chunk)
         seq = SeqLayout(q_start=0, q_len=b - a, kv_indices=kv[:b])
-        batch = runner.make_batch(ids[a:b], list(range(a, b)), kv[a:b], [seq])
+        batch = runner.make_batch(ids[a:b], list(range(a, b)), kv[a:b], [seq], None if state is None else [state])
         logits = runner.forward(batch, [b - a - 1])
     assert logits is not None
     return logits
@@ -92,6 +94,9 @@ class _Request:
     bufs: BeamBuffers | None = None
     logits0: torch.Tensor | None = None
     t1: float = 0.0
+    state_slots: torch.Tensor | None = None  # a family with recurrent layers: one state slot a beam row
+    states: BeamStates | None = None
+    snapshot: object = None  # the radix node whose (locked) state the prompt resumes from
 
 
 def layered_trie(runner) -> bool:
@@ -128,6 +133,13 @@ class RetrieveExecutor:
         self.max_beam_width = max_beam_width or runner.args.max_beam_width
         self.reorder_chunk = reorder_chunk
         plan = runner.beam_plan()  # the runner's choice of kernels for a beam step
+        # a family with recurrent layers: each beam's state in the state pool, the prompt resumed
+        # only from a cached state (RadixCache.match_snapshot)
+        self.states = runner.memory.states if runner.memory.states_per_request else None
+        self.snapshots = runner.capabilities.prefix_reuse == "snapshot"
+        if self.states is not None and tree.states is not self.states:
+            raise ValueError("a family with recurrent layers needs the radix tree of the runner's state pool "
+                             "(RadixCache(..., states=runner.memory.states))")
         self.layered = plan.layered_trie
         self.use_catalog(catalog, built if built is not None else self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
@@ -232,8 +244,7 @@ class RetrieveExecutor:
                include_items=None, filter=None) -> _Request:
         t0 = time.perf_counter()
         if not self.runner.capabilities.staged_beams:  # a 400, before any memory is taken
-            raise ValueError(f"retrieval by beam search is not served for {self.runner.family.name} models: "
-                             f"their recurrent layers keep a state per sequence, which beams cannot share")
+            raise ValueError(f"retrieval by beam search is not served for {self.runner.family.name} models")
         trie = self._validate(beam_width, top_k, num_items)
         ids = list(check_token_ids(input_ids, "input_ids", self.vocab_size))
         if len(ids) + trie.depth - 1 > self.runner.context_len:
@@ -247,32 +258,53 @@ class RetrieveExecutor:
         return min(r.beam_width, max(self.trie.max_beams, 1)), self.trie.depth - 1
 
     def _admit(self, r: _Request) -> bool:
-        """Matches the prompt in the tree (locking it) and takes the request's slots; False (holding
-        nothing) when the pool cannot hold it now."""
+        """Matches the prompt in the tree (locking it) and takes the request's slots (and, with
+        recurrent layers, a state slot a beam row, the first holding the matched prefix's state);
+        False (holding nothing) when the pool cannot hold it now."""
         tree, alloc = self.tree, self.allocator
         P = len(r.ids)
-        res = tree.match_prefix(r.ids[: P - 1], r.extra_key)  # the last token is always computed
+        match = tree.match_snapshot if self.snapshots else tree.match_prefix
+        res = match(r.ids[: P - 1], r.extra_key)  # the last token is always computed
         tree.inc_lock_ref(res.last_node)
+        snapshot = res.last_node if self.states is not None and res.last_node.state is not None else None
+        if snapshot is not None:  # not evicted by make_room below
+            tree.lock_state(snapshot)
         rows, cols = self._rows_cols(r)
         c = res.indices.numel()
-        if not self.tree.make_room((P - c) + rows * cols):
+        if not self.tree.make_room((P - c) + rows * cols, rows if self.states is not None else 0):
+            if snapshot is not None:
+                tree.unlock_state(snapshot)
             tree.dec_lock_ref(res.last_node)
             return False
         r.lock, r.cached = res.last_node, c
         r.new_slots = alloc.alloc(P - c)
         r.unshared = alloc.alloc(rows * cols)
         r.prompt_kv = torch.cat([res.indices.to(r.new_slots.device), r.new_slots])
+        if self.states is not None:  # row 0: the prompt's state; the others are written by level 0's fork
+            r.state_slots = self.states.take(rows)
+            if snapshot is None:
+                self.states.zero_(r.state_slots[:1])
+            else:
+                self.states.copy_(r.state_slots[:1], snapshot.state)
+                tree.unlock_state(snapshot)
         return True
 
     def _full_error(self, r: _Request) -> KVCacheFullError:
         rows, cols = self._rows_cols(r)
         need = len(r.ids) + rows * cols
+        if self.states is not None and rows > self.states.available_size() + self.tree.evictable_states():
+            return KVCacheFullError(
+                f"retrieve needs {rows} state slots (one a beam) but only {self.states.available_size()} are free "
+                f"or can be freed (state pool {self.states.size}); lower beam_width or raise --max-mamba-cache-size")
         return KVCacheFullError(
             f"retrieve needs up to {need} free KV slots ({len(r.ids)} prompt + {rows}x{cols} beam tokens) but "
             f"only {self.allocator.available_size()} can be freed (pool {self.allocator.size}); lower beam_width "
             f"or raise --max-total-tokens")
 
     def _release(self, r: _Request) -> None:
+        if r.state_slots is not None:
+            self.states.free(r.state_slots)
+            r.state_slots = r.states = None
         if r.unshared is not None:
             self.allocator.free(r.unshared)
             r.unshared = None
@@ -289,7 +321,8 @@ class RetrieveExecutor:
 
         # under --enable-deterministic-inference each step's attention goes through the batch-invariant
         # kernel, whose meta is built per step on the host: the per-step hooks, not the device round
-        if (self.triton_select and not self.runner.deterministic
+        # nor with recurrent layers, whose beams' states the host reorders between steps
+        if (self.triton_select and not self.runner.deterministic and self.states is None
                 and all(kernel_step.fits(self.trie, d) for d in range(self.trie.depth))):
             from sgrec.beam.device_round import DeviceRound
 
@@ -307,7 +340,7 @@ class RetrieveExecutor:
         for r in reqs:
             n = len(r.ids) - r.cached
             if n > chunk:
-                r.logits0 = _prefill(self.runner, r.ids, r.prompt_kv, r.cached)
+                r.logits0 = _prefill(self.runner, r.ids, r.prompt_kv, r.cached, self._prompt_state(r))
                 continue
             if group and sum(len(g.ids) - g.cached for g in group) + n > chunk:
                 self._prefill_packed(group)
@@ -323,6 +356,14 @@ class RetrieveExecutor:
             full = self.tree.hand_off(r.ids, r.prompt_kv, r.extra_key, r.cached, r.lock)
             r.new_slots = None
             r.lock, r.prompt_kv = full.last_node, full.indices
+            if self.states is not None and self.snapshots and self.tree.make_room(0, 1):
+                # the prompt's state, for a returning user's longer prompt to resume from
+                self.tree.attach_state(full.last_node, self.states.fork(self._prompt_state(r)))
+
+    @staticmethod
+    def _prompt_state(r: _Request) -> torch.Tensor | None:
+        """The state slot the prompt is read into (beam row 0's), where the family has states."""
+        return None if r.state_slots is None else r.state_slots[:1]
 
     def _prefill_round(self, reqs: list[_Request]) -> None:
         """A round's prefill: the prompts (_prefill_all), then each request's unshared KV buffer."""
@@ -330,6 +371,8 @@ class RetrieveExecutor:
         for r in reqs:
             rows, cols = self._rows_cols(r)
             r.kv = UnsharedKV(self.pool, r.unshared.view(rows, cols), self.reorder_chunk)
+            if r.state_slots is not None:
+                r.states = BeamStates(self.states, r.state_slots, self.reorder_chunk)
 
     def _prefill_packed(self, reqs: list[_Request]) -> None:
         ids, pos, seqs, rows, locs = [], [], [], [], []
@@ -340,7 +383,8 @@ class RetrieveExecutor:
             pos += range(a, b)
             locs.append(r.prompt_kv[a:b])
             rows.append(len(ids) - 1)
-        logits = self.runner.forward(self.runner.make_batch(ids, pos, torch.cat(locs), seqs), rows)
+        states = None if self.states is None else [self._prompt_state(r) for r in reqs]
+        logits = self.runner.forward(self.runner.make_batch(ids, pos, torch.cat(locs), seqs, states), rows)
         for r, row in zip(reqs, logits):
             r.logits0 = row[None]
 
@@ -388,15 +432,17 @@ class RetrieveExecutor:
         return self.trie
 
     def _beam_forward(self, tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
-                      meta: BeamStepMeta | BeamBatchMeta | StagedMeta, columns: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-        """One token per beam (of one or several requests) -> logits [n, V], or [n, len(columns)]
-        of just those vocabulary ids."""
+                      meta: BeamStepMeta | BeamBatchMeta | StagedMeta, columns: torch.Tensor | None = None,
+                      state_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per beam (of one or several requests; state_slots: each beam's state, where
+        the family has recurrent layers) -> logits [n, V], or [n, len(columns)] of just those
+        vocabulary ids."""
         runner = self.runner
         if self.graphs is not None and isinstance(meta, StagedMeta) and self.graphs.takes(tokens.numel(), meta):
             return runner.compute_logits(self.graphs.run(tokens, positions, out_loc, meta), columns)
         batch = ForwardBatch(input_ids=tokens, positions=positions, out_cache_loc=out_loc, seqs=[],
-                             kv_pool=self.pool, attn_meta=meta)
+                             kv_pool=self.pool, attn_meta=meta, state_slots=state_slots,
+                             state_pool=self.states)
         return runner.compute_logits(runner.forward_with(batch, self.backend), columns)
 
     def _level(self, r: _Request, step: int) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -431,10 +477,13 @@ class RetrieveExecutor:
                  nodes: torch.Tensor) -> None:
         """r's beams become the kept (parent, token, score, node) of level `step` (in path order):
         the unshared KV and the token rows reordered in place."""
-        schedule = inplace_schedule(parents)[:2] if step > 0 else None  # shared by KV and tokens
-        if schedule is not None and step < self.trie.depth - 1:
+        last = step == self.trie.depth - 1  # no forward reads what the last level would reorder
+        schedule = inplace_schedule(parents)[:2] if step > 0 or (r.states is not None and not last) else None
+        if step > 0 and not last:  # shared by KV, states and tokens
             r.kv.reorder_(parents, step, schedule)
-        r.bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk, schedule)
+        if r.states is not None and not last:  # level 0: the prompt's state forked to every beam
+            r.states.reorder_(parents, schedule)
+        r.bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk, schedule if step > 0 else None)
 
 
 class _RoundHooks:
@@ -460,7 +509,7 @@ class _RoundHooks:
             for r in self.reqs:
                 r.bufs = BeamBuffers.allocate(r.beam_width, ex.trie.depth, ex.device)
             return None
-        groups, tokens, positions, locs = [], [], [], []
+        groups, tokens, positions, locs, states = [], [], [], [], []
         for r, p in zip(self.reqs, prepared):
             n = r.bufs.n
             idx = r.kv.slots[:n, :step]
@@ -468,10 +517,12 @@ class _RoundHooks:
             tokens.append(r.bufs.tokens[:n, step - 1])
             positions.append(torch.full((n,), p, dtype=torch.int64, device=ex.device))
             locs.append(idx[:, -1])
+            if r.states is not None:
+                states.append(r.states.slots[:n])
         meta = groups[0] if len(groups) == 1 else BeamBatchMeta(groups)
         # only the logits of level `step`'s tokens (every request of a round walks the same trie)
         return ex._beam_forward(torch.cat(tokens), torch.cat(positions), torch.cat(locs).contiguous(), meta,
-                                ex.trie.logit_columns(step))
+                                ex.trie.logit_columns(step), torch.cat(states).to(ex.device) if states else None)
 
     @torch.inference_mode()
     def finish(self, step: int, phase: str, handle: object) -> None:

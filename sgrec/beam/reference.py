@@ -1,7 +1,7 @@
 """The obviously-right reference of a retrieve request (what tests compare RetrieveExecutor with,
 and what benchmarks/bench_xbeam.py times): the prompt computed from scratch, its KV copied into every
 beam, each beam a separate sequence of a plain decode batch, dense masks built from the catalog's
-paths, full sorts."""
+paths, full sorts; with recurrent layers, each beam's state copied from its parent's."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
                    num_items: int) -> RetrieveResult:
     """Beam search the plain way: the prompt computed from scratch, its KV copied into every beam,
     each beam a separate sequence in a decode batch (plain attention), dense masks from the
-    catalog's paths, full sorts, and a beam fork copying the parent's whole KV. Same ordering
+    catalog's paths, full sorts, and a beam fork copying the parent's whole KV (and its state,
+    where the family has recurrent layers). Same ordering
     contract as search.py. Frees everything it allocates; ignores the radix tree."""
     t0 = time.perf_counter()
     V = runner.config.vocab_size
@@ -43,9 +44,15 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
     beam_slots = None
     if prompt is None:
         raise KVCacheFullError("naive_retrieve: no room for the prompt")
+    states = runner.memory.states if runner.memory.states_per_request else None
+    prompt_state = beam_states = None
     peak = P
     try:
-        logits = _prefill(runner, ids, prompt, 0)
+        if states is not None:
+            prompt_state, beam_states = states.alloc(1), states.take(beam_width)
+            if prompt_state is None or beam_states is None:
+                raise KVCacheFullError("naive_retrieve: no room for the beams' states")
+        logits = _prefill(runner, ids, prompt, 0, prompt_state)
         beams: list[tuple[int, ...]] = [()]
         scores = torch.zeros(1, device=dev)
         for step in range(nd):
@@ -55,7 +62,8 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
                 n = len(beams)
                 seqs = [SeqLayout(b, 1, beam_slots[b, : P + step]) for b in range(n)]
                 batch = runner.make_batch([bm[-1] for bm in beams], [P + step - 1] * n,
-                                          beam_slots[:n, P + step - 1], seqs)
+                                          beam_slots[:n, P + step - 1], seqs,
+                                          None if states is None else list(beam_states[:n].split(1)))
                 logits = runner.forward(batch, list(range(n)))
             mask = torch.full((len(beams), V), float("-inf"), device=dev)
             for b, bm in enumerate(beams):
@@ -90,7 +98,13 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
                 src = beam_slots[sel, : P + step].reshape(-1)
                 dst = beam_slots[: len(beams), : P + step].reshape(-1)
             pool.copy_rows(dst, src)
+            if states is not None:  # each beam's state: a copy of its parent's (the prompt's at step 0)
+                states.copy_(beam_states[: len(beams)], prompt_state.repeat(len(beams)) if step == 0
+                             else beam_states[torch.tensor(par, device=beam_states.device)])
     finally:
+        for slots in (prompt_state, beam_states):
+            if slots is not None:
+                states.free(slots)
         alloc.free(prompt)
         if beam_slots is not None:
             alloc.free(beam_slots.reshape(-1))

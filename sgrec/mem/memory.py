@@ -19,8 +19,9 @@ from sgrec.mem.kv_pool import KVPool, TokenAllocator
 class StatePool:
     """`size` state slots (slot 0 is padding, as the KV pool's): for each stateful layer, one
     [size + 1, *shape] tensor per named part, in `dtype` (the parts named in `float32`: float32).
-    alloc / free hand out slots; fork copies a slot's state into fresh ones (a beam taking its
-    parent's state); gather reads some slots' states."""
+    alloc / free hand out slots (take: without zeroing them); fork copies a slot's state into
+    fresh ones, copy_ into taken ones (a beam taking its parent's state); gather reads some slots'
+    states."""
 
     def __init__(self, size: int, shapes: dict[int, dict[str, tuple[int, ...]]], dtype: torch.dtype,
                  device: str | torch.device = "cpu", float32: frozenset[str] = frozenset()):
@@ -37,12 +38,26 @@ class StatePool:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n free slots with zeroed states, or None when fewer are free."""
-        slots = None if self.allocator is None else self.allocator.alloc(n)
+        slots = self.take(n)
         if slots is not None:
-            for parts in self.buffers.values():
-                for buf in parts.values():
-                    buf.index_fill_(0, slots, 0)
+            self.zero_(slots)
         return slots
+
+    def take(self, n: int) -> torch.Tensor | None:
+        """n free slots whose states are whatever their last owner left (for a caller that writes
+        them before any read: beams forked from a parent), or None when fewer are free."""
+        return None if self.allocator is None else self.allocator.alloc(n)
+
+    def zero_(self, slots: torch.Tensor) -> None:
+        for parts in self.buffers.values():
+            for buf in parts.values():
+                buf.index_fill_(0, slots, 0)
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The states at dst become copies of those at src (read in full first: the two may overlap)."""
+        for parts in self.buffers.values():
+            for buf in parts.values():
+                buf.index_copy_(0, dst, buf.index_select(0, src))
 
     def free(self, slots: torch.Tensor) -> None:
         if self.allocator is not None:
@@ -51,11 +66,9 @@ class StatePool:
     def fork(self, src: torch.Tensor) -> torch.Tensor | None:
         """Fresh slots holding copies of the states at `src` (one a source slot), or None when the
         pool cannot hold them."""
-        dst = None if self.allocator is None else self.allocator.alloc(src.numel())
+        dst = self.take(src.numel())
         if dst is not None:
-            for parts in self.buffers.values():
-                for buf in parts.values():
-                    buf.index_copy_(0, dst, buf.index_select(0, src))
+            self.copy_(dst, src)
         return dst
 
     def gather(self, slots: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:

@@ -16,9 +16,11 @@ embedding is the plain one. The text part of a multimodal checkpoint (`Qwen3_5Fo
 weights under `model.language_model`) loads too; its vision tower and multi-token-prediction
 weights are not read.
 
-Capabilities: a cached prefix is reusable only where a state was kept ("snapshot"), so the radix
-cache must be off; no rank layout (rank is a 400 naming `prefix`), no staged beams (retrieve is a
-400); no hybrid prefilling, fused decode or decode graphs.
+Capabilities: a cached prefix is reusable only where a state was kept ("snapshot"); staged beams
+(the prompt's KV read in place by every beam of the attention layers, each beam's state its own,
+forked from the prompt's: sgrec.beam.attention.BeamStates); rank user-as-prefix only, one state
+fork per candidate (sgrec.rank.forked; item-as-prefix is a 400 naming `prefix`); no hybrid
+prefilling, fused decode or decode graphs.
 """
 
 from __future__ import annotations
@@ -170,9 +172,13 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         parts = None if batch.state_slots is None else batch.state_pool.buffers[self.layer]
         out = torch.empty(T, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        if not batch.seqs:  # a beam step (sgrec.beam): row i is beam i's token, its state at state_slots[i]
+            self._tokens(mixed, g, beta, parts, torch.arange(T, device=x.device), batch.state_slots, out)
         singles = [i for i, s in enumerate(batch.seqs) if s.q_len == 1]
         if singles:  # decode: one token of each, all at once
-            self._tokens(mixed, g, beta, batch, parts, singles, out)
+            rows = torch.tensor([batch.seqs[i].q_start for i in singles], dtype=torch.int64, device=x.device)
+            self._tokens(mixed, g, beta, parts, rows, None if batch.state_slots is None else batch.state_slots[singles],
+                         out)
         for i, seq in enumerate(batch.seqs):
             if seq.q_len > 1:
                 self._sequence(mixed, g, beta, batch, parts, i, out)
@@ -191,12 +197,11 @@ class GatedDeltaNet(nn.Module):
             parts["conv"].index_copy_(0, slots, window.to(parts["conv"].dtype))
             parts["ssm"].index_copy_(0, slots, matrix)
 
-    def _tokens(self, mixed, g, beta, batch, parts, which: list[int], out: torch.Tensor) -> None:
-        rows = torch.tensor([batch.seqs[i].q_start for i in which], dtype=torch.int64, device=mixed.device)
-        slots = None if batch.state_slots is None else batch.state_slots[which]
-        window, matrix = self._state(parts, slots, len(which), mixed.device)
+    def _tokens(self, mixed, g, beta, parts, rows: torch.Tensor, slots: torch.Tensor | None, out: torch.Tensor) -> None:
+        """One token of each of len(rows) sequences (flat rows `rows`, states at `slots`), at once."""
+        window, matrix = self._state(parts, slots, rows.numel(), mixed.device)
         conv, window = self._convolve(mixed.index_select(0, rows)[..., None], window)
-        q, k, v = self._heads(conv[..., 0], len(which))
+        q, k, v = self._heads(conv[..., 0], rows.numel())
         o, matrix = delta_rule.step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), matrix)
         out.index_copy_(0, rows, o.to(out.dtype))
         self._keep(parts, slots, window, matrix)
@@ -299,7 +304,7 @@ def capabilities(cfg: ModelConfig) -> Capabilities:
     states = {i: {"conv": (shape.conv_dim, shape.conv_kernel - 1), "ssm": (shape.v_heads, shape.k_dim, shape.v_dim)}
               for i, kind in enumerate(kinds) if kind == RECURRENT}
     return Capabilities(layer_kinds=kinds, state_shapes=states, state_float32=frozenset({"ssm"}),
-                        prefix_reuse="snapshot")
+                        prefix_reuse="snapshot", staged_beams=True, layouts=frozenset({"user"}), rank_forks=True)
 
 
 FAMILY = Family(  # listed in sgrec.model.families

@@ -14,11 +14,13 @@ Capabilities:
   budget as its tokens. `state_float32`: the parts kept in float32 whatever the model's dtype.
 - `prefix_reuse`: how a cached prefix may be reused: "any" (cut at any token: a radix match),
   "snapshot" (only where a state was kept), "exact" (only the whole sequence).
-- `layouts`: the rank layouts (`sgrec.layout.KINDS`) whose attention masks it runs.
+- `layouts`: the rank layouts (`sgrec.layout.KINDS`) whose attention masks it runs. `rank_forks`:
+  user-as-prefix runs as one state fork per candidate instead (`sgrec.rank.forked`: each
+  candidate continues the user on its own), for a family whose recurrent layers read in order.
 - `encoder`: whether requests carry encoder inputs (cross-attention slots in ForwardBatch).
 - `staged_beams`: whether a beam step may read the prompt's KV in place, every beam's own tokens
-  apart (xBeam's staged attention): true where every layer's context is per-token KV; retrieve
-  and recommend are refused with a 400 without it.
+  apart (xBeam's staged attention), and the recurrent layers (where there are any) one token of
+  each beam from the beam's own state; retrieve and recommend are refused with a 400 without it.
 - `chunked_prefill` (`hybrid_prefill`): forward parts the family's layers support; the runner
   turns on only those it has. `fused_decode` and `decode_graphs`: the CPU fused decode step and
   the CUDA decode graphs, both written for the dense decoder's layers.
@@ -43,6 +45,7 @@ class Capabilities:
     state_float32: frozenset[str] = frozenset()
     prefix_reuse: str = "any"
     layouts: frozenset[str] = frozenset()
+    rank_forks: bool = False
     encoder: bool = False
     staged_beams: bool = False
     hybrid_prefill: bool = False

@@ -222,6 +222,10 @@ class RadixCache:
             self._drop_state(node)
         return min(n, len(held))
 
+    def evictable_states(self) -> int:
+        """States evict_states could free now (unlocked)."""
+        return sum(node.state is not None and node.state_lock_ref == 0 for node in self._nodes())
+
     def _drop_state(self, node: TreeNode) -> None:
         if node.state is not None:
             self.states.free(node.state)

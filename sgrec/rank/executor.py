@@ -42,7 +42,7 @@ from sgrec.mem.cost import LinearCost
 from sgrec.mem.tiers import item_key
 from sgrec.items.store import ItemStore, fingerprint
 from sgrec import layout as L
-from sgrec.rank import semantic
+from sgrec.rank import forked, semantic
 from sgrec.rank.forward import Forward, forward_many
 from sgrec.rank.policy import NONE, PREFIX_POLICIES, CacheMeta, select_prefix
 
@@ -83,6 +83,9 @@ class RankExecutor:
         self.tree = tree
         self.catalog = catalog
         self.args = args
+        if runner.memory.states_per_request and tree.states is not runner.memory.states:
+            raise ValueError("a family with recurrent layers needs the radix tree of the runner's state pool "
+                             "(RadixCache(..., states=runner.memory.states))")
         self.allocator = runner.memory.allocator
         self.vocab_size = runner.config.vocab_size
         self.header_ids = [int(t) for t in header_ids]
@@ -189,8 +192,11 @@ class RankExecutor:
         paths = 0
         if cat.semantic_id_len and payload.get("score_by") != "id_token" and (
                 payload.get("score_by") == "semantic_id" or any(r >= 0 and cat.id_tokens[r] < 0 for r in rows)):
-            paths = len(rows) * (cat.semantic_id_len - 1)
-        return len(payload["user_ids"]) + items + len(payload["instruction_ids"]) + paths
+            paths = cat.semantic_id_len - 1
+        if self.runner.capabilities.rank_forks:  # the instruction once per candidate (rank/forked.py)
+            return forked.tokens(len(payload["user_ids"]), [cat.token_len(r) if r >= 0 else 1 for r in rows],
+                                 len(payload["instruction_ids"]), paths)
+        return len(payload["user_ids"]) + items + len(payload["instruction_ids"]) + len(rows) * paths
 
     def run_batch(self, payloads: list[dict]) -> list[dict | Exception]:
         """Several requests, their uncached tokens in one forward (one sequence each, its own mask);
@@ -275,8 +281,15 @@ class RankExecutor:
             targets = [tuple(it.semantic_id) for it in items]
         policy = prefix or self.args.rank_prefix_policy
         choice, kind = self._choose_prefix(policy, user_key, user_ids, items, item_ids, instruction_ids)
-        lay = L.build(kind, self.header_ids, user_ids, [it.token_ids for it in items], instruction_ids)
         fetched = stored = 0
+        if self.runner.capabilities.rank_forks:  # one state fork per candidate (rank/forked.py)
+            scores, cached, prompt = yield from self._run_forked(items, targets, user_key, user_ids, instruction_ids,
+                                                                 choice == L.USER_PREFIX, policy == "auto")
+            ranking = _ranking(items, scores, caller_pos, top_k, score_by == "semantic_id")
+            return {"ranking": ranking, "meta_info": {
+                "prefix": choice, "prompt_tokens": prompt, "cached_tokens": cached,
+                "computed_tokens": prompt - cached, "score_by": score_by, **fmeta}}
+        lay = L.build(kind, self.header_ids, user_ids, [it.token_ids for it in items], instruction_ids)
         if choice == L.USER_PREFIX:
             scores, cached = yield from self._run_user_prefix(lay, targets, user_key, user_ids,
                                                               by_freq=policy == "auto")
@@ -465,6 +478,51 @@ class RankExecutor:
         self._trim_users(user_key, by_freq)
         return scores, m
 
+    def _run_forked(self, items: list[Item], targets: list, user_key: str, user_ids: list[int],
+                    instruction_ids: list[int], use_cache: bool, by_freq: bool):
+        """Generator (see _request) for a family whose rank forks a state per candidate
+        (rank/forked.py): the user resumes from the deepest cached snapshot of its prefix; its fresh
+        KV and its final state (a snapshot at its end) go to the tree. Returns (scores, cached
+        tokens, prompt tokens: the user's and every continuation's)."""
+        tree, extra = self.tree, self.user_extra_key
+        conts = [[int(t) for t in it.token_ids] + list(instruction_ids) for it in items]
+        prompt = len(user_ids) + sum(len(c) for c in conts)
+        if not use_cache or tree.disable or not user_ids:
+            none = torch.empty(0, dtype=torch.int64)
+            return (yield forked.ForkedForward(list(user_ids), none, None, conts, targets)), 0, prompt
+        res = tree.match_snapshot(user_ids, extra)
+        tree.inc_lock_ref(res.last_node)
+        snap = res.last_node if res.last_node.state is not None else None
+        if snap is not None:  # not evicted while the request copies it
+            tree.lock_state(snap)
+        m = res.indices.numel()
+        keep: dict[str, torch.Tensor | None] = {"user": None, "state": None}
+        try:
+            scores = yield forked.ForkedForward(list(user_ids), res.indices, None if snap is None else snap.state,
+                                                conts, targets, keep)
+            value = res.indices if keep["user"] is None else torch.cat([res.indices, keep["user"]])
+            keep["user"] = None  # owned by `value` now
+            try:
+                tree.insert_owned(user_ids, value, extra, m)
+            except BaseException:
+                self.allocator.free(value[m:])
+                raise
+            after = tree.match_prefix(user_ids, extra)
+            if after.indices.numel() == len(user_ids) and after.last_node.state is None:
+                tree.attach_state(after.last_node, keep["state"])  # the user's state, for its next request
+                keep["state"] = None
+            self.meta.set_cached(user_key, after.last_node, after.indices.numel(), user_ids)
+        finally:
+            if keep["user"] is not None:  # closed after its forward: nobody takes the fresh KV
+                self.allocator.free(keep["user"])
+            if keep["state"] is not None:
+                self.runner.memory.states.free(keep["state"])
+            if snap is not None:
+                tree.unlock_state(snap)
+            tree.dec_lock_ref(res.last_node)
+        self._trim_users(user_key, by_freq)
+        return scores, m, prompt
+
     def _run_item_prefix(self, lay: L.RankLayout, targets: list, item_ids: Sequence[str]):
         """Generator (see _request) returning (scores, cached tokens, of which fetched from another rank,
         of which loaded from the storage tier)."""
@@ -591,8 +649,12 @@ class RankExecutor:
 
     # ---- the forward ----------------------------------------------------------------------
     def _forward_many(self, specs: list[Forward]) -> list[torch.Tensor]:
-        """forward.forward_many, room made by this executor's eviction order, its time observed."""
-        out, seconds, tokens = forward_many(self.runner, specs, self._make_room)
+        """forward.forward_many (forked.forward_many for forked continuations), room made by this
+        executor's eviction order, its time observed."""
+        if specs and isinstance(specs[0], forked.ForkedForward):
+            out, seconds, tokens = forked.forward_many(self.runner, specs, self._make_room)
+        else:
+            out, seconds, tokens = forward_many(self.runner, specs, self._make_room)
         self._observe_forward(seconds, tokens)
         return out
 
@@ -606,10 +668,17 @@ class RankExecutor:
         _read_pays; None before the first forward."""
         return self.forward_cost.per_token
 
-    def _make_room(self, n: int) -> None:
-        if not self.tree.make_room(n):  # the radix tree's entries first, then the item store's
+    def _make_room(self, n: int, states: int = 0) -> None:
+        """n free token slots and `states` free state slots, or a RankCapacityError."""
+        if not self.tree.make_room(n, states):  # the radix tree's entries first, then the item store's
             self.store.evict(n - self.allocator.available_size())
         if n > self.allocator.available_size():
             raise RankCapacityError(
                 f"KV cache full: a rank request needs {n} slots, {self.allocator.available_size()} free after "
                 f"evicting every unused cache entry (pool {self.allocator.size})")
+        pool = self.runner.memory.states
+        if states > pool.available_size():
+            raise RankCapacityError(
+                f"a rank request needs {states} state slots (one a candidate), {pool.available_size()} free after "
+                f"evicting every unused snapshot (state pool {pool.size}); send fewer candidates or raise "
+                f"--max-mamba-cache-size")
