@@ -15,7 +15,15 @@ Without --model-path, random weights of Qwen3.5-0.8B's exact shape are written o
   its cache, greedy).
 Greedy tokens of the two are compared (bf16 rounds differently in the two; the count of identical
 sequences is printed). transformers runs its own torch forms of the gated delta rule (without
-`flash-linear-attention`, which needs a GPU). Results: docs/performance.md.
+`flash-linear-attention`, which needs a GPU).
+
+sgrec flushes denormal floats to zero on the threads its forwards run on (the rule's decays underflow
+into denormals, which x86 multiplies tens of times slower). transformers is timed twice: as it runs
+by default, and with the same flushing set on its threads (what torch.set_flush_denormal alone does
+not give: it sets the calling thread only), so the ratios show what is the floating-point mode and
+what is sgrec's kernels. The chunked rule of one layer at the model's shape is timed alone and set
+against the float32 GEMM rate (torch.mm at 2048^3) as its share of the machine. Results:
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_catalog import header, md_table  # noqa: E402
 from bench_roofline import best  # noqa: E402  (one warm-up call, then the best of `repeats`)
 from sgrec import Engine  # noqa: E402
+from sgrec.model import delta_rule, native  # noqa: E402
 from sgrec.tools.results import row, write_record  # noqa: E402
 
 SHAPE = "qwen3.5-0.8b"
@@ -87,9 +96,18 @@ def main() -> None:
         with torch.inference_mode():
             hf(torch.tensor([prompt]), logits_to_keep=1)
 
-    pre = {"sgrec": best(sgrec_prefill, args.repeats), "transformers": best(hf_prefill, args.repeats)}
-    print(f"  prefill {args.prompt_len}: sgrec {pre['sgrec']:.3f} s, transformers {pre['transformers']:.3f} s",
-          flush=True)
+    def flushed(fn, on: bool):  # fn with this thread's team flushing denormals (on) or not
+        def run(*a):
+            native.flush_denormals(on)
+            try:
+                return fn(*a)
+            finally:
+                native.flush_denormals(True)  # what sgrec's runner set on this thread
+        return run
+
+    pre = {"sgrec": best(sgrec_prefill, args.repeats), "transformers": best(flushed(hf_prefill, False), args.repeats),
+           "transformers, flushed": best(flushed(hf_prefill, True), args.repeats)}
+    print("  prefill " + str(args.prompt_len) + ": " + ", ".join(f"{k} {v:.3f} s" for k, v in pre.items()), flush=True)
 
     prompts = [[rng.randrange(100, min(vocab, 40000)) for _ in range(args.decode_prompt_len)]
                for _ in range(args.batch)]
@@ -106,36 +124,76 @@ def main() -> None:
         outs["transformers"] = out[:, len(prompts[0]):].tolist()
 
     step = {}
-    for name, gen in (("sgrec", sgrec_gen), ("transformers", hf_gen)):
+    for name, gen in (("sgrec", sgrec_gen), ("transformers", flushed(hf_gen, False)),
+                      ("transformers, flushed", flushed(hf_gen, True))):
         gen(2)
         t_long = best(lambda: gen(args.steps + 1), args.repeats)
-        seqs = outs[name]
+        seqs = outs[name.split(",")[0]]
         t_one = best(lambda: gen(1), args.repeats)
-        outs[name] = seqs
+        outs[name.split(",")[0]] = seqs
         step[name] = (t_long - t_one) / args.steps
         print(f"  decode batch {args.batch}: {name} {step[name] * 1e3:.1f} ms/step", flush=True)
     same = sum(a == b for a, b in zip(outs["sgrec"], outs["transformers"]))
     engine.shutdown()
+    rule_s, rule_gflop, gemm = rule_share(path, args)
+    print(f"  chunked delta rule, one layer, {args.prompt_len} tokens: {rule_s * 1e3:.1f} ms, "
+          f"{rule_gflop / rule_s:.0f} GFLOP/s of a {gemm:.0f} GFLOP/s float32 GEMM", flush=True)
 
     model = os.path.basename(path.rstrip("/"))
-    rows = [["prefill", f"{args.prompt_len} tokens", f"{pre['sgrec']:.3f} s", f"{pre['transformers']:.3f} s",
-             f"**{pre['transformers'] / pre['sgrec']:.2f}x**"],
-            ["decode", f"batch {args.batch}", f"{args.batch / step['sgrec']:.1f} tok/s",
-             f"{args.batch / step['transformers']:.1f} tok/s", f"**{step['transformers'] / step['sgrec']:.2f}x**"]]
+    rows = []
+    for peer in ("transformers", "transformers, flushed"):
+        rows += [["prefill", f"{args.prompt_len} tokens", peer, f"{pre['sgrec']:.3f} s", f"{pre[peer]:.3f} s",
+                  f"**{pre[peer] / pre['sgrec']:.2f}x**"],
+                 ["decode", f"batch {args.batch}", peer, f"{args.batch / step['sgrec']:.1f} tok/s",
+                  f"{args.batch / step[peer]:.1f} tok/s", f"**{step[peer] / step['sgrec']:.2f}x**"]]
     print()
-    print(md_table(["phase", "shape", "sgrec", "transformers", "sgrec speed-up"], rows))
+    print(md_table(["phase", "shape", "peer", "sgrec", "peer's", "sgrec speed-up"], rows))
     print(f"\nidentical greedy decode sequences: {same}/{args.batch}")
     if not args.no_record:
         params = {"model": model, "dtype": args.dtype}
-        results = [
-            row("prefill time", "s", pre["sgrec"], pre["transformers"], higher_is_better=False,
-                params={**params, "prompt_tokens": args.prompt_len}),
-            row("decode throughput", "tok/s", args.batch / step["sgrec"], args.batch / step["transformers"],
-                params={**params, "batch": args.batch, "prompt_tokens": args.decode_prompt_len}),
-        ]
+        results = []
+        for peer, fp in (("transformers", "default"), ("transformers, flushed", "denormals flushed")):
+            results += [
+                row("prefill time", "s", pre["sgrec"], pre[peer], higher_is_better=False,
+                    params={**params, "prompt_tokens": args.prompt_len, "peer_fp_mode": fp}),
+                row("decode throughput", "tok/s", args.batch / step["sgrec"], args.batch / step[peer],
+                    params={**params, "batch": args.batch, "prompt_tokens": args.decode_prompt_len, "peer_fp_mode": fp}),
+            ]
+        results.append(row("chunked delta rule, one layer", "ms", rule_s * 1e3, None, higher_is_better=False,
+                           efficiency=rule_gflop / rule_s / gemm,
+                           params={"heads": rule_heads(path), "tokens": args.prompt_len}))
         out = write_record(benchmark="bench_hybrid", title="The hybrid family (Qwen3.5) against transformers",
                            command=cmd, results=results, peer="transformers (torch forms of the gated delta rule)")
         print(f"result record: {out}")
+
+
+def rule_heads(path: str) -> int:
+    from sgrec.model.config import ModelConfig
+    from sgrec.model.qwen3_5 import HybridShape
+
+    return HybridShape.of(ModelConfig.from_dir(path)).v_heads
+
+
+def rule_share(path: str, args) -> tuple[float, float, float]:
+    """(seconds, GFLOP, float32 GEMM GFLOP/s): the chunked rule of one layer at the model's shape
+    (random inputs, denormals flushed), its matrix products' FLOPs, and torch.mm's rate at 2048^3."""
+    from sgrec.model.config import ModelConfig
+    from sgrec.model.qwen3_5 import HybridShape
+
+    shape = HybridShape.of(ModelConfig.from_dir(path))
+    H, L, dk, dv, C = shape.v_heads, args.prompt_len, shape.k_dim, shape.v_dim, delta_rule.CHUNK
+    g = torch.Generator().manual_seed(0)
+    q = delta_rule.l2norm(torch.randn(H, L, dk, generator=g)) * dk**-0.5
+    k = delta_rule.l2norm(torch.randn(H, L, dk, generator=g))
+    v = torch.randn(H, L, dv, generator=g)
+    decay, beta = -torch.rand(H, L, generator=g) * 2, torch.rand(H, L, generator=g)
+    state = torch.zeros(H, dk, dv)
+    seconds = best(lambda: delta_rule.chunked(q, k, v, decay, beta, state), max(args.repeats, 3))
+    n = -(-L // C)
+    per_chunk = 4 * C * C * dk + C * C * (dk + dv) + 6 * C * dk * dv + 2 * C * C * dv  # its matrix products
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    gemm = 2 * 2048**3 / best(lambda: torch.mm(a, b), 5) / 1e9
+    return seconds, H * n * per_chunk / 1e9, gemm
 
 
 if __name__ == "__main__":

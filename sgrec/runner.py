@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,21 @@ class BeamStepPlan:
     layered_trie: bool
 
 
+def flush_denormals() -> None:
+    """Denormal floats flushed to zero on the calling thread and its OpenMP team, the threads torch's
+    CPU ops started from it run on (a family with recurrent layers: the delta rule's decays underflow
+    into denormals, which x86 multiplies tens of times slower). Through the C kernels, which reach
+    the team; without them torch.set_flush_denormal, which sets the calling thread only (logged)."""
+    from sgrec.model import native
+
+    lib = native.load()
+    if lib is not None and native.flush_denormals(True, lib):
+        logger.info("denormal floats flushed to zero on this thread's CPU threads")
+    elif torch.set_flush_denormal(True):
+        logger.warning("denormal floats flushed to zero on the calling thread only (no C kernels): the recurrent "
+                       "layers may run much slower where their decays underflow")
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, show_progress: bool = False):
         if not args.model_path or not os.path.isdir(args.model_path):
@@ -131,6 +147,9 @@ class ModelRunner:
             from sgrec.model.kernels import glue
 
             self.model.use_glue(glue)
+        # threads whose OpenMP team has denormals flushed (a family with recurrent layers on CPU);
+        # None: the mode is left as it is
+        self._flushed: set[int] | None = set() if self.capabilities.state_shapes and self.device.type == "cpu" else None
         self.max_input_len = min(args.max_input_len or self.context_len - 1, self.context_len - 1)
         self.memory = self._new_memory(1)
         reserve = self.profile_peak_bytes(self.max_input_len) if args.max_input_len else 0
@@ -294,12 +313,20 @@ class ModelRunner:
     def hidden(self, batch: ForwardBatch, rows: torch.Tensor | list[int]) -> torch.Tensor:
         """The final hidden states [len(rows), hidden] of the asked rows (compute_logits makes logits,
         of every column or of some)."""
-        hidden = self.model(batch, self.backend)
+        hidden = self._model(batch, self.backend)
         return hidden[torch.as_tensor(rows, dtype=torch.int64, device=hidden.device)]
 
     def forward_with(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [T, hidden] of every row, attention through a path's own backend
         (the beam's staged one: its batches carry their own attention meta)."""
+        return self._model(batch, backend)
+
+    def _model(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """The model's forward, on a calling thread whose OpenMP team flushes denormals where the
+        family needs it (flush_denormals; each calling thread has a team of its own, set once)."""
+        if self._flushed is not None and threading.get_ident() not in self._flushed:
+            flush_denormals()
+            self._flushed.add(threading.get_ident())
         return self.model(batch, backend)
 
     def weights(self) -> dict[str, torch.Tensor]:

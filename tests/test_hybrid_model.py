@@ -96,6 +96,50 @@ def test_the_chunked_delta_rule_equals_the_step_by_step_one_and_transformers():
 
 
 # ---- the model -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dk,dv", [(16, 16), (128, 128), (24, 40)])
+def test_the_decode_step_kernel_equals_the_torch_step_on_the_pools_states_in_place(dk, dv):
+    from sgrec.model import native
+
+    g = torch.Generator().manual_seed(dk + dv)
+    B, H = 5, 3
+    q = delta_rule.l2norm(torch.randn(B, H, dk, generator=g)) * dk**-0.5
+    k = delta_rule.l2norm(torch.randn(B, H, dk, generator=g))
+    v = torch.randn(B, H, dv, generator=g)
+    decay, beta = -torch.rand(B, H, generator=g) * 3, torch.rand(B, H, generator=g)
+    pool = torch.randn(12, H, dk, dv, generator=g) * 0.2
+    slots = torch.tensor([7, 2, 11, 4, 9])
+    untouched, before = pool[[0, 1, 3, 5, 6, 8, 10]].clone(), pool.clone()
+    want, want_states = delta_rule.step(q, k, v, decay, beta, pool[slots])
+    got = native.gdr_step(q, k, v, decay, beta, pool, slots)
+    assert (got - want).abs().max() <= 1e-5 and (pool[slots] - want_states).abs().max() <= 1e-5
+    assert torch.equal(pool[[0, 1, 3, 5, 6, 8, 10]], untouched)  # only the slots' rows are written
+    alone = native.gdr_step(q[2:3], k[2:3], v[2:3], decay[2:3], beta[2:3], before, slots[2:3])
+    assert torch.equal(alone[0], got[2]) and torch.equal(before[11], pool[11])  # a row is the same in any batch
+
+
+def test_a_runner_forwards_with_denormals_flushed_on_its_threads(hybrid_dir):
+    """The delta rule's decays underflow into denormal floats, tens of times slower on x86: a hybrid
+    runner's forward leaves its calling thread's OpenMP team flushing them to zero."""
+    import threading
+
+    from sgrec.model import native
+
+    runner = runner_for(hybrid_dir, "float32")
+    tiny = torch.full((1 << 20,), 1e-20)  # squared: 1e-40, a denormal; large enough to run on every thread
+    seen = {}
+
+    def work():
+        native.flush_denormals(False)
+        seen["before"] = int((tiny * tiny != 0).sum())
+        prefill(runner, ids(8, seed=1), runner.memory.states.alloc(1), torch.empty(0, dtype=torch.int64))
+        seen["after"] = int((tiny * tiny != 0).sum())
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen == {"before": tiny.numel(), "after": 0}
+
+
 def test_the_config_names_its_layers_and_states(hybrid_dir):
     cfg = ModelConfig.from_dir(hybrid_dir)
     runner = runner_for(hybrid_dir, "float32")
@@ -157,8 +201,10 @@ def prefill(runner, tokens, state, kv, start=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_chunks_and_decode_steps_match_transformers(hybrid_dir, hf_hybrid, dtype):
-    runner = runner_for(hybrid_dir, dtype)
+@pytest.mark.parametrize("backend", ["native", "torch"])  # the decode step: native's C kernel, or torch's form
+def test_prefill_chunks_and_decode_steps_match_transformers(hybrid_dir, hf_hybrid, dtype, backend):
+    runner = runner_for(hybrid_dir, dtype, attention_backend=backend)
+    assert (getattr(runner.model.layers[0].linear_attn.glue, "gdr_step", None) is not None) == (backend == "native")
     hf = hf_hybrid(runner.dtype)
     prompt = ids(100, seed=1)
     with torch.no_grad():

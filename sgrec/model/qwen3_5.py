@@ -132,6 +132,8 @@ class GatedAttention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    glue = None  # the runner's fused kernels once HybridLM.use_glue ran: sgrec.model.native's gdr_step on CPU
+
     def __init__(self, cfg: ModelConfig, layer: int, shape: HybridShape):
         super().__init__()
         self.layer = layer  # its parts in the state pool
@@ -164,6 +166,21 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
         q = delta_rule.l2norm(q) * self.k_dim**-0.5
         return q, delta_rule.l2norm(k), v.reshape(rows, self.v_heads, self.v_dim).float()
+
+    def _heads_first(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """_heads of a sequence's convolved channels conv [C, L] (the convolution's own layout), as
+        contiguous [H, L, d] float32: normalised along each head's channels, then transposed once."""
+        L = conv.shape[1]
+        c = conv.float()
+        q = c[: self.key_size].view(self.k_heads, self.k_dim, L)
+        k = c[self.key_size : 2 * self.key_size].view(self.k_heads, self.k_dim, L)
+        v = c[2 * self.key_size :].view(self.v_heads, self.v_dim, L)
+        q = q * (torch.rsqrt((q * q).sum(1, keepdim=True) + 1e-6) * self.k_dim**-0.5)  # delta_rule.l2norm's eps
+        k = k * torch.rsqrt((k * k).sum(1, keepdim=True) + 1e-6)
+        groups = self.v_heads // self.k_heads
+        if groups > 1:
+            q, k = q.repeat_interleave(groups, dim=0), k.repeat_interleave(groups, dim=0)
+        return tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
@@ -198,13 +215,25 @@ class GatedDeltaNet(nn.Module):
             parts["ssm"].index_copy_(0, slots, matrix)
 
     def _tokens(self, mixed, g, beta, parts, rows: torch.Tensor, slots: torch.Tensor | None, out: torch.Tensor) -> None:
-        """One token of each of len(rows) sequences (flat rows `rows`, states at `slots`), at once."""
-        window, matrix = self._state(parts, slots, rows.numel(), mixed.device)
+        """One token of each of len(rows) sequences (flat rows `rows`, states at `slots`), at once:
+        the rule's step in the glue's C kernel on the pool's states in place where it takes them
+        (native.gdr_step), else delta_rule.step on copies."""
+        n = rows.numel()
+        window = (torch.zeros(n, self.conv_dim, self.kernel - 1, device=mixed.device) if slots is None
+                  else parts["conv"].index_select(0, slots))
         conv, window = self._convolve(mixed.index_select(0, rows)[..., None], window)
-        q, k, v = self._heads(conv[..., 0], rows.numel())
-        o, matrix = delta_rule.step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), matrix)
+        q, k, v = self._heads(conv[..., 0], n)
+        g, beta = g.index_select(0, rows), beta.index_select(0, rows)
+        fast = getattr(self.glue, "gdr_step", None)
+        if fast is not None and slots is not None and parts["ssm"].device.type == "cpu":
+            o = fast(q, k, v, g, beta, parts["ssm"], slots)
+            parts["conv"].index_copy_(0, slots, window.to(parts["conv"].dtype))
+        else:
+            matrix = (torch.zeros(n, self.v_heads, self.k_dim, self.v_dim, device=mixed.device) if slots is None
+                      else parts["ssm"].index_select(0, slots))
+            o, matrix = delta_rule.step(q, k, v, g, beta, matrix)
+            self._keep(parts, slots, window, matrix)
         out.index_copy_(0, rows, o.to(out.dtype))
-        self._keep(parts, slots, window, matrix)
 
     def _sequence(self, mixed, g, beta, batch, parts, i: int, out: torch.Tensor) -> None:
         seq = batch.seqs[i]
@@ -212,9 +241,8 @@ class GatedDeltaNet(nn.Module):
         slots = None if batch.state_slots is None else batch.state_slots[i : i + 1]
         window, matrix = self._state(parts, slots, 1, mixed.device)
         conv, window = self._convolve(mixed[a : a + n].T[None], window)
-        q, k, v = self._heads(conv[0].T, n)
-        o, state = delta_rule.chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                      g[a : a + n].T, beta[a : a + n].T, matrix[0])
+        q, k, v = self._heads_first(conv[0])
+        o, state = delta_rule.chunked(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0])
         out[a : a + n] = o.transpose(0, 1).to(out.dtype)
         self._keep(parts, slots, window, state[None])
 
@@ -262,6 +290,13 @@ class HybridLM(LMBase):
         for layer in self.layers:
             x = layer(x, cos, sin, batch, backend)
         return self.norm(x)
+
+    def use_glue(self, glue) -> None:
+        """LMBase.use_glue, and the delta rule's decode step where `glue` has one (native.gdr_step)."""
+        super().use_glue(glue)
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.glue = glue
 
     def checkpoint_name(self, name: str) -> str | None:
         if name.startswith(("mtp.", "model.visual.")) or "rotary_emb" in name:

@@ -1,5 +1,6 @@
 """sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
-SiLU-times-up fused, float32 and bfloat16; decode.c: a whole decode step, sgrec.model.fused_decode),
+SiLU-times-up fused, float32 and bfloat16; decode.c: a whole decode step, sgrec.model.fused_decode;
+delta.c: the gated delta rule's decode step, and flushing denormals on torch's threads),
 compiled on first use with the machine's C compiler and
 loaded with ctypes. No torch headers: each kernel is a plain C function over data pointers, so a
 build takes a few seconds. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
@@ -34,7 +35,7 @@ from sgrec.model.kernels import rows2d
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention.c")
-SOURCES = (SOURCE, SOURCE.with_name("glue.c"), SOURCE.with_name("decode.c"))
+SOURCES = (SOURCE, SOURCE.with_name("glue.c"), SOURCE.with_name("decode.c"), SOURCE.with_name("delta.c"))
 HEADERS = (SOURCE.with_name("vec.h"),)
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write (they compute in float32)
@@ -115,10 +116,13 @@ def _open(path: Path) -> ctypes.CDLL:
     for name, args in (("sgrec_set_det_keep_bytes", [i64]),
                        ("sgrec_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float, i32]),
                        ("sgrec_rope", [p, i64, i32, p, i64, i32, p, p, i64, i32, i32]),
-                       ("sgrec_silu_mul", [p, i64, p, i64, i64, i32, i32])):
+                       ("sgrec_silu_mul", [p, i64, p, i64, i64, i32, i32]),
+                       ("sgrec_gdr_step", [p] * 8 + [i32] * 4)):
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = args
+    lib.sgrec_flush_denormals.restype = ctypes.c_int
+    lib.sgrec_flush_denormals.argtypes = [i32]
     if lib.sgrec_fused_decode():  # decode.c: float32 on AVX2 + FMA or AVX-512, bf16 with avx512_bf16
         lib.sgrec_gemv.restype = ctypes.c_int
         lib.sgrec_gemv.argtypes = [p, p, p, i64, p, i64, i32, i32, i32, i32]
@@ -313,3 +317,30 @@ def silu_mul(gate_up: torch.Tensor, inter: int, lib: ctypes.CDLL | None = None) 
     _loaded(lib).sgrec_silu_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), inter, rows.shape[0], inter,
                                 _bf16(gate_up))
     return out.view(*gate_up.shape[:-1], inter)
+
+
+# ---- the gated delta rule and the threads' floating-point mode (delta.c) --------------------------
+def flush_denormals(on: bool = True, lib: ctypes.CDLL | None = None) -> int:
+    """Flush-to-zero and denormals-are-zero (on=False: off again) on the calling thread and every
+    OpenMP thread torch's CPU ops run on; returns the threads set (0: not on this architecture)."""
+    return int(_loaded(lib).sgrec_flush_denormals(int(on)))
+
+
+def gdr_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             states: torch.Tensor, slots: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """One token of each of B sequences through the gated delta rule, their states updated in place:
+    q, k [B, H, dk], v [B, H, dv], g, beta [B, H] (float32, q and k normalised as the rule wants),
+    states the pool's float32 [slots, H, dk, dv], slots [B] distinct rows of it. -> o [B, H, dv]
+    (delta_rule.step's values to float32 rounding)."""
+    lib = _loaded(lib)
+    B, H, dk = q.shape
+    dv = v.shape[-1]
+    if states.dtype != torch.float32 or tuple(states.shape[1:]) != (H, dk, dv) or not states.is_contiguous():
+        raise ValueError(f"gdr_step: states must be a contiguous float32 [slots, {H}, {dk}, {dv}], got "
+                         f"{states.dtype} {tuple(states.shape)}")
+    q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
+    slots = slots.to(torch.int64).contiguous()
+    out = torch.empty(B, H, dv, dtype=torch.float32)
+    lib.sgrec_gdr_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), states.data_ptr(),
+                       slots.data_ptr(), out.data_ptr(), B, H, dk, dv)
+    return out
