@@ -234,6 +234,31 @@ def test_prefill_chunks_and_decode_steps_match_transformers(hybrid_dir, hf_hybri
     assert [int(g.argmax()) for g in got] == tokens[1:]
 
 
+def test_short_and_long_sequences_of_one_batch_match_transformers(hybrid_dir, hf_hybrid):
+    """Sequences of up to STEPWISE_MAX tokens run the rule's step form token by token (all of them at
+    once), longer ones the chunked form: every row of both equals transformers'."""
+    from sgrec.model.qwen3_5 import STEPWISE_MAX
+
+    runner = runner_for(hybrid_dir, "float32")
+    hf = hf_hybrid(torch.float32)
+    prompts = [ids(n, seed=n) for n in (2, 9, STEPWISE_MAX, STEPWISE_MAX + 1, 40)]
+    slots = runner.memory.allocator.alloc(sum(map(len, prompts)))
+    seqs, toks, pos, a = [], [], [], 0
+    for p in prompts:
+        seqs.append(SeqLayout(a, len(p), slots[a : a + len(p)]))
+        toks += p
+        pos += range(len(p))
+        a += len(p)
+    states = [runner.memory.states.alloc(1) for _ in prompts]
+    logits = runner.forward(runner.make_batch(toks, pos, slots, seqs, states), list(range(a)))
+    a = 0
+    for p in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].float()
+        assert (logits[a : a + len(p)] - ref).abs().max() <= tolerance(torch.float32), len(p)
+        a += len(p)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_decode_batch_gives_each_sequence_what_it_gets_alone(hybrid_dir, dtype):
     runner = runner_for(hybrid_dir, dtype)

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from sgrec.model.config import ModelConfig
 
 KINDS = {"full_attention": ATTENTION, "linear_attention": RECURRENT}
+STEPWISE_MAX = 16  # sequences of at most this many tokens run the rule's step form, token by token
 
 
 @dataclass(frozen=True)
@@ -191,13 +192,17 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(T, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
         if not batch.seqs:  # a beam step (sgrec.beam): row i is beam i's token, its state at state_slots[i]
             self._tokens(mixed, g, beta, parts, torch.arange(T, device=x.device), batch.state_slots, out)
-        singles = [i for i, s in enumerate(batch.seqs) if s.q_len == 1]
-        if singles:  # decode: one token of each, all at once
-            rows = torch.tensor([batch.seqs[i].q_start for i in singles], dtype=torch.int64, device=x.device)
-            self._tokens(mixed, g, beta, parts, rows, None if batch.state_slots is None else batch.state_slots[singles],
-                         out)
+        # one token of each sequence at a time, all sequences at once: decode (one token each), and
+        # sequences of up to STEPWISE_MAX tokens that keep a state (rank's forks: the chunked form would
+        # pad each to a chunk); longer ones (and stateless ones) run the chunked form, one by one
+        kept = batch.state_slots is not None
+        stepwise = [i for i, s in enumerate(batch.seqs) if s.q_len == 1 or (kept and s.q_len <= STEPWISE_MAX)]
+        for t in range(max((batch.seqs[i].q_len for i in stepwise), default=0)):
+            live = [i for i in stepwise if batch.seqs[i].q_len > t]
+            rows = torch.tensor([batch.seqs[i].q_start + t for i in live], dtype=torch.int64, device=x.device)
+            self._tokens(mixed, g, beta, parts, rows, batch.state_slots[live] if kept else None, out)
         for i, seq in enumerate(batch.seqs):
-            if seq.q_len > 1:
+            if i not in stepwise:
                 self._sequence(mixed, g, beta, batch, parts, i, out)
         out = self.norm(out.reshape(T * self.v_heads, self.v_dim), z.reshape(T * self.v_heads, self.v_dim))
         return self.out_proj(out.reshape(T, self.value_size))
