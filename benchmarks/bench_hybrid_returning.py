@@ -90,11 +90,11 @@ def main() -> None:
     print(header(cmd, "bench_hybrid_returning"), flush=True)
     path = model_dir(args)
     reqs, _ = requests(args.requests, args.start, args.max_history, False, "interleaved", args.seed)
-    for r in reqs:  # the trace's candidates, at --candidates a request
-        r.candidates = r.candidates[: args.candidates]
+    for r in reqs:  # the trace's candidates (sampled with repeats), at most --candidates distinct ones a request
+        r.candidates = list(dict.fromkeys(r.candidates))[: args.candidates]
     users = len({r.user for r in reqs})
     print(f"  {len(reqs)} requests of {users} users, profiles of {min(len(r.profile) for r in reqs)}-"
-          f"{max(len(r.profile) for r in reqs)} tokens, {args.candidates} candidates each", flush=True)
+          f"{max(len(r.profile) for r in reqs)} tokens, up to {args.candidates} candidates each", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         catalog = os.path.join(tmp, "catalog.jsonl")
         write_catalog(catalog)

@@ -280,11 +280,11 @@ class ModelRunner:
 
     def make_batch(
         self, input_ids: list[int], positions: list[int], out_cache_loc: torch.Tensor, seqs: list[SeqLayout],
-        state_slots: list[torch.Tensor] | None = None,
+        state_slots: list[torch.Tensor] | None = None, state_parents: list[int] | None = None,
     ) -> ForwardBatch:
         """A forward batch over the runner's memory. state_slots: each sequence's state slot (a
         family with recurrent layers: the state it starts from and leaves), or None (every
-        sequence from a zero state, none kept)."""
+        sequence from a zero state, none kept); state_parents: ForwardBatch's."""
         dev = self.device
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -294,6 +294,7 @@ class ModelRunner:
             kv_pool=self.memory.kv,
             state_slots=None if state_slots is None else torch.cat(state_slots).to(dev),
             state_pool=self.memory.states,
+            state_parents=state_parents,
         )
 
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:

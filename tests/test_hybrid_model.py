@@ -447,7 +447,8 @@ def test_rank_refuses_item_as_prefix_and_more_candidates_than_state_slots(hybrid
     with pytest.raises(ValueError, match="prefix 'item' needs the item-as-prefix layout, which the hybrid family "
                                          "does not run"):
         ex.run("u", ids(5, 1), ["c1", "c2"], INSTR, prefix="item")
-    with pytest.raises(RankCapacityError, match="needs 8 state slots .*--max-mamba-cache-size"):
+    with pytest.raises(RankCapacityError,
+                       match=r"needs 9 state slots \(one a candidate and the user.s\).*--max-mamba-cache-size"):
         ex.run("u", ids(5, 1), [f"c{k}" for k in range(8)], INSTR)
     states = runner.memory.states
     assert states.available_size() + ex.tree.state_count == states.size
@@ -638,7 +639,8 @@ def test_a_default_dtype_server_retrieves_ranks_and_recommends_with_transformers
     sids = Catalog([Item(i, (1,), 1, tuple(p)) for i, p in paths.items()])
     want = exhaustive_scores(hf_hybrid(dtype), sids, history)
     got = r.json()["items"]
-    assert sorted(it["item"] for it in got) == sorted(want) and all(it["semantic_id"] == paths[it["item"]] for it in got)
+    assert sorted(it["item"] for it in got) == sorted(want)
+    assert all(it["semantic_id"] == paths[it["item"]] for it in got)
     assert max(abs(it["score"] - want[it["item"]]) for it in got) <= tol
     assert r.json()["meta_info"]["cached_tokens"] == 0
 
@@ -666,7 +668,8 @@ def test_a_default_dtype_server_retrieves_ranks_and_recommends_with_transformers
     item = srv.client.post("/v1/rank", json={"user": {"id": "u1", "token_ids": history}, "items": cands,
                                              "instruction": INSTR, "prefix": "item"})
     assert item.status_code == 400 and "prefix 'item'" in item.json()["message"], item.text
-    rec = srv.client.post("/v1/recommend", json={"user": {"id": "u1", "token_ids": longer}, "rank": {"instruction": INSTR},
+    rec = srv.client.post("/v1/recommend", json={"user": {"id": "u1", "token_ids": longer},
+                                                 "rank": {"instruction": INSTR},
                                                  "retrieve": {"beam_width": 8, "num_candidates": 4}})
     assert rec.status_code == 200, rec.text
     retrieved = srv.client.post("/v1/retrieve", json={"user": {"token_ids": longer}, "beam_width": 8,

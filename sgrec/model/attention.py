@@ -83,6 +83,10 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None
     encoder_slots: list[torch.Tensor] | None = None
     state_pool: Any = field(default=None, repr=False)  # mem.memory.StatePool
+    # per sequence: the index of the sequence of this batch whose final state it starts from (its
+    # state slot receives a copy, layer by layer, once the parent is done), or -1; None: none do
+    # (rank's forks of a user computed in the same forward: sgrec.rank.forked)
+    state_parents: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:

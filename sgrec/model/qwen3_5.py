@@ -192,20 +192,34 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(T, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
         if not batch.seqs:  # a beam step (sgrec.beam): row i is beam i's token, its state at state_slots[i]
             self._tokens(mixed, g, beta, parts, torch.arange(T, device=x.device), batch.state_slots, out)
-        # one token of each sequence at a time, all sequences at once: decode (one token each), and
-        # sequences of up to STEPWISE_MAX tokens that keep a state (rank's forks: the chunked form would
-        # pad each to a chunk); longer ones (and stateless ones) run the chunked form, one by one
-        kept = batch.state_slots is not None
-        stepwise = [i for i, s in enumerate(batch.seqs) if s.q_len == 1 or (kept and s.q_len <= STEPWISE_MAX)]
-        for t in range(max((batch.seqs[i].q_len for i in stepwise), default=0)):
-            live = [i for i in stepwise if batch.seqs[i].q_len > t]
-            rows = torch.tensor([batch.seqs[i].q_start + t for i in live], dtype=torch.int64, device=x.device)
-            self._tokens(mixed, g, beta, parts, rows, batch.state_slots[live] if kept else None, out)
-        for i, seq in enumerate(batch.seqs):
-            if i not in stepwise:
-                self._sequence(mixed, g, beta, batch, parts, i, out)
+        parents = batch.state_parents
+        if parents is None or all(p < 0 for p in parents):
+            self._sequences(mixed, g, beta, batch, parts, range(len(batch.seqs)), out)
+        else:  # the parents first; each child then starts from a copy of its parent's final state
+            self._sequences(mixed, g, beta, batch, parts, [i for i, p in enumerate(parents) if p < 0], out)
+            children = [i for i, p in enumerate(parents) if p >= 0]
+            src = batch.state_slots[[parents[i] for i in children]]
+            for buf in parts.values():
+                buf.index_copy_(0, batch.state_slots[children], buf.index_select(0, src))
+            self._sequences(mixed, g, beta, batch, parts, children, out)
         out = self.norm(out.reshape(T * self.v_heads, self.v_dim), z.reshape(T * self.v_heads, self.v_dim))
         return self.out_proj(out.reshape(T, self.value_size))
+
+    def _sequences(self, mixed, g, beta, batch, parts, which, out: torch.Tensor) -> None:
+        """The rule over sequences `which` of the batch: one token of each at a time, all at once,
+        for decode (one token each) and for sequences of up to STEPWISE_MAX tokens that keep a state
+        (rank's forks: the chunked form would pad each to a chunk); longer ones (and stateless ones)
+        through the chunked form, one by one."""
+        kept = batch.state_slots is not None
+        seqs = batch.seqs
+        stepwise = [i for i in which if seqs[i].q_len == 1 or (kept and seqs[i].q_len <= STEPWISE_MAX)]
+        for t in range(max((seqs[i].q_len for i in stepwise), default=0)):
+            live = [i for i in stepwise if seqs[i].q_len > t]
+            rows = torch.tensor([seqs[i].q_start + t for i in live], dtype=torch.int64, device=mixed.device)
+            self._tokens(mixed, g, beta, parts, rows, batch.state_slots[live] if kept else None, out)
+        for i in which:
+            if i not in stepwise:
+                self._sequence(mixed, g, beta, batch, parts, i, out)
 
     def _state(self, parts, slots: torch.Tensor | None, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The (window, matrix) states at `slots`, or zero ones."""

@@ -679,6 +679,6 @@ class RankExecutor:
         pool = self.runner.memory.states
         if states > pool.available_size():
             raise RankCapacityError(
-                f"a rank request needs {states} state slots (one a candidate), {pool.available_size()} free after "
-                f"evicting every unused snapshot (state pool {pool.size}); send fewer candidates or raise "
-                f"--max-mamba-cache-size")
+                f"a rank request needs {states} state slots (one a candidate and the user's), "
+                f"{pool.available_size()} free after evicting every unused snapshot (state pool {pool.size}); "
+                f"send fewer candidates or raise --max-mamba-cache-size")

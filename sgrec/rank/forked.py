@@ -7,8 +7,10 @@ user on its own, as the model would read that one prompt:
     [U] ──► state S_U, KV of U ──fork──► [I_1, Instr]   [I_2, Instr]   ...   [I_n, Instr]
 
 The user's tokens are computed once (or resumed from a cached state snapshot: only the tokens after
-it): every candidate's attention layers read their KV in place, and their state is copied into one
-state slot per candidate. Candidate j's tokens sit at positions len(U) onwards.
+it), in the same forward as the candidates: every candidate's attention layers read the user's KV in
+place, and each recurrent layer copies the user's state into one state slot per candidate once it has
+read the user's tokens (ForwardBatch.state_parents). Candidate j's tokens sit at positions len(U)
+onwards.
 
 Scores (`forward_many`): by id token, the softmax over the candidates of each continuation's
 last-token logit at its own id token; by semantic ID, each path's log-likelihood after its own
@@ -60,19 +62,22 @@ def tokens(user: int, items: list[int], instruction: int, path_tokens: int = 0) 
 
 
 def forward_many(runner, specs: list[ForkedForward], make_room) -> tuple[list[torch.Tensor], float, int]:
-    """The users' uncached tokens in one forward (each into a fresh state slot that starts from
-    its snapshot or zero), then every candidate of every request in one forward, each from its own
-    copy of its user's state. make_room(tokens, states) makes room or raises. Returns per request
+    """One forward for every request: the users' uncached tokens (each into a fresh state slot that
+    starts from its snapshot or zero) and every candidate of every request, each from its own copy
+    of its user's state (taken, layer by layer, once the user's tokens are read:
+    ForwardBatch.state_parents). make_room(tokens, states) makes room or raises. Returns per request
     its scores (id tokens: the softmax over candidates; paths: float32 log-likelihoods), the
-    forwards' seconds and the tokens forwarded. Every slot it takes is freed before it returns,
+    forward's seconds and the tokens forwarded. Every slot it takes is freed before it returns,
     except those handed over through `keep`."""
     alloc, states, dev = runner.memory.allocator, runner.memory.states, runner.device
     taken_kv: list[torch.Tensor] = []  # freed at the end (what `keep` took is removed first)
     taken_states: list[torch.Tensor] = []
-    seconds = 0.0
     try:
         fresh = [len(s.user) - s.cached.numel() for s in specs]
-        make_room(sum(fresh), len(specs))
+        rows = [s.rows() for s in specs]
+        count = sum(len(r) for rs in rows for r in rs)
+        forks = sum(len(rs) for rs in rows)
+        make_room(sum(fresh) + count, len(specs) + forks)
         user_kv, user_state = [], []
         for s, n in zip(specs, fresh):
             slot = states.take(1)
@@ -85,44 +90,43 @@ def forward_many(runner, specs: list[ForkedForward], make_room) -> tuple[list[to
             taken_kv.append(new)
             user_kv.append(torch.cat([s.cached.to(new.device), new]))
             user_state.append(slot)
-        todo = [i for i, n in enumerate(fresh) if n]
-        if todo:  # the users' fresh tokens: one sequence each
-            ids, pos, seqs, locs = [], [], [], []
-            for i in todo:
-                s, c = specs[i], specs[i].cached.numel()
-                seqs.append(SeqLayout(len(ids), fresh[i], user_kv[i]))
-                ids += s.user[c:]
-                pos += range(c, len(s.user))
-                locs.append(user_kv[i][c:])
-            t0 = time.perf_counter()
-            runner.hidden(runner.make_batch(ids, pos, torch.cat(locs), seqs, [user_state[i] for i in todo]),
-                          [len(ids) - 1])
-            seconds += time.perf_counter() - t0
-
-        rows = [s.rows() for s in specs]
-        count = sum(len(r) for rs in rows for r in rs)
-        forks = sum(len(rs) for rs in rows)
-        make_room(count, forks)
         own, fork_states = alloc.alloc(count), states.take(forks)
         taken_kv.append(own)
         taken_states.append(fork_states)
-        ids, pos, seqs, read, slots, off, k = [], [], [], [], [], 0, 0
-        for s, rs, kv, st in zip(specs, rows, user_kv, user_state):
-            states.copy_(fork_states[k : k + len(rs)], st.repeat(len(rs)))  # every candidate from the user's state
+        ids, pos, seqs, locs, slots, parents = [], [], [], [], [], []
+        parent_of = {}
+        for i, (s, n) in enumerate(zip(specs, fresh)):  # the users' fresh tokens: one sequence each
+            if n:
+                c = s.cached.numel()
+                parent_of[i] = len(seqs)
+                seqs.append(SeqLayout(len(ids), n, user_kv[i]))
+                ids += s.user[c:]
+                pos += range(c, len(s.user))
+                locs.append(user_kv[i][c:])
+                slots.append(user_state[i])
+                parents.append(-1)
+        read, off, k = [], 0, 0
+        for i, (s, rs) in enumerate(zip(specs, rows)):  # then every candidate
+            mine = fork_states[k : k + len(rs)]
+            if i not in parent_of:  # nothing of the user to read: the copies now
+                states.copy_(mine, user_state[i].repeat(len(rs)))
             u = len(s.user)
             for j, r in enumerate(rs):
-                mine = own[off : off + len(r)]
-                seqs.append(SeqLayout(off, len(r), torch.cat([kv, mine])))
+                own_j = own[off : off + len(r)]
+                seqs.append(SeqLayout(len(ids), len(r), torch.cat([user_kv[i], own_j])))
+                last = len(ids) + len(s.continuations[j]) - 1  # the instruction's last token, then the path rows
+                read.append(list(range(last, len(ids) + len(r))))
                 ids += r
                 pos += range(u, u + len(r))
-                last = off + len(s.continuations[j]) - 1  # the instruction's last token, then the path rows
-                read.append(list(range(last, off + len(r))))
-                slots.append(fork_states[k + j : k + j + 1])
+                locs.append(own_j)
+                slots.append(mine[j : j + 1])
+                parents.append(parent_of.get(i, -1))
                 off += len(r)
             k += len(rs)
+        batch = runner.make_batch(ids, pos, torch.cat(locs), seqs, slots, parents if parent_of else None)
         t0 = time.perf_counter()
-        hidden = runner.hidden(runner.make_batch(ids, pos, own, seqs, slots), [x for r in read for x in r])
-        seconds += time.perf_counter() - t0
+        hidden = runner.hidden(batch, [x for r in read for x in r])
+        seconds = time.perf_counter() - t0
         out, a, c = [], 0, 0
         for s, rs in zip(specs, rows):
             n = len(rs)
