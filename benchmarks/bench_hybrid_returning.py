@@ -56,7 +56,7 @@ def run(path: str, catalog: str, reqs: list, args, snapshots: bool) -> dict:
         first = reqs[0]
         engine.rank({"id": "warm-up", "token_ids": first.profile[:8]}, [f"m{c}" for c in first.candidates],
                     instruction=[RANK_TOKEN], prefix="none")
-        lat, prompt, cached, top = [], 0, 0, []
+        lat, prompt, cached, top, hits = [], 0, 0, [], []
         for r in reqs:
             t = time.perf_counter()
             out = engine.rank({"id": str(r.user), "token_ids": r.profile}, [f"m{c}" for c in r.candidates],
@@ -64,11 +64,12 @@ def run(path: str, catalog: str, reqs: list, args, snapshots: bool) -> dict:
             lat.append(time.perf_counter() - t)
             prompt += out["meta_info"]["prompt_tokens"]
             cached += out["meta_info"]["cached_tokens"]
+            hits.append(out["meta_info"]["cached_tokens"] > 0)
             top.append(out["ranking"][0]["item"])
     finally:
         engine.shutdown()
     return {"hit_rate": cached / prompt, "p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "top": top,
-            "rps": len(lat) / sum(lat)}
+            "rps": len(lat) / sum(lat), "lat": lat, "hits": hits}
 
 
 def main() -> None:
@@ -111,6 +112,11 @@ def main() -> None:
                    [[k, f"{v['hit_rate']:.1%}", f"{v['p50'] * 1e3:.0f} ms", f"{v['p99'] * 1e3:.0f} ms",
                      f"{v['rps']:.2f}"] for k, v in res.items()]))
     print(f"\nTTFT P50 off / on: **{off['p50'] / on['p50']:.2f}x**; same first item: {same}/{len(reqs)}")
+    # the requests that found their user's snapshot, in both configurations
+    back = [i for i, h in enumerate(on["hits"]) if h]
+    back_on, back_off = pct([on["lat"][i] for i in back], 0.5), pct([off["lat"][i] for i in back], 0.5)
+    print(f"requests that resumed from a snapshot: {len(back)}; their TTFT P50 {back_on * 1e3:.0f} ms on, "
+          f"{back_off * 1e3:.0f} ms off ({back_off / back_on:.2f}x)")
     if not args.no_record:
         params = {"model": os.path.basename(path.rstrip("/")), "dtype": args.dtype, "requests": len(reqs),
                   "max_history": args.max_history, "candidates": args.candidates}
@@ -118,6 +124,8 @@ def main() -> None:
             row("TTFT P50", "ms", on["p50"] * 1e3, off["p50"] * 1e3, higher_is_better=False, params=params),
             row("TTFT P99", "ms", on["p99"] * 1e3, off["p99"] * 1e3, higher_is_better=False, params=params),
             row("prefix-cache hit rate", "%", 100 * on["hit_rate"], 100 * off["hit_rate"], ratio=None, params=params),
+            row("TTFT P50 of the requests that resumed", "ms", back_on * 1e3, back_off * 1e3, higher_is_better=False,
+                params={**params, "resumed_requests": len(back)}),
         ]
         out = write_record(benchmark="bench_hybrid_returning",
                            title="The hybrid family's state snapshots on the returning-user trace", command=cmd,
