@@ -25,7 +25,6 @@ from sgrec.model.backends import make_backend
 from sgrec.model.config import ModelConfig, resolve_dtype
 from sgrec.model.cpu_linear import packing_available
 from sgrec.model.fused_decode import FusedDecode
-from sgrec.model.hybrid_prefill import hybrid_forward
 from sgrec.model.loader import load_model
 from sgrec.server_args import ServerArgs
 
@@ -323,12 +322,16 @@ class ModelRunner:
         return self._model(batch, backend)
 
     def _model(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """The model's forward, on a calling thread whose OpenMP team flushes denormals where the
-        family needs it (flush_denormals; each calling thread has a team of its own, set once)."""
+        """The model's forward, in the floating-point mode the family needs (_fp_mode)."""
+        self._fp_mode()
+        return self.model(batch, backend)
+
+    def _fp_mode(self) -> None:
+        """The calling thread's OpenMP team flushes denormals where the family needs it (flush_denormals;
+        each calling thread has a team of its own, set once)."""
         if self._flushed is not None and threading.get_ident() not in self._flushed:
             flush_denormals()
             self._flushed.add(threading.get_ident())
-        return self.model(batch, backend)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's tensors by name (what names the KV it computes: radix/hicache.model_fingerprint)."""
@@ -349,4 +352,5 @@ class ModelRunner:
         if not self.capabilities.hybrid_prefill:
             return self.hidden(batch, rows)
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
-        return hybrid_forward(self.model, batch, self.backend, self.args.hybrid_chunk_size, rows)
+        self._fp_mode()
+        return self.model.hybrid_forward(batch, self.backend, self.args.hybrid_chunk_size, rows)

@@ -260,6 +260,39 @@ def test_short_and_long_sequences_of_one_batch_match_transformers(hybrid_dir, hf
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_hybrid_prefilling_carries_each_state_across_its_chunks(hybrid_dir, dtype):
+    """Prefill-only forwards in chunks of 16 tokens (sequences cut across chunks, one shorter than a
+    chunk) give the whole forward's last logits and leave the same final states; a batch that keeps
+    no state runs on temporary zero states."""
+    runner = runner_for(hybrid_dir, dtype, hybrid_chunk_size=16)
+    assert runner.capabilities.hybrid_prefill
+    prompts = [ids(n, seed=n) for n in (37, 5, 60)]
+    T = sum(map(len, prompts))
+    slots = runner.memory.allocator.alloc(T)
+    seqs, toks, pos, rows, a = [], [], [], [], 0
+    for p in prompts:
+        seqs.append(SeqLayout(a, len(p), slots[a : a + len(p)]))
+        toks += p
+        pos += range(len(p))
+        a += len(p)
+        rows.append(a - 1)
+    chunked, whole = ([runner.memory.states.alloc(1) for _ in prompts] for _ in range(2))
+    got = runner.forward_prefill_only(runner.make_batch(toks, pos, slots, seqs, chunked), rows)
+    want = runner.forward(runner.make_batch(toks, pos, slots, seqs, whole), rows)
+    bound = tolerance(runner.dtype) if runner.dtype == torch.float32 else tolerance(runner.dtype) / 4
+    assert (got - want).abs().max() <= bound  # the rule's chunks and steps split differently: rounding
+    for parts in runner.memory.states.buffers.values():
+        for part in parts.values():
+            for c, w in zip(chunked, whole):
+                assert torch.allclose(part[c].float(), part[w].float(), atol=1e-3 if runner.dtype == torch.float32
+                                      else 2e-2)
+    free = runner.memory.states.available_size()
+    stateless = runner.forward_prefill_only(runner.make_batch(toks, pos, slots, seqs), rows)
+    assert (stateless - want).abs().max() <= bound
+    assert runner.memory.states.available_size() == free
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_decode_batch_gives_each_sequence_what_it_gets_alone(hybrid_dir, dtype):
     runner = runner_for(hybrid_dir, dtype)
     prompts = [ids(n, seed=n) for n in (5, 33, 70)]

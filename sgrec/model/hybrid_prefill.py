@@ -1,4 +1,5 @@
-"""Hybrid prefilling (PrefillOnly §4): attention over the whole sequence at once, everything else
+"""Hybrid prefilling (PrefillOnly §4) of the dense decoder (`CausalLM.hybrid_forward`; the hybrid
+family has its own, `sgrec.model.qwen3_5`): attention over the whole sequence at once, everything else
 (norms, projections, MLP) chunk by chunk into preallocated buffers.
 
 The MLP's intermediates ([chunk, 2 * intermediate_size]) then exist for one chunk at a time, never
@@ -8,10 +9,14 @@ rows whichever chunk they run in, so the result equals the normal forward up to 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from sgrec.model.attention import AttentionBackend, ForwardBatch
-from sgrec.model.llama import CausalLM
+
+if TYPE_CHECKING:
+    from sgrec.model.llama import CausalLM
 
 
 def _chunks(n: int, size: int) -> list[slice]:

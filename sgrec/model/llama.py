@@ -251,6 +251,13 @@ class CausalLM(LMBase):
             x, residual = layer(x, residual, cos, sin, batch, backend)
         return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
 
+    def hybrid_forward(self, batch: ForwardBatch, backend: AttentionBackend, chunk_size: int,
+                       rows: torch.Tensor) -> torch.Tensor:
+        """Hybrid prefilling (sgrec.model.hybrid_prefill): the final hidden states of `rows` only."""
+        from sgrec.model.hybrid_prefill import hybrid_forward
+
+        return hybrid_forward(self, batch, backend, chunk_size, rows)
+
     def checkpoint_name(self, name: str) -> str | None:
         """This model's parameter name for a checkpoint tensor's, or None to skip it."""
         name = name.removeprefix("model.")

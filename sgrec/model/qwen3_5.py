@@ -19,13 +19,14 @@ weights are not read.
 Capabilities: a cached prefix is reusable only where a state was kept ("snapshot"); staged beams
 (the prompt's KV read in place by every beam of the attention layers, each beam's state its own,
 forked from the prompt's: sgrec.beam.attention.BeamStates); rank user-as-prefix only, one state
-fork per candidate (sgrec.rank.forked; item-as-prefix is a 400 naming `prefix`); no hybrid
-prefilling, fused decode or decode graphs.
+fork per candidate (sgrec.rank.forked; item-as-prefix is a 400 naming `prefix`); hybrid prefilling
+with each sequence's state carried across the chunks (HybridLM.hybrid_forward); no fused decode or
+decode graphs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgrec.model import delta_rule
-from sgrec.model.attention import AttentionBackend, ForwardBatch
+from sgrec.model.attention import AttentionBackend, ForwardBatch, SeqLayout
 from sgrec.model.llama import MLP, LMBase
 from sgrec.model.registry import ATTENTION, RECURRENT, Capabilities, Family
 from sgrec.model.rope import RotaryEmbedding, apply_rope
@@ -121,15 +122,21 @@ class GatedAttention(nn.Module):
         r = self.rotary_dim
         return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ([T, heads, D], normed and rotated) and the output gate [T, Hq * D] of rows x."""
         T, D = x.shape[0], self.head_dim
         qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.view(T, self.num_heads, 2 * D)
         q, gate = self.q_norm(qg[..., :D]), qg[..., D:].reshape(T, self.num_heads * D)
         k = self.k_norm(k.view(T, self.num_kv_heads, D))
-        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        out = backend.forward(q, k, v.reshape(T, self.num_kv_heads, D), self.kv_layer, batch, self.scale)
-        return self.o_proj(out * torch.sigmoid(gate))
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v.reshape(T, self.num_kv_heads, D), gate
+
+    def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attended * torch.sigmoid(gate))
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        q, k, v, gate = self.project(x, cos, sin)
+        return self.output(backend.forward(q, k, v, self.kv_layer, batch, self.scale), gate)
 
 
 class GatedDeltaNet(nn.Module):
@@ -310,6 +317,51 @@ class HybridLM(LMBase):
             x = layer(x, cos, sin, batch, backend)
         return self.norm(x)
 
+    @torch.inference_mode()
+    def hybrid_forward(self, batch: ForwardBatch, backend: AttentionBackend, chunk_size: int,
+                       rows: torch.Tensor) -> torch.Tensor:
+        """Hybrid prefilling (PrefillOnly §4) for this family: the final hidden states of `rows` only.
+        A gated attention layer projects q, k, v and its gate chunk by chunk of `chunk_size` tokens,
+        attends over the whole batch at once, and projects its output chunk by chunk; a Gated DeltaNet
+        layer runs chunk after chunk, each sequence's state carried from one chunk to the next in its
+        state slot; the MLPs run chunk by chunk. Every chunk's intermediates exist one at a time."""
+        if batch.state_slots is None:  # a batch that keeps no state (a profile run): zero states, freed after
+            pool = batch.state_pool
+            slots = pool.take(len(batch.seqs))
+            if slots is None:
+                raise RuntimeError(f"hybrid prefilling needs a state slot a sequence ({len(batch.seqs)}); "
+                                   f"{pool.available_size()} are free")
+            pool.zero_(slots)
+            try:
+                return self.hybrid_forward(replace(batch, state_slots=slots), backend, chunk_size, rows)
+            finally:
+                pool.free(slots)
+        x = self.embed_tokens(batch.input_ids)  # the residual stream, updated in place
+        T = x.shape[0]
+        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
+        backend.prepare(batch)
+        parts = [slice(a, min(a + chunk_size, T)) for a in range(0, T, chunk_size)]
+        pieces = [_rows_of(batch, c) for c in parts]  # each chunk as its own batch, for the recurrent layers
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn is None:
+                for c, piece in zip(parts, pieces):
+                    x[c] += layer.linear_attn(layer.input_layernorm(x[c]), piece)
+                    x[c] += layer.mlp(layer.post_attention_layernorm(x[c]))
+                continue
+            q = k = v = gate = None
+            for c in parts:
+                qc, kc, vc, gc = attn.project(layer.input_layernorm(x[c]), cos[c], sin[c])
+                if q is None:
+                    q, k, v, gate = (t.new_empty((T, *t.shape[1:])) for t in (qc, kc, vc, gc))
+                q[c], k[c], v[c], gate[c] = qc, kc, vc, gc
+            o = backend.forward(q, k, v, attn.kv_layer, batch, attn.scale)
+            for c in parts:
+                x[c] += attn.output(o[c], gate[c])
+                x[c] += layer.mlp(layer.post_attention_layernorm(x[c]))
+            del o
+        return self.norm(x[rows])
+
     def use_glue(self, glue) -> None:
         """LMBase.use_glue, and the delta rule's decode step where `glue` has one (native.gdr_step)."""
         super().use_glue(glue)
@@ -338,6 +390,20 @@ class HybridLM(LMBase):
         }
 
 
+def _rows_of(batch: ForwardBatch, c: slice) -> ForwardBatch:
+    """The batch's rows c as a batch of their own, for the recurrent layers: the part of every
+    sequence that falls in them, with its state slot (the attention layers' fields are not read)."""
+    seqs, slots = [], []
+    for i, s in enumerate(batch.seqs):
+        a, b = max(s.q_start, c.start), min(s.q_start + s.q_len, c.stop)
+        if a < b:
+            seqs.append(SeqLayout(a - c.start, b - a, s.kv_indices))
+            slots.append(i)
+    return ForwardBatch(input_ids=batch.input_ids[c], positions=batch.positions[c], out_cache_loc=batch.out_cache_loc[c],
+                        seqs=seqs, kv_pool=batch.kv_pool, state_slots=batch.state_slots[slots],
+                        state_pool=batch.state_pool)
+
+
 def config_flags(variant: str, cfg: dict) -> dict:
     """No ModelConfig flags of its own (the model reads HybridShape); a ValueError naming the
     config field for what it cannot serve."""
@@ -358,7 +424,8 @@ def capabilities(cfg: ModelConfig) -> Capabilities:
     states = {i: {"conv": (shape.conv_dim, shape.conv_kernel - 1), "ssm": (shape.v_heads, shape.k_dim, shape.v_dim)}
               for i, kind in enumerate(kinds) if kind == RECURRENT}
     return Capabilities(layer_kinds=kinds, state_shapes=states, state_float32=frozenset({"ssm"}),
-                        prefix_reuse="snapshot", staged_beams=True, layouts=frozenset({"user"}), rank_forks=True)
+                        prefix_reuse="snapshot", staged_beams=True, layouts=frozenset({"user"}), rank_forks=True,
+                        hybrid_prefill=True)
 
 
 FAMILY = Family(  # listed in sgrec.model.families
