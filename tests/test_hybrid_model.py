@@ -712,3 +712,37 @@ def test_a_default_dtype_server_retrieves_ranks_and_recommends_with_transformers
     assert [x["item"] for x in rec.json()["items"]] == [x["item"] for x in ranked]
     r = srv.client.post("/generate", json={"input_ids": history, "sampling_params": {"max_new_tokens": 3}})
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
+
+
+# ---- deterministic mode ------------------------------------------------------------------------------
+def test_deterministic_mode_gives_each_request_its_bits_alone_in_any_batch(hybrid_dir):
+    """--enable-deterministic-inference in the default dtype: the delta rule's step kernel, the
+    token-by-token short sequences and the chunked form are per sequence, so generate's logprobs,
+    retrieve's scores and rank's scores are the same bits alone and batched with other requests."""
+    e = Engine(hybrid_dir, device="cpu", dtype="auto", enable_deterministic_inference=True, disable_radix_cache=True,
+               max_total_tokens=4096, max_mamba_cache_size=120)
+    try:
+        prompts = [ids(n, seed=n) for n in (7, 30, 90)]
+        sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+        def logprobs(out):
+            return [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+
+        alone = [logprobs(e.generate(input_ids=p, sampling_params=sp, return_logprob=True)) for p in prompts]
+        batched = [logprobs(o) for o in e.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)]
+        assert alone == batched
+
+        runner = e.runner
+        ex = RetrieveExecutor(runner, RadixCache(runner.memory.allocator, disable=True, states=runner.memory.states),
+                              sid_catalog(60, seed=2))
+        reqs = [dict(input_ids=p, beam_width=16, top_k=16, num_items=8) for p in prompts]
+        one = ex.run(**reqs[1]).items
+        assert ex.run_batch(reqs)[1].items == one
+
+        rank = ranker(runner, sid_items(12, seed=5))
+        payload = dict(user_key="u", user_ids=prompts[1], item_ids=["c1", "c4", "c7"], instruction_ids=INSTR,
+                       prefix="none")
+        others = [dict(payload, user_key=f"o{k}", user_ids=p, item_ids=["c2", "c9"]) for k, p in enumerate(prompts)]
+        assert rank.run_batch([others[0], payload, others[2]])[1]["ranking"] == rank.run_batch([payload])[0]["ranking"]
+    finally:
+        e.shutdown()
