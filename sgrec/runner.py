@@ -104,8 +104,12 @@ def flush_denormals() -> None:
     CPU ops started from it run on (a family with recurrent layers: the delta rule's decays underflow
     into denormals, which x86 multiplies tens of times slower). Through the C kernels, which reach
     the team; without them torch.set_flush_denormal, which sets the calling thread only (logged)."""
+    import numpy as np
+
     from sgrec.model import native
 
+    for t in (np.float16, np.float32, np.float64):  # numpy caches its limits: taken before the flush zeroes them
+        np.finfo(t)
     lib = native.load()
     if lib is not None and native.flush_denormals(True, lib):
         logger.info("denormal floats flushed to zero on this thread's CPU threads")
