@@ -319,20 +319,22 @@ class UnsharedKV:
 class BeamStates:
     """Each beam's recurrent state (a family with recurrent layers): `slots` [rows] state-pool
     slots, row i holding beam i's state. Row 0 holds the prompt's until level 0 forks it to every
-    beam (parents all 0); a level's reorder then gives each kept beam its parent's state, in place
-    (inplace_schedule's order), `chunk` states at a time in every part of every layer."""
+    beam (parents all 0); a level's reorder then gives each kept beam its parent's state, in place:
+    one state after the other in inplace_schedule's order (which never overwrites a state before
+    it is read), each a contiguous copy in every part of every layer (a state is about a MiB a layer
+    at real shapes, where gathering them in chunks copies several times slower)."""
 
-    def __init__(self, pool: StatePool, slots: torch.Tensor, chunk: int = 64):
+    def __init__(self, pool: StatePool, slots: torch.Tensor):
         self.pool = pool
         self.slots = slots
-        self.chunk = chunk
 
     def reorder_(self, parents: torch.Tensor, schedule: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Rows 0..len(parents)-1 take the states of rows `parents` (non-decreasing)."""
         dst, src = schedule if schedule is not None else inplace_schedule(parents)[:2]
         if dst.numel() == 0:
             return
-        d, s = self.slots[dst], self.slots[src]
+        pairs = list(zip(self.slots[dst].tolist(), self.slots[src].tolist()))
         for parts in self.pool.buffers.values():
             for buf in parts.values():
-                apply_schedule_(buf, d, s, self.chunk)
+                for d, s in pairs:
+                    buf[d].copy_(buf[s])

@@ -96,7 +96,6 @@ class _Request:
     t1: float = 0.0
     state_slots: torch.Tensor | None = None  # a family with recurrent layers: one state slot a beam row
     states: BeamStates | None = None
-    snapshot: object = None  # the radix node whose (locked) state the prompt resumes from
 
 
 def layered_trie(runner) -> bool:
@@ -372,7 +371,7 @@ class RetrieveExecutor:
             rows, cols = self._rows_cols(r)
             r.kv = UnsharedKV(self.pool, r.unshared.view(rows, cols), self.reorder_chunk)
             if r.state_slots is not None:
-                r.states = BeamStates(self.states, r.state_slots, self.reorder_chunk)
+                r.states = BeamStates(self.states, r.state_slots)
 
     def _prefill_packed(self, reqs: list[_Request]) -> None:
         ids, pos, seqs, rows, locs = [], [], [], [], []

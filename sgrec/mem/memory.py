@@ -20,8 +20,8 @@ class StatePool:
     """`size` state slots (slot 0 is padding, as the KV pool's): for each stateful layer, one
     [size + 1, *shape] tensor per named part, in `dtype` (the parts named in `float32`: float32).
     alloc / free hand out slots (take: without zeroing them); fork copies a slot's state into
-    fresh ones, copy_ into taken ones (a beam taking its parent's state); gather reads some slots'
-    states."""
+    fresh ones, copy_ into taken ones (a beam taking its parent's state), broadcast_ one state into
+    many (rank's candidates taking the user's); gather reads some slots' states."""
 
     def __init__(self, size: int, shapes: dict[int, dict[str, tuple[int, ...]]], dtype: torch.dtype,
                  device: str | torch.device = "cpu", float32: frozenset[str] = frozenset()):
@@ -52,6 +52,15 @@ class StatePool:
         for parts in self.buffers.values():
             for buf in parts.values():
                 buf.index_fill_(0, slots, 0)
+
+    def broadcast_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Every state at dst becomes a copy of the one state at src (a slot not in dst): one
+        contiguous copy a slot and part, several times faster than gathering large states."""
+        one = int(src.reshape(-1)[0])
+        for parts in self.buffers.values():
+            for buf in parts.values():
+                for d in dst.tolist():
+                    buf[d].copy_(buf[one])
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The states at dst become copies of those at src (read in full first: the two may overlap)."""

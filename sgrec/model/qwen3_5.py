@@ -205,9 +205,10 @@ class GatedDeltaNet(nn.Module):
         else:  # the parents first; each child then starts from a copy of its parent's final state
             self._sequences(mixed, g, beta, batch, parts, [i for i, p in enumerate(parents) if p < 0], out)
             children = [i for i, p in enumerate(parents) if p >= 0]
-            src = batch.state_slots[[parents[i] for i in children]]
-            for buf in parts.values():
-                buf.index_copy_(0, batch.state_slots[children], buf.index_select(0, src))
+            slot = batch.state_slots.tolist()
+            for buf in parts.values():  # one contiguous copy a child (a state is about a MiB a layer)
+                for i in children:
+                    buf[slot[i]].copy_(buf[slot[parents[i]]])
             self._sequences(mixed, g, beta, batch, parts, children, out)
         out = self.norm(out.reshape(T * self.v_heads, self.v_dim), z.reshape(T * self.v_heads, self.v_dim))
         return self.out_proj(out.reshape(T, self.value_size))

@@ -109,7 +109,7 @@ def forward_many(runner, specs: list[ForkedForward], make_room) -> tuple[list[to
         for i, (s, rs) in enumerate(zip(specs, rows)):  # then every candidate
             mine = fork_states[k : k + len(rs)]
             if i not in parent_of:  # nothing of the user to read: the copies now
-                states.copy_(mine, user_state[i].repeat(len(rs)))
+                states.broadcast_(mine, user_state[i])
             u = len(s.user)
             for j, r in enumerate(rs):
                 own_j = own[off : off + len(r)]
