@@ -15,8 +15,8 @@ Peers, on the same weights, prompts and catalog:
 * naive: sgrec.beam.naive_retrieve (every beam a sequence of a plain decode batch, the prompt's KV and
   state copied into each beam, the parent's copied again at every fork), at the beam widths in
   --naive-beam-widths;
-* transformers: generate(num_beams=BW, prefix_allowed_tokens_fn=<the catalog's trie>) in bf16 at
-  --hf-beam-widths (its cache expands the prompt to BW rows and reorders every layer's KV and state per
+* transformers: generate(num_beams=BW, prefix_allowed_tokens_fn=<the catalog's trie>) in bf16 with its
+  default attention (bench_xbeam's peer) at --hf-beam-widths (its cache expands the prompt to BW rows and reorders every layer's KV and state per
   step; it masks after log_softmax, so its beams may differ: only its time is compared).
 Reported: the best of --repeats requests after a warm-up (req/s = 1 / best), each peer's ratio, and the
 state bytes a request holds (one state a beam row). Results: docs/performance.md.
@@ -29,7 +29,6 @@ import os
 import random
 import shlex
 import sys
-import time
 
 import torch
 
@@ -39,44 +38,13 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
 from bench_hybrid import model_dir  # noqa: E402
-from bench_xbeam import build_catalog  # noqa: E402
+from bench_roofline import best  # noqa: E402  (one warm-up call, then the best of `repeats`)
+from bench_xbeam import build_catalog, hf_peer  # noqa: E402
 from sgrec.beam import RetrieveExecutor, naive_retrieve  # noqa: E402
 from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
 from sgrec.server_args import ServerArgs  # noqa: E402
 from sgrec.tools.results import row, write_record  # noqa: E402
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def hf_peer(path: str, catalog, prompt: list[int], nd: int):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    sets: dict[tuple[int, ...], set[int]] = {}
-    for it in catalog.items:
-        for d in range(nd):
-            sets.setdefault(tuple(it.semantic_id[:d]), set()).add(it.semantic_id[d])
-    children = {k: sorted(v) for k, v in sets.items()}
-    P = len(prompt)
-
-    def run(bw: int):
-        with torch.no_grad():
-            return model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, P, dtype=torch.long), num_beams=bw,
-                num_return_sequences=min(bw, 10), max_new_tokens=nd, min_new_tokens=nd, do_sample=False,
-                prefix_allowed_tokens_fn=lambda b, ids: children.get(tuple(ids[P:].tolist()), [0]),
-                early_stopping=True, pad_token_id=0, eos_token_id=None)
-
-    return run
 
 
 def ints(text: str) -> list[int]:
@@ -116,15 +84,15 @@ def main() -> None:
     state_mib = runner.memory.bytes_per_state / 2**20
     res: dict[tuple[str, int], float] = {}
     for bw in bws:
-        res["sgrec", bw] = best_of(lambda: ex.run(prompt, bw, bw, min(bw, 10)), args.repeats)
+        res["sgrec", bw] = best(lambda: ex.run(prompt, bw, bw, min(bw, 10)), args.repeats)
         print(f"  BW {bw}: sgrec {res['sgrec', bw]:.3f} s ({bw} beam states of {state_mib:.1f} MiB)", flush=True)
     for bw in naive_bws:
-        res["naive", bw] = best_of(lambda: naive_retrieve(runner, catalog, prompt, bw, bw, min(bw, 10)), args.repeats)
+        res["naive", bw] = best(lambda: naive_retrieve(runner, catalog, prompt, bw, bw, min(bw, 10)), args.repeats)
         print(f"  BW {bw}: naive {res['naive', bw]:.3f} s", flush=True)
     if hf_bws:
-        hf = hf_peer(path, catalog, prompt, args.nd)
+        hf = hf_peer(path, catalog, prompt, args.nd, torch.bfloat16, attn_implementation=None)
         for bw in hf_bws:
-            res["transformers", bw] = best_of(lambda: hf(bw), max(1, args.repeats - 1))
+            res["transformers", bw] = best(lambda: hf(bw), max(1, args.repeats - 1))
             print(f"  BW {bw}: transformers {res['transformers', bw]:.3f} s", flush=True)
     rows, results = [], []
     params = {"model": os.path.basename(path.rstrip("/")), "dtype": args.dtype, "prompt_len": args.prompt_len,

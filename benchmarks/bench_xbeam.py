@@ -88,10 +88,14 @@ def timed(fn, repeats: int, warmup: int = 1) -> tuple[list[float], object]:
     return times, out
 
 
-def hf_peer(model_dir: str, catalog: Catalog, prompt: list[int], nd: int):
+def hf_peer(model_dir: str, catalog: Catalog, prompt: list[int], nd: int, dtype: torch.dtype = torch.float32,
+            attn_implementation: str | None = "eager"):
+    """generate(num_beams=bw, prefix_allowed_tokens_fn=<the catalog's trie>) as run(bw); attn_implementation
+    None: transformers' default."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw).eval()
     sets: dict[tuple[int, ...], set[int]] = {}
     for it in catalog.items:
         for d in range(nd):
