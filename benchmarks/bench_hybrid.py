@@ -17,8 +17,8 @@ Greedy tokens of the two are compared (bf16 rounds differently in the two; the c
 sequences is printed). transformers runs its own torch forms of the gated delta rule (without
 `flash-linear-attention`, which needs a GPU).
 
-sgrec flushes denormal floats to zero on the threads its forwards run on (the rule's decays underflow
-into denormals, which x86 multiplies tens of times slower). transformers is timed twice: as it runs
+sgrec flushes denormal floats to zero on the threads its forwards run on, for the forward (the rule's
+decays underflow into denormals, which x86 multiplies tens of times slower). transformers is timed twice: as it runs
 by default, and with the same flushing set on its threads (what torch.set_flush_denormal alone does
 not give: it sets the calling thread only), so the ratios show what is the floating-point mode and
 what is sgrec's kernels. The chunked rule of one layer at the model's shape is timed alone and set
@@ -102,7 +102,7 @@ def main() -> None:
             try:
                 return fn(*a)
             finally:
-                native.flush_denormals(True)  # what sgrec's runner set on this thread
+                native.flush_denormals(False)  # the default, which sgrec's runner restores after each forward
         return run
 
     pre = {"sgrec": best(sgrec_prefill, args.repeats), "transformers": best(flushed(hf_prefill, False), args.repeats),

@@ -9,10 +9,10 @@ internals.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -99,23 +99,36 @@ class BeamStepPlan:
     layered_trie: bool
 
 
-def flush_denormals() -> None:
-    """Denormal floats flushed to zero on the calling thread and its OpenMP team, the threads torch's
-    CPU ops started from it run on (a family with recurrent layers: the delta rule's decays underflow
-    into denormals, which x86 multiplies tens of times slower). Through the C kernels, which reach
-    the team; without them torch.set_flush_denormal, which sets the calling thread only (logged)."""
-    import numpy as np
-
+@contextlib.contextmanager
+def denormals_flushed():
+    """Denormal floats flushed to zero on the calling thread and its OpenMP team (the threads torch's
+    CPU ops started from it run on) for the block, the mode before restored after: a family with
+    recurrent layers, whose delta rule's decays underflow into denormals, which x86 multiplies tens of
+    times slower. Through the C kernels, which reach the team; without them torch.set_flush_denormal,
+    which sets the calling thread only (logged once)."""
     from sgrec.model import native
 
-    for t in (np.float16, np.float32, np.float64):  # numpy caches its limits: taken before the flush zeroes them
-        np.finfo(t)
     lib = native.load()
-    if lib is not None and native.flush_denormals(True, lib):
-        logger.info("denormal floats flushed to zero on this thread's CPU threads")
-    elif torch.set_flush_denormal(True):
-        logger.warning("denormal floats flushed to zero on the calling thread only (no C kernels): the recurrent "
-                       "layers may run much slower where their decays underflow")
+    if lib is None:
+        if not _warned_denormals:
+            _warned_denormals.append(True)
+            logger.warning("denormal floats flushed on the calling thread only (no C kernels): the recurrent "
+                           "layers may run much slower where their decays underflow")
+        torch.set_flush_denormal(True)
+        try:
+            yield
+        finally:
+            torch.set_flush_denormal(False)
+        return
+    before = native.flush_denormals(True, lib)
+    try:
+        yield
+    finally:
+        if before is False:
+            native.flush_denormals(False, lib)
+
+
+_warned_denormals: list[bool] = []
 
 
 class ModelRunner:
@@ -150,9 +163,8 @@ class ModelRunner:
             from sgrec.model.kernels import glue
 
             self.model.use_glue(glue)
-        # threads whose OpenMP team has denormals flushed (a family with recurrent layers on CPU);
-        # None: the mode is left as it is
-        self._flushed: set[int] | None = set() if self.capabilities.state_shapes and self.device.type == "cpu" else None
+        # a family with recurrent layers on CPU: its forwards flush denormals (denormals_flushed)
+        self._flush = bool(self.capabilities.state_shapes) and self.device.type == "cpu"
         self.max_input_len = min(args.max_input_len or self.context_len - 1, self.context_len - 1)
         self.memory = self._new_memory(1)
         reserve = self.profile_peak_bytes(self.max_input_len) if args.max_input_len else 0
@@ -327,15 +339,13 @@ class ModelRunner:
 
     def _model(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """The model's forward, in the floating-point mode the family needs (_fp_mode)."""
-        self._fp_mode()
-        return self.model(batch, backend)
+        with self._fp_mode():
+            return self.model(batch, backend)
 
-    def _fp_mode(self) -> None:
-        """The calling thread's OpenMP team flushes denormals where the family needs it (flush_denormals;
-        each calling thread has a team of its own, set once)."""
-        if self._flushed is not None and threading.get_ident() not in self._flushed:
-            flush_denormals()
-            self._flushed.add(threading.get_ident())
+    def _fp_mode(self):
+        """The floating-point mode a forward of this family runs in: denormals flushed where the
+        family needs it (denormals_flushed), else the mode as it is."""
+        return denormals_flushed() if self._flush else contextlib.nullcontext()
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's tensors by name (what names the KV it computes: radix/hicache.model_fingerprint)."""
@@ -356,5 +366,5 @@ class ModelRunner:
         if not self.capabilities.hybrid_prefill:
             return self.hidden(batch, rows)
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
-        self._fp_mode()
-        return self.model.hybrid_forward(batch, self.backend, self.args.hybrid_chunk_size, rows)
+        with self._fp_mode():
+            return self.model.hybrid_forward(batch, self.backend, self.args.hybrid_chunk_size, rows)

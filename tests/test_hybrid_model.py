@@ -117,27 +117,35 @@ def test_the_decode_step_kernel_equals_the_torch_step_on_the_pools_states_in_pla
     assert torch.equal(alone[0], got[2]) and torch.equal(before[11], pool[11])  # a row is the same in any batch
 
 
-def test_a_runner_forwards_with_denormals_flushed_on_its_threads(hybrid_dir):
+def test_a_runner_forwards_with_denormals_flushed_and_restores_the_mode_after(hybrid_dir):
     """The delta rule's decays underflow into denormal floats, tens of times slower on x86: a hybrid
-    runner's forward leaves its calling thread's OpenMP team flushing them to zero."""
+    runner's forward runs with its calling thread's OpenMP team flushing them to zero, and leaves the
+    mode as it found it (nothing else in the process sees it: a denormal parsed or printed after a
+    forward keeps its value)."""
+    import json
     import threading
-
-    from sgrec.model import native
 
     runner = runner_for(hybrid_dir, "float32")
     tiny = torch.full((1 << 20,), 1e-20)  # squared: 1e-40, a denormal; large enough to run on every thread
     seen = {}
+    def inside(*_):  # runs at the end of the model's forward (returns None: the output stays)
+        seen.setdefault("inside", int((tiny * tiny != 0).sum()))
+
+    hook = runner.model.register_forward_hook(inside)
 
     def work():
-        native.flush_denormals(False)
         seen["before"] = int((tiny * tiny != 0).sum())
         prefill(runner, ids(8, seed=1), runner.memory.states.alloc(1), torch.empty(0, dtype=torch.int64))
         seen["after"] = int((tiny * tiny != 0).sum())
+        seen["json"] = json.dumps(5e-324)
 
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
-    assert seen == {"before": tiny.numel(), "after": 0}
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    finally:
+        hook.remove()
+    assert seen == {"before": tiny.numel(), "inside": 0, "after": tiny.numel(), "json": "5e-324"}
 
 
 def test_the_config_names_its_layers_and_states(hybrid_dir):

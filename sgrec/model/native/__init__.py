@@ -320,10 +320,12 @@ def silu_mul(gate_up: torch.Tensor, inter: int, lib: ctypes.CDLL | None = None) 
 
 
 # ---- the gated delta rule and the threads' floating-point mode (delta.c) --------------------------
-def flush_denormals(on: bool = True, lib: ctypes.CDLL | None = None) -> int:
-    """Flush-to-zero and denormals-are-zero (on=False: off again) on the calling thread and every
-    OpenMP thread torch's CPU ops run on; returns the threads set (0: not on this architecture)."""
-    return int(_loaded(lib).sgrec_flush_denormals(int(on)))
+def flush_denormals(on: bool = True, lib: ctypes.CDLL | None = None) -> bool | None:
+    """Flush-to-zero and denormals-are-zero (on=False: off) on the calling thread and its OpenMP team,
+    the threads torch's CPU ops started from it run on; returns whether the calling thread flushed
+    before (None: this architecture has no such mode, nothing was set)."""
+    before = int(_loaded(lib).sgrec_flush_denormals(int(on)))
+    return None if before < 0 else bool(before)
 
 
 def gdr_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -13,10 +13,11 @@
  * Every (sequence, head) is computed the same way whatever B is, so a sequence's step does not depend
  * on the batch it is in. All float32.
  *
- * sgrec_flush_denormals: flush-to-zero and denormals-are-zero on every OpenMP thread (torch's intra-op
- * threads: the kernels bind to the OpenMP runtime torch loaded) and the calling thread. The delta rule's
- * decays e^(cumulative g) underflow into denormal floats, which x86 multiplies tens of times slower;
- * torch.set_flush_denormal sets the calling thread only.
+ * sgrec_flush_denormals: flush-to-zero and denormals-are-zero (or neither) on the calling thread and
+ * its OpenMP team (torch's intra-op threads: the kernels bind to the OpenMP runtime torch loaded). The
+ * delta rule's decays e^(cumulative g) underflow into denormal floats, which x86 multiplies tens of times
+ * slower; torch.set_flush_denormal sets the calling thread only. The runner sets it around a forward and
+ * restores it after, so nothing else in the process sees the mode.
  */
 #include <math.h>
 #include <stddef.h>
@@ -46,13 +47,26 @@ static int set_mode(int on) {
 #endif
 }
 
-/* Returns the threads whose mode was set (0: not supported on this architecture). */
+static int get_mode(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    return (_mm_getcsr() & 0x8040u) == 0x8040u;
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    return (int)((fpcr >> 24) & 1u);
+#else
+    return 0;
+#endif
+}
+
+/* Sets the mode (on: flush) on the calling thread and its OpenMP team; returns the calling thread's
+ * mode before (1: it flushed), or -1 where this architecture has no such mode. */
 int sgrec_flush_denormals(int on) {
-    int n = 0;
+    int before = get_mode(), n = 0;
     set_mode(on);
 #pragma omp parallel reduction(+ : n)
     n += set_mode(on);
-    return n;
+    return n ? before : -1;
 }
 
 static inline void zero(float *x, int n) {
