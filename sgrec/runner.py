@@ -105,7 +105,7 @@ def denormals_flushed():
     CPU ops started from it run on) for the block, the mode before restored after: a family with
     recurrent layers, whose delta rule's decays underflow into denormals, which x86 multiplies tens of
     times slower. Through the C kernels, which reach the team; without them torch.set_flush_denormal,
-    which sets the calling thread only (logged once)."""
+    which sets the calling thread only (logged once) and is turned off after."""
     from sgrec.model import native
 
     lib = native.load()
