@@ -333,8 +333,4 @@ class BeamStates:
         dst, src = schedule if schedule is not None else inplace_schedule(parents)[:2]
         if dst.numel() == 0:
             return
-        pairs = list(zip(self.slots[dst].tolist(), self.slots[src].tolist()))
-        for parts in self.pool.buffers.values():
-            for buf in parts.values():
-                for d, s in pairs:
-                    buf[d].copy_(buf[s])
+        self.pool.copy_pairs_(list(zip(self.slots[dst].tolist(), self.slots[src].tolist())))

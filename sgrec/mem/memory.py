@@ -53,14 +53,20 @@ class StatePool:
             for buf in parts.values():
                 buf.index_fill_(0, slots, 0)
 
+    def copy_pairs_(self, pairs: list[tuple[int, int]], layers=None) -> None:
+        """State dst becomes a copy of state src for each (dst, src) of `pairs`, one after the other
+        (a later pair reads what an earlier one wrote), in every part of `layers` (default: every
+        stateful layer): one contiguous copy a pair and part, several times faster than gathering
+        MiB-sized states."""
+        for layer in self.buffers if layers is None else layers:
+            for buf in self.buffers[layer].values():
+                for d, s in pairs:
+                    buf[d].copy_(buf[s])
+
     def broadcast_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Every state at dst becomes a copy of the one state at src (a slot not in dst): one
-        contiguous copy a slot and part, several times faster than gathering large states."""
+        """Every state at dst becomes a copy of the one state at src (a slot not in dst)."""
         one = int(src.reshape(-1)[0])
-        for parts in self.buffers.values():
-            for buf in parts.values():
-                for d in dst.tolist():
-                    buf[d].copy_(buf[one])
+        self.copy_pairs_([(d, one) for d in dst.tolist()])
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The states at dst become copies of those at src (read in full first: the two may overlap)."""

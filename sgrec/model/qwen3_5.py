@@ -206,9 +206,7 @@ class GatedDeltaNet(nn.Module):
             self._sequences(mixed, g, beta, batch, parts, [i for i, p in enumerate(parents) if p < 0], out)
             children = [i for i, p in enumerate(parents) if p >= 0]
             slot = batch.state_slots.tolist()
-            for buf in parts.values():  # one contiguous copy a child (a state is about a MiB a layer)
-                for i in children:
-                    buf[slot[i]].copy_(buf[slot[parents[i]]])
+            batch.state_pool.copy_pairs_([(slot[i], slot[parents[i]]) for i in children], [self.layer])
             self._sequences(mixed, g, beta, batch, parts, children, out)
         out = self.norm(out.reshape(T * self.v_heads, self.v_dim), z.reshape(T * self.v_heads, self.v_dim))
         return self.out_proj(out.reshape(T, self.value_size))

@@ -188,15 +188,14 @@ class RankExecutor:
         when it may be scored by semantic ID, up to ND - 1 path tokens per candidate."""
         cat = self.catalog
         rows = [cat.index.get(i, -1) if isinstance(i, str) else -1 for i in payload["item_ids"]]
-        items = sum(cat.token_len(r) if r >= 0 else 1 for r in rows)
+        lens = [cat.token_len(r) if r >= 0 else 1 for r in rows]
         paths = 0
         if cat.semantic_id_len and payload.get("score_by") != "id_token" and (
                 payload.get("score_by") == "semantic_id" or any(r >= 0 and cat.id_tokens[r] < 0 for r in rows)):
             paths = cat.semantic_id_len - 1
         if self.runner.capabilities.rank_forks:  # the instruction once per candidate (rank/forked.py)
-            return forked.tokens(len(payload["user_ids"]), [cat.token_len(r) if r >= 0 else 1 for r in rows],
-                                 len(payload["instruction_ids"]), paths)
-        return len(payload["user_ids"]) + items + len(payload["instruction_ids"]) + len(rows) * paths
+            return forked.tokens(len(payload["user_ids"]), lens, len(payload["instruction_ids"]), paths)
+        return len(payload["user_ids"]) + sum(lens) + len(payload["instruction_ids"]) + len(rows) * paths
 
     def run_batch(self, payloads: list[dict]) -> list[dict | Exception]:
         """Several requests, their uncached tokens in one forward (one sequence each, its own mask);
