@@ -228,8 +228,9 @@ class ModelRunner:
         triton = self.kernels == "triton"
         on_gpu = self.device.type == "cuda"
         graphs = triton and on_gpu and not self.deterministic and not self.args.disable_cuda_graph
-        return BeamStepPlan(staged=self.kernels, deterministic=self.deterministic, device_select=triton,
-                            graphs=graphs and not self.capabilities.state_shapes,
+        caps = self.capabilities  # neither the device round nor its graphs run an encoder-decoder's own attention
+        return BeamStepPlan(staged=self.kernels, deterministic=self.deterministic, device_select=triton and not caps.encoder,
+                            graphs=graphs and not caps.state_shapes and not caps.encoder,
                             layered_trie=not on_gpu and not triton)
 
     def _new_memory(self, size: int) -> Memory:
@@ -269,14 +270,22 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-            self.forward_prefill_only(batch, [n - 1])
+            self._profile_forward(batch, n)
             peak = torch.cuda.max_memory_allocated(self.device) - base
         else:
             base = _peak_rss()
-            self.forward_prefill_only(batch, [n - 1])
+            self._profile_forward(batch, n)
             peak = _peak_rss() - base
         logger.info("profile run of %d tokens: peak %.1f MiB", n, peak / 2**20)
         return peak
+
+    def _profile_forward(self, batch: ForwardBatch, n: int) -> None:
+        """The profile run's forward: the encoder's over n tokens for an encoder-decoder family
+        (its longest input), else a prefill-only one."""
+        if self.capabilities.encoder:
+            self.encode(batch)
+        else:
+            self.forward_prefill_only(batch, [n - 1])
 
     def _pool_size(self, reserve: int = 0) -> int:
         """KV pool tokens: --max-total-tokens, else a share of the memory left after `reserve` bytes
@@ -296,10 +305,12 @@ class ModelRunner:
     def make_batch(
         self, input_ids: list[int], positions: list[int], out_cache_loc: torch.Tensor, seqs: list[SeqLayout],
         state_slots: list[torch.Tensor] | None = None, state_parents: list[int] | None = None,
+        encoder_slots: list[torch.Tensor] | None = None,
     ) -> ForwardBatch:
         """A forward batch over the runner's memory. state_slots: each sequence's state slot (a
         family with recurrent layers: the state it starts from and leaves), or None (every
-        sequence from a zero state, none kept); state_parents: ForwardBatch's."""
+        sequence from a zero state, none kept); state_parents: ForwardBatch's; encoder_slots (an
+        encoder-decoder family's decoder): each sequence's encoder input slots (`encode`'s)."""
         dev = self.device
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -310,6 +321,7 @@ class ModelRunner:
             state_slots=None if state_slots is None else torch.cat(state_slots).to(dev),
             state_pool=self.memory.states,
             state_parents=state_parents,
+            encoder_slots=encoder_slots,
         )
 
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:
@@ -321,6 +333,45 @@ class ModelRunner:
         if self.fused is not None and self.fused.takes(batch, self.backend):
             return self.fused.run(batch).index_select(0, torch.as_tensor(logit_rows, dtype=torch.int64))
         return self.model.compute_logits(self.hidden(batch, logit_rows))
+
+    def encode(self, batch: ForwardBatch) -> torch.Tensor:
+        """An encoder-decoder family's encoder over the batch's sequences (each its own input, at
+        positions from 0): every token's slot receives each decoder layer's cross-attention K/V,
+        read by the decoder batches that name these slots (ForwardBatch.encoder_slots); returns the
+        encoder's output."""
+        if not self.capabilities.encoder:
+            raise ValueError(f"the {self.family.name} family has no encoder")
+        with self._fp_mode():
+            return self.model.encode(batch)
+
+    @property
+    def sampling_refusal(self) -> str | None:
+        """Why this model does not serve sampled generation and scoring (a 400's message), or None:
+        those paths run a decoder-only prompt, and an encoder-decoder's decoder reads an encoder."""
+        if not self.capabilities.encoder:
+            return None
+        return (f"the {self.family.name} family serves /v1/retrieve and /generate with beam_width (beams over "
+                f"the catalog's semantic IDs); sampled generation, the OpenAI routes and /v1/score run a "
+                f"decoder-only model")
+
+    def warm_up_encoder(self, n: int) -> None:
+        """An encoder-decoder family's encoder over n tokens and one decoder step over them, the
+        slots they took freed again (the start-up's warm-up)."""
+        alloc = self.memory.allocator
+        slots = alloc.alloc(n + 1)
+        try:
+            enc = slots[:n]
+            self.encode(self.make_batch(list(range(n)), list(range(n)), enc, [SeqLayout(0, n, enc)]))
+            start = slots[n:]
+            self.forward(self.make_batch([self.config.decoder_start_token_id or 0], [0], start,
+                                         [SeqLayout(0, 1, start)], encoder_slots=[enc]), [0])
+        finally:
+            alloc.free(slots)
+
+    @property
+    def encoded_inputs(self) -> int:
+        """How many inputs the encoder has read since start-up (0 without an encoder)."""
+        return getattr(self.model, "encoded_inputs", 0)
 
     def compute_logits(self, hidden: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of final hidden states: every vocabulary column, or only `columns`."""
@@ -354,7 +405,8 @@ class ModelRunner:
     def reserve_positions(self, n: int) -> None:
         """Positions up to n made ready before any step runs (a step replayed on the device reads
         no position back to grow its tables)."""
-        self.model.rope.reserve(n)
+        if self.model.rope is not None:  # a family with rotary embeddings
+            self.model.rope.reserve(n)
 
     def forward_prefill_only(self, batch: ForwardBatch, logit_rows: torch.Tensor | list[int]) -> torch.Tensor:
         """Like forward, through hybrid prefilling (MLP and projections chunk by chunk)."""

@@ -59,8 +59,9 @@ def test_registry_maps_architectures_to_the_decoder_family():
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(families.supported_architectures())
     family, arch, variant = families.family_for(["Foo", "Qwen3ForCausalLM"])
     assert (family.name, arch, variant) == ("decoder", "Qwen3ForCausalLM", "qwen3")
-    with pytest.raises(ValueError, match=r"Unsupported architecture \['T5ForConditionalGeneration'\] in x/y"):
-        families.family_for(["T5ForConditionalGeneration"], "x/y")
+    with pytest.raises(ValueError, match=r"Unsupported architecture \['BertModel'\] in x/y"):
+        families.family_for(["BertModel"], "x/y")
+    assert families.family_for(["T5ForConditionalGeneration"])[0].name == "encoder-decoder"
     assert llama.config_flags("qwen3", {}) == {"qkv_bias": False, "o_bias": False, "mlp_bias": False, "qk_norm": True}
     assert llama.config_flags("qwen2", {"attention_bias": True})["qkv_bias"] is True
     assert llama.config_flags("llama", {"attention_bias": True})["o_bias"] is True

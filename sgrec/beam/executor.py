@@ -242,8 +242,7 @@ class RetrieveExecutor:
     def _parse(self, index: int, input_ids, beam_width, top_k, num_items, extra_key=None, exclude_items=None,
                include_items=None, filter=None) -> _Request:
         t0 = time.perf_counter()
-        if not self.runner.capabilities.staged_beams:  # a 400, before any memory is taken
-            raise ValueError(f"retrieval by beam search is not served for {self.runner.family.name} models")
+        self._check_served()  # a 400, before any memory is taken
         trie = self._validate(beam_width, top_k, num_items)
         ids = list(check_token_ids(input_ids, "input_ids", self.vocab_size))
         if len(ids) + trie.depth - 1 > self.runner.context_len:
@@ -252,6 +251,11 @@ class RetrieveExecutor:
         filt = build_filter(trie, self._trie_rows, self.catalog, self.filter_cache, exclude_items, include_items,
                             filter)
         return _Request(index, ids, beam_width, top_k, num_items, extra_key, t0, filt)
+
+    def _check_served(self) -> None:
+        """A ValueError (a 400) where the runner's family cannot run this executor's beams."""
+        if not self.runner.capabilities.staged_beams:
+            raise ValueError(f"retrieval by beam search is not served for {self.runner.family.name} models")
 
     def _rows_cols(self, r: _Request) -> tuple[int, int]:
         return min(r.beam_width, max(self.trie.max_beams, 1)), self.trie.depth - 1
@@ -444,6 +448,24 @@ class RetrieveExecutor:
                              state_pool=self.states)
         return runner.compute_logits(runner.forward_with(batch, self.backend), columns)
 
+    def _beam_step(self, reqs: list[_Request], step: int, positions: list[int]) -> torch.Tensor:
+        """Every live beam of every request forwards its level step - 1 token (at positions[i], request
+        i's) through staged attention: the logits of level `step`'s tokens only (every request of a
+        round walks the same trie)."""
+        groups, tokens, pos, locs, states = [], [], [], [], []
+        for r, p in zip(reqs, positions):
+            n = r.bufs.n
+            idx = r.kv.slots[:n, :step]
+            groups.append(BeamStepMeta(r.prompt_kv, idx))
+            tokens.append(r.bufs.tokens[:n, step - 1])
+            pos.append(torch.full((n,), p, dtype=torch.int64, device=self.device))
+            locs.append(idx[:, -1])
+            if r.states is not None:
+                states.append(r.states.slots[:n])
+        meta = groups[0] if len(groups) == 1 else BeamBatchMeta(groups)
+        return self._beam_forward(torch.cat(tokens), torch.cat(pos), torch.cat(locs).contiguous(), meta,
+                                  self.trie.logit_columns(step), torch.cat(states).to(self.device) if states else None)
+
     def _level(self, r: _Request, step: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Level `step` of request r: how many beams it keeps, its beams' scores and trie nodes."""
         m = min(r.beam_width, r.num_items) if step == self.trie.depth - 1 else r.beam_width
@@ -508,20 +530,7 @@ class _RoundHooks:
             for r in self.reqs:
                 r.bufs = BeamBuffers.allocate(r.beam_width, ex.trie.depth, ex.device)
             return None
-        groups, tokens, positions, locs, states = [], [], [], [], []
-        for r, p in zip(self.reqs, prepared):
-            n = r.bufs.n
-            idx = r.kv.slots[:n, :step]
-            groups.append(BeamStepMeta(r.prompt_kv, idx))
-            tokens.append(r.bufs.tokens[:n, step - 1])
-            positions.append(torch.full((n,), p, dtype=torch.int64, device=ex.device))
-            locs.append(idx[:, -1])
-            if r.states is not None:
-                states.append(r.states.slots[:n])
-        meta = groups[0] if len(groups) == 1 else BeamBatchMeta(groups)
-        # only the logits of level `step`'s tokens (every request of a round walks the same trie)
-        return ex._beam_forward(torch.cat(tokens), torch.cat(positions), torch.cat(locs).contiguous(), meta,
-                                ex.trie.logit_columns(step), torch.cat(states).to(ex.device) if states else None)
+        return ex._beam_step(self.reqs, step, prepared)
 
     @torch.inference_mode()
     def finish(self, step: int, phase: str, handle: object) -> None:

@@ -48,6 +48,9 @@ class Limits:
     max_input_len: int  # prompts longer than this get a 400
     max_batch_size: int  # prompts per batch request (and items per score request)
     max_n: int
+    # why sampled generation and scoring (/generate without beam_width, the OpenAI routes, /v1/score)
+    # are a 400 for this model (an encoder-decoder family: they run a decoder-only prompt), or None
+    sampling_refusal: str | None = None
 
 
 class RequestBuilder:
@@ -75,6 +78,7 @@ class RequestBuilder:
         input_ids, as in SGLang, but bad input_ids beside it are still a 400). Errors name a
         sampling parameter by its full path: `sampling_params.top_p`, `sampling_params[1].top_p`,
         or, with `sampling_where` "" (a body whose sampling fields are top-level), `top_p`."""
+        self.check_sampling_served()
         if input_ids is not None:
             id_batch, id_lists = self._input_ids(input_ids)
         if text is not None:
@@ -129,6 +133,11 @@ class RequestBuilder:
                 ))
                 out_params.append(sp)
         return msgs, out_params, is_list
+
+    def check_sampling_served(self) -> None:
+        """A ValueError (a 400) where this model does not serve sampled generation and scoring."""
+        if self.limits.sampling_refusal is not None:
+            raise ValueError(self.limits.sampling_refusal)
 
     def _input_ids(self, input_ids) -> tuple[bool, list[list[int]]]:
         """(is_batch, the prompts) of an input_ids field: a non-empty list of token ids, or a

@@ -50,6 +50,8 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # an encoder-decoder's (sgrec.model.t5.config_flags): the token its decoder starts from
+    decoder_start_token_id: int | None = None
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -58,6 +60,8 @@ class ModelConfig:
         family, _, variant = families.family_for(cfg.get("architectures") or [], path)
         flags = family.config_flags(variant, cfg)  # the family refuses what it cannot serve
         hf, cfg = cfg, cfg.get("text_config") or cfg  # a multimodal checkpoint: its text model's fields
+        if family.common_fields is not None:
+            cfg = {**cfg, **family.common_fields(cfg)}
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters.

@@ -6,10 +6,10 @@ more (a family living outside the package, or a test's).
 
 from __future__ import annotations
 
-from sgrec.model import llama, qwen3_5
+from sgrec.model import llama, qwen3_5, t5
 from sgrec.model.registry import Family
 
-BUILTIN = (llama.FAMILY, qwen3_5.FAMILY)
+BUILTIN = (llama.FAMILY, qwen3_5.FAMILY, t5.FAMILY)
 
 _FAMILIES: dict[str, Family] = {}  # architecture name -> family
 _BY_NAME: dict[str, Family] = {}

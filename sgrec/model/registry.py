@@ -3,7 +3,8 @@
 A family builds its model and says what it can do. The paths around the runner ask for these
 capabilities, never for the architecture, and a capability a family lacks is refused at start-up
 or with a 400 naming the option. `sgrec.model.families` maps architecture names to the families
-(today's one: the dense decoder, `sgrec.model.llama`); a new family is a module that defines its
+(the dense decoder `sgrec.model.llama`, the hybrid `sgrec.model.qwen3_5`, the
+encoder-decoder `sgrec.model.t5`); a new family is a module that defines its
 `Family`, listed there.
 
 Capabilities:
@@ -85,3 +86,6 @@ class Family:
     config_flags: Callable[[str, dict], dict]  # (variant, config.json) -> ModelConfig flag fields
     build: Callable[..., torch.nn.Module]  # (ModelConfig, device) -> the model, on the meta device
     capabilities: Callable[..., Capabilities]  # (ModelConfig) -> what it can do
+    # config.json -> the fields ModelConfig reads, under its names, for a family whose checkpoints
+    # name them otherwise (T5's d_model, num_heads, ...); None: config.json names them so
+    common_fields: Callable[[dict], dict] | None = None

@@ -10,17 +10,31 @@ distinct and owned by the tree until evicted or reset.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sgrec.mem.kv_pool import TokenAllocator
 from sgrec.radix.hicache import HiCache
 from sgrec.radix.eviction import EvictionPolicy, is_evictable, make_policy
 from sgrec.radix.node import TreeNode, child_key
+
+
+WHOLE_KEY_MARK = 1 << 62  # a whole key's first entry is at least this: never a token id
+
+
+def whole_key(tokens: Sequence[int]) -> list[int]:
+    """The key under which a sequence is cached when it is reusable only whole (an encoder's input:
+    every token's KV depends on all of them): a 62-bit digest of the sequence, then the sequence.
+    Two different sequences share no prefix in the tree (but with the digest's collision chance,
+    2^-62), so a match is a hit only when it covers the whole key; the digest's slot holds no KV."""
+    digest = hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=8).digest()
+    return [WHOLE_KEY_MARK | (int.from_bytes(digest, "little") & (WHOLE_KEY_MARK - 1)), *map(int, tokens)]
 
 
 def _as_list(key: Sequence[int] | torch.Tensor) -> list[int]:

@@ -135,7 +135,8 @@ class Scheduler:
         self.allocator = runner.memory.allocator
         self.states_per_request = runner.memory.states_per_request  # admitted with the tokens, one budget
         reuse = runner.capabilities.prefix_reuse
-        if reuse == "exact" and not args.disable_radix_cache:  # the tree cuts a match at any token
+        # the tree cuts a match at any token; an encoder's inputs are cached under whole keys (beam/encdec.py)
+        if reuse == "exact" and not runner.capabilities.encoder and not args.disable_radix_cache:
             raise ValueError(f"the {runner.family.name} family's cached prefixes are reusable {PREFIX_REUSE[reuse]}, "
                              f"while the radix cache cuts a match at any token; start with --disable-radix-cache")
         # a match resumes from the deepest cached state (RadixCache.match_snapshot), kept at every
@@ -174,7 +175,8 @@ class Scheduler:
     def _catalog_paths(self, dp_rank: int, backend, show_progress: bool) -> dict[str, TaskKind]:
         """--item-catalog: the catalog (its journal replayed), the rank and retrieve executors over
         it, and the task kinds they serve (rank, retrieve, recommend)."""
-        from sgrec.beam.executor import RetrieveExecutor, build_trie, layered_trie
+        from sgrec.beam.encdec import make_retriever
+        from sgrec.beam.executor import build_trie, layered_trie
         from sgrec.rank.executor import RankExecutor
 
         args, runner, tokenizer = self.args, self.runner, self.tokenizer
@@ -189,7 +191,7 @@ class Scheduler:
         # item KV shared through the storage tier, where there is one
         self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank, tiers=tiers)
         self.rank_executor.precompute(progress=show_progress)
-        self.retriever = RetrieveExecutor(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width,
+        self.retriever = make_retriever(runner, self.tree, self.catalog, max_beam_width=args.max_beam_width,
                                           units=stage_units(args, backend),
                                           built=built)
 

@@ -1,4 +1,4 @@
-"""Write a tiny random-weight HF-format model directory (llama / qwen2 / qwen3 / qwen3_5) with a
+"""Write a tiny random-weight HF-format model directory (llama / qwen2 / qwen3 / qwen3_5 / t5) with a
 small trained byte-level BPE tokenizer, for fast tests; or, with --shape, random weights of a real
 model's exact shape (for timings at the sizes the field reports; no hub needed).
 
@@ -13,7 +13,7 @@ import json
 import os
 import random
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5", "t5")
 
 DEFAULTS = dict(
     vocab_size=512,
@@ -34,6 +34,13 @@ DEFAULTS = dict(
 HYBRID_DEFAULTS = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
 
+# t5 (encoder-decoder): T5Config's own field names; the decoder starts from id 0
+T5_DEFAULTS = dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                   relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="relu",
+                   layer_norm_epsilon=1e-6, initializer_factor=2.0, tie_word_embeddings=True, decoder_start_token_id=0)
+_T5_NAMES = {"hidden_size": "d_model", "intermediate_size": "d_ff", "num_hidden_layers": "num_layers",
+             "num_attention_heads": "num_heads", "head_dim": "d_kv"}  # make_tiny_model's keywords -> T5Config's
+
 # Real models' shapes (from their config.json): (arch, config). Random weights at HF's init scale.
 SHAPES = {
     "smollm2-135m": ("llama", dict(
@@ -53,6 +60,12 @@ SHAPES = {
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=True)),
+    # TIGER (Rajput et al. 2023): 4 + 4 layers, d_model 128, 6 heads of 64, MLP 1024, ReLU; 4 codebooks
+    # of 256 and 2,000 hashed user ids (TIGER's own token ids, not a text tokenizer's)
+    "tiger": ("t5", dict(vocab_size=3072, d_model=128, d_kv=64, num_heads=6, d_ff=1024, num_layers=4,
+                         num_decoder_layers=4, feed_forward_proj="relu")),
+    "t5-small": ("t5", dict(vocab_size=32128, d_model=512, d_kv=64, num_heads=8, d_ff=2048, num_layers=6,
+                            num_decoder_layers=6, feed_forward_proj="relu")),
 }
 
 LLAMA_SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
@@ -161,6 +174,8 @@ def shape_config(shape: str) -> tuple[str, dict]:
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     arch, cfg = SHAPES[shape]
+    if arch == "t5":
+        return arch, {**T5_DEFAULTS, "initializer_factor": 1.0, **cfg}
     return arch, {**DEFAULTS, "initializer_range": 0.02, **cfg}
 
 
@@ -183,6 +198,8 @@ def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, shape: str
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     if arch == "qwen3_5" and shape is None:
         base = {**base, **HYBRID_DEFAULTS}
+    if arch == "t5":
+        return _make_t5(out_dir, base if shape is not None else T5_DEFAULTS, seed, dtype, overrides)
     cfg = {**base, **{k: v for k, v in overrides.items() if v is not None}}
     if arch == "qwen3":
         cfg.setdefault("head_dim", 32)
@@ -221,6 +238,56 @@ def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, shape: str
     GenerationConfig(**ids).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def _make_t5(out_dir: str, base: dict, seed: int, dtype: str, overrides: dict) -> str:
+    """make_tiny_model of a T5ForConditionalGeneration (the overrides' generic names mapped to
+    T5Config's; num_key_value_heads, rope and position limits do not apply)."""
+    import torch
+    from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration
+
+    skip = {"num_key_value_heads", "rope_theta", "rope_scaling", "max_position_embeddings"}
+    given = {_T5_NAMES.get(k, k): v for k, v in overrides.items() if v is not None and k not in skip}
+    if "num_layers" in given:
+        given.setdefault("num_decoder_layers", given["num_layers"])
+    cfg = {**base, **given}
+    tokenizer = _build_tokenizer(cfg["vocab_size"], "llama")
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    config = T5Config(**cfg, **ids)
+    torch.manual_seed(seed)
+    model = T5ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():  # non-trivial norms, so loading bugs show up
+        for pname, p in model.named_parameters():
+            if "layer_norm" in pname:
+                p.uniform_(0.5, 1.5)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if cfg["tie_word_embeddings"] is False:  # transformers 5 always ties T5: an output layer of its own, as T5 v1.1 has
+        _untie_t5(out_dir, seed)
+    GenerationConfig(decoder_start_token_id=cfg["decoder_start_token_id"], **ids).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _untie_t5(out_dir: str, seed: int) -> None:
+    """A saved T5 with an lm_head.weight of its own and `tie_word_embeddings: false` (what
+    transformers reads as untied, with the decoder's output unscaled)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out_dir, "model.safetensors")
+    weights = load_file(path)
+    shared = weights["shared.weight"]
+    g = torch.Generator().manual_seed(seed + 1)
+    weights["lm_head.weight"] = (torch.randn(shared.shape, generator=g) * shared.float().std() * 0.25).to(shared.dtype)
+    save_file(weights, path, metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json")) as f:
+        config = json.load(f)
+    config.update(tie_word_embeddings=False, scale_decoder_outputs=False)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,308 @@
+"""The encoder-decoder family (T5, as TIGER trains it) against transformers on the same checkpoint:
+the logits of the encoder-decoder forward and of decode steps (plain and gated feed-forward, tied
+and untied heads, float32 and the default dtype), retrieve's beams over the catalog's semantic IDs
+against an exhaustive search and a plain beam search over transformers' logits, the encoder read once
+per request whatever the beam width, its whole-input cache, and a real server's routes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sgrec.beam.encdec import EncoderDecoderRetrieve, make_retriever
+from sgrec.catalog import Catalog, Item
+from sgrec.model.attention import SeqLayout
+from sgrec.model.config import ModelConfig
+from sgrec.radix.tree import RadixCache, whole_key
+from sgrec.runner import ModelRunner
+from sgrec.server_args import ServerArgs
+
+from test_hybrid_model import sid_catalog
+from test_rank import ids
+
+DTYPES = ["float32", "auto"]  # auto: bfloat16 where the CPU has avx512_bf16 / AMX
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tiny_model_dir):
+    return tiny_model_dir("t5", seed=4)
+
+
+@pytest.fixture(scope="module")
+def gated_dir(tiny_model_dir):
+    """T5 v1.1's kind: gated-gelu feed-forward, an output layer of its own, a deeper decoder."""
+    return tiny_model_dir("t5", seed=5, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                          num_decoder_layers=3)
+
+
+@pytest.fixture(scope="module")
+def hf_t5():
+    from transformers import T5ForConditionalGeneration
+
+    made = {}
+
+    def get(path: str, dtype: torch.dtype = torch.float32):
+        if (path, dtype) not in made:
+            made[path, dtype] = T5ForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+        return made[path, dtype]
+
+    return get
+
+
+def runner_for(path: str, dtype: str = "float32", **kw) -> ModelRunner:
+    return ModelRunner(ServerArgs(model_path=path, device="cpu", dtype=dtype, **{"max_total_tokens": 4096, **kw}))
+
+
+def packed(runner: ModelRunner, seqs: list[list[int]], slots: list[torch.Tensor], start_pos: int = 0,
+           encoder_slots=None):
+    """A batch of the sequences (each from position start_pos) into their slots."""
+    flat, pos, layouts = [], [], []
+    for s, sl in zip(seqs, slots):
+        layouts.append(SeqLayout(len(flat), len(s), sl))
+        flat += s
+        pos += range(start_pos, start_pos + len(s))
+    return runner.make_batch(flat, pos, torch.cat(slots), layouts, encoder_slots=encoder_slots)
+
+
+def hf_logits(hf, enc: list[int], dec: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([enc]), decoder_input_ids=torch.tensor([dec])).logits[0].float()
+
+
+def tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
+    """Max |logit difference| from transformers in the same dtype: float32 rounding, or four
+    bfloat16 steps at the logits' scale."""
+    if dtype == torch.float32:
+        return 2e-3
+    return 4 * 2.0 ** (torch.floor(torch.log2(logits.abs().max())).item() - 7)
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+def test_the_config_reads_t5s_fields_and_refuses_what_it_cannot_serve(t5_dir, tmp_path):
+    cfg = ModelConfig.from_dir(t5_dir)
+    assert (cfg.family, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_layers) == ("encoder-decoder", 64, 4, 16, 2)
+    assert cfg.decoder_start_token_id == 0
+    with open(f"{t5_dir}/config.json") as f:
+        raw = json.load(f)
+    for field, value, words in [("feed_forward_proj", "gated-swiglu", "feed_forward_proj"),
+                                ("feed_forward_proj", "fancy-relu", "feed_forward_proj"),
+                                ("d_kv", 0, "d_kv"), ("is_encoder_decoder", False, "is_encoder_decoder")]:
+        (tmp_path / "config.json").write_text(json.dumps({**raw, field: value}))
+        with pytest.raises(ValueError, match=words):
+            ModelConfig.from_dir(str(tmp_path))
+
+
+@pytest.mark.parametrize("which", ["t5", "gated"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_and_decode_logits_match_transformers(t5_dir, gated_dir, hf_t5, which, dtype):
+    """Two inputs of different lengths encoded in one batch; their decoders' teacher-forced logits in
+    one batch, then one decode step each: transformers' in the same dtype (float32: rounding;
+    bfloat16: within four bfloat16 steps at the logits' scale)."""
+    path = t5_dir if which == "t5" else gated_dir
+    runner = runner_for(path, dtype)
+    enc, dec, nxt = [ids(13, seed=1), ids(5, seed=2)], [[0, *ids(3, seed=3)], [0]], [ids(1, seed=4), ids(1, seed=5)]
+    alloc = runner.memory.allocator
+    enc_slots = [alloc.alloc(len(e)) for e in enc]
+    runner.encode(packed(runner, enc, enc_slots))
+    dec_slots = [alloc.alloc(len(d)) for d in dec]
+    got = runner.forward(packed(runner, dec, dec_slots, encoder_slots=enc_slots), list(range(sum(map(len, dec)))))
+    new = [alloc.alloc(1) for _ in nxt]
+    step = runner.make_batch([n[0] for n in nxt], [len(d) for d in dec], torch.cat(new),
+                             [SeqLayout(i, 1, torch.cat([dec_slots[i], new[i]])) for i in range(2)],
+                             encoder_slots=enc_slots)
+    got = torch.cat([got, runner.forward(step, [0, 1])])
+    hf = hf_t5(path, runner.dtype)
+    want = torch.cat([hf_logits(hf, e, d) for e, d in zip(enc, dec)]
+                     + [hf_logits(hf, e, d + n)[-1:] for e, d, n in zip(enc, dec, nxt)])
+    assert (got - want).abs().max() <= tolerance(runner.dtype, want)
+
+
+# ---- retrieve: xBeam with the encoder's output shared ------------------------------------------------
+def retriever(runner, cache: bool = True, catalog: Catalog | None = None) -> EncoderDecoderRetrieve:
+    tree = RadixCache(runner.memory.allocator, disable=not cache)
+    ex = make_retriever(runner, tree, catalog or sid_catalog(60, seed=2))
+    assert isinstance(ex, EncoderDecoderRetrieve)
+    return ex
+
+
+def valid_children(catalog: Catalog) -> tuple[dict[tuple, list[int]], dict[tuple, str], int]:
+    paths = {tuple(it.semantic_id): it.id for it in catalog.items}
+    depth = len(next(iter(paths)))
+    children: dict[tuple, set[int]] = {}
+    for p in paths:
+        for d in range(depth):
+            children.setdefault(p[:d], set()).add(p[d])
+    return {q: sorted(c) for q, c in children.items()}, paths, depth
+
+
+def level_logp(hf, enc: list[int], prefixes: list[tuple], children) -> dict[tuple, dict[int, float]]:
+    """Each prefix's valid children's log-probabilities, normalised over those children (the
+    per-level normalisation retrieve documents), from transformers' decoder logits."""
+    out = {}
+    for q in prefixes:
+        row = hf_logits(hf, enc, [0, *q])[-1]
+        kids = children[q]
+        out[q] = dict(zip(kids, torch.log_softmax(row[kids], -1).tolist()))
+    return out
+
+
+def exhaustive_scores(hf, catalog: Catalog, enc: list[int]) -> dict[str, float]:
+    """Every item's score: its path's summed per-level log-probabilities, the whole catalog scored."""
+    children, paths, depth = valid_children(catalog)
+    logp = level_logp(hf, enc, sorted(children), children)
+    return {item: sum(logp[p[:d]][p[d]] for d in range(depth)) for p, item in paths.items()}
+
+
+def reference_beams(hf, catalog: Catalog, enc: list[int], bw: int, top_k: int, num_items: int) -> list[tuple]:
+    """A plain beam search over transformers' logits: per level, each beam's top_k valid children,
+    then the best bw of all (ties: path order); the best num_items leaves as (path, score)."""
+    children, _, depth = valid_children(catalog)
+    beams = [((), 0.0)]
+    for d in range(depth):
+        logp = level_logp(hf, enc, [p for p, _ in beams], children)
+        cands = []
+        for p, s in beams:
+            kids = sorted(logp[p].items(), key=lambda kv: -kv[1])[:top_k]
+            cands += [(p + (t,), s + lp) for t, lp in kids]
+        cands.sort(key=lambda c: -c[1])
+        beams = cands[: (min(bw, num_items) if d == depth - 1 else bw)]
+    return beams
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_retrieve_over_the_whole_catalog_gives_transformers_scores(t5_dir, hf_t5, dtype):
+    """Beams wide enough for every prefix: every item, best first, with its exhaustive score under
+    transformers' logits in the same dtype (float32: rounding; bfloat16: a few bfloat16 steps of each
+    of the three levels' logits, where transformers' own bfloat16 and float32 scores differ by 0.2)."""
+    runner = runner_for(t5_dir, dtype)
+    ex = retriever(runner)
+    enc = ids(23, seed=11)
+    want = exhaustive_scores(hf_t5(t5_dir, runner.dtype), ex.catalog, enc)
+    got = ex.run(enc, beam_width=64, top_k=64, num_items=60)
+    assert sorted(it["item"] for it in got.items) == sorted(want)
+    scores = [it["score"] for it in got.items]
+    assert scores == sorted(scores, reverse=True)
+    tol = 2e-4 if runner.dtype == torch.float32 else 0.3
+    assert max(abs(it["score"] - want[it["item"]]) for it in got.items) <= tol
+
+
+@pytest.mark.parametrize("bw,top_k", [(4, 2), (16, 16), (8, 3)])
+def test_narrow_beams_are_a_plain_beam_search_over_transformers_logits(gated_dir, hf_t5, bw, top_k):
+    runner = runner_for(gated_dir)
+    ex = retriever(runner, cache=False)
+    enc = ids(17, seed=bw)
+    got = ex.run(enc, beam_width=bw, top_k=top_k, num_items=bw // 2)
+    want = reference_beams(hf_t5(gated_dir), ex.catalog, enc, bw, top_k, bw // 2)
+    assert [tuple(it["semantic_id"]) for it in got.items] == [p for p, _ in want]
+    assert max(abs(it["score"] - s) for it, (_, s) in zip(got.items, want)) <= 2e-4
+    assert runner.memory.allocator.available_size() == runner.memory.size
+
+
+def test_the_encoder_reads_each_request_once_whatever_the_beam_width_and_a_repeat_not_at_all(t5_dir):
+    """Counted, not timed: one encoder pass per request at BW 2 and at BW 64; the same input again is
+    a whole-key hit (no pass, the cold answers); another input, even one sharing a prefix, a miss."""
+    runner = runner_for(t5_dir)
+    ex = retriever(runner)
+    enc = ids(30, seed=6)
+    narrow = ex.run(enc, beam_width=2, top_k=2, num_items=2)
+    assert runner.encoded_inputs == 1 and narrow.meta["cached_tokens"] == 0
+    ex.tree.reset()
+    wide = ex.run(enc, beam_width=64, top_k=64, num_items=10)
+    assert runner.encoded_inputs == 2
+    again = ex.run(enc, beam_width=64, top_k=64, num_items=10)
+    assert runner.encoded_inputs == 2 and again.meta["cached_tokens"] == len(enc)
+    assert again.items == wide.items
+    longer = ex.run(enc + [7], beam_width=64, top_k=64, num_items=10)
+    shorter = ex.run(enc[:-1], beam_width=64, top_k=64, num_items=10)
+    assert runner.encoded_inputs == 4 and longer.meta["cached_tokens"] == shorter.meta["cached_tokens"] == 0
+    cold = retriever(runner_for(t5_dir), cache=False)
+    assert cold.run(enc[:-1], beam_width=64, top_k=64, num_items=10).items == shorter.items
+    alloc = runner.memory.allocator
+    assert alloc.available_size() + ex.tree.total_size() == runner.memory.size
+    assert ex.tree.total_size() == 3 * (len(enc) + 1) and ex.tree.protected_size() == 0  # inputs and digests
+
+
+def test_a_round_of_requests_gives_each_what_it_gets_alone(t5_dir):
+    runner = runner_for(t5_dir)
+    ex = retriever(runner, cache=False)
+    reqs = [dict(input_ids=ids(9 + 4 * k, seed=20 + k), beam_width=bw, top_k=bw, num_items=3)
+            for k, bw in enumerate([4, 16, 8])]
+    together = ex.run_batch(reqs)
+    alone = [ex.run(**r) for r in reqs]
+    for a, b in zip(together, alone):
+        assert [it["item"] for it in a.items] == [it["item"] for it in b.items]
+        assert max(abs(x["score"] - y["score"]) for x, y in zip(a.items, b.items)) <= 1e-5
+
+
+def test_exclusions_and_capacity_errors(t5_dir):
+    from sgrec.beam import KVCacheFullError
+
+    runner = runner_for(t5_dir)
+    ex = retriever(runner, cache=False)
+    enc = ids(12, seed=3)
+    first = [it["item"] for it in ex.run(enc, beam_width=8, top_k=8, num_items=8).items]
+    got = ex.run(enc, beam_width=8, top_k=8, num_items=8, exclude_items=first[:3])
+    rest = retriever(runner, cache=False, catalog=Catalog([it for it in ex.catalog.items if it.id not in first[:3]]))
+    assert [it["item"] for it in got.items] == [it["item"] for it in rest.run(enc, beam_width=8, top_k=8,
+                                                                            num_items=8).items]
+    small = retriever(runner_for(t5_dir, max_total_tokens=64), cache=False)
+    with pytest.raises(KVCacheFullError, match="lower beam_width or raise --max-total-tokens"):
+        small.run(ids(40, seed=1), beam_width=64, top_k=64, num_items=4)
+
+
+def test_the_whole_key_shares_no_prefix_between_different_inputs():
+    a, b = whole_key([5, 6, 7]), whole_key([5, 6, 8])
+    assert a[1:] == [5, 6, 7] and a[0] != b[0] and min(a[0], b[0]) >= 1 << 62
+    assert whole_key([5, 6, 7]) == a and whole_key([5, 6]) [0] != a[0]
+
+
+# ---- a real server -----------------------------------------------------------------------------------
+def test_a_server_retrieves_transformers_beams_and_refuses_what_needs_a_decoder_only_model(
+        start_server, t5_dir, hf_t5, tmp_path):
+    """The default dtype, the radix cache on: /v1/retrieve over the whole catalog gives transformers'
+    exhaustive scores, its repeat is a cache hit with the same answer, /generate's constrained beams
+    are retrieve's; sampled generation, the OpenAI routes, /v1/score and /v1/rank are 400s that say
+    why, and the server goes on serving."""
+    from sgrec.model import cpu_caps
+
+    from test_rec_server import write_catalog
+
+    catalog = write_catalog(tmp_path / "catalog.jsonl", n=27, seed=1, semantic=True)
+    srv = start_server(t5_dir, "--dtype", "auto", "--max-total-tokens", "4096", "--item-catalog", catalog,
+                       "--max-beam-width", "32")
+    tol = 2e-4 if not cpu_caps.cpu_bf16_support().native else 0.15
+    history = ids(21, seed=21)
+    body = {"user": {"id": "u1", "token_ids": history}, "beam_width": 32, "num_items": 27}
+    r = srv.client.post("/v1/retrieve", json=body)
+    assert r.status_code == 200, r.text
+    with open(catalog) as f:
+        paths = {it["id"]: it["semantic_id"] for it in map(json.loads, f)}
+    sids = Catalog([Item(i, (1,), 1, tuple(p)) for i, p in paths.items()])
+    want = exhaustive_scores(hf_t5(t5_dir), sids, history)
+    got = r.json()["items"]
+    assert sorted(it["item"] for it in got) == sorted(want)
+    assert all(it["semantic_id"] == paths[it["item"]] for it in got)
+    assert max(abs(it["score"] - want[it["item"]]) for it in got) <= tol
+    again = srv.client.post("/v1/retrieve", json=body).json()
+    assert again["meta_info"]["cached_tokens"] == len(history) and again["items"] == got
+
+    beams = srv.client.post("/generate", json={"input_ids": history, "sampling_params": {"beam_width": 8, "n": 3},
+                                               "constrain_to_catalog": True})
+    assert beams.status_code == 200, beams.text
+    ref = srv.client.post("/v1/retrieve", json={"user": {"token_ids": history}, "beam_width": 8,
+                                                "num_items": 3}).json()["items"]
+    assert [b["output_ids"] for b in beams.json()["meta_info"]["beam_results"]] == [x["semantic_id"] for x in ref]
+
+    refusals = [("/generate", {"input_ids": history, "sampling_params": {"max_new_tokens": 3}}),
+                ("/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 2}),
+                ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+                ("/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [3]})]
+    for route, payload in refusals:
+        r = srv.client.post(route, json=payload)
+        assert r.status_code == 400 and "encoder-decoder family serves /v1/retrieve" in r.text, (route, r.text)
+    rank = srv.client.post("/v1/rank", json={"user": {"token_ids": history}, "items": ["i1", "i2"],
+                                             "instruction": [5, 6]})
+    assert rank.status_code == 400 and "encoder-decoder" in rank.text, rank.text
+    assert srv.client.post("/v1/retrieve", json=body).json()["items"] == got  # still serving
