@@ -258,13 +258,72 @@ def test_the_whole_key_shares_no_prefix_between_different_inputs():
     assert whole_key([5, 6, 7]) == a and whole_key([5, 6]) [0] != a[0]
 
 
+# ---- rank: each candidate's path under the decoder --------------------------------------------------
+def ranker(runner, catalog: Catalog):
+    from sgrec.rank.executor import RankExecutor
+
+    return RankExecutor(runner, RadixCache(runner.memory.allocator), catalog, runner.args)
+
+
+def path_logliks(hf, enc: list[int], paths: list[tuple]) -> dict[tuple, float]:
+    """Each path's teacher-forced log-likelihood under transformers' decoder (full-vocabulary
+    log_softmax at every level), one path at a time."""
+    out = {}
+    for p in paths:
+        logp = torch.log_softmax(hf_logits(hf, enc, [0, *p[:-1]]), -1)
+        out[p] = sum(logp[d, t].item() for d, t in enumerate(p))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rank_scores_each_candidates_path_with_transformers_numbers_in_any_order(gated_dir, hf_t5, dtype):
+    """The profile and the instruction are the encoder's input; each candidate's log-likelihood is
+    transformers' teacher-forced one (float32: rounding; bfloat16: a few steps of four levels'
+    log-probabilities) and the ranking is their softmax; reversing the candidates changes no bit; the
+    user's next request finds its input whole in the tree."""
+    runner = runner_for(gated_dir, dtype)
+    catalog = sid_catalog(60, seed=2)
+    ex = ranker(runner, catalog)
+    user, instr = ids(19, seed=7), ids(3, seed=8)
+    cands = [it.id for it in catalog.items[::7]]
+    got = ex.run("u1", user, cands, instr)
+    paths = {it.id: tuple(it.semantic_id) for it in catalog.items}
+    want = path_logliks(hf_t5(gated_dir, runner.dtype), user + instr, [paths[c] for c in cands])
+    tol = 2e-4 if runner.dtype == torch.float32 else 0.3
+    assert sorted(r["item"] for r in got["ranking"]) == sorted(cands)
+    assert max(abs(r["log_likelihood"] - want[paths[r["item"]]]) for r in got["ranking"]) <= tol
+    probs = torch.softmax(torch.tensor([r["log_likelihood"] for r in got["ranking"]], dtype=torch.float64), 0)
+    assert torch.allclose(torch.tensor([r["score"] for r in got["ranking"]], dtype=torch.float64), probs, atol=1e-6)
+    assert got["meta_info"]["score_by"] == "semantic_id" and got["meta_info"]["cached_tokens"] == 0
+    again = ex.run("u1", user, cands[::-1], instr)
+    assert again["meta_info"]["cached_tokens"] == len(user) + len(instr)
+    assert {r["item"]: r["log_likelihood"] for r in again["ranking"]} == {r["item"]: r["log_likelihood"]
+                                                                          for r in got["ranking"]}
+    assert runner.memory.allocator.available_size() + ex.tree.total_size() == runner.memory.size
+    assert ex.tree.protected_size() == 0
+
+
+def test_rank_refuses_what_an_encoder_decoder_cannot_mean(t5_dir):
+    runner = runner_for(t5_dir)
+    catalog = sid_catalog(20, seed=1)
+    ex = ranker(runner, catalog)
+    cands = [it.id for it in catalog.items[:3]]
+    with pytest.raises(ValueError, match="score_by 'id_token'.*semantic-ID path"):
+        ex.run("u", ids(5, seed=1), cands, [5], score_by="id_token")
+    with pytest.raises(ValueError, match="prefix 'item'.*reads no item tokens"):
+        ex.run("u", ids(5, seed=1), cands, [5], prefix="item")
+    assert len(ex.run("u", ids(5, seed=1), cands, [5], prefix="none")["ranking"]) == 3
+    assert ex.tree.total_size() == 0  # prefix none: nothing cached
+
+
 # ---- a real server -----------------------------------------------------------------------------------
 def test_a_server_retrieves_transformers_beams_and_refuses_what_needs_a_decoder_only_model(
         start_server, t5_dir, hf_t5, tmp_path):
     """The default dtype, the radix cache on: /v1/retrieve over the whole catalog gives transformers'
     exhaustive scores, its repeat is a cache hit with the same answer, /generate's constrained beams
-    are retrieve's; sampled generation, the OpenAI routes, /v1/score and /v1/rank are 400s that say
-    why, and the server goes on serving."""
+    are retrieve's, /v1/rank gives transformers' path log-likelihoods and /v1/recommend is retrieve
+    then rank; sampled generation, the OpenAI routes, /v1/score and rank by id token are 400s that
+    say why, and the server goes on serving."""
     from sgrec.model import cpu_caps
 
     from test_rec_server import write_catalog
@@ -272,7 +331,8 @@ def test_a_server_retrieves_transformers_beams_and_refuses_what_needs_a_decoder_
     catalog = write_catalog(tmp_path / "catalog.jsonl", n=27, seed=1, semantic=True)
     srv = start_server(t5_dir, "--dtype", "auto", "--max-total-tokens", "4096", "--item-catalog", catalog,
                        "--max-beam-width", "32")
-    tol = 2e-4 if not cpu_caps.cpu_bf16_support().native else 0.15
+    dtype = torch.bfloat16 if cpu_caps.cpu_bf16_support().native else torch.float32
+    tol = 2e-4 if dtype == torch.float32 else 0.3  # as in the tests above
     history = ids(21, seed=21)
     body = {"user": {"id": "u1", "token_ids": history}, "beam_width": 32, "num_items": 27}
     r = srv.client.post("/v1/retrieve", json=body)
@@ -280,7 +340,7 @@ def test_a_server_retrieves_transformers_beams_and_refuses_what_needs_a_decoder_
     with open(catalog) as f:
         paths = {it["id"]: it["semantic_id"] for it in map(json.loads, f)}
     sids = Catalog([Item(i, (1,), 1, tuple(p)) for i, p in paths.items()])
-    want = exhaustive_scores(hf_t5(t5_dir), sids, history)
+    want = exhaustive_scores(hf_t5(t5_dir, dtype), sids, history)
     got = r.json()["items"]
     assert sorted(it["item"] for it in got) == sorted(want)
     assert all(it["semantic_id"] == paths[it["item"]] for it in got)
@@ -302,7 +362,22 @@ def test_a_server_retrieves_transformers_beams_and_refuses_what_needs_a_decoder_
     for route, payload in refusals:
         r = srv.client.post(route, json=payload)
         assert r.status_code == 400 and "encoder-decoder family serves /v1/retrieve" in r.text, (route, r.text)
-    rank = srv.client.post("/v1/rank", json={"user": {"token_ids": history}, "items": ["i1", "i2"],
-                                             "instruction": [5, 6]})
-    assert rank.status_code == 400 and "encoder-decoder" in rank.text, rank.text
+    instr = [5, 6]
+    rank = srv.client.post("/v1/rank", json={"user": {"id": "u1", "token_ids": history}, "items": ["i1", "i20", "i7"],
+                                             "instruction": instr})
+    assert rank.status_code == 200, rank.text
+    want = path_logliks(hf_t5(t5_dir, dtype), history + instr, [tuple(paths[i]) for i in ("i1", "i20", "i7")])
+    assert max(abs(r["log_likelihood"] - want[tuple(paths[r["item"]])]) for r in rank.json()["ranking"]) <= tol
+    bad = srv.client.post("/v1/rank", json={"user": {"token_ids": history}, "items": ["i1"], "instruction": instr,
+                                            "score_by": "id_token"})
+    assert bad.status_code == 400 and "score_by 'id_token'" in bad.text, bad.text
+    rec = srv.client.post("/v1/recommend", json={"user": {"id": "u1", "token_ids": history},
+                                                 "rank": {"instruction": instr},
+                                                 "retrieve": {"beam_width": 8, "num_candidates": 4}})
+    assert rec.status_code == 200, rec.text
+    retrieved = srv.client.post("/v1/retrieve", json={"user": {"token_ids": history}, "beam_width": 8,
+                                                      "num_items": 4}).json()["items"]
+    ranked = srv.client.post("/v1/rank", json={"user": {"id": "u1", "token_ids": history}, "instruction": instr,
+                                               "items": [x["item"] for x in retrieved]}).json()["ranking"]
+    assert [x["item"] for x in rec.json()["items"]] == [x["item"] for x in ranked]
     assert srv.client.post("/v1/retrieve", json=body).json()["items"] == got  # still serving

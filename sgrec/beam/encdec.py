@@ -16,13 +16,91 @@ decoder-only path's unshared KV. Selection, filters and results are RetrieveExec
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from sgrec.beam.attention import UnsharedKV
 from sgrec.beam.executor import RetrieveExecutor, _Request
 from sgrec.model.attention import ForwardBatch, SeqLayout
-from sgrec.radix.tree import whole_key
+from sgrec.radix.node import TreeNode
+from sgrec.radix.tree import RadixCache, whole_key
+
+
+@dataclass
+class Encoded:
+    """A request's encoder input while it is in use: the radix node it holds locked and, on a miss,
+    the fresh slots (the digest's, then the input's) it owns until they go to the tree."""
+
+    ids: list[int]
+    extra_key: str | None
+    lock: TreeNode
+    cache: bool  # whether the input goes to the tree once encoded
+    hit: bool
+    fresh: int  # slots a miss needs (the whole key's)
+    new: torch.Tensor | None = None  # the miss's slots, not (yet) the tree's
+    slots: torch.Tensor | None = None  # the input's slots (its cross-attention K/V), the digest's left out
+
+
+class InputCache:
+    """An encoder-decoder family's inputs in the radix tree under whole keys: a match is a hit only
+    for the whole input; the misses are encoded together and handed to the tree."""
+
+    def __init__(self, runner, tree: RadixCache):
+        self.runner, self.tree, self.allocator = runner, tree, runner.memory.allocator
+
+    def match(self, ids: list[int], extra_key: str | None, cache: bool = True) -> Encoded:
+        """The input's entry, its matched node locked (cache False: never a hit, never kept)."""
+        key = whole_key(ids)
+        res = self.tree.match_prefix(key, extra_key) if cache else None
+        node = self.tree.root if res is None else res.last_node
+        self.tree.inc_lock_ref(node)
+        hit = res is not None and res.indices.numel() == len(key)
+        e = Encoded(list(ids), extra_key, node, cache, hit, 0 if hit else len(key))
+        if hit:
+            e.slots = res.indices[1:]
+        return e
+
+    def alloc(self, e: Encoded) -> None:
+        """A miss's slots (room made by the caller)."""
+        if not e.hit:
+            e.new = self.allocator.alloc(e.fresh)
+            e.slots = e.new[1:]
+
+    def encode(self, entries: list[Encoded]) -> None:
+        """The misses through the encoder, packed into forwards of at most --chunked-prefill-size
+        tokens (an input longer than that runs alone), then each handed to the tree."""
+        misses = [e for e in entries if not e.hit]
+        chunk = self.runner.args.prefill_chunk
+        group: list[Encoded] = []
+        for e in misses:
+            if group and sum(len(g.ids) for g in group) + len(e.ids) > chunk:
+                self._encode_packed(group)
+                group = []
+            group.append(e)
+        if group:
+            self._encode_packed(group)
+        for e in misses:
+            if e.cache and not self.tree.disable:
+                full = self.tree.hand_off(whole_key(e.ids), e.new, e.extra_key, 0, e.lock)
+                e.new, e.lock, e.slots = None, full.last_node, full.indices[1:]
+
+    def _encode_packed(self, entries: list[Encoded]) -> None:
+        ids, pos, seqs = [], [], []
+        for e in entries:
+            seqs.append(SeqLayout(q_start=len(ids), q_len=len(e.ids), kv_indices=e.slots))
+            ids += e.ids
+            pos += range(len(e.ids))
+        self.runner.encode(self.runner.make_batch(ids, pos, torch.cat([e.slots for e in entries]), seqs))
+
+    def release(self, e: Encoded) -> None:
+        """What the entry holds: its fresh slots (a miss not handed to the tree) and its lock."""
+        if e.new is not None:
+            self.allocator.free(e.new)
+            e.new = None
+        if e.lock is not None:
+            self.tree.dec_lock_ref(e.lock)
+            e.lock = None
 
 
 class EncoderDecoderRetrieve(RetrieveExecutor):
@@ -32,6 +110,7 @@ class EncoderDecoderRetrieve(RetrieveExecutor):
         if not runner.capabilities.encoder:
             raise ValueError(f"the {runner.family.name} family has no encoder")
         super().__init__(runner, tree, catalog, **kw)
+        self.inputs = InputCache(runner, tree)
         self.decoder_start = runner.config.decoder_start_token_id or 0
 
     def _check_served(self) -> None:
@@ -42,38 +121,33 @@ class EncoderDecoderRetrieve(RetrieveExecutor):
         return super().tokens(payload) + 2
 
     def _admit(self, r: _Request) -> bool:
-        """A hit only when the tree holds the whole input; the request's slots: its input's (on a
-        miss: the digest's and the input's) and its decoder tokens' (the start token, then rows x
-        cols for the beams); False (holding nothing) when the pool cannot hold them now."""
-        tree, alloc = self.tree, self.allocator
-        key = whole_key(r.ids)
-        res = tree.match_prefix(key, r.extra_key)
-        tree.inc_lock_ref(res.last_node)
-        hit = res.indices.numel() == len(key)
+        """The input's entry (a hit only when the tree holds it whole) and the request's decoder
+        slots (the start token's, then rows x cols for the beams); False (holding nothing) when the
+        pool cannot hold them now."""
+        e = self.inputs.match(r.ids, r.extra_key)
         rows, cols = self._rows_cols(r)
-        fresh = 0 if hit else len(key)
-        if not tree.make_room(fresh + 1 + rows * cols):
-            tree.dec_lock_ref(res.last_node)
+        if not self.tree.make_room(e.fresh + 1 + rows * cols):
+            self.inputs.release(e)
             return False
-        r.lock, r.cached = res.last_node, len(r.ids) if hit else 0
-        r.new_slots = None if hit else alloc.alloc(fresh)
-        r.unshared = alloc.alloc(1 + rows * cols)  # the start token's slot, then the beams'
-        r.prompt_kv = res.indices[1:] if hit else r.new_slots[1:]  # the input's (not the digest's)
+        self.inputs.alloc(e)
+        r.encoded, r.cached = e, len(r.ids) if e.hit else 0
+        r.unshared = self.allocator.alloc(1 + rows * cols)
         return True
 
+    def _release(self, r: _Request) -> None:
+        if r.unshared is not None:
+            self.allocator.free(r.unshared)
+            r.unshared = None
+        if r.encoded is not None:
+            self.inputs.release(r.encoded)
+            r.encoded = None
+
     def _prefill_round(self, reqs: list[_Request]) -> None:
-        """The inputs the tree lacks through the encoder (_encode), each handed to the tree; then
-        every request's start token through the decoder in one forward (level 0's logits)."""
-        misses = [r for r in reqs if r.new_slots is not None]
-        if misses:
-            self._encode(misses)
-        for r in misses:
-            if self.tree.disable:
-                continue
-            key = whole_key(r.ids)
-            full = self.tree.hand_off(key, r.new_slots, r.extra_key, 0, r.lock)
-            r.new_slots = None
-            r.lock, r.prompt_kv = full.last_node, full.indices[1:]
+        """The inputs the tree lacks through the encoder (InputCache.encode); then every request's
+        start token through the decoder in one forward (level 0's logits)."""
+        self.inputs.encode([r.encoded for r in reqs])
+        for r in reqs:
+            r.prompt_kv = r.encoded.slots
         starts = [r.unshared[:1] for r in reqs]
         seqs = [SeqLayout(q_start=i, q_len=1, kv_indices=s) for i, s in enumerate(starts)]
         batch = self.runner.make_batch([self.decoder_start] * len(reqs), [0] * len(reqs), torch.cat(starts), seqs,
@@ -84,26 +158,6 @@ class EncoderDecoderRetrieve(RetrieveExecutor):
             r.logits0, r.t1 = row[None], now
             rows, cols = self._rows_cols(r)
             r.kv = UnsharedKV(self.pool, r.unshared[1:].view(rows, cols), self.reorder_chunk)
-
-    def _encode(self, reqs: list[_Request]) -> None:
-        """The requests' inputs through the encoder, packed into forwards of at most
-        --chunked-prefill-size tokens (an input longer than that runs alone)."""
-        chunk = self.runner.args.prefill_chunk
-        group: list[_Request] = []
-        for r in reqs:
-            if group and sum(len(g.ids) for g in group) + len(r.ids) > chunk:
-                self._encode_packed(group)
-                group = []
-            group.append(r)
-        self._encode_packed(group)
-
-    def _encode_packed(self, reqs: list[_Request]) -> None:
-        ids, pos, seqs = [], [], []
-        for r in reqs:
-            seqs.append(SeqLayout(q_start=len(ids), q_len=len(r.ids), kv_indices=r.new_slots[1:]))
-            ids += r.ids
-            pos += range(len(r.ids))
-        self.runner.encode(self.runner.make_batch(ids, pos, torch.cat([r.new_slots[1:] for r in reqs]), seqs))
 
     def _beam_step(self, reqs: list[_Request], step: int, positions: list[int]) -> torch.Tensor:
         """Every live beam's level step - 1 token at decoder position `step`: its self-attention over

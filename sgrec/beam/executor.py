@@ -96,6 +96,7 @@ class _Request:
     t1: float = 0.0
     state_slots: torch.Tensor | None = None  # a family with recurrent layers: one state slot a beam row
     states: BeamStates | None = None
+    encoded: object = None  # an encoder-decoder's input in the tree (sgrec.beam.encdec.Encoded)
 
 
 def layered_trie(runner) -> bool:

@@ -36,13 +36,14 @@ from collections.abc import Sequence
 
 import torch
 
+from sgrec.beam.encdec import InputCache
 from sgrec.catalog import Catalog, Item, check_token_ids
 from sgrec.items import hrcs
 from sgrec.mem.cost import LinearCost
 from sgrec.mem.tiers import item_key
 from sgrec.items.store import ItemStore, fingerprint
 from sgrec import layout as L
-from sgrec.rank import forked, semantic
+from sgrec.rank import encoded, forked, semantic
 from sgrec.rank.forward import Forward, forward_many
 from sgrec.rank.policy import NONE, PREFIX_POLICIES, CacheMeta, select_prefix
 
@@ -93,6 +94,8 @@ class RankExecutor:
         self.dp_rank = dp_rank
         self.placement = placement
         self.user_extra_key = user_extra_key
+        # a family with an encoder: its inputs (profile and instruction) cached whole (rank/encoded.py)
+        self.inputs = InputCache(runner, tree) if runner.capabilities.encoder else None
         # Cross-rank item KV (an ItemFetcher, set by join): fetch_many([(item_id, n)]) -> fetched chunks
         self.fetcher = None
         # The storage tier (radix/hicache.py HiCache with a storage backend), or None: item KV computed
@@ -271,6 +274,9 @@ class RankExecutor:
         # candidate's columns, and that sum's rounding follows the column order (in bfloat16 enough to
         # swap close scores). The caller's order only breaks ties in the ranking.
         caller_pos = {it.id: k for k, it in enumerate(items)}
+        if self.inputs is not None:  # an encoder-decoder: every path under the decoder (rank/encoded.py)
+            return (yield from self._run_encoded(items, caller_pos, user_ids, instruction_ids, prefix, top_k,
+                                                 score_by, fmeta))
         score_by = semantic.resolve_score_by(items, score_by)
         items = sorted(items, key=lambda it: it.id)
         item_ids = [it.id for it in items]
@@ -522,6 +528,24 @@ class RankExecutor:
         self._trim_users(user_key, by_freq)
         return scores, m, prompt
 
+    def _run_encoded(self, items: list[Item], caller_pos: dict[str, int], user_ids: list[int],
+                     instruction_ids: list[int], prefix: str | None, top_k: int | None, score_by: str | None,
+                     fmeta: dict):
+        """Generator (see _request) for a family with an encoder: the profile and the instruction are
+        its input, cached whole unless prefix is "none"; each candidate scored by its semantic-ID
+        path (rank/encoded.py)."""
+        encoded.check_options(score_by, prefix, self.runner.family.name)
+        semantic.resolve_score_by(items, "semantic_id")  # a candidate without a path: a 400 naming it
+        items = sorted(items, key=lambda it: it.id)
+        cache = (prefix or self.args.rank_prefix_policy) != NONE
+        spec = encoded.EncodedForward(list(user_ids) + list(instruction_ids), self.user_extra_key,
+                                      [tuple(it.semantic_id) for it in items], cache)
+        scores = yield spec
+        ranking = _ranking(items, scores, caller_pos, top_k, True)
+        return {"ranking": ranking, "meta_info": {
+            "prefix": L.USER_PREFIX if cache else NONE, "prompt_tokens": len(spec.ids), "cached_tokens": spec.cached,
+            "computed_tokens": len(spec.ids) - spec.cached, "score_by": "semantic_id", **fmeta}}
+
     def _run_item_prefix(self, lay: L.RankLayout, targets: list, item_ids: Sequence[str]):
         """Generator (see _request) returning (scores, cached tokens, of which fetched from another rank,
         of which loaded from the storage tier)."""
@@ -652,6 +676,8 @@ class RankExecutor:
         executor's eviction order, its time observed."""
         if specs and isinstance(specs[0], forked.ForkedForward):
             out, seconds, tokens = forked.forward_many(self.runner, specs, self._make_room)
+        elif specs and isinstance(specs[0], encoded.EncodedForward):
+            out, seconds, tokens = encoded.forward_many(self.runner, self.inputs, specs, self._make_room)
         else:
             out, seconds, tokens = forward_many(self.runner, specs, self._make_room)
         self._observe_forward(seconds, tokens)
