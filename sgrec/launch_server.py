@@ -170,14 +170,15 @@ async def serve(args: ServerArgs, in_addrs: list[str], out_addr: str, launch: di
 def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(message)s")
+    from sgrec import demo
+
     if args.model_path is None:
         args.model_path = ensure_default_model()
-        from sgrec import demo
-
-        if args.item_catalog is None and args.model_path == demo.model_path():
-            args.item_catalog = demo.catalog_path()
-        logger.info("no --model-path: serving the embedded default model at %s (item catalog %s)",
-                    args.model_path, args.item_catalog)
+        logger.info("no --model-path: serving the embedded default model at %s", args.model_path)
+    args.model_path = demo.resolve(args.model_path)  # `demo`, `demo-tiger`: the packaged demos
+    if args.item_catalog is None and (catalog := demo.packaged_catalog(args.model_path)) is not None:
+        args.item_catalog = catalog
+        logger.info("serving the packaged demo at %s with its item catalog %s", args.model_path, catalog)
     try:
         facts = _model_facts(args.model_path)
     except (OSError, ValueError, KeyError) as e:

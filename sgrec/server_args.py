@@ -48,7 +48,9 @@ def _out_of_range(name: str, value, bounds: dict) -> str | None:
 @dataclass
 class ServerArgs:
     model_path: str | None = _arg(
-        None, "HF-format model directory. Without it the embedded default model is served.")
+        None, "HF-format model directory, or `demo` / `demo-tiger` (the packaged MovieLens demos, the decoder-only "
+              "and the TIGER-style T5 one, each served with its item catalog). Without it the embedded default "
+              "model is served.")
     tokenizer_path: str | None = _arg(None, "Tokenizer directory (default: the model path).")
     served_model_name: str | None = _arg(None, "Model name reported by the API (default: the model path).")
     host: str = _arg("127.0.0.1", "Address to listen on.")

@@ -316,6 +316,30 @@ def test_rank_refuses_what_an_encoder_decoder_cannot_mean(t5_dir):
     assert ex.tree.total_size() == 0  # prefix none: nothing cached
 
 
+# ---- the input cache under LARU and the host tier -----------------------------------------------------
+def test_inputs_evicted_to_the_host_tier_come_back_as_whole_hits_under_laru(t5_dir, tmp_path):
+    """Four users' 63-token inputs (whole keys of four 16-token pages) through a pool that holds two:
+    LARU evicts inputs to the host tier, and each user's repeat loads its whole key back, is a hit
+    (the encoder does not run) and gets its cold answer, bit for bit."""
+    from sgrec.engine import Engine
+
+    from test_rec_server import write_catalog
+
+    catalog = write_catalog(tmp_path / "catalog.jsonl", n=27, seed=1, semantic=True)
+    eng = Engine(model_path=t5_dir, device="cpu", dtype="float32", item_catalog=catalog, max_total_tokens=200,
+                 enable_hierarchical_cache=True, hicache_page_size=16, radix_eviction_policy="laru")
+    users = [ids(63, seed=40 + u) for u in range(4)]
+    ask = lambda u: eng.retrieve(user={"token_ids": users[u]}, beam_width=8, num_items=4)  # noqa: E731
+    cold = [ask(u) for u in range(4)]
+    assert [c["meta_info"]["cached_tokens"] for c in cold] == [0] * 4
+    encoded = eng.runner.encoded_inputs
+    warm = [ask(u) for u in range(4)]
+    assert eng.scheduler.hicache.loaded_tokens["host"] >= 64  # at least one input came back from the host
+    assert [w["meta_info"]["cached_tokens"] for w in warm] == [63] * 4 and eng.runner.encoded_inputs == encoded
+    assert [w["items"] for w in warm] == [c["items"] for c in cold]
+    eng.scheduler.check_memory()
+
+
 # ---- a real server -----------------------------------------------------------------------------------
 def test_a_server_retrieves_transformers_beams_and_refuses_what_needs_a_decoder_only_model(
         start_server, t5_dir, hf_t5, tmp_path):

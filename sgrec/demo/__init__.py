@@ -14,7 +14,11 @@ from __future__ import annotations
 import os
 
 ARTIFACT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ml100k")
+# the TIGER-style demo beside it: a small T5 emitting semantic IDs (sgrec.demo.tiger)
+TIGER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiger_ml100k")
 CATALOG_NAME = "catalog.jsonl"
+# `--model-path` names of the packaged demos
+NAMES = {"demo": ARTIFACT_DIR, "demo-tiger": TIGER_DIR}
 
 # The engine's default rank instruction (sgrec.managers.rec.DEFAULT_INSTRUCTION): a rank request
 # without an instruction gets exactly the prompts the model was trained on.
@@ -28,8 +32,21 @@ def model_path() -> str:
     return ARTIFACT_DIR
 
 
-def catalog_path() -> str:
-    return os.path.join(ARTIFACT_DIR, CATALOG_NAME)
+def catalog_path(model_dir: str = ARTIFACT_DIR) -> str:
+    return os.path.join(model_dir, CATALOG_NAME)
+
+
+def resolve(model_path: str) -> str:
+    """A packaged demo's directory for its name (NAMES), else model_path as given."""
+    return NAMES.get(model_path, model_path)
+
+
+def packaged_catalog(model_path: str) -> str | None:
+    """The item catalog of a packaged demo's directory, None for any other model."""
+    if os.path.realpath(model_path) in {os.path.realpath(d) for d in NAMES.values()}:
+        path = catalog_path(model_path)
+        return path if os.path.exists(path) else None
+    return None
 
 
 def available() -> bool:
