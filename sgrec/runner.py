@@ -228,8 +228,9 @@ class ModelRunner:
         triton = self.kernels == "triton"
         on_gpu = self.device.type == "cuda"
         graphs = triton and on_gpu and not self.deterministic and not self.args.disable_cuda_graph
-        caps = self.capabilities  # neither the device round nor its graphs run an encoder-decoder's own attention
-        return BeamStepPlan(staged=self.kernels, deterministic=self.deterministic, device_select=triton and not caps.encoder,
+        caps = self.capabilities  # neither the device round nor its graphs run an encoder-decoder's attention
+        return BeamStepPlan(staged=self.kernels, deterministic=self.deterministic,
+                            device_select=triton and not caps.encoder,
                             graphs=graphs and not caps.state_shapes and not caps.encoder,
                             layered_trie=not on_gpu and not triton)
 
@@ -350,9 +351,9 @@ class ModelRunner:
         those paths run a decoder-only prompt, and an encoder-decoder's decoder reads an encoder."""
         if not self.capabilities.encoder:
             return None
-        return (f"the {self.family.name} family serves /v1/retrieve and /generate with beam_width (beams over "
-                f"the catalog's semantic IDs); sampled generation, the OpenAI routes and /v1/score run a "
-                f"decoder-only model")
+        return (f"the {self.family.name} family serves /v1/retrieve, /v1/rank, /v1/recommend and /generate with "
+                f"beam_width (beams over the catalog's semantic IDs); sampled generation, the OpenAI routes and "
+                f"/v1/score run a decoder-only model")
 
     def warm_up_encoder(self, n: int) -> None:
         """An encoder-decoder family's encoder over n tokens and one decoder step over them, the

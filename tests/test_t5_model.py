@@ -340,6 +340,29 @@ def test_inputs_evicted_to_the_host_tier_come_back_as_whole_hits_under_laru(t5_d
     eng.scheduler.check_memory()
 
 
+def test_inputs_move_between_engines_through_file_storage(t5_dir, tmp_path, monkeypatch):
+    """One engine encodes two users' inputs and writes their pages to file storage; the other finds
+    each whole there on the user's next visit (the prefetch asks for the whole key): a hit with no
+    encoder pass and the first engine's answer."""
+    from sgrec.engine import Engine
+
+    from test_rec_server import write_catalog
+
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "store"))
+    catalog = write_catalog(tmp_path / "catalog.jsonl", n=27, seed=1, semantic=True)
+    a, b = (Engine(model_path=t5_dir, device="cpu", dtype="float32", item_catalog=catalog, max_total_tokens=400,
+                   enable_hierarchical_cache=True, hicache_page_size=16, hicache_storage_backend="file")
+            for _ in range(2))
+    users = [ids(63, seed=50 + u) for u in range(2)]
+    first = [a.retrieve(user={"token_ids": u}, beam_width=8, num_items=4) for u in users]
+    a.scheduler.hicache.flush()  # every page written (the writer is off the step)
+    moved = [b.retrieve(user={"token_ids": u}, beam_width=8, num_items=4) for u in users]
+    assert [m["meta_info"]["cached_tokens"] for m in moved] == [63, 63] and b.runner.encoded_inputs == 0
+    assert [m["items"] for m in moved] == [f["items"] for f in first]
+    assert b.scheduler.hicache.stats()["loaded_tokens"]["storage"] == 2 * 64
+    b.scheduler.check_memory()
+
+
 # ---- a real server -----------------------------------------------------------------------------------
 def test_a_server_retrieves_transformers_beams_and_refuses_what_needs_a_decoder_only_model(
         start_server, t5_dir, hf_t5, tmp_path):
@@ -385,7 +408,7 @@ def test_a_server_retrieves_transformers_beams_and_refuses_what_needs_a_decoder_
                 ("/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [3]})]
     for route, payload in refusals:
         r = srv.client.post(route, json=payload)
-        assert r.status_code == 400 and "encoder-decoder family serves /v1/retrieve" in r.text, (route, r.text)
+        assert r.status_code == 400 and "encoder-decoder family serves /v1/retrieve, /v1/rank" in r.text, (route, r.text)
     instr = [5, 6]
     rank = srv.client.post("/v1/rank", json={"user": {"id": "u1", "token_ids": history}, "items": ["i1", "i20", "i7"],
                                              "instruction": instr})

@@ -116,6 +116,10 @@ class EncoderDecoderRetrieve(RetrieveExecutor):
     def _check_served(self) -> None:
         """Every encoder-decoder family serves its beams."""
 
+    def cache_key(self, payload: dict) -> tuple[list[int], str | None]:
+        """The input's whole key (InputCache: a hit only as a whole)."""
+        return whole_key(payload["input_ids"]), payload.get("extra_key")
+
     def tokens(self, payload: dict) -> int:
         """The input (and its digest slot), the start token and one token a beam and level."""
         return super().tokens(payload) + 2

@@ -187,6 +187,11 @@ class RetrieveExecutor:
         levels = self.trie.depth - 1 if self.trie is not None else 0
         return len(payload["input_ids"]) + int(payload["beam_width"]) * levels
 
+    def cache_key(self, payload: dict) -> tuple[list[int], str | None]:
+        """The radix key (and extra key) a request's prompt is looked up under: the prompt but its
+        last token (always computed, for its logits); what the storage tier is asked for on arrival."""
+        return list(payload["input_ids"][:-1]), payload.get("extra_key")
+
     def run(self, input_ids: list[int], beam_width: int, top_k: int, num_items: int,
             extra_key: str | None = None, exclude_items: list[str] | None = None,
             include_items: list[str] | None = None, filter: dict | None = None) -> RetrieveResult:

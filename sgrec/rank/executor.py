@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from sgrec.beam.encdec import InputCache
+from sgrec.radix.tree import whole_key
 from sgrec.catalog import Catalog, Item, check_token_ids
 from sgrec.items import hrcs
 from sgrec.mem.cost import LinearCost
@@ -595,6 +596,15 @@ class RankExecutor:
         arrives. Only an explicit other layout (or none) rules it out."""
         policy = payload.get("prefix") or self.args.rank_prefix_policy
         return policy not in (NONE, L.USER_PREFIX if layout == L.ITEM_PREFIX else L.ITEM_PREFIX)
+
+    def cache_key(self, payload: dict) -> tuple[list[int], str | None]:
+        """The radix key (and extra key) a request's user is looked up under: its profile, or, for a
+        family with an encoder, the whole key of its input (profile and instruction); what the
+        storage tier is asked for on arrival."""
+        if self.inputs is not None:
+            return whole_key(list(payload["user_ids"]) + list(payload.get("instruction_ids") or [])), \
+                self.user_extra_key
+        return list(payload["user_ids"]), self.user_extra_key
 
     def stored_items(self, payload: dict) -> list[tuple[str, int]]:
         """(key, tokens) of a rank request's candidates that the item store lacks, when its layout

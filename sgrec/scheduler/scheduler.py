@@ -159,7 +159,7 @@ class Scheduler:
         self.prefill_only: list[Req] = []  # max_new_tokens 0: hybrid prefilling, suffix KV discarded
         self.prefill_only_policy = args.schedule_policy if args.schedule_policy.startswith("srjf") else "fcfs"
         self.jct = jct_uncached_tokens
-        if args.jct_model == "linear":
+        if args.jct_model == "linear" and runner.sampling_refusal is None:  # profiled on prefill-only forwards
             longest = max(2, min(runner.max_input_len, runner.memory.size, 4096))
             self.jct = profile_linear_jct(runner, [longest * i // 4 or 2 for i in range(1, 5)]).in_tokens()
             logger.info("JCT model fitted on profiled prefills: %s", self.jct)
@@ -259,11 +259,11 @@ class Scheduler:
         for kind, part in ((msg.kind, p), ("retrieve", p.get("retrieve")), ("rank", p.get("rank"))):
             if not isinstance(part, dict):
                 continue
-            if kind == "retrieve" and isinstance(part.get("input_ids"), list):
-                out.append((part["input_ids"][:-1], part.get("extra_key")))
+            if kind == "retrieve" and isinstance(part.get("input_ids"), list) and self.retriever is not None:
+                out.append(self.retriever.cache_key(part))
             elif kind == "rank" and isinstance(part.get("user_ids"), list) and self.rank_executor is not None \
                     and self.rank_executor.may_use(part, L.USER_PREFIX):
-                out.append((part["user_ids"], self.rank_executor.user_extra_key))
+                out.append(self.rank_executor.cache_key(part))
         return out
 
     def _task_items(self, msg: TaskReq) -> list[tuple[str, int]]:
