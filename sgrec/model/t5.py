@@ -76,20 +76,29 @@ class T5Shape:
 
     @classmethod
     def of(cls, hf: dict) -> "T5Shape":
-        proj = hf.get("feed_forward_proj", "relu")
-        parts = proj.split("-")
-        act = "gelu_new" if proj == "gated-gelu" else parts[-1]
+        act, gated = feed_forward(hf.get("feed_forward_proj", "relu"))
         tied = hf.get("tie_word_embeddings") is not False
         return cls(d_model=hf["d_model"], heads=hf["num_heads"], d_kv=hf["d_kv"], d_ff=hf["d_ff"],
                    encoder_layers=hf["num_layers"], decoder_layers=hf.get("num_decoder_layers") or hf["num_layers"],
                    buckets=hf.get("relative_attention_num_buckets", 32),
-                   max_distance=hf.get("relative_attention_max_distance", 128), act=act, gated=parts[0] == "gated",
+                   max_distance=hf.get("relative_attention_max_distance", 128), act=act, gated=gated,
                    eps=hf.get("layer_norm_epsilon", 1e-6), tied=tied,
                    scaled=bool(hf.get("scale_decoder_outputs", tied)), decoder_start=_decoder_start(hf))
 
     @property
     def inner(self) -> int:
         return self.heads * self.d_kv
+
+
+def feed_forward(proj: str) -> tuple[str, bool]:
+    """(activation, gated) of config.json's feed_forward_proj, as transformers reads it (`gated-gelu`:
+    the tanh GELU); a ValueError naming the field for one sgrec does not run."""
+    parts = proj.split("-")
+    act = "gelu_new" if proj == "gated-gelu" else parts[-1]
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") or act not in ACTIVATIONS:
+        raise ValueError(f"Unsupported feed_forward_proj {proj!r} (supported: an activation of "
+                         f"{sorted(ACTIVATIONS)}, or gated-<activation>)")
+    return act, len(parts) == 2
 
 
 def _decoder_start(hf: dict) -> int:
@@ -149,6 +158,11 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(x.shape[0], heads, -1).transpose(0, 1)[None]
 
 
+def _rows(att: torch.Tensor) -> torch.Tensor:
+    """[1, heads, T, d] (SDPA's layout) -> [T, heads * d]."""
+    return att[0].transpose(0, 1).reshape(att.shape[2], -1)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SDPA without T5's absent scaling: [B, H, Tq, D] x [B, H, Tk, D] -> [B, H, Tq, D]."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
@@ -194,7 +208,7 @@ class EncoderLayer(nn.Module):
         out = torch.empty_like(q)
         for sl, mask in zip(spans, masks):  # each input attends to all of itself
             att = _attend(_heads(q[sl], a.heads), _heads(k[sl], a.heads), _heads(v[sl], a.heads), mask)
-            out[sl] = att[0].transpose(0, 1).reshape(sl.stop - sl.start, -1)
+            out[sl] = _rows(att)
         x = x + a.o(out)
         return x + self.ff(self.ff_norm(x))
 
@@ -236,7 +250,7 @@ class DecoderLayer(nn.Module):
             for sl, idx, mask in zip(meta.spans, meta.kv_idx, meta.masks):
                 kk, vv = (_heads(buf[idx].to(q.dtype).reshape(idx.numel(), -1), H) for buf in (k_buf, v_buf))
                 att = _attend(_heads(q[sl], H), kk, vv, mask)
-                out[sl] = att[0].transpose(0, 1).reshape(sl.stop - sl.start, -1)
+                out[sl] = _rows(att)
         x = x + a.o(out)
         c = self.cross_attn
         cq = c.q_proj(self.cross_norm(x))
@@ -246,7 +260,7 @@ class DecoderLayer(nn.Module):
             kk = _heads(k_buf.index_select(0, slots).to(cq.dtype).reshape(n, -1), H)
             vv = _heads(v_buf.index_select(0, slots).to(cq.dtype).reshape(n, -1), H)
             att = _attend(_heads(cq[rows], H), kk, vv, None)
-            out[rows] = att[0].transpose(0, 1).reshape(rows.stop - rows.start, -1)
+            out[rows] = _rows(att)
         x = x + c.o(out)
         return x + self.ff(self.ff_norm(x))
 
@@ -390,12 +404,7 @@ def common_fields(hf: dict) -> dict:
 def config_flags(variant: str, cfg: dict) -> dict:
     """ModelConfig's decoder_start_token_id (the model reads the rest as T5Shape); a ValueError
     naming the config field for what it cannot serve."""
-    proj = cfg.get("feed_forward_proj", "relu")
-    parts = proj.split("-")
-    act = "gelu_new" if proj == "gated-gelu" else parts[-1]
-    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") or act not in ACTIVATIONS:
-        raise ValueError(f"Unsupported feed_forward_proj {proj!r} (supported: an activation of "
-                         f"{sorted(ACTIVATIONS)}, or gated-<activation>)")
+    feed_forward(cfg.get("feed_forward_proj", "relu"))
     if cfg.get("is_encoder_decoder") is False:
         raise ValueError("is_encoder_decoder is false: a T5 checkpoint served here needs its decoder")
     for name in ("d_model", "num_heads", "d_kv", "d_ff", "num_layers"):
