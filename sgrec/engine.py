@@ -46,7 +46,7 @@ class Engine:
         self.builder = RequestBuilder(
             self.tokenizer,
             Limits(self.vocab_size, self.context_len, self.runner.memory.size, self.runner.max_input_len,
-                   args.max_batch_size, args.max_n, self.runner.sampling_refusal),
+                   args.max_batch_size, args.max_n, self.runner.capabilities.encoder),
         )
         self._states: dict[str, ReqState] = {}
         self._lock = threading.Lock()

@@ -346,30 +346,6 @@ class ModelRunner:
             return self.model.encode(batch)
 
     @property
-    def sampling_refusal(self) -> str | None:
-        """Why this model does not serve sampled generation and scoring (a 400's message), or None:
-        those paths run a decoder-only prompt, and an encoder-decoder's decoder reads an encoder."""
-        if not self.capabilities.encoder:
-            return None
-        return (f"the {self.family.name} family serves /v1/retrieve, /v1/rank, /v1/recommend and /generate with "
-                f"beam_width (beams over the catalog's semantic IDs); sampled generation, the OpenAI routes and "
-                f"/v1/score run a decoder-only model")
-
-    def warm_up_encoder(self, n: int) -> None:
-        """An encoder-decoder family's encoder over n tokens and one decoder step over them, the
-        slots they took freed again (the start-up's warm-up)."""
-        alloc = self.memory.allocator
-        slots = alloc.alloc(n + 1)
-        try:
-            enc = slots[:n]
-            self.encode(self.make_batch(list(range(n)), list(range(n)), enc, [SeqLayout(0, n, enc)]))
-            start = slots[n:]
-            self.forward(self.make_batch([self.config.decoder_start_token_id or 0], [0], start,
-                                         [SeqLayout(0, 1, start)], encoder_slots=[enc]), [0])
-        finally:
-            alloc.free(slots)
-
-    @property
     def encoded_inputs(self) -> int:
         """How many inputs the encoder has read since start-up (0 without an encoder)."""
         return getattr(self.model, "encoded_inputs", 0)

@@ -598,7 +598,10 @@ def test_a_returning_users_retrieve_resumes_from_the_prompts_snapshot(hybrid_dir
     got = warm.run(again, beam_width=16, top_k=16, num_items=8)
     ref = cold.run(again, beam_width=16, top_k=16, num_items=8)
     assert got.meta["cached_tokens"] == len(history) and ref.meta["cached_tokens"] == 0
-    tol = 1e-4 if warm.runner.dtype == torch.float32 else 0.1
+    # the resumed run reads the 6 new tokens in the rule's step form, the cold one all 46 in its chunked
+    # form: float32 rounds the two orders apart (1.6e-4 on a path's 3 summed logprobs on a Zen CPU),
+    # within the bound of the second turn's resume above
+    tol = tolerance(torch.float32) if warm.runner.dtype == torch.float32 else 0.1
     assert [it["item"] for it in got.items] == [it["item"] for it in ref.items]
     assert max(abs(a["score"] - b["score"]) for a, b in zip(got.items, ref.items)) <= tol
     assert states_accounted(warm) and warm.tree.state_count == 2

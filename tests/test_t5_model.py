@@ -20,6 +20,7 @@ from sgrec.runner import ModelRunner
 from sgrec.server_args import ServerArgs
 
 from test_hybrid_model import sid_catalog
+from test_hicache import master  # noqa: F401 (the Mooncake master fixture)
 from test_rank import ids
 
 DTYPES = ["float32", "auto"]  # auto: bfloat16 where the CPU has avx512_bf16 / AMX
@@ -224,11 +225,12 @@ def test_the_encoder_reads_each_request_once_whatever_the_beam_width_and_a_repea
     assert ex.tree.total_size() == 3 * (len(enc) + 1) and ex.tree.protected_size() == 0  # inputs and digests
 
 
-def test_a_round_of_requests_gives_each_what_it_gets_alone(t5_dir):
+@pytest.mark.parametrize("widths", [[4, 16, 8], [2, 4, 8]])  # narrow beams: one padded cross-attention a step
+def test_a_round_of_requests_gives_each_what_it_gets_alone(t5_dir, widths):
     runner = runner_for(t5_dir)
     ex = retriever(runner, cache=False)
-    reqs = [dict(input_ids=ids(9 + 4 * k, seed=20 + k), beam_width=bw, top_k=bw, num_items=3)
-            for k, bw in enumerate([4, 16, 8])]
+    reqs = [dict(input_ids=ids(9 + 4 * k, seed=20 + k), beam_width=bw, top_k=bw, num_items=min(bw, 3))
+            for k, bw in enumerate(widths)]
     together = ex.run_batch(reqs)
     alone = [ex.run(**r) for r in reqs]
     for a, b in zip(together, alone):
@@ -340,37 +342,51 @@ def test_inputs_evicted_to_the_host_tier_come_back_as_whole_hits_under_laru(t5_d
     eng.scheduler.check_memory()
 
 
-def test_inputs_move_between_engines_through_file_storage(t5_dir, tmp_path, monkeypatch):
-    """One engine encodes two users' inputs and writes their pages to file storage; the other finds
-    each whole there on the user's next visit (the prefetch asks for the whole key): a hit with no
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_inputs_move_between_engines_through_storage(t5_dir, tmp_path, monkeypatch, request, backend):
+    """One engine encodes two users' inputs for retrieve and a third for generate, and writes their
+    pages to the storage tier (a folder, or a real Mooncake Store on loopback); the other finds each
+    whole there on the user's next request (the prefetch asks for the whole key): a hit with no
     encoder pass and the first engine's answer."""
     from sgrec.engine import Engine
 
     from test_rec_server import write_catalog
 
-    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "store"))
+    if backend == "mooncake":
+        master = request.getfixturevalue("master")
+        extra = dict(hicache_storage_prefetch_policy="wait_complete", hicache_storage_backend_extra_config=json.dumps(
+            {"master_server_address": master.address, "global_segment_size": 64 << 20,
+             "local_buffer_size": 16 << 20}))
+    else:
+        monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "store"))
+        extra = {}
     catalog = write_catalog(tmp_path / "catalog.jsonl", n=27, seed=1, semantic=True)
     a, b = (Engine(model_path=t5_dir, device="cpu", dtype="float32", item_catalog=catalog, max_total_tokens=400,
-                   enable_hierarchical_cache=True, hicache_page_size=16, hicache_storage_backend="file")
+                   enable_hierarchical_cache=True, hicache_page_size=16, hicache_storage_backend=backend, **extra)
             for _ in range(2))
-    users = [ids(63, seed=50 + u) for u in range(2)]
-    first = [a.retrieve(user={"token_ids": u}, beam_width=8, num_items=4) for u in users]
+    users = [ids(63, seed=50 + u) for u in range(3)]
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first = [a.retrieve(user={"token_ids": u}, beam_width=8, num_items=4) for u in users[:2]]
+    wrote = a.generate(input_ids=users[2], sampling_params=sp)
     a.scheduler.hicache.flush()  # every page written (the writer is off the step)
-    moved = [b.retrieve(user={"token_ids": u}, beam_width=8, num_items=4) for u in users]
+    moved = [b.retrieve(user={"token_ids": u}, beam_width=8, num_items=4) for u in users[:2]]
     assert [m["meta_info"]["cached_tokens"] for m in moved] == [63, 63] and b.runner.encoded_inputs == 0
     assert [m["items"] for m in moved] == [f["items"] for f in first]
-    assert b.scheduler.hicache.stats()["loaded_tokens"]["storage"] == 2 * 64
+    read = b.generate(input_ids=users[2], sampling_params=sp)
+    assert read["meta_info"]["cached_tokens"] == 63 and b.runner.encoded_inputs == 0
+    assert read["output_ids"] == wrote["output_ids"]
+    assert b.scheduler.hicache.stats()["loaded_tokens"]["storage"] == 3 * 64
     b.scheduler.check_memory()
 
 
 # ---- a real server -----------------------------------------------------------------------------------
-def test_a_server_retrieves_transformers_beams_and_refuses_what_needs_a_decoder_only_model(
+def test_a_server_retrieves_transformers_beams_and_refuses_what_an_encoder_cannot_mean(
         start_server, t5_dir, hf_t5, tmp_path):
     """The default dtype, the radix cache on: /v1/retrieve over the whole catalog gives transformers'
     exhaustive scores, its repeat is a cache hit with the same answer, /generate's constrained beams
     are retrieve's, /v1/rank gives transformers' path log-likelihoods and /v1/recommend is retrieve
-    then rank; sampled generation, the OpenAI routes, /v1/score and rank by id token are 400s that
-    say why, and the server goes on serving."""
+    then rank; the input's token logprobs and rank by id token are 400s that say why, and the server
+    goes on serving (generation and scoring: test_t5_generate.py)."""
     from sgrec.model import cpu_caps
 
     from test_rec_server import write_catalog
@@ -402,13 +418,9 @@ def test_a_server_retrieves_transformers_beams_and_refuses_what_needs_a_decoder_
                                                 "num_items": 3}).json()["items"]
     assert [b["output_ids"] for b in beams.json()["meta_info"]["beam_results"]] == [x["semantic_id"] for x in ref]
 
-    refusals = [("/generate", {"input_ids": history, "sampling_params": {"max_new_tokens": 3}}),
-                ("/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 2}),
-                ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
-                ("/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [3]})]
-    for route, payload in refusals:
-        r = srv.client.post(route, json=payload)
-        assert r.status_code == 400 and "encoder-decoder family serves /v1/retrieve, /v1/rank" in r.text, (route, r.text)
+    r = srv.client.post("/generate", json={"input_ids": history, "return_logprob": True, "logprob_start_len": 0,
+                                           "sampling_params": {"max_new_tokens": 3}})
+    assert r.status_code == 400 and "logprob_start_len 0: an encoder-decoder model's prompt" in r.text, r.text
     instr = [5, 6]
     rank = srv.client.post("/v1/rank", json={"user": {"id": "u1", "token_ids": history}, "items": ["i1", "i20", "i7"],
                                              "instruction": instr})

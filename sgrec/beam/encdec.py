@@ -40,6 +40,7 @@ class Encoded:
     fresh: int  # slots a miss needs (the whole key's)
     new: torch.Tensor | None = None  # the miss's slots, not (yet) the tree's
     slots: torch.Tensor | None = None  # the input's slots (its cross-attention K/V), the digest's left out
+    ready: bool = False  # its slots hold the encoder's K/V (a hit, or encoded)
 
 
 class InputCache:
@@ -56,7 +57,7 @@ class InputCache:
         node = self.tree.root if res is None else res.last_node
         self.tree.inc_lock_ref(node)
         hit = res is not None and res.indices.numel() == len(key)
-        e = Encoded(list(ids), extra_key, node, cache, hit, 0 if hit else len(key))
+        e = Encoded(list(ids), extra_key, node, cache, hit, 0 if hit else len(key), ready=hit)
         if hit:
             e.slots = res.indices[1:]
         return e
@@ -68,22 +69,36 @@ class InputCache:
             e.slots = e.new[1:]
 
     def encode(self, entries: list[Encoded]) -> None:
-        """The misses through the encoder, packed into forwards of at most --chunked-prefill-size
-        tokens (an input longer than that runs alone), then each handed to the tree."""
-        misses = [e for e in entries if not e.hit]
+        """The entries not yet ready through the encoder, one per distinct input (and namespace),
+        packed into forwards of at most --chunked-prefill-size tokens (an input longer than that runs
+        alone), then each handed to the tree; an entry of the same input as one encoded here (a
+        request's n samples, two users with one history) gives its fresh slots back and reads that
+        one's, in the tree."""
+        todo = [e for e in entries if not e.ready]
+        first: dict[tuple, Encoded] = {}
+        misses, repeats = [], []
+        for e in todo:
+            src = first.setdefault((tuple(e.ids), e.extra_key), e) if e.cache and not self.tree.disable else e
+            (misses if src is e else repeats).append((e, src))
         chunk = self.runner.args.prefill_chunk
         group: list[Encoded] = []
-        for e in misses:
+        for e, _ in misses:
             if group and sum(len(g.ids) for g in group) + len(e.ids) > chunk:
                 self._encode_packed(group)
                 group = []
             group.append(e)
         if group:
             self._encode_packed(group)
-        for e in misses:
+        for e, _ in misses:
+            e.ready = True
             if e.cache and not self.tree.disable:
                 full = self.tree.hand_off(whole_key(e.ids), e.new, e.extra_key, 0, e.lock)
                 e.new, e.lock, e.slots = None, full.last_node, full.indices[1:]
+        for e, src in repeats:
+            self.allocator.free(e.new)
+            self.tree.inc_lock_ref(src.lock)
+            self.tree.dec_lock_ref(e.lock)
+            e.new, e.lock, e.slots, e.ready = None, src.lock, src.slots, True
 
     def _encode_packed(self, entries: list[Encoded]) -> None:
         ids, pos, seqs = [], [], []

@@ -31,6 +31,7 @@ from sgrec.entrypoints.helpers import (
 from sgrec.entrypoints.protocol import (
     ChatCompletionRequest, CompletionRequest, RequestError, ValidationError, validation_message,
 )
+from sgrec.managers.generate import ENCODER_LOGPROBS
 from sgrec.managers.tokenizer_manager import Submission, TokenizerManager
 
 # Chat without max_tokens: no limit but the context; the native layer caps it at context/pool room.
@@ -98,6 +99,8 @@ def build_completion(req: CompletionRequest, tm: TokenizerManager) -> Plan:
     top_k = req.logprobs or 0
     rid = uuid.uuid4().hex
     echo_logprobs = bool(req.echo and req.logprobs)  # as SGLang: logprobs=0 reports no prompt tokens
+    if echo_logprobs and tm.builder.limits.encoder:
+        raise RequestError(f"echo with logprobs reports the prompt's token logprobs: {ENCODER_LOGPROBS}", "echo")
     native = _native_request(req, rid, 16 if req.max_tokens is None else req.max_tokens, logprobs, top_k,
                              0 if echo_logprobs else -1)
     native[key] = native_prompt

@@ -48,9 +48,24 @@ class Limits:
     max_input_len: int  # prompts longer than this get a 400
     max_batch_size: int  # prompts per batch request (and items per score request)
     max_n: int
-    # why sampled generation and scoring (/generate without beam_width, the OpenAI routes, /v1/score)
-    # are a 400 for this model (an encoder-decoder family: they run a decoder-only prompt), or None
-    sampling_refusal: str | None = None
+    # an encoder-decoder model: a prompt goes to the encoder and stays in the pool while the decoder
+    # reads it, the decoder's outputs have the whole context, and the prompt has no token logprobs
+    encoder: bool = False
+
+    def prompt_slots(self, n: int) -> int:
+        """KV slots a prompt of n tokens holds before its first output token (an encoder's input: its
+        tokens, the whole key's digest and the decoder's start token)."""
+        return n + 2 if self.encoder else n
+
+    def max_new_tokens(self, n: int) -> int:
+        """The most output tokens a prompt of n tokens may ask for: what the context and the pool leave."""
+        if self.encoder:
+            return min(self.context_len - 1, self.pool_size - self.prompt_slots(n))
+        return min(self.context_len - n, self.pool_size - n)
+
+
+ENCODER_LOGPROBS = ("an encoder-decoder model's prompt is read by its encoder, which gives its tokens no "
+                    "logprobs; leave it at -1 (the output tokens' logprobs)")
 
 
 class RequestBuilder:
@@ -78,7 +93,6 @@ class RequestBuilder:
         input_ids, as in SGLang, but bad input_ids beside it are still a 400). Errors name a
         sampling parameter by its full path: `sampling_params.top_p`, `sampling_params[1].top_p`,
         or, with `sampling_where` "" (a body whose sampling fields are top-level), `top_p`."""
-        self.check_sampling_served()
         if input_ids is not None:
             id_batch, id_lists = self._input_ids(input_ids)
         if text is not None:
@@ -134,11 +148,6 @@ class RequestBuilder:
                 out_params.append(sp)
         return msgs, out_params, is_list
 
-    def check_sampling_served(self) -> None:
-        """A ValueError (a 400) where this model does not serve sampled generation and scoring."""
-        if self.limits.sampling_refusal is not None:
-            raise ValueError(self.limits.sampling_refusal)
-
     def _input_ids(self, input_ids) -> tuple[bool, list[list[int]]]:
         """(is_batch, the prompts) of an input_ids field: a non-empty list of token ids, or a
         non-empty list of such lists."""
@@ -176,14 +185,16 @@ class RequestBuilder:
             raise ValueError(
                 f"The input ({len(ids)} tokens) is longer than the maximum input length ({lim.max_input_len} tokens)."
             )
+        if lim.encoder and lim.prompt_slots(len(ids)) > lim.pool_size:  # held while the decoder reads it
+            raise ValueError(f"The input ({len(ids)} tokens) does not fit the KV cache ({lim.pool_size} tokens).")
 
     def _validate(self, ids, sp: SamplingParams, return_logprob, start, top_num, token_ids) -> None:
         lim = self.limits
         self.check_prompt(ids)
         if sp.max_new_tokens > 0:  # prefill-only prompts are not bounded by the pool: their suffix KV is discarded
-            if len(ids) >= lim.pool_size:
+            if lim.prompt_slots(len(ids)) >= lim.pool_size:
                 raise ValueError(f"The input ({len(ids)} tokens) does not fit the KV cache ({lim.pool_size} tokens).")
-            sp.max_new_tokens = min(sp.max_new_tokens, lim.context_len - len(ids), lim.pool_size - len(ids))
+            sp.max_new_tokens = min(sp.max_new_tokens, lim.max_new_tokens(len(ids)))
             sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
         self._validate_logprob_args(ids, return_logprob, start, top_num, token_ids)
 
@@ -196,6 +207,8 @@ class RequestBuilder:
                 raise ValueError(f"{name} must be an integer, got {v!r}")
         if start < -1:
             raise ValueError(f"logprob_start_len must be -1 or non-negative, got {start}")
+        if lim.encoder and return_logprob and start >= 0:
+            raise ValueError(f"logprob_start_len {start}: {ENCODER_LOGPROBS}")
         if return_logprob and start > len(ids):
             raise ValueError(f"logprob_start_len ({start}) is greater than the prompt length ({len(ids)})")
         if top_num < 0:

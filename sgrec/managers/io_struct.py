@@ -127,7 +127,7 @@ class SchedulerReady:
     max_input_len: int
     catalog: dict | None = None  # the catalog's facts (GET /v1/catalog), None without one
     sizes: dict | None = None  # the server arguments sized by the device (ServerArgs.sized_for)
-    sampling_refusal: str | None = None  # managers.generate.Limits' (the model's family decides)
+    encoder: bool = False  # an encoder-decoder model (managers.generate.Limits')
 
 
 @dataclass

@@ -187,7 +187,6 @@ def build_score_request(obj, tokenizer: Tokenizer, builder: RequestBuilder) -> S
 
 def check_plan(plan: ScorePlan, builder: RequestBuilder) -> None:
     """The server's limits: --max-batch-size items, each prompt within the context and --max-input-len."""
-    builder.check_sampling_served()
     if len(plan.prompts) > builder.limits.max_batch_size:
         raise ValueError(f"{len(plan.prompts)} items exceed --max-batch-size {builder.limits.max_batch_size}")
     for ids in plan.prompts:

@@ -127,7 +127,7 @@ class TokenizerManager:
         pool = min(r.max_total_num_tokens for r in self.ready.values())
         self.builder = RequestBuilder(
             self.tokenizer, Limits(first.vocab_size, first.context_len, pool, first.max_input_len,
-                                   self.args.max_batch_size, self.args.max_n, first.sampling_refusal))
+                                   self.args.max_batch_size, self.args.max_n, first.encoder))
         versions = {None if r.catalog is None else r.catalog["version"] for r in self.ready.values()}
         if len(versions) > 1:
             raise RuntimeError(f"the ranks loaded different catalog versions {sorted(versions)}")

@@ -51,6 +51,10 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+# a decode step whose inputs each feed at most this many rows (generate's requests, a few narrow beams)
+# reads every row's encoder K/V in one padded batch; wider groups (a retrieve's beams) one matmul each
+CROSS_PADDED_ROWS = 8
+
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_new": _gelu_new, "gelu_pytorch_tanh": _gelu_tanh,
                "silu": F.silu, "swish": F.silu}
 
@@ -224,6 +228,10 @@ class _DecoderMeta:
     spans: list[slice]  # else: each sequence's rows
     cross: list[tuple[slice, torch.Tensor]]  # (rows, encoder slots): runs of sequences reading one input
     rows: torch.Tensor | None = None  # decode: the pool's (slot, head) rows of kv_idx, in (b, h, l) order
+    # a decode step over several inputs (generate's requests): every row's encoder K/V padded into one
+    # batch, as the pool's (slot, head) rows in (b, h, l) order, and its additive mask [B, 1, 1, L]
+    cross_rows: torch.Tensor | None = None
+    cross_mask: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -254,6 +262,13 @@ class DecoderLayer(nn.Module):
         x = x + a.o(out)
         c = self.cross_attn
         cq = c.q_proj(self.cross_norm(x))
+        if meta.cross_rows is not None:  # one padded batch: [B, H, 1, d] against [B, H, L, d]
+            B, L = cq.shape[0], meta.cross_mask.shape[-1]
+            d = k_buf.shape[-1]
+            kk = k_buf.view(-1, d).index_select(0, meta.cross_rows).view(B, H, L, d).to(cq.dtype)
+            vv = v_buf.view(-1, d).index_select(0, meta.cross_rows).view(B, H, L, d).to(cq.dtype)
+            x = x + c.o(_attend_few(cq.view(B, H, 1, -1), kk, vv, meta.cross_mask).reshape(B, -1))
+            return x + self.ff(self.ff_norm(x))
         out = torch.empty_like(cq)
         for rows, slots in meta.cross:  # every row of a group reads the same encoder K/V, in place
             n = slots.numel()
@@ -328,7 +343,9 @@ class T5LM(LMBase):
                 cross[-1] = (slice(cross[-1][0].start, s.q_start + s.q_len), slots)
             else:
                 cross.append((slice(s.q_start, s.q_start + s.q_len), slots.to(dev)))
-        if all(s.q_len == 1 and not s.masked for s in seqs):
+        # one padded batch for a decode step, except under --enable-deterministic-inference, where each
+        # sequence attends on its own (the padding's length would change a softmax's summation order)
+        if all(s.q_len == 1 and not s.masked for s in seqs) and not self.__dict__.get("_batch_invariant"):
             lens = torch.tensor([s.kv_len for s in seqs], device=dev)
             kv_idx = torch.nn.utils.rnn.pad_sequence([s.kv_indices for s in seqs], batch_first=True).to(dev)
             k_pos = torch.arange(kv_idx.shape[1], device=dev)
@@ -338,7 +355,10 @@ class T5LM(LMBase):
             masks = bias.masked_fill(~allowed[:, None, None, :], float("-inf"))
             heads = self.shape.heads
             rows = (kv_idx[:, None, :] * heads + torch.arange(heads, device=dev)[None, :, None]).reshape(-1)
-            return _DecoderMeta(True, kv_idx, masks, [], cross, rows)
+            meta = _DecoderMeta(True, kv_idx, masks, [], cross, rows)
+            if len(cross) > 1 and max(r.stop - r.start for r, _ in cross) <= CROSS_PADDED_ROWS:
+                meta.cross_rows, meta.cross_mask = self._padded_cross(cross, dev)
+            return meta
         spans, kv_idx, masks = [], [], []
         for s in seqs:
             sl = slice(s.q_start, s.q_start + s.q_len)
@@ -351,6 +371,18 @@ class T5LM(LMBase):
             kv_idx.append(s.kv_indices.to(dev))
             masks.append(bias.masked_fill(~allowed[None], float("-inf"))[None])
         return _DecoderMeta(False, kv_idx, masks, spans, cross)
+
+    def _padded_cross(self, cross: list[tuple[slice, torch.Tensor]], dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's cross-attention as one padded batch: each row's encoder slots (padded with
+        slot 0) as the pool's (slot, head) rows, and the mask that hides the padding."""
+        per_row = [slots for rows, slots in cross for _ in range(rows.stop - rows.start)]
+        enc = torch.nn.utils.rnn.pad_sequence(per_row, batch_first=True)
+        lens = torch.tensor([t.numel() for t in per_row], device=dev)
+        pad = torch.arange(enc.shape[1], device=dev)[None, :] >= lens[:, None]
+        mask = torch.zeros(pad.shape, device=dev).masked_fill(pad, float("-inf"))[:, None, None, :]
+        heads = self.shape.heads
+        rows = (enc[:, None, :] * heads + torch.arange(heads, device=dev)[None, :, None]).reshape(-1)
+        return rows, mask
 
     # ---- weights ---------------------------------------------------------------------------------------
     _LAYER = re.compile(r"(encoder|decoder)\.block\.(\d+)\.layer\.(\d+)\.(.+)")

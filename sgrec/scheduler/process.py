@@ -80,11 +80,8 @@ class SchedulerLoop:
         self.threads = ForwardThreads(torch.get_num_threads(), update_reserve(args, self.runner.device.type))
 
     def warm_up(self, show_progress: bool) -> None:
-        """One short generation through every code path (prefill, decode, sampling), then a clean cache
-        (an encoder-decoder family, which samples nothing: its encoder and a decoder step)."""
-        if self.runner.sampling_refusal is not None:
-            self.runner.warm_up_encoder(min(16, self.runner.config.vocab_size))
-            return
+        """One short generation through every code path (prefill, decode, sampling; an encoder-decoder
+        family's encoder too), then a clean cache."""
         steps = 8
         msg = io.TokenizedGenerateReq(
             rid="warmup", input_ids=list(range(min(16, self.runner.config.vocab_size))),
@@ -120,7 +117,7 @@ class SchedulerLoop:
             sizes["state_bytes_per_request"] = self.runner.memory.bytes_per_state
         self.send(io.SchedulerReady(self.dp_rank, self.runner.memory.size, self.runner.context_len,
                                     self.runner.config.vocab_size, self.runner.max_input_len,
-                                    self.scheduler.catalog_info(), sizes, self.runner.sampling_refusal))
+                                    self.scheduler.catalog_info(), sizes, self.runner.capabilities.encoder))
         while True:
             wait = None if self.paused else self.scheduler.idle_wait()  # rank / retrieve batches wait for their quota
             ready = dict(self.poller.poll(IDLE_POLL_MS if wait is None else min(IDLE_POLL_MS, math.ceil(wait * 1000))))

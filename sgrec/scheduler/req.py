@@ -44,6 +44,11 @@ class Req:
     kv_keep: int | None = None  # prefill-only: KV kept for fill_ids[:kv_keep]; the rest is discarded
     state_slot: torch.Tensor | None = None  # a family with recurrent layers: the request's running state
     snapshot: object = None  # the radix node whose state (locked) the running state is copied from on admission
+    # an encoder-decoder family (scheduler/encoded.py): input_ids are the encoder's, the decoder reads
+    # decoder_start and then the outputs; `encoded` is the input's entry (beam.encdec.Encoded) while admitted
+    decoder_start: int | None = None
+    encoder_key: str | None = None  # the caller's extra_key, the input's namespace (extra_key is the decoder's)
+    encoded: object = None
 
     finish_reason: dict | None = None
     generator: torch.Generator | None = None
@@ -63,8 +68,14 @@ class Req:
             self.generator.manual_seed(self.sampling.sampling_seed)
 
     @property
+    def prompt_ids(self) -> list[int]:
+        """What the model's decoder reads before the outputs: the prompt, or an encoder-decoder's
+        start token (its input goes to the encoder)."""
+        return self.input_ids if self.decoder_start is None else [self.decoder_start]
+
+    @property
     def fill_ids(self) -> list[int]:
-        return self.input_ids + self.output_ids
+        return self.prompt_ids + self.output_ids
 
     @property
     def is_prefill_only(self) -> bool:

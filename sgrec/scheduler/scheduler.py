@@ -36,6 +36,7 @@ from sgrec.sampling import SamplingParams
 from sgrec.policy.prefill_only import (
     jct_uncached_tokens, pick_prefill_only, profile_linear_jct,
 )
+from sgrec.scheduler.encoded import EncoderInputs
 from sgrec.scheduler.recommend import recommend_batch
 from sgrec.scheduler.req import LogprobSpec, Req
 from sgrec.scheduler.task import Task, TaskKind, TaskQueue, stage_units, stream_backend
@@ -159,7 +160,7 @@ class Scheduler:
         self.prefill_only: list[Req] = []  # max_new_tokens 0: hybrid prefilling, suffix KV discarded
         self.prefill_only_policy = args.schedule_policy if args.schedule_policy.startswith("srjf") else "fcfs"
         self.jct = jct_uncached_tokens
-        if args.jct_model == "linear" and runner.sampling_refusal is None:  # profiled on prefill-only forwards
+        if args.jct_model == "linear" and not runner.capabilities.encoder:  # profiled on decoder-only prefills
             longest = max(2, min(runner.max_input_len, runner.memory.size, 4096))
             self.jct = profile_linear_jct(runner, [longest * i // 4 or 2 for i in range(1, 5)]).in_tokens()
             logger.info("JCT model fitted on profiled prefills: %s", self.jct)
@@ -168,6 +169,8 @@ class Scheduler:
         self.catalog = self.rank_executor = self.retriever = self.versions = None
         kinds = self._catalog_paths(dp_rank, backend, show_progress) if args.item_catalog else {}
         self.tasks = TaskQueue(args, kinds, backend, clock=lambda: self.clock())
+        # an encoder-decoder family's generate and score requests: their inputs through the encoder
+        self.inputs = EncoderInputs(runner, self.tree) if runner.capabilities.encoder else None
         self.chunk_size = args.prefill_chunk
         self.last_was_prefill = False
         self.last_ran_tasks = False  # the last step ran rank / retrieve batches
@@ -231,7 +234,9 @@ class Scheduler:
             cache_prefix_len=msg.cache_prefix_len,
             arrival=self.clock(),
         )
-        if self._hold(req, [(req.fill_ids[: req.prefix_match_limit()], req.extra_key)]):
+        if self.inputs is not None:
+            self.inputs.prepare(req)
+        if self._hold(req, [self._lookup_key(req)]):
             return req
         self._queue(req)
         return req
@@ -312,8 +317,25 @@ class Scheduler:
         """KV slots held by the caches: the radix tree and the item store."""
         return self.tree.total_size() + (self.rank_executor.total_size() if self.rank_executor else 0)
 
+    def _lookup_key(self, req: Req) -> tuple[list[int], str | None]:
+        """What the request looks up in the tree first (and the storage tier reads ahead): its
+        prefix, or an encoder-decoder's input."""
+        if self.inputs is not None:
+            return self.inputs.storage_key(req)
+        return req.fill_ids[: req.prefix_match_limit()], req.extra_key
+
     def _peek_cached(self, req: Req) -> int:
+        if self.inputs is not None:
+            return self.inputs.peek_cached(req)
         return self.tree.peek_prefix_len(req.fill_ids[: req.prefix_match_limit()], req.extra_key)
+
+    def _encoder_tokens(self, req: Req) -> int:
+        """Input tokens the encoder still reads for the request (0 for a decoder-only model)."""
+        return 0 if self.inputs is None else self.inputs.pending_tokens(req)
+
+    def _encoder_slots(self, reqs: list[Req]) -> list | None:
+        """The batch's encoder slots, one entry a request (an encoder-decoder family), else None."""
+        return None if self.inputs is None else self.inputs.slots(reqs)
 
     def _stop_match(self, req: Req) -> str | None:
         longest = max(len(s) for s in req.sampling.stop)
@@ -477,6 +499,8 @@ class Scheduler:
         if self.snapshots and res.last_node.state is not None:  # kept until admission copies it
             self.tree.lock_state(res.last_node)
             req.snapshot = res.last_node
+        if self.inputs is not None:
+            self.inputs.hold(req)
 
     def _running_state(self, req: Req) -> torch.Tensor:
         """An admitted request's running state: a copy of the snapshot its match ends at, else a
@@ -511,16 +535,21 @@ class Scheduler:
             if req.last_node is None:
                 self._match(req)
             remaining = len(req.fill_ids) - req.kv_len
-            take = min(remaining, budget)
+            # an encoder's input is read whole, in the request's first batch (alone when over the budget)
+            encoder = self._encoder_tokens(req)
+            take = min(remaining, budget - encoder if items else max(budget - encoder, 1))
+            fresh = self.inputs.hold(req) if self.inputs is not None else 0  # the input's slots, on a miss
             reserve = self._decode_reserve([r for r, _, _ in items] + [req])
             alone = not self.running and not items  # nothing else can free memory: admit without reserve
             states = 0 if continuing else self.states_per_request  # a chunk goes on with the state it has
-            fits = take > 0 and (self.tree.make_room(take + reserve, states)
-                                 or (alone and self.tree.make_room(take, states)))
+            fits = take > 0 and (self.tree.make_room(take + fresh + reserve, states)
+                                 or (alone and self.tree.make_room(take + fresh, states)))
             if not fits:
                 if not continuing:
                     self._release(req, cache=False)
                 break
+            if fresh:
+                self.inputs.alloc(req)
             slots = self.allocator.alloc(take)
             if states:
                 req.state_slot = self._running_state(req)
@@ -529,7 +558,9 @@ class Scheduler:
                 self.waiting.remove(req)
                 if not req.num_retractions:
                     req.cached_tokens = req.kv_len
-            budget -= take
+                    if self.inputs is not None:
+                        self.inputs.admitted(req)
+            budget -= take + encoder
             if take < remaining:
                 self.chunked = req
                 break
@@ -548,14 +579,22 @@ class Scheduler:
             i = pick_prefill_only(self.prefill_only, self.prefill_only_policy, now, self._peek_cached,
                                   self.args.jct_fairness, self.jct)
             req = self.prefill_only[i]
-            n = len(req.input_ids)
-            if items and total + n > budget:
+            n = len(req.fill_ids)
+            cost = n + self._encoder_tokens(req)
+            if items and total + cost > budget:
                 break
             states = self.states_per_request
             if states and not self.tree.make_room(0, states):  # waits for a running request's state
                 break
             self.prefill_only.pop(i)
             self._match(req)
+            fresh = self.inputs.hold(req) if self.inputs is not None else 0
+            if fresh:  # an encoder's input is kept while the decoder reads it: room for all of it, or wait
+                if not self.tree.make_room(fresh):
+                    self._release(req, cache=False)
+                    self.prefill_only.insert(i, req)
+                    break
+                self.inputs.alloc(req)
             m = req.kv_len
             keep = max(m, min(n if req.cache_prefix_len is None else req.cache_prefix_len, n))
             if keep > m and not self.tree.make_room(keep - m):
@@ -565,8 +604,10 @@ class Scheduler:
                 req.state_slot = self._running_state(req)
             slots = torch.cat([kept, torch.zeros(n - keep, dtype=torch.int64, device=kept.device)])
             req.kv_keep, req.cached_tokens = keep, m
+            if self.inputs is not None:
+                self.inputs.admitted(req)
             items.append((req, n - m, slots))
-            total += n
+            total += cost
         return items
 
     def _state_slots(self, reqs: list[Req]) -> list[torch.Tensor] | None:
@@ -605,7 +646,11 @@ class Scheduler:
     def _run_prefill(self, items: list[tuple[Req, int, torch.Tensor]]) -> list[Req]:
         ids, pos, seqs, rows, plans, label_rows = self._plan_rows(items)
         out_loc = torch.cat([s for _, _, s in items])
-        batch = self.runner.make_batch(ids, pos, out_loc, seqs, self._state_slots([req for req, _, _ in items]))
+        reqs = [req for req, _, _ in items]
+        if self.inputs is not None:
+            self.inputs.encode(reqs)
+        batch = self.runner.make_batch(ids, pos, out_loc, seqs, self._state_slots(reqs),
+                                       encoder_slots=self._encoder_slots(reqs))
         hidden_of = self.runner.hidden_prefill_only if all(req.kv_keep is not None for req, _, _ in items) \
             else self.runner.hidden
         hidden = hidden_of(batch, rows + list(label_rows.values()))  # rows may be empty: a middle chunk only fills KV
@@ -643,8 +688,10 @@ class Scheduler:
         return progressed
 
     def _input_logprob_from(self, req: Req) -> int | None:
+        """The prompt position from which the request's input logprobs are still to be recorded, or
+        None (an encoder-decoder's input has none: the front refuses to ask)."""
         lp = req.logprob
-        if lp.return_logprob and lp.logprob_start_len >= 0 and not req.input_logprobs_done:
+        if lp.return_logprob and lp.logprob_start_len >= 0 and not req.input_logprobs_done and req.decoder_start is None:
             return lp.logprob_start_len
         return None
 
@@ -720,7 +767,8 @@ class Scheduler:
             ids.append(req.output_ids[-1])
             pos.append(req.kv_len)
             seqs.append(SeqLayout(i, 1, torch.cat([req.kv_indices, slots[i : i + 1]])))
-        batch = self.runner.make_batch(ids, pos, slots, seqs, self._state_slots(reqs))
+        batch = self.runner.make_batch(ids, pos, slots, seqs, self._state_slots(reqs),
+                                       encoder_slots=self._encoder_slots(reqs))
         logits = self.runner.forward(batch, list(range(len(reqs))))
         for req, seq in zip(reqs, seqs):
             req.kv_indices = seq.kv_indices
@@ -768,7 +816,7 @@ class Scheduler:
             if cache and not self.tree.disable:
                 self.tree.insert_owned(key, req.kv_indices, req.extra_key, req.cache_protected_len)
                 # a prefill-only request's state has read its whole prompt, its KV only what it keeps
-                consumed = req.kv_keep is None or req.kv_keep == len(req.input_ids)
+                consumed = req.kv_keep is None or req.kv_keep == len(req.fill_ids)
                 if self.snapshots and key and req.state_slot is not None and consumed:
                     self.tree.attach_state(self.tree.match_prefix(key, req.extra_key).last_node, req.state_slot)
                     req.state_slot = None
@@ -782,6 +830,8 @@ class Scheduler:
         if req.state_slot is not None:
             self.runner.memory.states.free(req.state_slot)
             req.state_slot = None
+        if self.inputs is not None:
+            self.inputs.release(req)
 
     def _finish_abort(self, req: Req, message: str, status_code: int = 400) -> None:
         self._release(req, cache=False)  # an aborted request's KV is not cached
