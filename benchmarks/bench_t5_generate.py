@@ -83,21 +83,20 @@ def main() -> None:
                 xs = batch(next(turn))
                 return xs, [o["output_ids"] for o in eng.generate(input_ids=xs, sampling_params=sp)]
 
-            def theirs():
-                xs = batch(next(turn))
+            def greedy(xs: list[list[int]]) -> list[list[int]]:
                 with torch.no_grad():
                     out = hf.generate(torch.tensor(xs), attention_mask=torch.ones(len(xs), len(xs[0]), dtype=torch.long),
                                       max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, num_beams=1,
                                       decoder_start_token_id=start, pad_token_id=start, eos_token_id=None)
-                return xs, [r[1:].tolist() for r in out]
+                return [r[1:].tolist() for r in out]
+
+            def theirs():
+                xs = batch(next(turn))
+                return xs, greedy(xs)
 
             ts, (xs, got) = median_time(ours, args.repeats)
             th, _ = median_time(theirs, args.repeats)
-            with torch.no_grad():  # transformers' tokens for sgrec's last inputs
-                ref = hf.generate(torch.tensor(xs), attention_mask=torch.ones(len(xs), len(xs[0]), dtype=torch.long),
-                                  max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, num_beams=1,
-                                  decoder_start_token_id=start, pad_token_id=start, eos_token_id=None)
-            same = sum(g == r[1:].tolist() for g, r in zip(got, ref)) / len(xs)
+            same = sum(g == r for g, r in zip(got, greedy(xs))) / len(xs)  # transformers' tokens for sgrec's inputs
             tok_s, tok_h = b * n_out / ts, b * n_out / th
             print(f"  B {b}: sgrec {tok_s:.0f} tok/s ({ts * 1e3:.0f} ms), transformers {tok_h:.0f} tok/s "
                   f"({th * 1e3:.0f} ms): {th / ts:.2f}x; same tokens {same:.0%}", flush=True)
