@@ -1,8 +1,9 @@
-"""Production catalogs: catalog load time and peak memory (JSON Lines and the npz bundle),
+"""Production catalogs: catalog load time and peak memory (JSON Lines, Parquet and the npz bundle),
 retrieve latency against catalog size and exclusion-list size, and rank by semantic ID vs id token.
 
     python benchmarks/bench_catalog.py                          # 10^5, 10^6, 10^7 items (run it alone)
     python benchmarks/bench_catalog.py --quick                  # 10^4, 10^5 items, 2 repeats
+    python benchmarks/bench_catalog_load.py                     # part 1 alone
     python benchmarks/bench_catalog.py --sizes 100000 --repeats 3 --keep --workdir /tmp/cat
 
 Catalogs: N random items "item<k>" with 1-6 item tokens, an id_token, a 3-token semantic_id (each
@@ -13,7 +14,8 @@ with --model-path (its top 3 * codes tokens become the codes).
 
 1. Load: the JSONL is written (not timed), `load_catalog` runs in a fresh subprocess (the call's
    wall time; peak RSS: the child's VmHWM, imports included, ~0.03 GB), the catalog is converted
-   with `sgrec.catalog.binary.save` and the npz loaded in a fresh subprocess too.
+   with `sgrec.catalog.binary.save` and `sgrec.catalog.parquet.write` (row groups of 2^20 items),
+   and the npz and the Parquet file loaded in a fresh subprocess each too.
 2. Retrieve: RetrieveExecutor on the catalog (its construction, mostly the trie build, is timed),
    one prompt of --prompt-len tokens put into the radix tree by the warm-up, so every timed
    request hits it (computes the last prompt token + the beam steps); top_k = BW, num_items 10;
@@ -51,7 +53,7 @@ sys.path.insert(0, ROOT)
 from bench_engine import cpu_model  # noqa: E402
 from bench_xbeam import loadavg  # noqa: E402
 from sgrec.beam import RetrieveExecutor  # noqa: E402
-from sgrec.catalog import Catalog, binary, load_catalog  # noqa: E402
+from sgrec.catalog import Catalog, binary, load_catalog, parquet  # noqa: E402
 from sgrec.radix.tree import RadixCache  # noqa: E402
 from sgrec.rank.executor import RankExecutor  # noqa: E402
 from sgrec.runner import ModelRunner  # noqa: E402
@@ -65,7 +67,8 @@ GENRES = [f"genre{k:02d}" for k in range(20)]
 CHUNK = 100_000  # items generated per batch when writing the JSONL
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 TARGETS = {"load_items": 10**7, "load_s": 60.0, "load_gb": 3.0, "exclusions": 1000, "exclusion_ratio": 1.10,
-           "size_ratio": 1.5, "size_base": 10**5, "rank_ratio": 2.0}
+           "size_ratio": 1.5, "size_base": 10**5, "rank_ratio": 2.0, "parquet_gb_to_npz": 1.2}
+FORMATS = (("jsonl", "JSON Lines"), ("parquet", "Parquet"), ("npz", "npz bundle"))
 # The child's peak RSS: VmHWM, the high-water mark of its own address space. Its ru_maxrss is not
 # usable: Linux carries the parent's high-water mark (torch, the model: ~0.8 GB) across fork + exec.
 CHILD = """import json, sys, time
@@ -119,11 +122,12 @@ def child_load(path: str, vocab: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def convert(jsonl: str, npz: str, vocab: int) -> tuple[Catalog, float]:
-    """The catalog loaded here (for the retrieve and rank runs) and saved as the npz bundle."""
+def convert(jsonl: str, npz: str, pq: str, vocab: int) -> tuple[Catalog, float]:
+    """The catalog loaded here (for the retrieve and rank runs), saved as the npz bundle and as Parquet."""
     t = time.perf_counter()
     cat = load_catalog(jsonl, vocab_size=vocab)
     binary.save(cat, npz)
+    parquet.write(cat, pq)
     return cat, time.perf_counter() - t
 
 
@@ -209,12 +213,16 @@ def verdict(ok: bool) -> str:
 
 def report_load(rows: list[dict]) -> None:
     print("\n## 1. Catalog load (fresh subprocess per load)\n")
-    print(md_table(["items", "JSONL MB", "JSONL load s", "JSONL peak RSS GB", "npz MB", "npz load s",
-                    "npz peak RSS GB"],
-                   [[r["items"], f"{r['jsonl_mb']:.0f}", f"{r['jsonl']['s']:.2f}", f"{r['jsonl']['gb']:.2f}",
-                     f"{r['npz_mb']:.0f}", f"{r['npz']['s']:.2f}", f"{r['npz']['gb']:.2f}"] for r in rows]))
+    print(md_table(["items", *(f"{name} {what}" for _, name in FORMATS for what in ("MB", "load s", "peak RSS GB"))],
+                   [[r["items"], *(v for kind, _ in FORMATS for v in (f"{r[kind + '_mb']:.0f}", f"{r[kind]['s']:.2f}",
+                                                                       f"{r[kind]['gb']:.2f}"))] for r in rows]))
     big = rows[-1]
-    for kind in ("jsonl", "npz"):
+    s_pq, s_js = big["parquet"]["s"], big["jsonl"]["s"]
+    q = big["parquet"]["gb"] / big["npz"]["gb"]
+    print(f"target: Parquet loads faster than JSON Lines: {s_pq:.2f} s against {s_js:.2f} s ({verdict(s_pq < s_js)}); "
+          f"its peak RSS within {TARGETS['parquet_gb_to_npz']}x of the npz bundle's: {q:.2f}x "
+          f"({verdict(q <= TARGETS['parquet_gb_to_npz'])})")
+    for kind in ("jsonl", "npz", "parquet"):
         s, gb = big[kind]["s"], big[kind]["gb"]
         v = (f"{verdict(s <= TARGETS['load_s'])} / {verdict(gb <= TARGETS['load_gb'])}"
              if big["items"] >= TARGETS["load_items"] else "no verdict below 10^7 items")
@@ -268,7 +276,7 @@ def record_rows(load_rows: list[dict], ret_rows: list[dict], rank_rows: list[dic
     without exclusions, rank by semantic ID beside rank by id token."""
     out = []
     for r in load_rows:
-        for kind, fmt in (("jsonl", "JSON Lines"), ("npz", "npz bundle")):
+        for kind, fmt in FORMATS:
             params = {"items": r["items"], "format": fmt}
             out.append(row("catalog load time", "s", r[kind]["s"], params=params, higher_is_better=False))
             out.append(row("catalog load peak RSS", "GB", r[kind]["gb"], params=params, higher_is_better=False))
@@ -313,23 +321,24 @@ def parse_args(argv=None):
 def bench_load(n: int, work: str, vocab: int, base: int, args) -> tuple[dict, Catalog]:
     """Writes the N-item JSONL, loads it and its npz bundle in fresh subprocesses: (table row, the
     catalog loaded here). Deletes both files unless --keep."""
-    jsonl, npz = os.path.join(work, f"catalog_{n}.jsonl"), os.path.join(work, f"catalog_{n}.npz")
+    jsonl, npz, pq = (os.path.join(work, f"catalog_{n}.{ext}") for ext in ("jsonl", "npz", "parquet"))
     t = time.perf_counter()
     write_jsonl(jsonl, n, args.codes, base, args.seed + n)
     print(f"[{n} items] JSONL written in {time.perf_counter() - t:.1f} s (not timed)", flush=True)
     try:
         row = {"items": n, "jsonl": child_load(jsonl, vocab)}
-        cat, conv_s = convert(jsonl, npz, vocab)
-        row["npz"] = child_load(npz, vocab)
-        for kind, path in (("jsonl", jsonl), ("npz", npz)):
+        cat, conv_s = convert(jsonl, npz, pq, vocab)
+        row["npz"], row["parquet"] = child_load(npz, vocab), child_load(pq, vocab)
+        for kind, path in (("jsonl", jsonl), ("npz", npz), ("parquet", pq)):
             row[f"{kind}_mb"] = os.path.getsize(path) / 1e6
             row[kind]["gb"] = row[kind]["rss_kb"] * 1024 / 1e9
     finally:
-        for path in (jsonl, npz) if not args.keep else ():
+        for path in (jsonl, npz, pq) if not args.keep else ():
             if os.path.exists(path):
                 os.remove(path)
-    print(f"[{n} items] loads: JSONL {row['jsonl']['s']:.2f} s, npz {row['npz']['s']:.2f} s; converted (JSONL "
-          f"load here + binary.save) in {conv_s:.1f} s", flush=True)
+    print(f"[{n} items] loads: JSONL {row['jsonl']['s']:.2f} s, Parquet {row['parquet']['s']:.2f} s, npz "
+          f"{row['npz']['s']:.2f} s; converted (JSONL load here + binary.save + parquet.write) in {conv_s:.1f} s",
+          flush=True)
     return row, cat
 
 

@@ -144,7 +144,8 @@ class ServerArgs:
         "(64 MiB), protocol (tcp), local_hostname (127.0.0.1).")
     item_catalog: str | None = _arg(
         None, "Item catalog for /v1/rank and /v1/retrieve: JSON Lines (id, text or token_ids, optional "
-        "id_token, semantic_id, attrs) or the binary .npz bundle of `python -m sgrec.catalog convert`.")
+        "id_token, semantic_id, attrs), Parquet with those columns (pyarrow), or the binary .npz bundle of "
+        "`python -m sgrec.catalog convert`.")
     catalog_journal: str | None = _arg(
         None, "Journal of catalog updates (POST /v1/catalog/...): each update is appended and fsynced here "
         "before it is acknowledged, and replayed over --item-catalog at start-up (default: <catalog>.journal; "

@@ -545,14 +545,15 @@ from sgrec.catalog import load_catalog  # noqa: E402
 from sgrec.catalog.jsonl import write as write_catalog_file  # noqa: E402
 
 
-@pytest.fixture(params=["jsonl", "npz"])
+@pytest.fixture(params=["jsonl", "npz", "parquet"])
 def journaled(tmp_path, request):
-    """A catalog file of either form with a journal of three updates, and the items they lead to."""
-    from sgrec.catalog import binary
+    """A catalog file of each form with a journal of three updates, and the items they lead to."""
+    from sgrec.catalog import binary, parquet
 
     items = mixed_items(random.Random(7), 40)
     path = str(tmp_path / f"cat.{request.param}")
-    (binary.save(Catalog(items), path) if request.param == "npz" else write_catalog_file(items, path))
+    write = {"npz": binary.save, "parquet": parquet.write}.get(request.param)
+    (write(Catalog(items), path) if write else write_catalog_file(items, path))
     recs = [{"version": 1, "op": "upsert", "items": canonical_lines(Catalog(mixed_items(random.Random(8), 3)[:1]))},
             {"version": 2, "op": "delete", "ids": ["it3", "it4"]},
             {"version": 3, "op": "upsert", "items": [{"id": "zz", "token_ids": [1, 2], "semantic_id": [3, 4, 5]}]}]

@@ -1,5 +1,5 @@
-"""`python -m sgrec.catalog convert IN OUT`: JSON Lines <-> the binary bundle (by OUT's suffix:
-`.npz` writes the bundle, anything else JSON Lines). `--tokenizer` is needed when IN has `text`
+"""`python -m sgrec.catalog convert IN OUT`: between JSON Lines, Parquet and the binary bundle (IN in
+any of them; by OUT's suffix: `.npz` writes the bundle, `.parquet` Parquet, anything else JSON Lines). `--tokenizer` is needed when IN has `text`
 items or string id tokens; `--vocab-size` bounds every token id.
 `python -m sgrec.catalog compact CATALOG [--journal J]`: folds the update journal into the catalog
 file (sgrec.catalog.compact)."""
@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from sgrec.catalog import binary, jsonl
+from sgrec.catalog import binary, jsonl, parquet
 from sgrec.catalog.item import CatalogError
 from sgrec.catalog.loader import load_catalog
 
@@ -18,9 +18,9 @@ from sgrec.catalog.loader import load_catalog
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sgrec.catalog", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    cv = sub.add_parser("convert", help="convert a catalog between JSON Lines and the binary .npz bundle")
-    cv.add_argument("input", help="a JSON Lines catalog or a .npz bundle")
-    cv.add_argument("output", help="OUT.npz: the binary bundle; any other name: JSON Lines")
+    cv = sub.add_parser("convert", help="convert a catalog between JSON Lines, Parquet and the binary .npz bundle")
+    cv.add_argument("input", help="a JSON Lines catalog, a Parquet file or a .npz bundle")
+    cv.add_argument("output", help="OUT.npz: the binary bundle; OUT.parquet: Parquet; any other name: JSON Lines")
     cv.add_argument("--tokenizer", help="tokenizer path (HF) for `text` items and string id tokens")
     cv.add_argument("--vocab-size", type=int, help="reject token ids outside [0, vocab size)")
     cp = sub.add_parser("compact", help="fold the update journal into the catalog file (stop the server first)")
@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     if a.output.endswith(".npz"):
         binary.save(cat, a.output)
+    elif a.output.endswith(".parquet"):
+        try:
+            parquet.write(cat, a.output)
+        except CatalogError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     else:
         jsonl.write(cat.items, a.output)
     print(f"{len(cat)} items (semantic IDs: {int(cat.has_semantic.sum())}, attributes: "

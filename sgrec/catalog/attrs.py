@@ -387,5 +387,24 @@ class AttrBuilder:
                 raise ValueError(f"attrs.{name} is {k} here but {col.kind} in earlier items; one kind per attribute")
             col.add(row, v)
 
+    def add_column(self, name: str, kind: str, rows: np.ndarray, data: np.ndarray, vocab: list[str] | None = None,
+                   lens: np.ndarray | None = None) -> None:
+        """One attribute's values for many rows at once (rows ascending, after the rows added to it
+        before): num float64 values, bool 0 / 1, str codes into `vocab`, strs flat codes into `vocab`
+        and each row's count (`lens`). A columnar source's path (Parquet): no Python object a value."""
+        col = self.cols.get(name)
+        if col is None:
+            col = self.cols[name] = _Growing(kind)
+        elif col.kind != kind:
+            raise ValueError(f"attrs.{name} is {kind} here but {col.kind} in earlier items; one kind per attribute")
+        col.rows.frombytes(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
+        if vocab is not None:
+            remap = np.array([col.code.setdefault(v, len(col.code)) for v in vocab], dtype=np.int32)
+            data = remap[np.asarray(data, dtype=np.int64)] if len(data) else np.zeros(0, np.int32)
+        dtype = {"num": np.float64, "bool": np.int8, "str": np.int32, "strs": np.int32}[kind]
+        col.data.frombytes(np.ascontiguousarray(data, dtype=dtype).tobytes())
+        if lens is not None:
+            col.lens.frombytes(np.ascontiguousarray(lens, dtype=np.int64).tobytes())
+
     def build(self, n: int) -> AttrTable:
         return AttrTable(n, {name: g.column(n) for name, g in self.cols.items()})

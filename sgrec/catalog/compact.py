@@ -1,6 +1,6 @@
 """Folding the update journal into a new catalog file (`python -m sgrec.catalog compact`), crash-safe.
 
-The new catalog (in the catalog file's own form: JSON Lines or the .npz bundle) and the new journal
+The new catalog (in the catalog file's own form: JSON Lines, Parquet or the .npz bundle) and the new journal
 (one `base` record: the version the new catalog file is) are written beside the old ones and fsynced,
 then renamed over them, catalog first. A crash anywhere leaves either the old pair or enough to finish:
 `finish` (run by the server at start-up and by `compact` itself) completes a compaction whose new
@@ -14,7 +14,7 @@ import os
 
 import orjson
 
-from sgrec.catalog import binary, journal, jsonl
+from sgrec.catalog import binary, journal, jsonl, parquet
 from sgrec.catalog.loader import load_catalog
 from sgrec.catalog.versions import replay
 
@@ -76,6 +76,8 @@ def compact(catalog_path: str, journal_path: str | None = None, tokenizer=None, 
         cat, version = versions.current, versions.version
         if binary.is_binary(catalog_path):
             _write_synced(_tmp(catalog_path), lambda p: binary.save(cat, p))
+        elif parquet.is_parquet(catalog_path):
+            _write_synced(_tmp(catalog_path), lambda p: parquet.write(cat, p))
         else:
             _write_synced(_tmp(catalog_path), lambda p: jsonl.write(cat.items, p))
         _write_synced(_tmp(journal_path), lambda p: _write_bytes(p, orjson.dumps({"version": version, "op": "base"})
