@@ -214,6 +214,8 @@ class _Columns:
         pa = _arrow()[0]
         import pyarrow.compute as pc
 
+        if pa.types.is_dictionary(col.type):  # pandas' categoricals
+            col = col.cast(col.type.value_type)
         t = col.type
         valid = col.is_valid().to_numpy(False)
         rows = self.rows + np.flatnonzero(valid)
@@ -311,6 +313,20 @@ def _list_parts(col) -> tuple[np.ndarray, np.ndarray]:
     return offs, values.to_numpy().astype(np.int64)
 
 
+def _attr_array(pa, col):
+    """An attribute column as an arrow array (absent: null)."""
+    if col.kind == "num":
+        return pa.array(col.data, mask=~col.present)
+    if col.kind == "bool":
+        return pa.array(col.data == 1, mask=col.data < 0)
+    values = pa.array(col.values, pa.large_string())
+    if col.kind == "str":
+        return values.take(pa.array(col.data, mask=col.data < 0))
+    ptr = col.ptr.astype(np.int64)
+    flat = values.take(pa.array(col.data[ptr[0]:ptr[-1]]))
+    return pa.LargeListArray.from_arrays(pa.array(ptr - ptr[0]), flat, mask=pa.array(~col.present))
+
+
 def load(path: str, tokenizer=None, vocab_size: int | None = None, progress: bool = False) -> Catalog:
     """Reads a Parquet catalog a batch of rows at a time, with a progress bar over its rows."""
     from tqdm import tqdm
@@ -352,8 +368,8 @@ def write(catalog: Catalog, path: str, row_group_size: int = 1 << 20) -> None:
         columns["semantic_id"] = sem
     if cat.attrs.columns:
         names = list(cat.attrs.columns)
-        per = {name: [cat.attrs.columns[name].value(i) for i in range(n)] for name in names}
-        columns["attrs"] = pa.StructArray.from_arrays([pa.array(per[name]) for name in names], names=names)
+        columns["attrs"] = pa.StructArray.from_arrays([_attr_array(pa, cat.attrs.columns[k]) for k in names],
+                                                      names=names)
     if cat.meta:
         columns["meta"] = pa.array([orjson.dumps(cat.meta[i]).decode() if i in cat.meta else None for i in range(n)],
                                    type=pa.large_string())
