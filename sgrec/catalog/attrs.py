@@ -337,7 +337,7 @@ class _Growing:
 
     def column(self, n: int) -> AttrColumn:
         rows = np.frombuffer(self.rows, dtype=np.int64) if self.rows else np.zeros(0, np.int64)
-        vals = np.array(self.data)
+        vals = np.frombuffer(self.data, dtype=self.data.typecode)  # read, then scattered into the column
         values = list(self.code)  # code order: first seen
         if self.kind == "num":
             data, present = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=bool)

@@ -274,8 +274,12 @@ class _Columns:
         has = np.frombuffer(self.has, np.int8).astype(bool)
         sem = None
         if self.nd is not None:
-            sem = np.full((self.rows, self.nd), -1, np.int32)
-            sem[has] = np.frombuffer(self.sem, np.int32).reshape(-1, self.nd)
+            given = np.frombuffer(self.sem, np.int32).reshape(-1, self.nd)
+            if given.shape[0] == self.rows:  # every item has one: the array itself
+                sem = given
+            else:
+                sem = np.full((self.rows, self.nd), -1, np.int32)
+                sem[has] = given
         try:
             attrs = self.attrs.build(self.rows)
         except ValueError as e:
