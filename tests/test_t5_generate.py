@@ -101,14 +101,12 @@ def test_retracted_requests_resume_with_the_tokens_they_get_alone(t5_dir):
     greedy tokens it gets alone."""
     sp = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
     inputs = [ids(20, seed=20 + i) for i in range(4)]
-    alone = [engine(t5_dir).generate(input_ids=enc, sampling_params=sp)["output_ids"] for enc in inputs[:1]]
     small = engine(t5_dir, max_total_tokens=150)
     outs = small.generate(input_ids=inputs, sampling_params=sp)
     assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0
     ref = engine(t5_dir)
     for enc, out in zip(inputs, outs):
         assert out["output_ids"] == ref.generate(input_ids=enc, sampling_params=sp)["output_ids"]
-    assert outs[0]["output_ids"] == alone[0]
     small.scheduler.check_memory()
 
 

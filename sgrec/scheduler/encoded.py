@@ -39,10 +39,13 @@ class EncoderInputs:
         """The input's key in the tree (and the storage tier)."""
         return whole_key(req.input_ids), req.encoder_key
 
-    def hold(self, req: Req) -> int:
-        """Matches and locks the request's input (once per admission); the slots it still needs."""
+    def hold(self, req: Req) -> None:
+        """Matches and locks the request's input (once per admission)."""
         if req.encoded is None:
             req.encoded = self.cache.match(req.input_ids, req.encoder_key)
+
+    def missing_slots(self, req: Req) -> int:
+        """The slots the held input still needs (a miss not yet allocated), else 0."""
         e = req.encoded
         return 0 if e.slots is not None else e.fresh
 

@@ -538,7 +538,7 @@ class Scheduler:
             # an encoder's input is read whole, in the request's first batch (alone when over the budget)
             encoder = self._encoder_tokens(req)
             take = min(remaining, budget - encoder if items else max(budget - encoder, 1))
-            fresh = self.inputs.hold(req) if self.inputs is not None else 0  # the input's slots, on a miss
+            fresh = self.inputs.missing_slots(req) if self.inputs is not None else 0  # the input's, on a miss
             reserve = self._decode_reserve([r for r, _, _ in items] + [req])
             alone = not self.running and not items  # nothing else can free memory: admit without reserve
             states = 0 if continuing else self.states_per_request  # a chunk goes on with the state it has
@@ -588,7 +588,7 @@ class Scheduler:
                 break
             self.prefill_only.pop(i)
             self._match(req)
-            fresh = self.inputs.hold(req) if self.inputs is not None else 0
+            fresh = self.inputs.missing_slots(req) if self.inputs is not None else 0
             if fresh:  # an encoder's input is kept while the decoder reads it: room for all of it, or wait
                 if not self.tree.make_room(fresh):
                     self._release(req, cache=False)
