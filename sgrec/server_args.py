@@ -153,6 +153,17 @@ class ServerArgs:
         "$XDG_STATE_HOME/sgrec/<its path in the package>.journal, by default under ~/.local/state: the "
         "install is never written; created on the first update). `python -m sgrec.catalog compact` folds "
         "it into the catalog file.")
+    semantic_id_tokens: str | None = _arg(
+        None, "Semantic IDs in --item-catalog (JSON Lines, Parquet) and in catalog updates are codes, one "
+        "per level: code k of level l is the vocabulary token TEMPLATE[l] with k for {}, e.g. "
+        "'<s_a_{}>,<s_b_{}>,<s_c_{}>' (OpenOneRec's three levels). A code whose token the vocabulary lacks "
+        "is a start-up error naming it (a 400 in an update). The binary .npz bundle holds token ids; "
+        "answers give semantic IDs as token ids.")
+    semantic_id_codebooks: str | None = _arg(
+        None, "Codebooks written by `python -m sgrec.catalog sid-train`: an item upserted with an `embedding` "
+        "and no `semantic_id` gets, level by level, the token of the nearest codeword to the residual (what "
+        "sid-assign gives it); the update's answer lists them under `assigned`. Their levels must be the "
+        "catalog's semantic-ID length and their tokens the model's.")
     catalog_history: int = _arg(
         8, "Catalog versions kept for POST /v1/catalog/rollback (the current one included); versions share "
         "the catalog's storage, each costs what its update changed.", at_least=1)

@@ -292,7 +292,8 @@ V, EOS, ND = 48, 2, 3
 
 
 def write_catalog(path: Path, n: int = 40, seed: int = 0) -> list[dict]:
-    """n items with 3-token semantic IDs in [8, V) (items 0 and 1 share a path), a year each."""
+    """n items with 3-token semantic IDs in [8, V) (items 0 and 1 share a path, and item 1 has a
+    `prior`), a year each."""
     import random
 
     rng = random.Random(seed)
@@ -304,8 +305,8 @@ def write_catalog(path: Path, n: int = 40, seed: int = 0) -> list[dict]:
         if len(items) == 1:
             sid = list(items[0]["semantic_id"])
         seen.add(tuple(sid))
-        items.append({"id": f"i{len(items)}", "token_ids": [3 + len(items) % 5], "semantic_id": sid,
-                      "attrs": {"year": 1980 + len(items)}})
+        attrs = {"year": 1980 + len(items), **({"prior": 2} if len(items) == 1 else {})}  # i1 before i0
+        items.append({"id": f"i{len(items)}", "token_ids": [3 + len(items) % 5], "semantic_id": sid, "attrs": attrs})
     path.write_text("".join(json.dumps(it) + "\n" for it in items))
     return items
 
@@ -394,8 +395,10 @@ def grammar_paths():
             assert torch.isfinite(logits[1]).all()  # other rows untouched
             checked_states += 1
             if len(prefix) == ND:
-                ids = set(gr.item_ids())
-                assert ids and ids <= {it["id"] for it in allowed_items}, (name, prefix, ids)
+                on_path = [it["id"] for it in allowed_items if tuple(it["semantic_id"]) == prefix
+                           and it["id"] not in spec.get("exclude_items", ())]
+                want_ids = sorted(on_path, key=lambda i: (i != "i1", i))  # i1 has the path's one prior
+                assert gr.item_ids() == want_ids and want_ids, (name, prefix, gr.item_ids())
                 gr.accept_token(EOS)
                 assert gr.is_terminated()
                 continue

@@ -184,6 +184,36 @@ def test_rollback_restores_the_earlier_answers(server):
     assert max(abs(x["score"] - y["score"]) for x, y in zip(again["ranking"], ranked["ranking"])) <= 1e-5
 
 
+def test_every_item_on_a_shared_path_is_returned_in_prior_then_id_order(server):
+    """Three items upserted on one semantic ID: retrieve, recommend and the beam form of /generate
+    return all three (num_items counts items), larger `prior` first, an item without one last."""
+    items = [{"id": "sp-a", "token_ids": [70, 71], "semantic_id": [3, 2, 2], "attrs": {"prior": 1}},
+             {"id": "sp-c", "token_ids": [72], "semantic_id": [3, 2, 2]},
+             {"id": "sp-b", "token_ids": [73, 74], "semantic_id": [3, 2, 2], "attrs": {"prior": 5.5}}]
+    assert post(server, "/v1/catalog/items", {"items": items}).status_code == 200
+    want = ["sp-b", "sp-a", "sp-c"]
+    only = {"include_items": want}
+    r = post(server, "/v1/retrieve", {"user": {"token_ids": [9, 8]}, "beam_width": 8, "num_items": 8, **only}, AUTH)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [x["item"] for x in got["items"]] == want and got["meta_info"]["exhausted"] is True
+    assert {tuple(x["semantic_id"]) for x in got["items"]} == {(3, 2, 2)}
+    assert len({x["score"] for x in got["items"]}) == 1  # one path, one score
+    r = post(server, "/v1/retrieve", {"user": {"token_ids": [9, 8]}, "beam_width": 8, "num_items": 2, **only}, AUTH)
+    assert [x["item"] for x in r.json()["items"]] == want[:2]
+    r = post(server, "/v1/recommend", {"user": {"token_ids": [9, 8]}, "retrieve": {"beam_width": 4,
+             "num_candidates": 3}, "top_k": 3, **only}, AUTH)
+    assert r.status_code == 200, r.text
+    assert sorted(x["item"] for x in r.json()["items"]) == sorted(want)
+    r = post(server, "/generate", {"input_ids": [9, 8], "sampling_params": {"beam_width": 4, "n": 3},
+                                   "constrain_to_catalog": True, **only}, AUTH)
+    assert r.status_code == 200, r.text
+    assert [b["meta_info"]["item"] for b in r.json()["meta_info"]["beam_results"]] == want
+    r = post(server, "/v1/retrieve", {"user": {"token_ids": [9, 8]}, "beam_width": 8, "num_items": 8,
+                                      "exclude_items": ["sp-b"], **only}, AUTH)
+    assert [x["item"] for x in r.json()["items"]] == want[1:]
+
+
 @pytest.mark.parametrize("path, body, status, message", [
     ("/v1/catalog/items", {"items": [{"id": "ok1", "token_ids": [5]}, {"id": "bad", "token_ids": []}]}, 400,
      "items[1] ('bad'): items[1].token_ids must be a non-empty list"),
@@ -192,6 +222,8 @@ def test_rollback_restores_the_earlier_answers(server):
     ("/v1/catalog/items", {"items": [{"id": "ok1", "token_ids": [5], "attrs": {"a": {"b": 1}}}]}, 400,
      "items[0] ('ok1'): attrs.a must be"),
     ("/v1/catalog/items", {"item": []}, 400, "items must be a non-empty list"),
+    ("/v1/catalog/items", {"items": [{"id": "ok1", "token_ids": [5], "embedding": [0.5, 1.0]}]}, 400,
+     "items[0] ('ok1'): items[0].embedding needs a server started with --semantic-id-codebooks"),
     ("/v1/catalog/delete", {"ids": [1]}, 400, "ids must be a non-empty list of item id strings"),
     ("/v1/catalog/rollback", {"version": 10**6}, 404, "catalog version 1000000 is not kept"),  # never made
     ("/v1/catalog/rollback", {"version": "1"}, 400, "version must be an integer in [0, 2^63)"),

@@ -234,8 +234,13 @@ def same_readers(got: LayeredTrie, cat: Catalog) -> None:
     for d, (a, b) in enumerate(zip(got.filter_counts(ok), ref.filter_counts(ok[rows]))):
         if d:
             assert torch.equal(a[torch.from_numpy(slots)] if d == D else a, b), d
-    for leaf in leaves[:: max(1, leaves.size // 20)].tolist():
+    sample = leaves[:: max(1, leaves.size // 20)]
+    for leaf in sample.tolist():
         assert got.rows_of_leaf(slot_of[leaf], cat) == rows[ref.rows_of_leaf(leaf)].tolist()
+    got_leaf, got_rows = got.rows_of_leaves(slots[sample], cat)
+    ref_leaf, ref_rows = ref.rows_of_leaves(sample)
+    assert sorted(zip(got_leaf.tolist(), got_rows.tolist())) == sorted(zip(slots[ref_leaf].tolist(),
+                                                                           rows[ref_rows].tolist()))
     for d in range(1, D + 1):
         nodes = slots if d == D else np.arange(ref.num_nodes[d])
         assert np.array_equal(got.node_count(d, nodes), ref.count[d].numpy())

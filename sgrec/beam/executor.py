@@ -3,7 +3,7 @@
     prompt ──(radix prefix hit + extend)──► shared KV (in the radix tree, locked while in use)
     step 0: prompt logits at the root's children ──► per-beam top-K ──► global top-BW
     step s: BW tokens ──(staged attention: shared + unshared)──► logits at each beam's children ──► ...
-    after ND steps: leaves ──► catalog items, best first
+    after ND steps: leaves ──► catalog items, best first (every allowed item of a shared path)
 
 The prompt's KV is computed once (only the part the radix tree does not already hold), inserted
 into the tree so the user's next request hits it, and read by every beam in place. The beams'
@@ -30,7 +30,7 @@ import torch
 
 from sgrec.beam import kernel_step, search
 from sgrec.beam.attention import BeamBatchMeta, BeamStates, BeamStepMeta, StagedBeamBackend, StagedMeta, UnsharedKV
-from sgrec.beam.filters import FilterCache, TrieFilter, build_filter
+from sgrec.beam.filters import FilterCache, TrieFilter, build_filter, num_trie_items
 from sgrec.beam.layered import LayeredTrie
 from sgrec.beam.search import BeamBuffers, inplace_schedule, select_level
 from sgrec.beam.trie import SemanticIdTrie
@@ -402,18 +402,12 @@ class RetrieveExecutor:
         n = r.bufs.n
         order = torch.sort(r.bufs.scores[:n], descending=True, stable=True).indices  # ties: path order
         leaves = r.bufs.nodes[:n][order]
-        leaf_rows = self.trie.leaf_items(leaves).tolist()
-        if r.filt is not None and self.trie.num_duplicate_paths:  # a repeated path: its first allowed item
-            shared = (self.trie.leaf_count(leaves.cpu().numpy()) > 1).tolist()
-            leaf_rows = [next(x for x in self.trie.rows_of_leaf(int(lf), self.catalog) if r.filt.row_allowed(x))
-                         if many else lr for lf, lr, many in zip(leaves.tolist(), leaf_rows, shared)]
         paths, scores = r.bufs.tokens[:n][order].tolist(), r.bufs.scores[:n][order].tolist()
-        ids, catalog_row = self.catalog.ids, self._trie_rows
-        if catalog_row is not None:  # trie rows -> catalog rows (a LayeredTrie's are the catalog's)
-            leaf_rows = [int(catalog_row[lr]) for lr in leaf_rows]
-        items = [{"item": ids[lr], "semantic_id": path, "score": float(s)}
-                 for lr, path, s in zip(leaf_rows, paths, scores)]
-        available = self.trie.num_nodes[-1] if r.filt is None else r.filt.leaves
+        ids = self.catalog.ids
+        items = [{"item": ids[row], "semantic_id": path, "score": s}
+                 for rows, path, s in zip(self._path_rows(leaves, r.filt), paths, scores) for row in rows]
+        del items[r.num_items:]
+        available = num_trie_items(self.trie) if r.filt is None else r.filt.items
         t2 = time.perf_counter()
         meta = {
             "prompt_tokens": len(r.ids),
@@ -430,6 +424,28 @@ class RetrieveExecutor:
             "ignored_exclusions": 0 if r.filt is None else r.filt.ignored_exclusions,
         }
         return RetrieveResult(items, meta)
+
+    def _path_rows(self, leaves: torch.Tensor, filt: TrieFilter | None) -> list[list[int]]:
+        """The catalog rows each returned path yields: every allowed item on it, in the catalog's
+        path_order (paths shared by several items are looked up together, the rest read their one
+        item from the trie)."""
+        trie, catalog_row = self.trie, self._trie_rows
+        out = [[x] for x in trie.leaf_items(leaves).tolist()]
+        if trie.num_duplicate_paths:
+            host = leaves.cpu().numpy()
+            shared = np.flatnonzero(trie.leaf_count(host) > 1)
+            if shared.size:
+                leaf, rows = trie.rows_of_leaves(host[shared], self.catalog)
+                if filt is not None:
+                    ok = np.fromiter((filt.row_allowed(int(x)) for x in rows), bool, rows.size)
+                    leaf, rows = leaf[ok], rows[ok]
+                starts = np.searchsorted(leaf, host[shared])
+                ends = np.searchsorted(leaf, host[shared], side="right")
+                for i, a, b in zip(shared.tolist(), starts.tolist(), ends.tolist()):
+                    out[i] = rows[a:b].tolist()
+        if catalog_row is not None:  # trie rows -> catalog rows (a LayeredTrie's are the catalog's)
+            out = [[int(catalog_row[x]) for x in rows] for rows in out]
+        return [self.catalog.path_order(rows) if len(rows) > 1 else rows for rows in out]
 
     # ---- internals ----------------------------------------------------------------------
     def _validate(self, beam_width, top_k, num_items) -> SemanticIdTrie:

@@ -45,8 +45,9 @@ class TrieFilter:
     allowed: list[torch.Tensor | None]  # sorted node ids: only these are allowed (include lists)
     blocked: list[torch.Tensor | None]  # sorted node ids with no allowed leaf left (exclusions)
     dense: list[torch.Tensor | None]  # bool per node (an attribute filter's nodes with an allowed leaf)
-    leaves: int  # allowed leaves: the most distinct items the request can get
-    row_allowed: object = None  # trie row -> bool, for picking a leaf's item when paths repeat
+    leaves: int  # allowed leaves: the most distinct paths the request can get
+    items: int  # allowed items (several may share a leaf): the most the request can get
+    row_allowed: object = None  # trie row -> bool, for picking a shared leaf's allowed items
     ignored_exclusions: int = 0
     blocked_parent: list[torch.Tensor | None] | None = None  # parent node id (depth - 1) of each blocked node
 
@@ -153,7 +154,7 @@ def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, 
         on_path = trie.path_nodes(inc, catalog)
         allowed = [None] + [torch.from_numpy(np.unique(on_path[d])) for d in range(1, D + 1)]
         allowed_set = set(inc.tolist())
-        return TrieFilter(D, allowed, list(none), list(none), int(allowed[D].numel()),
+        return TrieFilter(D, allowed, list(none), list(none), int(allowed[D].numel()), int(inc.size),
                           row_allowed=allowed_set.__contains__, ignored_exclusions=ignored)
     if ok is not None:
         ex = ex[ok[ex]]  # exclusions the filter already removed change nothing
@@ -166,11 +167,17 @@ def build_filter(trie: SemanticIdTrie, trie_rows: np.ndarray, catalog: Catalog, 
         hit = (trie.node_count(d, nodes) if count is None else count[d].numpy()[nodes]) == dec
         blocked[d], blocked_parent[d] = torch.from_numpy(nodes[hit]), torch.from_numpy(parent[hit])
     leaves = (int(trie.num_nodes[D]) if count is None else allowed_leaves) - int(blocked[D].numel())
+    items = (num_trie_items(trie) if count is None else int(count[D].sum())) - int(ex.size)
     ex_set: set[int] = set()
 
-    def row_allowed(r: int) -> bool:  # only called when paths repeat, to pick a leaf's item
+    def row_allowed(r: int) -> bool:  # only called when paths repeat, to pick a leaf's items
         if not ex_set and ex.size:
             ex_set.update(ex.tolist())
         return r not in ex_set and (ok is None or bool(ok[r]))
 
-    return TrieFilter(D, list(none), blocked, list(dense), leaves, row_allowed, ignored, blocked_parent)
+    return TrieFilter(D, list(none), blocked, list(dense), leaves, items, row_allowed, ignored, blocked_parent)
+
+
+def num_trie_items(trie: SemanticIdTrie) -> int:
+    """The items on the trie's paths (several may share one)."""
+    return int(trie.num_nodes[-1]) + int(trie.num_duplicate_paths)

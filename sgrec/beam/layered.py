@@ -266,7 +266,14 @@ class LayeredTrie:
 
     def rows_of_leaf(self, leaf: int, catalog: Catalog) -> list[int]:
         """Every live catalog row with the leaf's path, ascending (the first is leaf_items')."""
-        return self._live_rows_of(np.array([leaf]), self.row_leaf_tail, catalog)[1].tolist()
+        return self.rows_of_leaves(np.array([leaf]), catalog)[1].tolist()
+
+    def rows_of_leaves(self, leaves: np.ndarray, catalog: Catalog) -> tuple[np.ndarray, np.ndarray]:
+        """(leaf, row) of every live catalog row whose leaf is one of `leaves`, grouped by leaf
+        (ascending), rows ascending within a leaf: one pass over the tail for all of them."""
+        slot, rows = self._live_rows_of(np.asarray(leaves, np.int64), self.row_leaf_tail, catalog)
+        order = np.argsort(slot, kind="stable")
+        return slot[order], rows[order]
 
     def _live_rows_of(self, slots: np.ndarray, row_leaf_tail: np.ndarray, catalog: Catalog
                       ) -> tuple[np.ndarray, np.ndarray]:

@@ -28,9 +28,9 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
     _check_int("beam_width", beam_width, 1)
     _check_int("top_k", top_k, 1)
     _check_int("num_items", num_items, 1, beam_width)
-    paths: dict[tuple[int, ...], str] = {}
+    paths: dict[tuple[int, ...], list[int]] = {}  # path -> its catalog rows
     for r in catalog.semantic_rows().tolist():
-        paths.setdefault(tuple(catalog.semantic_ids[r].tolist()), catalog.ids[r])
+        paths.setdefault(tuple(catalog.semantic_ids[r].tolist()), []).append(r)
     if not paths:
         raise ValueError("retrieve needs an item catalog whose items carry semantic_id")
     nd = catalog.semantic_id_len
@@ -109,5 +109,16 @@ def naive_retrieve(runner, catalog: Catalog, input_ids: list[int], beam_width: i
         if beam_slots is not None:
             alloc.free(beam_slots.reshape(-1))
     order = torch.sort(scores, descending=True, stable=True).indices.tolist()
-    items = [{"item": paths[beams[i]], "semantic_id": list(beams[i]), "score": float(scores[i])} for i in order]
+    items = [{"item": item, "semantic_id": list(beams[i]), "score": float(scores[i])}
+             for i in order for item in _path_items(catalog, paths[beams[i]])][:num_items]
     return RetrieveResult(items, {"prompt_tokens": P, "kv_tokens_peak": peak, "e2e_latency": time.perf_counter() - t0})
+
+
+def _path_items(catalog: Catalog, rows: list[int]) -> list[str]:
+    """The ids of a path's items, as retrieve orders them: a larger number `prior` first, items
+    without one last, then by id."""
+    def key(r):
+        prior = catalog.item(r).attrs.get("prior")
+        number = isinstance(prior, (int, float)) and not isinstance(prior, bool)
+        return (0, -prior, catalog.ids[r]) if number else (1, 0, catalog.ids[r])
+    return [catalog.ids[r] for r in sorted(rows, key=key)]

@@ -94,7 +94,7 @@ class SemanticIdTrie:
         self.level_tokens, self.level_col = level_columns(
             tok_count, V, dev, None if same_tokens is None else same_tokens._tok_count,
             None if same_tokens is None else (same_tokens.level_tokens, same_tokens.level_col))
-        self._leaf_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._leaf_rows: tuple[np.ndarray, np.ndarray] | None = None
         self._host = (row_leaf, keys, count) if dev.type == "cpu" else None
         self._host_more = (toks, ptrs, leaf_item) if dev.type == "cpu" else None
 
@@ -275,13 +275,21 @@ class SemanticIdTrie:
 
     def rows_of_leaf(self, leaf: int, catalog: Catalog | None = None) -> list[int]:
         """Every row with the leaf's path, ascending (the first is leaf_item's)."""
+        return self.rows_of_leaves(np.array([leaf]), catalog)[1].tolist()
+
+    def rows_of_leaves(self, leaves: np.ndarray, catalog: Catalog | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(leaf, row) of every row whose leaf is one of `leaves`, grouped by leaf (ascending), rows
+        ascending within a leaf."""
         if self._leaf_rows is None:
-            order = torch.argsort(self.row_leaf, stable=True)
-            ptr = torch.zeros(self.num_nodes[-1] + 1, dtype=torch.int64)
-            ptr[1:] = torch.cumsum(self.count[self.depth], 0)
+            order = torch.argsort(self.row_leaf, stable=True).numpy()
+            ptr = np.zeros(self.num_nodes[-1] + 1, dtype=np.int64)
+            ptr[1:] = np.cumsum(self.host_arrays()[2][self.depth])
             self._leaf_rows = (order, ptr)
         order, ptr = self._leaf_rows
-        return order[int(ptr[leaf]) : int(ptr[leaf + 1])].tolist()
+        leaves = np.unique(np.asarray(leaves, np.int64))
+        lo, n = ptr[leaves], ptr[leaves + 1] - ptr[leaves]
+        pos = np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+        return np.repeat(leaves, n), order[pos]
 
 
 def level_columns(tok_count: list[np.ndarray], V: int, dev, same_count: list[np.ndarray] | None = None,

@@ -62,7 +62,7 @@ def _write_synced(path: str, write) -> None:
 
 
 def compact(catalog_path: str, journal_path: str | None = None, tokenizer=None, vocab_size: int | None = None,
-            progress: bool = False) -> tuple[int, int]:
+            progress: bool = False, sid_tokens=None) -> tuple[int, int]:
     """Writes the journal's current version as the catalog file and empties the journal; returns
     (version, items). CatalogError when a server holds the journal (stop it first) or it is corrupt."""
     journal_path = journal_path or journal.default_path(catalog_path)
@@ -72,8 +72,11 @@ def compact(catalog_path: str, journal_path: str | None = None, tokenizer=None, 
         if (done := finish(catalog_path, journal_path)) is not None:
             logger.warning("%s", done)
         journal.repair(journal_path)
-        versions = replay(load_catalog(catalog_path, tokenizer, vocab_size, progress), journal_path, 1, vocab_size)
+        versions = replay(load_catalog(catalog_path, tokenizer, vocab_size, progress, sid_tokens), journal_path, 1,
+                          vocab_size)
         cat, version = versions.current, versions.version
+        if sid_tokens is not None and not binary.is_binary(catalog_path):
+            cat = sid_tokens.written(cat)  # a file of codes stays one (the binary bundle holds token ids)
         if binary.is_binary(catalog_path):
             _write_synced(_tmp(catalog_path), lambda p: binary.save(cat, p))
         elif parquet.is_parquet(catalog_path):

@@ -19,6 +19,7 @@ import orjson
 
 from sgrec.catalog.attrs import AttrBuilder
 from sgrec.catalog.item import CatalogError, Item, check_token_ids
+from sgrec.catalog.sid import MissingCode
 from sgrec.catalog.store import Catalog
 
 _KNOWN = {"id", "text", "token_ids", "id_token", "semantic_id", "attrs"}
@@ -27,8 +28,9 @@ _KNOWN = {"id", "text", "token_ids", "id_token", "semantic_id", "attrs"}
 class ColumnBuilder:
     """Items appended one at a time into growing C arrays (no Python object per token)."""
 
-    def __init__(self, vocab_size: int | None):
+    def __init__(self, vocab_size: int | None, sid_tokens=None):
         self.vocab_size = vocab_size
+        self.sid = sid_tokens  # sgrec.catalog.sid.SidTokens: semantic IDs are codes, mapped in finish()
         self.ids: list[str] = []
         self.index: dict[str, int] = {}
         self.lines = array("q")  # the source line of each row (for late errors)
@@ -119,6 +121,12 @@ class ColumnBuilder:
         if self.nd is not None:
             flat = np.frombuffer(self.sem, dtype=np.int32)
             sem_rows = np.flatnonzero(has)
+            if self.sid is not None:  # codes per level: their tokens
+                try:
+                    flat = self.sid.to_tokens(flat.reshape(-1, self.nd)).reshape(-1)
+                except MissingCode as e:
+                    row = int(sem_rows[e.row])
+                    raise CatalogError(f"{where}:{self.lines[row]}: item {self.ids[row]!r}: {e}") from None
             self._check_range(where, "semantic_id", flat, lambda j: int(sem_rows[j // self.nd]))
             sem = np.full((len(self.ids), self.nd), -1, dtype=np.int32)
             sem[has] = flat.reshape(-1, self.nd)
@@ -151,8 +159,10 @@ def _encode_text(text, item_id: str, tokenizer) -> list[int]:
     return toks
 
 
-def load(path: str, tokenizer=None, vocab_size: int | None = None, progress: bool = False) -> Catalog:
-    """Reads a JSONL catalog into columns, with a progress bar over the file's bytes."""
+def load(path: str, tokenizer=None, vocab_size: int | None = None, progress: bool = False,
+         sid_tokens=None) -> Catalog:
+    """Reads a JSONL catalog into columns, with a progress bar over the file's bytes; `sid_tokens`
+    (sgrec.catalog.sid.SidTokens): semantic IDs are codes, mapped to tokens."""
     from tqdm import tqdm
 
     try:
@@ -160,7 +170,7 @@ def load(path: str, tokenizer=None, vocab_size: int | None = None, progress: boo
         size = os.fstat(f.fileno()).st_size
     except OSError as e:
         raise CatalogError(f"cannot read item catalog {path!r}: {e.strerror}") from None
-    b = ColumnBuilder(vocab_size)
+    b = ColumnBuilder(vocab_size, sid_tokens)
     loads = orjson.loads
     with f, tqdm(total=size, unit="B", unit_scale=True, desc="item catalog", disable=not progress) as bar:
         done = 0

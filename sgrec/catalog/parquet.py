@@ -27,6 +27,7 @@ from sgrec.catalog.ids import IdColumn
 from sgrec.catalog.item import CatalogError, check_token_ids
 from sgrec.catalog.jsonl import _encode_text
 from sgrec.catalog.store import Catalog
+from sgrec.catalog.sid import MissingCode
 
 MAGIC = b"PAR1"
 BATCH = 1 << 16  # rows decoded at a time (a row group streams in batches: arrow's memory stays a batch's)
@@ -82,8 +83,8 @@ def _append(buf: array, values: np.ndarray) -> None:
 class _Columns:
     """The catalog's columns, grown a batch of rows at a time in C arrays (viewed, not copied, at the end)."""
 
-    def __init__(self, path: str, tokenizer, vocab_size: int | None):
-        self.path, self.tokenizer, self.vocab_size = path, tokenizer, vocab_size
+    def __init__(self, path: str, tokenizer, vocab_size: int | None, sid_tokens=None):
+        self.path, self.tokenizer, self.vocab_size, self.sid = path, tokenizer, vocab_size, sid_tokens
         self.id_data, self.id_ptr = bytearray(), array("q", [0])
         self.tok_flat, self.tok_ptr = array("i"), array("q", [0])
         self.id_tokens, self.sem, self.has = array("q"), array("i"), array("b")
@@ -204,8 +205,17 @@ class _Columns:
                 self.fail(ids, i, f"semantic_id has {int(lens[i])} tokens, " + (
                     f"earlier items {nd}" if self.nd is not None or bad.size else "it must have some"))
             self.nd = nd
-            self._range(vals, offs, ids, "semantic_id")
             starts = offs[:-1][valid]
+            if self.sid is not None:  # codes per level: their tokens
+                try:
+                    block = self.sid.to_tokens(vals[starts[:, None] + np.arange(nd)[None, :]])
+                except MissingCode as e:
+                    self.fail(ids, int(np.flatnonzero(valid)[e.row]), str(e))
+                offs, vals = np.arange(n + 1, dtype=np.int64) * nd, np.full((n, nd), 0, np.int64)
+                vals[valid] = block
+                vals = vals.reshape(-1)
+                starts = offs[:-1][valid]
+            self._range(vals, offs, ids, "semantic_id")
             _append(self.sem, vals[starts[:, None] + np.arange(nd)[None, :]])
         _append(self.has, valid)
 
@@ -331,8 +341,10 @@ def _attr_array(pa, col):
     return pa.LargeListArray.from_arrays(pa.array(ptr - ptr[0]), flat, mask=pa.array(~col.present))
 
 
-def load(path: str, tokenizer=None, vocab_size: int | None = None, progress: bool = False) -> Catalog:
-    """Reads a Parquet catalog a batch of rows at a time, with a progress bar over its rows."""
+def load(path: str, tokenizer=None, vocab_size: int | None = None, progress: bool = False,
+         sid_tokens=None) -> Catalog:
+    """Reads a Parquet catalog a batch of rows at a time, with a progress bar over its rows;
+    `sid_tokens` (sgrec.catalog.sid.SidTokens): semantic IDs are codes, mapped to tokens."""
     from tqdm import tqdm
 
     pa, pq = _arrow()
@@ -344,7 +356,7 @@ def load(path: str, tokenizer=None, vocab_size: int | None = None, progress: boo
     _check_schema(pa, schema, path)
     rest = [n for n in schema.names if n not in KNOWN]
     attr_names, meta_names = ([], rest) if "attrs" in schema.names else (rest, [])
-    cols = _Columns(path, tokenizer, vocab_size)
+    cols = _Columns(path, tokenizer, vocab_size, sid_tokens)
     with tqdm(total=f.metadata.num_rows, unit="item", unit_scale=True, desc="item catalog", disable=not progress) as bar:
         for batch in f.iter_batches(batch_size=BATCH):
             cols.add(batch, attr_names, meta_names)

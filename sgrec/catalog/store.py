@@ -27,6 +27,7 @@ from sgrec.catalog.item import CatalogError, Item, UnknownItemError
 
 
 FILTER_MASKS = 8  # attribute filters whose row masks are kept
+PRIOR = "prior"  # the number attribute that orders the items sharing a semantic ID (path_order)
 
 
 class Catalog:
@@ -123,6 +124,13 @@ class Catalog:
                                     self.id_tokens[rows],
                                     None if self.semantic_ids is None else self.semantic_ids[rows],
                                     self.has_semantic[rows], self.attrs.take(rows), meta)
+
+    def with_semantic_ids(self, semantic_ids: np.ndarray, has: np.ndarray | None = None) -> "Catalog":
+        """The live rows with these semantic IDs (int [live rows, ND], one per live row in order;
+        `has`: which rows have one, default all)."""
+        base = self.compacted()
+        return Catalog.from_columns(base.ids, base.token_flat, base.token_ptr, base.id_tokens, semantic_ids,
+                                    np.ones(len(base), dtype=bool) if has is None else has, base.attrs, base.meta)
 
     def concat(self, other: "Catalog") -> "Catalog":
         """This catalog's live rows, then `other`'s, copied. CatalogError when semantic IDs differ in
@@ -323,6 +331,15 @@ class Catalog:
         while len(masks) > FILTER_MASKS:
             masks.popitem(last=False)
         return ok
+
+    def path_order(self, rows: Sequence[int]) -> list[int]:
+        """Rows that share one semantic ID in the order retrieve returns them: a larger `prior` (a
+        number attribute) first, rows without one after those with one, then by id."""
+        col = self.attrs.columns.get(PRIOR)
+        ids = self.ids
+        if col is None or col.kind != "num":
+            return sorted(rows, key=lambda r: ids[r])
+        return sorted(rows, key=lambda r: (0, -float(col.data[r]), ids[r]) if col.present[r] else (1, 0.0, ids[r]))
 
     def semantic_rows(self) -> np.ndarray:
         """Live rows that carry a semantic ID, ascending."""

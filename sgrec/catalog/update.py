@@ -15,6 +15,7 @@ attributes or semantic ID alone change keeps its KV.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,12 +31,13 @@ class UpdateError(ValueError):
     """A batch that cannot be applied (a 400; nothing changed)."""
 
 
-def parse_items(objs, tokenizer=None, vocab_size: int | None = None) -> Catalog:
+def parse_items(objs, tokenizer=None, vocab_size: int | None = None, sid_tokens=None) -> Catalog:
     """The items of an update batch (JSON Lines-shaped objects) as a small catalog; UpdateError
-    naming the first bad item. `text` and string `id_token`s need the tokenizer."""
+    naming the first bad item. `text` and string `id_token`s need the tokenizer; `sid_tokens`
+    (sgrec.catalog.sid.SidTokens): semantic IDs are codes."""
     if not isinstance(objs, list) or not objs:
         raise UpdateError("items must be a non-empty list of item objects")
-    b = ColumnBuilder(vocab_size)
+    b = ColumnBuilder(vocab_size, sid_tokens)
     for k, obj in enumerate(objs):
         try:
             b.add(obj, k, tokenizer)
@@ -47,6 +49,47 @@ def parse_items(objs, tokenizer=None, vocab_size: int | None = None) -> Catalog:
         where, _, rest = str(e).partition(": ")
         k = int(where.split(":")[1])
         raise UpdateError(f"items[{k}]{_named(objs[k])}: {_full_paths(rest, k)}") from None
+
+
+def assign_semantic_ids(objs, codebooks=None, sid_tokens=None) -> tuple[list, dict[str, list[int]]]:
+    """An upsert batch's items with their `embedding` taken out, and those without a `semantic_id`
+    given the codebooks' (sgrec.catalog.codebooks.Codebooks; as codes where `sid_tokens` reads the
+    batch's semantic IDs as codes); and item id -> the assigned tokens. UpdateError naming the item
+    for an embedding without codebooks or not of their dimension (nothing assigned then)."""
+    if not isinstance(objs, list):
+        return objs, {}
+    out, want, vecs = list(objs), [], []
+    for k, obj in enumerate(objs):
+        if not isinstance(obj, dict) or obj.get("embedding") is None:
+            continue
+        where = f"items[{k}]{_named(obj)}: items[{k}].embedding"
+        if codebooks is None:
+            raise UpdateError(f"{where} needs a server started with --semantic-id-codebooks")
+        out[k] = {key: v for key, v in obj.items() if key != "embedding"}
+        if obj.get("semantic_id") is not None:
+            continue  # a given semantic ID is kept
+        emb = obj["embedding"]
+        if (type(emb) is not list or len(emb) != codebooks.dim
+                or not all(type(x) in (int, float) and math.isfinite(x) for x in emb)):
+            got = f"{len(emb)} values" if type(emb) is list else type(emb).__name__
+            raise UpdateError(f"{where} must be a list of {codebooks.dim} finite numbers (the codebooks' "
+                              f"dimension), got {got}")
+        want.append(k)
+        vecs.append(emb)
+    if not want:
+        return out, {}
+    with np.errstate(over="ignore"):
+        x = np.array(vecs, dtype=np.float64).astype(np.float32)
+    if not np.isfinite(x).all():
+        k = want[int(np.argwhere(~np.isfinite(x))[0, 0])]
+        raise UpdateError(f"items[{k}]{_named(objs[k])}: items[{k}].embedding holds a number beyond float32's range")
+    tokens = codebooks.tokens(codebooks.assign(x))
+    given = tokens if sid_tokens is None else sid_tokens.to_codes(tokens)
+    assigned = {}
+    for k, tok, sem in zip(want, tokens.tolist(), given.tolist()):
+        out[k]["semantic_id"] = sem
+        assigned[out[k].get("id")] = tok
+    return out, assigned
 
 
 def _named(obj) -> str:

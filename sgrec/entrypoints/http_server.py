@@ -149,6 +149,10 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
     add_rec_routes(app, tm)
 
     lim = tm.builder.limits
+    admin = tm.catalog  # None before the ranks are ready (a schema-only app)
+    books = None if admin is None else admin.codebooks
     install_openapi(app, SchemaLimits(lim.vocab_size, lim.max_n, lim.max_batch_size, args.max_rank_candidates,
-                                      args.max_beam_width, args.max_filter_items), secured_routes(args))
+                                      args.max_beam_width, args.max_filter_items,
+                                      admin is not None and admin.sid is not None,
+                                      None if books is None else books.dim), secured_routes(args))
     return app

@@ -36,6 +36,8 @@ class SchemaLimits:
     max_rank_candidates: int
     max_beam_width: int
     max_filter_items: int = 100000
+    semantic_id_codes: bool = False  # --semantic-id-tokens: updates give semantic IDs as codes
+    embedding_dim: int | None = None  # --semantic-id-codebooks: their dimension
 
 
 def _nullable(schema: dict) -> dict:
@@ -306,10 +308,17 @@ def catalog_item_schema(lim: SchemaLimits) -> dict:
             "token_ids": _nullable(ids),
             "id_token": _nullable({"anyOf": [{"type": "integer", "minimum": 0, "maximum": lim.vocab_size - 1},
                                              {"type": "string", "minLength": 1}]}),
-            "semantic_id": _nullable(_token_ids(lim)),
+            "semantic_id": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+                                     if lim.semantic_id_codes else _token_ids(lim)),
             "attrs": _nullable({"type": "object"}),
+            **({} if lim.embedding_dim is None else {"embedding": _nullable({
+                "type": "array", "items": {"type": "number"}, "minItems": lim.embedding_dim,
+                "maxItems": lim.embedding_dim,
+                "description": "without semantic_id: the codebooks assign it (answered under `assigned`)"})}),
         },
-        "description": "exactly one of text and token_ids; any other key is kept as the item's meta",
+        "description": "exactly one of text and token_ids; any other key is kept as the item's meta"
+                       + ("; semantic_id holds one code per level (--semantic-id-tokens)" if lim.semantic_id_codes
+                          else ""),
     }
 
 

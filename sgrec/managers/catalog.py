@@ -16,9 +16,11 @@ import asyncio
 import logging
 import uuid
 
+from sgrec.catalog.codebooks import Codebooks
 from sgrec.catalog.item import CatalogError
 from sgrec.catalog.journal import Journal
-from sgrec.catalog.update import UpdateError, canonical_lines, check_ids, parse_items
+from sgrec.catalog.sid import SidTokens
+from sgrec.catalog.update import UpdateError, assign_semantic_ids, canonical_lines, check_ids, parse_items
 from sgrec.managers import io_struct as io
 
 logger = logging.getLogger("sgrec.catalog")
@@ -31,7 +33,10 @@ class CatalogRequestError(Exception):
 
 
 class CatalogAdmin:
-    def __init__(self, socks, tokenizer, vocab_size: int, journal_path: str | None, facts: dict | None):
+    def __init__(self, socks, tokenizer, vocab_size: int, journal_path: str | None, facts: dict | None,
+                 semantic_id_tokens: str | None = None, codebooks_path: str | None = None):
+        """ValueError (a start-up error) when --semantic-id-tokens or --semantic-id-codebooks do not
+        fit the model's vocabulary or the catalog."""
         self.socks = socks
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -39,28 +44,47 @@ class CatalogAdmin:
         self.facts = facts  # the current version's facts (GET /v1/catalog), from the ranks
         self.lock = asyncio.Lock()
         self.waiting: dict[str, tuple[str, dict[int, io.CatalogReply], asyncio.Future]] = {}
+        if facts is None and (semantic_id_tokens or codebooks_path):
+            raise ValueError("--semantic-id-tokens and --semantic-id-codebooks need an --item-catalog")
+        self.sid = None if semantic_id_tokens is None else SidTokens(semantic_id_tokens, tokenizer)
+        self.codebooks = None if codebooks_path is None else self._codebooks(codebooks_path)
+
+    def _codebooks(self, path: str) -> Codebooks:
+        books = Codebooks.load(path, self.vocab_size)
+        nd = None if self.facts is None else self.facts.get("semantic_id_len")
+        if nd is not None and nd != books.levels:
+            raise CatalogError(f"--semantic-id-codebooks {path!r} has {books.levels} levels, the catalog's semantic "
+                               f"IDs {nd} tokens")
+        if self.sid is not None:
+            if self.sid.levels != books.levels:
+                raise CatalogError(f"--semantic-id-codebooks {path!r} has {books.levels} levels, "
+                                   f"--semantic-id-tokens {self.sid.levels}")
+            self.sid.to_codes(books.token_ids.T)  # its tokens are the template's codes (CatalogError if not)
+        return books
 
     @property
     def version(self) -> int | None:
         return None if self.facts is None else self.facts["version"]
 
     # ---- routes ---------------------------------------------------------------------------
-    def record(self, op: str, body) -> dict:
-        """The journal record of a request body (without its version); CatalogRequestError 400."""
+    def record(self, op: str, body) -> tuple[dict, dict[str, list[int]]]:
+        """The journal record of a request body (without its version), and the semantic IDs the
+        codebooks assigned (item id -> tokens); CatalogRequestError 400."""
         if self.facts is None:
             raise CatalogRequestError(400, "this server has no item catalog (--item-catalog)")
         if not isinstance(body, dict):
             raise CatalogRequestError(400, "the request body must be a JSON object")
         try:
             if op == "upsert":
-                items = parse_items(body.get("items"), self.tokenizer, self.vocab_size)
-                return {"op": op, "items": canonical_lines(items)}
+                objs, assigned = assign_semantic_ids(body.get("items"), self.codebooks, self.sid)
+                items = parse_items(objs, self.tokenizer, self.vocab_size, self.sid)
+                return {"op": op, "items": canonical_lines(items)}, assigned
             if op == "delete":
-                return {"op": op, "ids": check_ids(body.get("ids"))}
+                return {"op": op, "ids": check_ids(body.get("ids"))}, {}
             to = body.get("version")
             if type(to) is not int or not 0 <= to < 2 ** 63:
                 raise UpdateError("version must be an integer in [0, 2^63) (a kept catalog version)")
-            return {"op": op, "to": to}
+            return {"op": op, "to": to}, {}
         except UpdateError as e:
             raise CatalogRequestError(400, str(e)) from None
 
@@ -68,7 +92,7 @@ class CatalogAdmin:
         """Applies one update on every rank; the answer: the new version and the update's counts."""
         if self.facts is not None:  # validating the body is work beside the steps too, accepted or not
             self._send_all(io.CatalogTraffic())
-        rec = self.record(op, body)
+        rec, assigned = self.record(op, body)
         async with self.lock:
             rec = {"version": self.version + 1, **rec}
             uid = uuid.uuid4().hex
@@ -93,6 +117,8 @@ class CatalogAdmin:
         out = {"version": rec["version"], **counts}
         if op == "rollback":
             out = {"version": rec["version"], "rolled_back_to": rec["to"]}
+        if assigned:
+            out["assigned"] = assigned
         return out
 
     # ---- messages -------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from sgrec.catalog.item import CatalogError
 from sgrec.managers import io_struct as io
 from sgrec.managers.catalog import CatalogAdmin
 from sgrec.managers.generate import Limits, ReqState, RequestBuilder, stream_updates, wrong_type_field
@@ -131,8 +132,12 @@ class TokenizerManager:
         versions = {None if r.catalog is None else r.catalog["version"] for r in self.ready.values()}
         if len(versions) > 1:
             raise RuntimeError(f"the ranks loaded different catalog versions {sorted(versions)}")
-        self.catalog = CatalogAdmin(self.send_socks, self.tokenizer, first.vocab_size,
-                                    self.args.journal_path if first.catalog else None, first.catalog)
+        try:
+            self.catalog = CatalogAdmin(self.send_socks, self.tokenizer, first.vocab_size,
+                                        self.args.journal_path if first.catalog else None, first.catalog,
+                                        self.args.semantic_id_tokens, self.args.semantic_id_codebooks)
+        except (CatalogError, ValueError) as e:
+            raise RuntimeError(str(e)) from None
         self.listener = asyncio.create_task(self._listen())
 
     @property

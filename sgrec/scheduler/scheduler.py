@@ -29,6 +29,7 @@ from sgrec.radix.tree import RadixCache
 from sgrec.runner import ModelRunner
 from sgrec.sampling import GREEDY_EPS, Sampler
 from sgrec.catalog import image, load_catalog
+from sgrec.catalog.sid import SidTokens
 from sgrec.catalog.update import UpdateError
 from sgrec.catalog.versions import Prepared, catalog_facts, replay
 from sgrec.managers.io_struct import TaskReq, TokenizedGenerateReq, abort_reason
@@ -56,10 +57,11 @@ def load_rank_catalog(args: ServerArgs, dp_rank: int, tokenizer: Tokenizer, voca
     sgrec.catalog.image), rank 0 loads the catalog and writes it there, and every rank maps that one
     copy; else the rank loads its own."""
     folder = os.environ.get(image.ENV)
+    sid = None if args.semantic_id_tokens is None else SidTokens(args.semantic_id_tokens, tokenizer)
     if not folder:
-        return load_catalog(args.item_catalog, tokenizer, vocab, progress=progress)
+        return load_catalog(args.item_catalog, tokenizer, vocab, progress=progress, sid_tokens=sid)
     if dp_rank == 0:
-        image.write(folder, load_catalog(args.item_catalog, tokenizer, vocab, progress=progress))
+        image.write(folder, load_catalog(args.item_catalog, tokenizer, vocab, progress=progress, sid_tokens=sid))
     else:
         image.wait(folder, READY_WAIT_S)
     logger.info("item catalog mapped from %s (shared by the DP ranks)", folder)

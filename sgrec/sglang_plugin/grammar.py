@@ -153,12 +153,15 @@ class SidGrammar(BaseGrammarObject):
         return self.stopped
 
     def item_ids(self) -> list[str]:
-        """The catalog items of the path reached (empty before it is complete)."""
+        """Every allowed catalog item of the path reached, in retrieve's order (Catalog.path_order;
+        empty before the path is complete)."""
         if self.depth < self.shared.trie.depth:
             return []
         rows = self.shared.trie.rows_of_leaf(self.path[-1])
         ok = self.filt.row_allowed if self.filt is not None and self.filt.row_allowed is not None else None
-        return [self.shared.catalog.ids[self.shared.rows[r]] for r in rows if ok is None or ok(r)]
+        catalog = self.shared.catalog
+        return [catalog.ids[r] for r in catalog.path_order([int(self.shared.rows[r]) for r in rows
+                                                           if ok is None or ok(r)])]
 
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device) -> torch.Tensor:
         return torch.zeros(batch_size, vocab_size, dtype=torch.bool)  # all allowed: rows left unfilled

@@ -43,7 +43,8 @@ GROUPS = {
         "hicache_ratio", "hicache_size", "hicache_write_policy", "hicache_page_size", "hicache_storage_backend",
         "hicache_storage_prefetch_policy", "hicache_storage_backend_extra_config", "item_cache_tokens"),
     "Ranking, retrieval and catalogs": (
-        "item_catalog", "catalog_journal", "catalog_history", "rank_prefix_policy", "max_rank_candidates",
+        "item_catalog", "catalog_journal", "catalog_history", "semantic_id_tokens", "semantic_id_codebooks",
+        "rank_prefix_policy", "max_rank_candidates",
         "max_beam_width", "max_filter_items"),
     "Concurrent execution of rank and retrieve (xGR)": (
         "max_batch_tokens", "batch_wait_ms", "slo_ms", "stream_pool_mb", "num_streams"),

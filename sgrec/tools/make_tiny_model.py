@@ -152,11 +152,13 @@ def _train_tokenizer(vocab_size: int, family: str):
     return _TOKENIZER_CACHE[key]
 
 
-def _build_tokenizer(vocab_size: int, family: str):
+def _build_tokenizer(vocab_size: int, family: str, extra_tokens: list[str] = ()):
+    """A trained byte-level BPE tokenizer of vocab_size tokens in all, the last ones `extra_tokens`
+    (added tokens, as a recommender adds its semantic-ID tokens to a base vocabulary)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer.from_str(_train_tokenizer(vocab_size, family))
+    tok = Tokenizer.from_str(_train_tokenizer(vocab_size - len(extra_tokens), family))
     if family == "llama":
         kw = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=LLAMA_TEMPLATE)
     else:
@@ -166,7 +168,15 @@ def _build_tokenizer(vocab_size: int, family: str):
             additional_special_tokens=["<|im_start|>", "<|im_end|>"],
             chat_template=CHATML_TEMPLATE,
         )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **kw)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **kw)
+    if extra_tokens:
+        out.add_tokens(list(extra_tokens))
+    return out
+
+
+def sid_token_texts(template: str, codes: int) -> list[str]:
+    """The vocabulary tokens of `codes` codes per level of a semantic-ID template (`<s_a_{}>,<s_b_{}>`)."""
+    return [t.format(k) for t in template.split(",") for k in range(codes)]
 
 
 def shape_config(shape: str) -> tuple[str, dict]:
@@ -180,10 +190,12 @@ def shape_config(shape: str) -> tuple[str, dict]:
 
 
 def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, shape: str | None = None,
-                    dtype: str = "float32", **overrides) -> str:
+                    dtype: str = "float32", sid_tokens: str | None = None, sid_codes: int = 0, **overrides) -> str:
     """Write config.json, model.safetensors (`dtype`: float32 or bfloat16), generation_config.json
     and tokenizer files for a random-weight model into out_dir; returns out_dir. `shape` (a key of
-    SHAPES) takes a real model's architecture and sizes (overrides still apply on top)."""
+    SHAPES) takes a real model's architecture and sizes (overrides still apply on top). `sid_tokens`
+    (a template such as `<s_a_{}>,<s_b_{}>,<s_c_{}>`) with `sid_codes` codes per level: the
+    tokenizer's last tokens are the semantic-ID tokens (decoder-only families)."""
     import torch
     import transformers
     from transformers import GenerationConfig
@@ -207,7 +219,7 @@ def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, shape: str
         rope_theta = cfg.pop("rope_theta")
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": 0.25}
     family = "llama" if arch == "llama" else "qwen"
-    tokenizer = _build_tokenizer(cfg["vocab_size"], family)
+    tokenizer = _build_tokenizer(cfg["vocab_size"], family, sid_token_texts(sid_tokens, sid_codes) if sid_tokens else ())
     ids = dict(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -308,6 +320,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-position-embeddings", type=int)
     ap.add_argument("--rope-theta", type=float)
     ap.add_argument("--rope-scaling", type=json.loads, help='e.g. \'{"rope_type": "linear", "factor": 2.0}\'')
+    ap.add_argument("--sid-tokens", metavar="TEMPLATE", help="add semantic-ID tokens to the tokenizer, e.g. "
+                    "'<s_a_{}>,<s_b_{}>,<s_c_{}>' (with --sid-codes codes per level)")
+    ap.add_argument("--sid-codes", type=int, default=0, help="codes per level of --sid-tokens")
     a = ap.parse_args(argv)
     path = make_tiny_model(
         a.out,
@@ -315,6 +330,8 @@ def main(argv=None) -> None:
         seed=a.seed,
         shape=a.shape,
         dtype=a.dtype,
+        sid_tokens=a.sid_tokens,
+        sid_codes=a.sid_codes,
         vocab_size=a.vocab_size,
         hidden_size=a.hidden_size,
         intermediate_size=a.intermediate_size,
