@@ -68,13 +68,17 @@ DATA_DEPENDENT_400S = [
     (r"POST /v1/(completions|chat/completions|score|rank|retrieve|recommend)|(POST|PUT) /generate",
      r"^The input \(\d+ tokens\) is longer than the model's context length",
      "a prompt longer than the model's context (its token count depends on the tokenizer and chat template)"),
+    (r"POST /v1/(retrieve|recommend)", r"^reason\.max_tokens \(\d+\) exceeds what the user's \d+ tokens",
+     "a reasoning budget past what the prompt leaves of the context (its token count depends on the tokenizer)"),
+    (r"POST /v1/(retrieve|recommend)", r"^reason\.until .* is not one token of the vocabulary",
+     "a reasoning marker text that is not one token (the schema does not carry the vocabulary)"),
     (r"POST /v1/completions", r"^best_of \(\d+\) other than n \(\d+\)",
      "best_of other than n (JSON Schema cannot require two fields' values to be equal)"),
     (r"POST /v1/score", r"^label_token_ids must have one list per item",
      "per-item label lists other in number than the items (JSON Schema cannot relate two arrays' lengths)"),
     (r"POST /v1/(retrieve|recommend)|(POST|PUT) /generate", r"\(\d+\) must not exceed (\w+\.)?beam_width \(\d+\)",
      "more items asked for than beams (JSON Schema cannot compare two fields' values)"),
-    (r"POST /v1/(completions|chat/completions)|(POST|PUT) /generate", r"min_new_tokens must be in \[0, max_new_tokens\]",
+    (r"POST /v1/(completions|chat/completions|retrieve|recommend)|(POST|PUT) /generate", r"min_new_tokens must be in \[0, max_new_tokens\]",
      "min_tokens above max_tokens (JSON Schema cannot compare two fields' values)"),
 ]
 THREAD_SLACK = 4  # uvicorn/asyncio helper threads may come and go

@@ -134,14 +134,16 @@ class Engine:
 
     def retrieve(self, user: dict, beam_width: int = 128, top_k: int | None = None, num_items: int = 10,
                  exclude_items: list[str] | None = None, include_items: list[str] | None = None,
-                 filter: dict | None = None) -> dict:
+                 filter: dict | None = None, reason: dict | None = None) -> dict:
         """Generative retrieval with xBeam over the catalog's semantic IDs (needs item_catalog):
         {"items": [{"item", "semantic_id", "score"}, ...], "meta_info": {...}}. exclude_items (ids
         never returned; unknown ones are counted in meta_info.ignored_exclusions), include_items (only
         these) and filter ({attribute: {op: value}}) act inside the beam search;
-        meta_info.exhausted: fewer than num_items allowed items exist."""
+        meta_info.exhausted: fewer than num_items allowed items exist. reason {"max_tokens", "until",
+        "also_without", sampling fields}: decode first, then retrieve after the reasoning and the marker
+        (meta_info.reasoning; items_without_reasoning with also_without)."""
         obj = {"user": user, "beam_width": beam_width, "num_items": num_items, "exclude_items": exclude_items,
-               "include_items": include_items, "filter": filter}
+               "include_items": include_items, "filter": filter, "reason": reason}
         if top_k is not None:
             obj["top_k"] = top_k
         return task_response(self._run_task(build_retrieve_task(
@@ -149,13 +151,14 @@ class Engine:
 
     def recommend(self, user: dict, retrieve: dict | None = None, rank: dict | None = None, top_k: int | None = None,
                   exclude_items: list[str] | None = None, include_items: list[str] | None = None,
-                  filter: dict | None = None) -> dict:
+                  filter: dict | None = None, reason: dict | None = None) -> dict:
         """Retrieve then rank in one task (/v1/recommend): `retrieve` {"beam_width", "num_candidates",
         "top_k"}, `rank` {"instruction", "prefix", "score_by"}; the filters act in the retrieve stage.
         {"items": [{"item", "score", "retrieve_score", "semantic_id"}, ...], "meta_info": {"retrieve",
-        "rank", "catalog_version"}}, equal to retrieve() and then rank() of its items."""
+        "rank", "catalog_version"}}, equal to retrieve() and then rank() of its items. reason: as
+        retrieve()'s, for the retrieve stage (the rank stage reads the user as given)."""
         obj = {"user": user, "retrieve": retrieve, "rank": rank, "top_k": top_k, "exclude_items": exclude_items,
-               "include_items": include_items, "filter": filter}
+               "include_items": include_items, "filter": filter, "reason": reason}
         a = self.server_args
         return task_response(self._run_task(build_recommend_task(
             obj, self.tokenizer, self.builder, a.max_beam_width, a.max_rank_candidates, a.max_filter_items)))
@@ -213,6 +216,7 @@ class Engine:
             reqs = self.scheduler.abort_all("Internal error while running the batch")
             self._deliver(reqs)
             raise
+        self.scheduler.reasoned.clear()  # states are found by rid: a reasoning's task needs no tracking
         self._deliver(reqs)
         return reqs
 

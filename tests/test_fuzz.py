@@ -22,6 +22,8 @@ ALLOWED_400S = {
     "a semantic ID of another length than the catalog's",
     "a token id past the model's vocabulary (the OpenAI models do not carry the vocabulary size)",
     "a prompt longer than the model's context (its token count depends on the tokenizer and chat template)",
+    "a reasoning budget past what the prompt leaves of the context (its token count depends on the tokenizer)",
+    "a reasoning marker text that is not one token (the schema does not carry the vocabulary)",
     "best_of other than n (JSON Schema cannot require two fields' values to be equal)",
     "per-item label lists other in number than the items (JSON Schema cannot relate two arrays' lengths)",
     "more items asked for than beams (JSON Schema cannot compare two fields' values)",

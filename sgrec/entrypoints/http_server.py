@@ -154,5 +154,5 @@ def create_app(tm: TokenizerManager, args: ServerArgs, launch: dict) -> FastAPI:
     install_openapi(app, SchemaLimits(lim.vocab_size, lim.max_n, lim.max_batch_size, args.max_rank_candidates,
                                       args.max_beam_width, args.max_filter_items,
                                       admin is not None and admin.sid is not None,
-                                      None if books is None else books.dim), secured_routes(args))
+                                      None if books is None else books.dim, lim.context_len), secured_routes(args))
     return app

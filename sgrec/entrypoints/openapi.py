@@ -19,6 +19,7 @@ from fastapi.openapi.utils import get_openapi
 
 from sgrec.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from sgrec.managers.io_struct import PAUSE_MODES
+from sgrec.managers.rec import REASON_SAMPLING
 
 REF = "#/components/schemas/{model}"
 ERROR_STATUSES = {
@@ -38,6 +39,7 @@ class SchemaLimits:
     max_filter_items: int = 100000
     semantic_id_codes: bool = False  # --semantic-id-tokens: updates give semantic IDs as codes
     embedding_dim: int | None = None  # --semantic-id-codebooks: their dimension
+    context_len: int | None = None  # the model's context (bounds reason.max_tokens)
 
 
 def _nullable(schema: dict) -> dict:
@@ -259,6 +261,23 @@ def rank_schema(lim: SchemaLimits) -> dict:
     }
 
 
+def reason_schema(lim: SchemaLimits) -> dict:
+    """Think-then-retrieve's `reason` (sgrec.managers.rec.parse_reason): decode up to max_tokens,
+    stop at the `until` marker, then retrieve after them."""
+    sp = sampling_params_schema(lim)["properties"]
+    return _nullable({
+        "type": "object", "additionalProperties": False, "required": ["max_tokens", "until"],
+        "properties": {
+            "max_tokens": {"type": "integer", "minimum": 1,
+                           **({} if lim.context_len is None else {"maximum": lim.context_len - 2})},
+            "until": {"anyOf": [{"type": "string", "minLength": 1},
+                                {"type": "integer", "minimum": 0, "maximum": lim.vocab_size - 1}]},
+            "also_without": {"type": "boolean"},
+            **{name: sp[name] for name in sorted(REASON_SAMPLING)},
+        },
+    })
+
+
 def retrieve_schema(lim: SchemaLimits) -> dict:
     return {
         "type": "object",
@@ -269,6 +288,7 @@ def retrieve_schema(lim: SchemaLimits) -> dict:
             "beam_width": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
             "top_k": {"type": "integer", "minimum": 1},
             "num_items": {"type": "integer", "minimum": 1, "maximum": lim.max_beam_width},
+            "reason": reason_schema(lim),
             **rec_request_fields(lim),
         },
     }
@@ -290,6 +310,7 @@ def recommend_schema(lim: SchemaLimits) -> dict:
             "rank": _nullable({"type": "object", "additionalProperties": False, "properties": {
                 name: rank[name] for name in ("instruction", "prefix", "score_by")}}),
             "top_k": rank["top_k"],
+            "reason": reason_schema(lim),
             **rec_request_fields(lim),
         },
     }

@@ -14,6 +14,7 @@ import zlib
 from sgrec.catalog.item import check_token_ids, plain_token_ids
 from sgrec.managers.generate import RequestBuilder, is_int
 from sgrec.managers.io_struct import TaskReq
+from sgrec.sampling import SamplingParams
 from sgrec.tokenizer import Tokenizer
 
 DEFAULT_INSTRUCTION = "\nNext item:"
@@ -120,9 +121,61 @@ def build_rank_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_cand
     return TaskReq(rid=rid, kind="rank", input_ids=user_ids, payload=payload)
 
 
+# think-then-retrieve: `reason` {"max_tokens", "until", "also_without", and these sampling fields}
+REASON_FIELDS = {"max_tokens", "until", "also_without"}
+REASON_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                   "repetition_penalty", "sampling_seed", "stop", "stop_token_ids", "min_new_tokens", "ignore_eos",
+                   "logit_bias"}
+
+
+def parse_reason(reason, user_ids: list[int], tokenizer: Tokenizer, builder: RequestBuilder) -> dict | None:
+    """A retrieve or recommend request's `reason` as its payload: the reasoning's wire sampling
+    params (max_new_tokens = max_tokens, the marker first of stop_token_ids), the marker's token id
+    and also_without. ValueError naming the field."""
+    if reason is None:
+        return None
+    lim = builder.limits
+    if lim.encoder:
+        raise ValueError("reason needs a decoder-only model (an encoder-decoder's input is not decoded into)")
+    if not isinstance(reason, dict):
+        raise ValueError("reason must be an object: {\"max_tokens\": N, \"until\": MARKER, ...sampling fields}")
+    unknown = sorted(set(reason) - REASON_FIELDS - REASON_SAMPLING)
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join('reason.' + k for k in unknown)}; a reasoning takes "
+                         f"{', '.join(sorted(REASON_FIELDS | REASON_SAMPLING))}")
+    missing = [k for k in ("max_tokens", "until") if reason.get(k) is None]
+    if missing:
+        raise ValueError(f"reason needs {' and '.join('reason.' + k for k in missing)}: "
+                         f"{{\"max_tokens\": N, \"until\": MARKER, ...}}")
+    max_tokens, until = reason["max_tokens"], reason["until"]
+    if not is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"reason.max_tokens must be a positive integer, got {max_tokens!r}")
+    room = min(lim.context_len - 1, lim.pool_size) - len(user_ids) - 1  # the marker after the reasoning
+    if max_tokens > room:
+        raise ValueError(f"reason.max_tokens ({max_tokens}) exceeds what the user's {len(user_ids)} tokens and the "
+                         f"marker leave of the model's context ({lim.context_len} tokens): at most {max(room, 0)}")
+    if is_int(until):
+        if not 0 <= until < lim.vocab_size:
+            raise ValueError(f"reason.until: token id {until} is out of the vocabulary range [0, {lim.vocab_size})")
+        marker = until
+    elif isinstance(until, str) and until:
+        marker = tokenizer.token_id(until)
+        if marker is None:
+            raise ValueError(f"reason.until {until!r} is not one token of the vocabulary")
+    else:
+        raise ValueError(f"reason.until must be the marker token: its text or its id, got {until!r}")
+    also = reason.get("also_without", False)
+    if not isinstance(also, bool):
+        raise ValueError(f"reason.also_without must be true or false, got {also!r}")
+    sp = SamplingParams.from_dict({**{k: v for k, v in reason.items() if k in REASON_SAMPLING},
+                                   "max_new_tokens": max_tokens}, lim.vocab_size, "reason")
+    sp.stop_token_ids = [marker, *(t for t in sp.stop_token_ids if t != marker)]
+    return {"sampling_params": sp.to_wire(), "marker": marker, "also_without": also}
+
+
 DEFAULT_BEAM_WIDTH = 128  # capped at --max-beam-width
 DEFAULT_NUM_ITEMS = 10  # capped at the beam width
-RETRIEVE_FIELDS = {"user", "beam_width", "top_k", "num_items", "rid", "routing_key", "model"}
+RETRIEVE_FIELDS = {"user", "beam_width", "top_k", "num_items", "reason", "rid", "routing_key", "model"}
 
 
 def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_beam_width: int,
@@ -141,6 +194,9 @@ def build_retrieve_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max_
         raise ValueError(f"num_items ({num_items}) must not exceed beam_width ({beam_width})")
     payload = {"input_ids": user_ids, "beam_width": beam_width, "top_k": top_k, "num_items": num_items,
                **parse_filters(obj, max_filter_items)}
+    reason = parse_reason(obj.get("reason"), user_ids, tokenizer, builder)
+    if reason is not None:
+        payload["reason"] = reason
     return TaskReq(rid=rid, kind="retrieve", input_ids=user_ids, payload=payload)
 
 
@@ -206,7 +262,7 @@ def build_beam_generate_task(obj, tokenizer: Tokenizer, builder: RequestBuilder,
                                    max_filter_items)
 
 
-RECOMMEND_FIELDS = {"user", "retrieve", "rank", "top_k", "rid", "routing_key", "model"}
+RECOMMEND_FIELDS = {"user", "retrieve", "rank", "top_k", "reason", "rid", "routing_key", "model"}
 RECOMMEND_RETRIEVE = {"beam_width", "num_candidates", "top_k"}
 RECOMMEND_RANK = {"instruction", "prefix", "score_by"}
 DEFAULT_NUM_CANDIDATES = 50  # capped at the beam width and --max-rank-candidates
@@ -265,8 +321,11 @@ def build_recommend_task(obj, tokenizer: Tokenizer, builder: RequestBuilder, max
         rank = build_rank_task({"user": user, "items": ["-"], "top_k": obj.get("top_k"), **rk},
                                tokenizer, builder, max_candidates, max_filter_items)
     rank.payload.pop("item_ids")  # filled with the retrieved candidates when the task runs
-    return TaskReq(rid=rid, kind="recommend", input_ids=user_ids,
-                   payload={"retrieve": retrieve.payload, "rank": rank.payload})
+    payload = {"retrieve": retrieve.payload, "rank": rank.payload}
+    reason = parse_reason(obj.get("reason"), user_ids, tokenizer, builder)
+    if reason is not None:
+        payload["reason"] = reason
+    return TaskReq(rid=rid, kind="recommend", input_ids=user_ids, payload=payload)
 
 
 def beam_generate_response(state, tokenizer: Tokenizer) -> dict:

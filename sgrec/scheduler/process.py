@@ -263,6 +263,8 @@ class SchedulerLoop:
         except Exception:
             logger.error("batch failed; aborting its requests:\n%s", traceback.format_exc())
             reqs = self._abort_after_failure()
+        self.live.update(self.scheduler.reasoned)  # a reasoning's request lives on as its task
+        self.scheduler.reasoned.clear()
         for r in reqs:
             if r.finished:
                 self.live.pop(r.rid, None)

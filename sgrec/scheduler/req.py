@@ -49,6 +49,7 @@ class Req:
     decoder_start: int | None = None
     encoder_key: str | None = None  # the caller's extra_key, the input's namespace (extra_key is the decoder's)
     encoded: object = None
+    reasoning: object = None  # a retrieve / recommend request's reasoning (scheduler/reasoning.py): not streamed
 
     finish_reason: dict | None = None
     generator: torch.Generator | None = None

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from sgrec.policy.prefill_only import (
     jct_uncached_tokens, pick_prefill_only, profile_linear_jct,
 )
 from sgrec.scheduler.encoded import EncoderInputs
+from sgrec.scheduler.reasoning import Reasoning, run_with_reasoning, then_task
 from sgrec.scheduler.recommend import recommend_batch
 from sgrec.scheduler.req import LogprobSpec, Req
 from sgrec.scheduler.task import Task, TaskKind, TaskQueue, stage_units, stream_backend
@@ -171,6 +173,7 @@ class Scheduler:
         self.catalog = self.rank_executor = self.retriever = self.versions = None
         kinds = self._catalog_paths(dp_rank, backend, show_progress) if args.item_catalog else {}
         self.tasks = TaskQueue(args, kinds, backend, clock=lambda: self.clock())
+        self.reasoned: dict[str, Task] = {}  # rid -> the task a finished reasoning became (taken by the caller)
         # an encoder-decoder family's generate and score requests: their inputs through the encoder
         self.inputs = EncoderInputs(runner, self.tree) if runner.capabilities.encoder else None
         self.chunk_size = args.prefill_chunk
@@ -210,6 +213,12 @@ class Scheduler:
             return versioned([r if isinstance(r, Exception) else {"items": r.items, "meta_info": r.meta}
                               for r in self.retriever.run_batch(payloads)])
 
+        def recommend(payloads: list[dict]) -> list:
+            return versioned(recommend_batch(self.retriever, self.rank_executor, payloads))
+
+        def reasoned(kind: str, run: Callable) -> Callable:  # a batch where some requests reasoned first
+            return lambda payloads: run_with_reasoning(kind, run, payloads, tokenizer.decode)
+
         def recommend_tokens(p: dict) -> int:  # the retrieve stage, then about the rank stage's prompt
             ranked = len(p["rank"]["user_ids"]) + len(p["rank"]["instruction_ids"])
             per_item = self.catalog.total_tokens / len(self.catalog)
@@ -217,9 +226,8 @@ class Scheduler:
 
         return {  # batched by kind, each batch one work unit
             "rank": TaskKind(lambda p: versioned(self.rank_executor.run_batch(p)), self.rank_executor.tokens),
-            "retrieve": TaskKind(retrieve, self.retriever.tokens),
-            "recommend": TaskKind(lambda p: versioned(recommend_batch(self.retriever, self.rank_executor, p)),
-                                  recommend_tokens),
+            "retrieve": TaskKind(reasoned("retrieve", retrieve), self.retriever.tokens),
+            "recommend": TaskKind(reasoned("recommend", recommend), recommend_tokens),
         }
 
     # ---- public -------------------------------------------------------------------------
@@ -250,12 +258,39 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
-    def add_task(self, msg: TaskReq) -> Task:
-        """Queues a rank / retrieve / recommend task (once its prefixes are up from storage, see _hold)."""
+    def add_task(self, msg: TaskReq) -> Task | Req:
+        """Queues a rank / retrieve / recommend task (once its prefixes are up from storage, see _hold);
+        one with `reason` starts as its reasoning, a generation request (scheduler/reasoning.py)."""
+        if msg.payload.get("reason") is not None and msg.kind in ("retrieve", "recommend"):
+            return self._add_reasoning(msg)
         task = Task(msg)
         if self._hold(task, self._task_prefixes(msg), self._task_items(msg)):
             return task
         return self.tasks.add(msg, task)
+
+    def _add_reasoning(self, msg: TaskReq) -> Req:
+        if msg.kind not in self.tasks.kinds:
+            return self.tasks.add(msg)  # refused as any task of the kind (no catalog)
+        reason = msg.payload["reason"]
+        payload = msg.payload["retrieve"] if msg.kind == "recommend" else msg.payload
+        req = Req(rid=msg.rid, input_ids=list(msg.input_ids), sampling=SamplingParams.from_wire(reason["sampling_params"]),
+                  extra_key=payload.get("extra_key"), eos_ids=self.eos_ids, stop_checker=self._stop_match,
+                  arrival=self.clock(), reasoning=Reasoning(msg, reason["marker"], reason["also_without"]))
+        if not self._hold(req, [self._lookup_key(req)]):
+            self._queue(req)
+        return req
+
+    def _reasoned(self, reqs: list) -> list:
+        """A step's requests less the reasonings: a finished one becomes its task, queued now (and
+        put in `reasoned`, rid -> task, for the caller that tracks live requests); an aborted one is
+        reported (its task's error)."""
+        out = []
+        for r in reqs:
+            if getattr(r, "reasoning", None) is None or (r.finished and r.finish_reason.get("type") == "abort"):
+                out.append(r)
+            elif r.finished:
+                self.reasoned[r.rid] = self.tasks.add(then_task(r.reasoning, r.output_ids, r.finish_reason))
+        return out
 
     # ---- the storage tier's prefetch (--hicache-storage-backend) ----------------------------
     def _task_prefixes(self, msg: TaskReq) -> list[tuple[list[int], str | None]]:
@@ -358,8 +393,13 @@ class Scheduler:
             wait = PREFETCH_POLL_S if wait is None else min(wait, PREFETCH_POLL_S)
         return wait
 
-    def step(self) -> list[Req]:
-        """Runs one batch; returns the requests that got a new token or finished.
+    def step(self) -> list[Req | Task]:
+        """Runs one batch; returns the requests that got a new token or finished (a reasoning only
+        once its task ends)."""
+        return self._reasoned(self._step())
+
+    def _step(self) -> list[Req | Task]:
+        """One batch (see step).
 
         Prefill goes first, but never twice in a row while requests are decoding: a running
         request waits at most one prefill batch (at most chunked_prefill_size tokens) per token.
