@@ -3,13 +3,13 @@ model and the same prompts: `/v1/retrieve` with `"reason": {"max_tokens": N, "un
 against `/generate` (greedy, stop_token_ids = the marker, max_new_tokens N) followed by
 `/v1/retrieve` on the prompt, the generated tokens and the marker (what a client glues today).
 
-    python benchmarks/bench_think_retrieve.py                       # the demo model, 32 reasoning tokens
+    python benchmarks/bench_think_retrieve.py                       # the demo model, 32 and 128 reasoning tokens
     python benchmarks/bench_think_retrieve.py --max-tokens 64 --beam-width 64 --model-path MODEL_DIR \\
         --item-catalog items.jsonl
 
-Closed-loop clients at concurrency 1 and 8, each request a different MovieLens-100K user (nothing
-cached from an earlier request: the radix cache is flushed between runs); the two ways alternate in
-rounds so that both see the same machine. A request's latency for the two calls is the sum of both
+Closed-loop clients at concurrency 1 and 8 over MovieLens-100K users; in each round both ways send
+the same users, the radix cache flushed before each way's run (nothing cached from an earlier
+request), and the way that goes first alternates between rounds. A request's latency for the two calls is the sum of both
 calls' (the client's wait). Prints the median and P90 latency of each and their ratio (target:
 one request at most 0.9x the two calls' median), and whether both return the same items.
 
@@ -97,68 +97,71 @@ def p90(xs: list[float]) -> float:
     return sorted(xs)[max(0, int(round(0.9 * len(xs))) - 1)]
 
 
+def measure(paths: "Paths", users: list[list[int]], c: int, rounds: int, requests: int) -> dict:
+    """One level: the two ways alternating for `rounds` rounds, each way on the same users in a round
+    (the cache flushed before each). Latencies per way, and how often both returned the same items."""
+    lat: dict[str, list[float]] = {"one": [], "two": []}
+    same = total = 0
+    for rnd in range(rounds):
+        batch = users[rnd * requests: (rnd + 1) * requests]
+        order = ("one", "two") if rnd % 2 == 0 else ("two", "one")
+        results = {}
+        for way in order:
+            paths.flush()
+            results[way] = closed_loop(getattr(paths, way), batch, c)
+            lat[way] += [t for t, _ in results[way]]
+        same += sum(a[1] == b[1] for a, b in zip(results["one"], results["two"]))
+        total += len(batch)
+    return {"lat": lat, "same": same, "total": total}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="demo")
     ap.add_argument("--item-catalog", default=None, help="default: the demo's catalog (with --model-path demo)")
-    ap.add_argument("--max-tokens", type=int, default=32, help="the reasoning budget")
+    ap.add_argument("--max-tokens", type=int, nargs="+", default=[32, 128], help="the reasoning budgets")
     ap.add_argument("--beam-width", type=int, default=32)
     ap.add_argument("--num-items", type=int, default=10)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--requests", type=int, default=24, help="per way, level and round")
+    ap.add_argument("--requests", type=int, default=24, help="users per level and round (each way sends them all)")
     ap.add_argument("--rounds", type=int, default=2, help="the two ways alternate this many times per level")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     cmd = ("python benchmarks/bench_think_retrieve.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
     print(header(cmd, "bench_think_retrieve"), flush=True)
-    per_level = args.requests * args.rounds * 2
-    users, marker = prompts(args.model_path, per_level * len(args.concurrency) + 4)
+    per_level = args.requests * args.rounds
+    levels = [(n, c) for n in args.max_tokens for c in args.concurrency]
+    users, marker = prompts(args.model_path, per_level * len(levels) + 4)
     flags = ["--model-path", args.model_path, "--device", "cpu", "--dtype", args.dtype]
     if args.item_catalog:
         flags += ["--item-catalog", args.item_catalog]
+    from sgrec.model.cpu_caps import cpu_bf16_support
+
+    dtype = args.dtype if args.dtype != "auto" else "bfloat16" if cpu_bf16_support().native else "float32"
     rows, work = [], tempfile.mkdtemp(prefix="bench_think_")
     with LocalServer(flags, log_path=os.path.join(work, "server.log")) as srv:
-        from sgrec.model.cpu_caps import cpu_bf16_support
-
-        dtype = args.dtype if args.dtype != "auto" else "bfloat16" if cpu_bf16_support().native else "float32"
-        print(f"model {args.model_path} ({dtype}), marker token {marker}, reasoning budget "
-              f"{args.max_tokens}, beam width {args.beam_width}, {args.num_items} items")
-        paths = Paths(srv.url, args.max_tokens, marker, args.beam_width, args.num_items)
-        for ids in users[-4:]:  # warm both code paths
-            paths.one(ids), paths.two(ids)
-        start = 0
-        for c in args.concurrency:
-            lat: dict[str, list[float]] = {"one": [], "two": []}
-            same = total = 0
-            for rnd in range(args.rounds):
-                batch = users[start: start + 2 * args.requests]
-                start += 2 * args.requests
-                order = ("one", "two") if rnd % 2 == 0 else ("two", "one")
-                for way in order:  # each way its own users; then the other way on the same users
-                    paths.flush()
-                    res = closed_loop(getattr(paths, way), batch, c)
-                    lat[way] += [t for t, _ in res]
-                    if way == order[0]:
-                        first = res
-                    else:
-                        same += sum(a[1] == b[1] for a, b in zip(first, res))
-                        total += len(res)
+        print(f"model {args.model_path} ({dtype}), marker token {marker}, beam width {args.beam_width}, "
+              f"{args.num_items} items")
+        for k, (n, c) in enumerate(levels):
+            paths = Paths(srv.url, n, marker, args.beam_width, args.num_items)
+            if c == args.concurrency[0]:
+                for ids in users[-4:]:  # warm both code paths at this budget
+                    paths.one(ids), paths.two(ids)
+                paths.reasoned.clear()
+            m = measure(paths, users[k * per_level: (k + 1) * per_level], c, args.rounds, args.requests)
+            lat = m["lat"]
             med = {w: statistics.median(v) for w, v in lat.items()}
-            print(f"reasonings of {statistics.mean(paths.reasoned):.1f} tokens on average")
-            paths.reasoned.clear()
-            ratio = med["one"] / med["two"]
-            print(f"concurrency {c}: one request median {med['one'] * 1e3:.1f} ms (P90 {p90(lat['one']) * 1e3:.1f}); "
-                  f"two calls median {med['two'] * 1e3:.1f} ms (P90 {p90(lat['two']) * 1e3:.1f}); ratio {ratio:.2f}x "
-                  f"(target at most 0.90x); the same items for {same}/{total} users")
+            print(f"budget {n} (reasonings of {statistics.mean(paths.reasoned):.1f} tokens on average), concurrency "
+                  f"{c}: one request median {med['one'] * 1e3:.1f} ms (P90 {p90(lat['one']) * 1e3:.1f}); two calls "
+                  f"median {med['two'] * 1e3:.1f} ms (P90 {p90(lat['two']) * 1e3:.1f}); ratio "
+                  f"{med['one'] / med['two']:.2f}x (target at most 0.90x); the same items for {m['same']}/{m['total']} "
+                  f"users", flush=True)
+            params = {"max_tokens": n, "concurrency": c, "dtype": dtype, "beam_width": args.beam_width}
             rows.append(row("think-then-retrieve median latency", "ms", round(med["one"] * 1e3, 2),
-                            round(med["two"] * 1e3, 2), params={"concurrency": c, "dtype": dtype, "max_tokens": args.max_tokens,
-                                                                "beam_width": args.beam_width},
-                            higher_is_better=False))
+                            round(med["two"] * 1e3, 2), params=params, higher_is_better=False))
             rows.append(row("think-then-retrieve P90 latency", "ms", round(p90(lat["one"]) * 1e3, 2),
-                            round(p90(lat["two"]) * 1e3, 2), params={"concurrency": c, "dtype": dtype, "max_tokens": args.max_tokens,
-                                                                     "beam_width": args.beam_width},
-                            higher_is_better=False))
+                            round(p90(lat["two"]) * 1e3, 2), params=params, higher_is_better=False))
     print(f"rerun: {cmd}")
     if not args.no_record:
         path = write_record(
@@ -166,8 +169,8 @@ def main(argv=None) -> None:
             command=cmd, results=rows,
             peer="the two-call path on the same server: /generate stopping at the marker, then /v1/retrieve",
             bounds="Both ways decode the same reasoning and run the same beams; the one request saves the second "
-                   "HTTP round trip, the second queue wait and the client's glue, and its beams read the reasoning's "
-                   "KV where the decode left it.")
+                   "HTTP round trip, the second queue wait, the client's glue and the per-token streaming of the "
+                   "reasoning to the front, and its beams read the reasoning's KV where the decode left it.")
         print(f"recorded: {path}")
 
 
