@@ -192,3 +192,44 @@ def test_token_id_check_fast_path_agrees_with_the_exact_one():
                        ([1.0], "x holds 1.0"), ([], "non-empty"), ("ab", "non-empty")):
         with pytest.raises(ValueError, match=msg):
             check_token_ids(value, "x", 10)
+
+
+@pytest.mark.parametrize("present", [
+    list(range(9)),  # every row: the values' own array
+    [0, 1, 2, 5, 6, 8],  # a run, then gaps
+    [2, 3, 4, 7],  # the first rows without
+    [],
+])
+@pytest.mark.parametrize("columnar", [False, True])
+def test_attribute_columns_equal_their_scattered_values(present, columnar):
+    """AttrBuilder, row by row (JSON Lines) or a column at a time (Parquet): each kind's column holds
+    the given rows' values and marks the others absent, whether the rows are counted or listed."""
+    from sgrec.catalog.attrs import AttrBuilder
+
+    n = 9
+    vals = {"num": [1.5 * r for r in present], "bool": [r % 2 == 0 for r in present],
+            "str": [f"s{r % 3}" for r in present], "strs": [[f"t{r % 2}", f"t{r % 4}"][: r % 3] for r in present]}
+    b = AttrBuilder()
+    if columnar:
+        for split in (present[:3], present[3:]):  # two batches
+            k = len(split)
+            off = present.index(split[0]) if split else 0
+            rows = np.array(split, np.int64)
+            b.add_column("num", "num", rows, np.array(vals["num"][off:off + k]))
+            b.add_column("bool", "bool", rows, np.array(vals["bool"][off:off + k], np.int8))
+            words = sorted(set(vals["str"]))
+            b.add_column("str", "str", rows, np.array([words.index(v) for v in vals["str"][off:off + k]]), words)
+            tags = sorted({w for v in vals["strs"] for w in v})
+            flat = [tags.index(w) for v in vals["strs"][off:off + k] for w in v]
+            b.add_column("strs", "strs", rows, np.array(flat, np.int64), tags,
+                         np.array([len(v) for v in vals["strs"][off:off + k]]))
+    else:
+        for i, r in enumerate(present):
+            b.add(r, {k: v[i] for k, v in vals.items()})
+    table = b.build(n)
+    for kind in ("num", "bool", "str", "strs") if present else ():
+        got = [table.columns[kind].value(r) for r in range(n)]
+        want = [vals[kind][present.index(r)] if r in present else None for r in range(n)]
+        assert got == want, kind
+    if not columnar:  # a column at a time: an all-absent column is still named (a Parquet column of nulls)
+        assert set(table.columns) == ({"num", "bool", "str", "strs"} if present else set())

@@ -311,55 +311,88 @@ def kind_of_or_none(x) -> str | None:
 
 class _Growing:
     """One attribute's values as they arrive: rows and values in C arrays (no Python object per
-    value: a 10^7-item catalog's attributes stay a few bytes per value while loading)."""
+    value: a 10^7-item catalog's attributes stay a few bytes per value while loading). While every
+    row from 0 on has a value, the rows are only counted (`dense`), and a column whose every row has
+    one becomes its values' own array, uncopied."""
 
     def __init__(self, kind: str):
         self.kind = kind
-        self.rows = array("q")
+        self.rows: array | None = None  # None: rows 0 .. dense - 1, each with a value
+        self.dense = 0
         self.data = array({"num": "d", "bool": "b", "str": "i", "strs": "i"}[kind])
         self.lens = array("q") if kind == "strs" else None
         self.code: dict[str, int] = {}
 
         self.add = {"str": self._add_str, "strs": self._add_strs}.get(kind, self._add_value)  # one call per value
 
-    def _add_str(self, row: int, v: str) -> None:
+    def _row(self, row: int) -> None:
+        if self.rows is None:
+            if row == self.dense:
+                self.dense += 1
+                return
+            self._spread()
         self.rows.append(row)
+
+    def _spread(self) -> None:
+        """From counted rows to listed ones (a row without a value came)."""
+        self.rows = array("q")
+        self.rows.frombytes(np.arange(self.dense, dtype=np.int64).tobytes())
+
+    def add_rows(self, rows: np.ndarray) -> None:
+        """Many rows at once (ascending, after those before)."""
+        if self.rows is None:
+            if len(rows) == 0 or (rows[0] == self.dense and rows[-1] == self.dense + len(rows) - 1):
+                self.dense += len(rows)  # ascending and distinct: the first and last say it is a run
+                return
+            self._spread()
+        self.rows.frombytes(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
+
+    def _add_str(self, row: int, v: str) -> None:
+        self._row(row)
         self.data.append(self.code.setdefault(v, len(self.code)))
 
     def _add_strs(self, row: int, v: list[str]) -> None:
-        self.rows.append(row)
+        self._row(row)
         self.lens.append(len(v))
         self.data.extend(self.code.setdefault(x, len(self.code)) for x in v)
 
     def _add_value(self, row: int, v) -> None:
-        self.rows.append(row)
+        self._row(row)
         self.data.append(v)
 
     def column(self, n: int) -> AttrColumn:
-        rows = np.frombuffer(self.rows, dtype=np.int64) if self.rows else np.zeros(0, np.int64)
-        vals = np.frombuffer(self.data, dtype=self.data.typecode)  # read, then scattered into the column
+        every = self.rows is None and self.dense == n  # every row has a value
+        if self.rows is None:
+            rows = np.arange(self.dense, dtype=np.int64)
+        else:
+            rows = np.frombuffer(self.rows, dtype=np.int64) if self.rows else np.zeros(0, np.int64)
+        vals = np.frombuffer(self.data, dtype=self.data.typecode) if self.data else \
+            np.zeros(0, {"d": np.float64, "b": np.int8, "i": np.int32}[self.data.typecode])
         values = list(self.code)  # code order: first seen
         if self.kind == "num":
+            if every:
+                return AttrColumn("num", n, vals, present=np.ones(n, dtype=bool))
             data, present = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=bool)
             data[rows], present[rows] = vals, True
             return AttrColumn("num", n, data, present=present)
-        if self.kind == "bool":
-            data = np.full(n, -1, dtype=np.int8)
-            data[rows] = vals
-            return AttrColumn("bool", n, data)
-        if self.kind == "str":
-            data = np.full(n, -1, dtype=np.int32)
-            data[rows] = vals
+        if self.kind in ("bool", "str"):
+            if every:
+                data = vals
+            else:  # scattered into the column, -1 where absent
+                data = np.full(n, -1, dtype=vals.dtype)
+                data[rows] = vals
+            if self.kind == "bool":
+                return AttrColumn("bool", n, data)
             return AttrColumn("str", n, data, values=values, _code=self.code)
         lens = np.zeros(n, dtype=np.int64)
-        lens[rows] = np.array(self.lens, dtype=np.int64)
+        lens[rows] = np.frombuffer(self.lens, dtype=np.int64) if self.lens else np.zeros(0, np.int64)
         ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lens, out=ptr[1:])
         present = np.zeros(n, dtype=bool)
         present[rows] = True
         if not np.all(np.diff(rows) > 0):  # rows arrive ascending from every loader; keep it so
             raise ValueError("attribute rows must be added in ascending order")
-        return AttrColumn("strs", n, vals.astype(np.int32), present=present, ptr=ptr, values=values, _code=self.code)
+        return AttrColumn("strs", n, vals, present=present, ptr=ptr, values=values, _code=self.code)
 
 
 class AttrBuilder:
@@ -397,7 +430,7 @@ class AttrBuilder:
             col = self.cols[name] = _Growing(kind)
         elif col.kind != kind:
             raise ValueError(f"attrs.{name} is {kind} here but {col.kind} in earlier items; one kind per attribute")
-        col.rows.frombytes(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
+        col.add_rows(rows)
         if vocab is not None:
             remap = np.array([col.code.setdefault(v, len(col.code)) for v in vocab], dtype=np.int32)
             data = remap[np.asarray(data, dtype=np.int64)] if len(data) else np.zeros(0, np.int32)
