@@ -152,18 +152,62 @@ def test_tree_nodes_carry_states_with_their_own_lock_and_budget():
     tree.attach_state(node2, states.alloc(1))
     tree.check_integrity()
     assert tree.state_count == 2 and states.available_size() == 0
+    tree.inc_lock_ref(node2)  # a reader of a snapshot holds its KV too
     tree.lock_state(node2)
-    assert tree.make_room(0, states=1)  # node's state goes, its KV stays; node2's is locked
-    assert node.state is None and node2.state is not None and tree.total_size() == 8
+    assert tree.make_room(0, states=1)  # the policy's victim goes whole: node, its KV and its snapshot
+    assert node.parent is None and node2.state is not None and tree.total_size() == 5
     assert not tree.make_room(0, states=2)  # one budget: the locked state cannot be freed
+    assert tree.total_size() == 2  # [1, 2, 3], a leaf without a snapshot, went on the way
     tree.unlock_state(node2)
+    tree.dec_lock_ref(node2)
     with pytest.raises(RuntimeError, match="unlock_state"):
         tree.unlock_state(node2)
     assert tree.evict_branch(node2) == 2 and node2.parent is None  # evicting a node frees its state too
     assert states.available_size() == 2 and tree.state_count == 0
+    tree.insert([1, 2, 3, 4, 5, 6], alloc.alloc(6))
     tree.attach_state(tree.match_prefix([1, 2, 3, 4, 5, 6]).last_node, states.alloc(1))
     tree.reset()
     assert states.available_size() == 2 and tree.state_count == 0 and alloc.available_size() == 8
+
+
+@pytest.mark.parametrize("policy", ["lru", "laru"])
+def test_snapshots_are_evicted_in_the_trees_policy_order(policy):
+    """A full state pool frees snapshots in the eviction policy's order: LARU with exact predictions
+    (its lambda stays 1: the farthest next use among the least recent) keeps the snapshot needed
+    next, where LRU drops the least recent one. Snapshots on inner nodes go last, their KV kept."""
+    from sgrec.radix.eviction import make_policy
+    from sgrec.radix.node import start_key
+    from sgrec.radix.predictor import OraclePredictor
+
+    alloc, states = TokenAllocator(32), StatePool(3, {0: {"h": (4,)}}, torch.float32)
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8, 9]}
+    keys = {name: hash((None, tuple(p[:1]))) for name, p in prompts.items()}
+    order = {keys["a"]: 1.0, keys["b"]: 3.0, keys["c"]: 2.0}  # a is needed first, b last
+    pol = policy if policy == "lru" else make_policy(
+        "laru", {"predictor": OraclePredictor(lambda k, t: order.get(k, float("inf")))})
+    tree = RadixCache(alloc, policy=pol, states=states)
+    nodes = {}
+    for name, p in prompts.items():  # a least recent, c most
+        tree.insert(p, alloc.alloc(3))
+        nodes[name] = tree.match_prefix(p).last_node
+        assert start_key(nodes[name]) == keys[name]
+        tree.attach_state(nodes[name], states.alloc(1))
+    assert tree.make_room(0, states=1)
+    gone = {name for name, node in nodes.items() if node.parent is None}
+    assert gone == ({"a"} if policy == "lru" else {"b"})  # whole: KV and snapshot
+    assert tree.total_size() == 6 and tree.state_count == 2
+    # an inner node's snapshot: a longer prompt below the survivors' first, locked by a reader
+    first = sorted(set(prompts) - gone)[0]
+    head = tree.match_prefix(prompts[first]).indices  # the tree's own slots, shared by the longer prompt
+    tree.insert(prompts[first] + [20, 21], torch.cat([head, alloc.alloc(2)]))
+    leaf = tree.match_prefix(prompts[first] + [20, 21]).last_node
+    tree.inc_lock_ref(leaf)
+    assert nodes[first].children and nodes[first].state is not None
+    assert tree.make_room(0, states=3)  # the other leaf goes whole; the inner snapshot, its KV kept
+    assert nodes[first].state is None and nodes[first].parent is not None and tree.state_count == 0
+    assert tree.total_size() == 5
+    tree.dec_lock_ref(leaf)
+    tree.check_integrity()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: bfloat16 where the CPU has avx512_bf16 / AMX

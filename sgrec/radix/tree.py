@@ -228,13 +228,28 @@ class RadixCache:
         node.state_lock_ref -= 1
 
     def evict_states(self, n: int) -> int:
-        """Frees up to n unlocked states, least recently used first; their nodes keep their KV.
-        Returns how many were freed."""
-        held = sorted((node.access_tick, node.id, node) for node in self._nodes()
-                      if node.state is not None and node.state_lock_ref == 0)
-        for _, _, node in held[:n]:
-            self._drop_state(node)
-        return min(n, len(held))
+        """Frees up to n unlocked states. The eviction policy picks first: its victims (evictable
+        leaves in its order: recency for lru, predictions for laru, fpb and hf) go whole, KV and
+        snapshot, until n states are free. A family with states resumes a prefix only from a
+        snapshot, so a leaf's KV is of no use once its snapshot is gone, and a leaf without one is
+        of none already. Then snapshots on inner nodes (the prefixes of their children's) go, least
+        recently used first, their KV kept. Returns how many were freed."""
+        freed = 0
+        while freed < n and self.policy.indexed and not self.disable:
+            node = self.policy.victim()
+            if node is None:
+                break
+            if not is_evictable(node) or node.state_lock_ref:  # a state is locked only under a KV lock
+                raise RuntimeError(f"policy {self.policy.name} chose a node it cannot evict: {node!r}")
+            freed += node.state is not None
+            self._delete_leaf(node)
+        if freed < n:
+            held = sorted((node.access_tick, node.id, node) for node in self._nodes()
+                          if node.state is not None and node.state_lock_ref == 0)
+            for _, _, node in held[: n - freed]:
+                self._drop_state(node)
+                freed += 1
+        return freed
 
     def evictable_states(self) -> int:
         """States evict_states could free now (unlocked)."""
