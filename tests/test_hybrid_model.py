@@ -399,11 +399,75 @@ def test_snapshots_make_room_for_running_requests_in_one_state_budget(hybrid_dir
         cold.shutdown()
 
 
-# ---- what the family does not serve ------------------------------------------------------------------
-def test_the_host_tier_is_refused_by_name(hybrid_dir):
-    with pytest.raises(ValueError, match="--enable-hierarchical-cache: the host and storage tiers keep KV, not "
-                                         "the hybrid family's state snapshots"):
-        Engine(hybrid_dir, device="cpu", dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True)
+# ---- the host tier: snapshots go down with their KV ------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_snapshot_evicted_to_the_host_tier_resumes_with_a_cold_runs_numbers(hybrid_dir, dtype):
+    """With --enable-hierarchical-cache, an evicted node's snapshot goes to the host tier with its
+    pages (the tokens past the last full page in the snapshot itself); a returning prompt whose
+    prefix left the pool loads the pages and the deepest snapshot back and computes only what
+    follows, with a cold run's numbers."""
+    kw = dict(device="cpu", dtype=dtype, max_total_tokens=1024, chunked_prefill_size=32)
+    warm = Engine(hybrid_dir, enable_hierarchical_cache=True, hicache_page_size=16, hicache_ratio=8.0, **kw)
+    cold = Engine(hybrid_dir, disable_radix_cache=True, **kw)
+    try:
+        first = ids(70, seed=21)
+        answer, _, _ = generate(warm, first)
+        tree, hicache = warm.scheduler.tree, warm.scheduler.hicache
+        saved = tree.state_count
+        assert saved >= 3  # the chunks' ends (32, 64) and the finish (75)
+        tree.evict(tree.evictable_size())  # every node leaves the pool: pages and snapshots to the host tier
+        second = first + answer + ids(20, seed=22)
+        assert tree.peek_prefix_len(second) == 0 and tree.state_count == 0
+        assert hicache.stats()["snapshots"]["held"] == saved
+        got, got_lp, meta = generate(warm, second)
+        ref, ref_lp, _ = generate(cold, second)
+        # pages 0..63 and the finish's snapshot (tail 64..74, state after token 74) came back
+        assert meta["cached_tokens"] == len(first) + len(answer) - 1
+        assert hicache.snapshot_counts["loaded"] == 1 and hicache.loaded_tokens["host"] == meta["cached_tokens"]
+        tol = tolerance(warm.runner.dtype)
+        assert got[0] == ref[0] and abs(got_lp[0] - ref_lp[0]) <= tol
+        if warm.runner.dtype == torch.float32:
+            assert got == ref and max(abs(a - b) for a, b in zip(got_lp, ref_lp)) <= tol
+        warm.check_memory()
+        states = warm.runner.memory.states
+        assert states.available_size() + tree.state_count == states.size
+    finally:
+        warm.shutdown()
+        cold.shutdown()
+
+
+def test_the_host_tiers_snapshots_are_bit_exact_and_weigh_their_bytes(hybrid_dir):
+    """A snapshot loaded back is the state and KV it replaces, bit for bit: the same prompt resumed
+    from the pool and from the host tier gives identical logprobs. Its weight in the host tier is
+    its bytes in pages, and it leaves the tier (and the index) as pages do, least recent first."""
+    kw = dict(device="cpu", dtype="float32", max_total_tokens=1024, chunked_prefill_size=32)
+    eng = Engine(hybrid_dir, enable_hierarchical_cache=True, hicache_page_size=16, hicache_ratio=8.0, **kw)
+    try:
+        first = ids(50, seed=31)
+        answer, _, _ = generate(eng, first)
+        second = first + answer + ids(9, seed=32)
+        from_pool = generate(eng, second)
+        tree, hicache = eng.scheduler.tree, eng.scheduler.hicache
+        tree.evict(tree.evictable_size())  # every node to the host tier, the snapshots with them
+        from_host = generate(eng, second)  # the same snapshot as from_pool's (the first's finish), loaded back
+        assert from_host[0] == from_pool[0] and from_host[1] == from_pool[1]  # bit for bit
+        assert from_host[2]["cached_tokens"] == from_pool[2]["cached_tokens"] and hicache.snapshot_counts["loaded"]
+        held = hicache.host
+        page_bytes = hicache.like(16).nbytes
+        weights = [w for w in held.weights.values()]
+        state_bytes = eng.runner.memory.states.bytes_per_state
+        assert weights and all(w >= -(-state_bytes // page_bytes) for w in weights)
+        assert held.used == len(held) - len(held.weights) + sum(weights) <= held.capacity
+        eng.check_memory()
+    finally:
+        eng.shutdown()
+
+
+def test_the_storage_tier_is_refused_by_name(hybrid_dir, tmp_path):
+    with pytest.raises(ValueError, match="--hicache-storage-backend: the storage tier keeps KV pages, not the "
+                                         "hybrid family's state snapshots"):
+        Engine(hybrid_dir, device="cpu", dtype="float32", max_total_tokens=256, enable_hierarchical_cache=True,
+               hicache_storage_backend="file", hicache_storage_backend_extra_config=f'{{"file_storage_path": "{tmp_path}"}}')
 
 
 # ---- rank: user-as-prefix, a state fork per candidate ---------------------------------------------

@@ -74,6 +74,19 @@ class StatePool:
             for buf in parts.values():
                 buf.index_copy_(0, dst, buf.index_select(0, src))
 
+    def read(self, slot: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
+        """One slot's state, copied to host memory (layer -> part -> tensor, bit for bit)."""
+        one = int(slot.reshape(-1)[0])
+        return {layer: {name: buf[one].cpu().clone() for name, buf in parts.items()}
+                for layer, parts in self.buffers.items()}
+
+    def write_(self, slot: torch.Tensor, state: dict[int, dict[str, torch.Tensor]]) -> None:
+        """The state at `slot` becomes `state` (read's form)."""
+        one = int(slot.reshape(-1)[0])
+        for layer, parts in self.buffers.items():
+            for name, buf in parts.items():
+                buf[one].copy_(state[layer][name])
+
     def free(self, slots: torch.Tensor) -> None:
         if self.allocator is not None:
             self.allocator.free(slots)

@@ -52,6 +52,32 @@ def item_key(namespace: str, header_ids: list[int], token_ids: list[int]) -> str
     return h.hexdigest()
 
 
+def snapshot_key(namespace: str, extra_key: str | None, tokens: list[int]) -> str:
+    """The key of a state snapshot after `tokens` (the whole prefix) in the namespace."""
+    h = hashlib.blake2b(f"{namespace}\0{extra_key!r}\0state".encode(), digest_size=_DIGEST)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class StateSnapshot:
+    """A recurrent family's state after a prefix, in the host tier: the state's parts per layer (as
+    the StatePool keeps them), and the K and V of the prefix's tokens past its last full page
+    (`tail`, [layers, n, heads, dim]), which no page holds. `anchor` names where the tail starts: the
+    key of the page before it, or the namespace's root."""
+
+    state: dict[int, dict[str, torch.Tensor]]
+    k: torch.Tensor
+    v: torch.Tensor
+    tail: tuple[int, ...]
+    anchor: str
+
+    @property
+    def nbytes(self) -> int:
+        return (sum(t.numel() * t.element_size() for parts in self.state.values() for t in parts.values())
+                + 2 * self.k.numel() * self.k.element_size())
+
+
 @dataclass
 class Page:
     """One page's rows as the pool stores them (float8 pools as bytes): k and v are [layers, page, heads, dim]."""
@@ -121,14 +147,17 @@ class TierStats:
 
 
 class HostTier:
-    """Pages in host memory, up to `capacity` pages, least recently used out first. Thread-safe:
-    the storage prefetcher adds pages while the scheduler reads them."""
+    """Pages in host memory, up to `capacity` pages, least recently used out first. An entry may
+    weigh more than a page (a state snapshot: its bytes in pages, `put`'s weight). Thread-safe: the
+    storage prefetcher adds pages while the scheduler reads them."""
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"the host tier must hold at least one page, got {capacity}")
         self.capacity = capacity
         self.pages: OrderedDict[str, Page] = OrderedDict()
+        self.weights: dict[str, int] = {}  # entries heavier than one page
+        self.used = 0  # pages' worth held
         self.lock = threading.Lock()
         self.stats = TierStats()
 
@@ -149,24 +178,35 @@ class HostTier:
             self.stats.bytes_read += page.nbytes
             return page
 
-    def put(self, key: str, page: Page) -> list[tuple[str, Page]]:
-        """Keeps the page (most recent); returns the pages it pushed out."""
+    def put(self, key: str, page, weight: int = 1) -> list[tuple[str, object]]:
+        """Keeps the entry (most recent), counted as `weight` pages; returns the entries it pushed
+        out (an entry heavier than the whole tier is not kept)."""
         with self.lock:
             if key in self.pages:
                 self.pages.move_to_end(key)
                 return []
+            if weight > self.capacity:
+                self.stats.extra["too_large"] = self.stats.extra.get("too_large", 0) + 1
+                return []
             self.pages[key] = page
+            if weight != 1:
+                self.weights[key] = weight
+            self.used += weight
             self.stats.writes += 1
             self.stats.bytes_written += page.nbytes
             out = []
-            while len(self.pages) > self.capacity:
-                out.append(self.pages.popitem(last=False))
+            while self.used > self.capacity:
+                k, p = self.pages.popitem(last=False)
+                self.used -= self.weights.pop(k, 1)
+                out.append((k, p))
             self.stats.evictions += len(out)
             return out
 
     def clear(self) -> None:
         with self.lock:
             self.pages.clear()
+            self.weights.clear()
+            self.used = 0
 
 
 def each(call, args: list) -> list:

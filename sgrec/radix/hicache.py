@@ -36,7 +36,7 @@ import torch
 from sgrec.mem.cost import LinearCost
 from sgrec.mem.kv_pool import KVPool
 from sgrec.mem.tiers import (
-    FileStorage, HostTier, Page, TierStats, decode, encode, page_keys, read_pages,
+    FileStorage, HostTier, Page, StateSnapshot, TierStats, decode, encode, page_keys, read_pages, snapshot_key,
 )
 from sgrec.radix.node import TreeNode
 from sgrec.radix.predictor import UNKNOWN
@@ -156,6 +156,11 @@ class HiCache:
         self._upload_stream = None  # on a GPU: the stream loads copy on (made at the first)
         self._writes: queue.Queue | None = None
         self._fetcher: ThreadPoolExecutor | None = None
+        # a recurrent family's state snapshots (keep_states): the StatePool they come from, and the
+        # host tier's snapshots by anchor (where each one's tail starts) -> {key: tail tokens}
+        self.states = None
+        self._snapshots: dict[str, dict[str, tuple[int, ...]]] = {}
+        self.snapshot_counts = {"saved": 0, "loaded": 0}
         if storage is not None:
             self._writes = queue.Queue(WRITE_QUEUE)
             threading.Thread(target=self._write_loop, name="hicache-writer", daemon=True).start()
@@ -173,11 +178,14 @@ class HiCache:
             self._save(node, through=True)
 
     def on_evict(self, node: TreeNode) -> None:
-        """node (still linked to its parent) leaves the pool: its pages go down to the host tier."""
+        """node (still linked to its parent) leaves the pool: its pages go down to the host tier, and
+        its state snapshot with them."""
         self._save(node, through=False)
+        self.save_snapshot(node)
 
     def reset(self) -> None:
         self.host.clear()
+        self._snapshots.clear()
 
     def _save(self, node: TreeNode, through: bool) -> None:
         """Writes the full pages that end inside node's edge and are not in the host tier yet."""
@@ -194,15 +202,92 @@ class HiCache:
         for k, page in zip(todo, read_pages(self.pool, rows, P)):
             self._host_put(keys[k], page, through)
 
-    def _host_put(self, key: str, page: Page, through: bool) -> None:
-        pushed = self.host.put(key, page)
+    def _host_put(self, key: str, page: Page, through: bool, weight: int = 1) -> None:
+        pushed = self.host.put(key, page, weight)
+        for k, p in pushed:
+            if isinstance(p, StateSnapshot):  # gone: the host tier keeps snapshots, storage does not
+                self._unindex(k, p)
         if self._writes is None:
             return
         if through:
             self._write(key, page)
         for k, p in pushed:  # leaving the host tier: down to storage unless it is there
-            self._from_storage.discard(k)
-            self._write(k, p)
+            if isinstance(p, Page):
+                self._from_storage.discard(k)
+                self._write(k, p)
+
+    # ---- state snapshots (a recurrent family: keep_states) ------------------------------------
+    def keep_states(self, states) -> None:
+        """Snapshots go down with their nodes and come back with their prefixes (match_snapshot):
+        `states` is the StatePool their slots belong to."""
+        self.states = states
+
+    def save_snapshot(self, node: TreeNode) -> None:
+        """node's state snapshot (if it has one) into the host tier, with the KV of its prefix's
+        tokens past the last full page; it weighs its bytes in pages."""
+        if self.states is None or node.state is None:
+            return
+        tokens, slots = path_of(node)
+        key = snapshot_key(self.namespace, node.extra_key, tokens)
+        if key in self.host:
+            return
+        P = self.page_size
+        base = len(tokens) // P * P
+        anchor = self._anchor(node.extra_key, tokens, base)
+        if base < len(tokens):
+            k, v = self.pool.read_rows(slots[base:])
+        else:
+            k, v = (self._like.k[:, :0], self._like.v[:, :0])
+        snap = StateSnapshot(self.states.read(node.state), k, v, tuple(tokens[base:]), anchor)
+        self._snapshots.setdefault(anchor, {})[key] = snap.tail
+        self.snapshot_counts["saved"] += 1
+        self._host_put(key, snap, through=False, weight=-(-snap.nbytes // self._like.nbytes))
+        if key not in self.host:  # heavier than the whole tier
+            self._unindex(key, snap)
+
+    def load_snapshot(self, slots: torch.Tensor | None, state: torch.Tensor, snap: StateSnapshot) -> None:
+        """A snapshot back into the pool: the last len(slots) tokens of its tail into `slots` (the
+        ones before are in the pool already), its state into the state slot `state`."""
+        if slots is not None:
+            n = len(slots)
+            self.write_rows(slots, snap.k[:, len(snap.tail) - n:], snap.v[:, len(snap.tail) - n:])
+            self.loaded_tokens["host"] += n
+        self.states.write_(state, snap.state)
+        self.snapshot_counts["loaded"] += 1
+
+    def _anchor(self, extra_key: str | None, tokens: list[int], base: int) -> str:
+        """Where a tail starting at `base` hangs: the key of the page ending there, or the root."""
+        if base == 0:
+            return f"{self.namespace}\0{extra_key!r}\0root"
+        return page_keys(self.namespace, extra_key, tokens[:base], self.page_size)[-1]
+
+    def _unindex(self, key: str, snap: StateSnapshot) -> None:
+        tails = self._snapshots.get(snap.anchor)
+        if tails is not None:
+            tails.pop(key, None)
+            if not tails:
+                del self._snapshots[snap.anchor]
+
+    def plan_snapshot(self, key: list[int], extra_key: str | None, reach: int, floor: int
+                      ) -> tuple[int, StateSnapshot] | None:
+        """The deepest snapshot of the host tier on `key` past depth `floor` whose tail starts
+        within `reach` (the tokens the pool holds): (its depth, the snapshot), or None."""
+        if not self._snapshots:
+            return None
+        P = self.page_size
+        anchors = [self._anchor(extra_key, key, 0),
+                   *page_keys(self.namespace, extra_key, key[: reach // P * P], P)]
+        best = None
+        for j, anchor in enumerate(anchors):
+            base = j * P
+            for skey, tail in self._snapshots.get(anchor, {}).items():
+                d = base + len(tail)
+                if floor < d <= len(key) and (best is None or d > best[0]) and tuple(key[base:d]) == tail:
+                    best = (d, skey)
+        if best is None:
+            return None
+        snap = self.host.get(best[1])
+        return None if snap is None else (best[0], snap)
 
     # ---- loading back -----------------------------------------------------------------------
     def plan_load(self, key: list[int], extra_key: str | None, start: int) -> LoadPlan | None:
@@ -461,7 +546,10 @@ class HiCache:
                "page_size": self.page_size, "write_policy": self.write_policy,
                "loaded_tokens": dict(self.loaded_tokens), "item_tokens": dict(self.item_tokens),
                "item_read": self.item_read.as_dict(),  # storage reads of item KV: fixed + per-token seconds
-               "host": self.host.stats.as_dict() | {"pages": len(self.host), "capacity_pages": self.host.capacity}}
+               "host": self.host.stats.as_dict() | {"pages": len(self.host), "used_pages": self.host.used,
+                                                    "capacity_pages": self.host.capacity}}
+        if self.states is not None:
+            out["snapshots"] = self.snapshot_counts | {"held": sum(len(t) for t in self._snapshots.values())}
         if self.storage is not None:
             out["storage"] = self.storage_stats.as_dict() | {"backend": self.storage.name,
                                                              "pending_writes": self.pending_writes()}

@@ -94,7 +94,38 @@ class RadixCache:
         while node is not self.root and node.state is None:
             n -= len(node.key)
             node = node.parent
+        if self.hicache is not None and self.hicache.states is not None:
+            back = self._load_snapshot(_as_list(key), extra_key, res, n)
+            if back is not None:
+                return back
         return MatchResult(res.indices[:n], node)
+
+    def _load_snapshot(self, key: list[int], extra_key: str | None, res: MatchResult, floor: int
+                       ) -> MatchResult | None:
+        """A deeper snapshot than the pool's (past depth `floor`) from the host tier: its tail's KV
+        into fresh slots past the pool's match, its state into a fresh state slot on the node that
+        ends there. The match up to it, or None (no such snapshot, or no room for it now)."""
+        have = res.indices.numel()
+        plan = self.hicache.plan_snapshot(key, extra_key, have, floor)
+        if plan is None:
+            return None
+        d, snap = plan
+        fresh = max(0, d - have)
+        self.inc_lock_ref(res.last_node)  # making room must not evict the part matched
+        try:
+            room = self.make_room(fresh, 1)
+        finally:
+            self.dec_lock_ref(res.last_node)
+        if not room:
+            return None
+        slots = self.allocator.alloc(fresh) if fresh else None
+        state = self.states.alloc(1)
+        self.hicache.load_snapshot(slots, state, snap)
+        if fresh:
+            self.insert(key[:d], torch.cat([res.indices.to(slots.device), slots]), extra_key)
+        out = self.match_prefix(key[:d], extra_key)
+        self.attach_state(out.last_node, state)
+        return out
 
     def _load_back(self, key: list[int], extra_key: str | None, node: TreeNode, i: int,
                    parts: list[torch.Tensor]) -> TreeNode:
@@ -247,6 +278,8 @@ class RadixCache:
             held = sorted((node.access_tick, node.id, node) for node in self._nodes()
                           if node.state is not None and node.state_lock_ref == 0)
             for _, _, node in held[: n - freed]:
+                if self.hicache is not None:  # down a tier instead of gone
+                    self.hicache.save_snapshot(node)
                 self._drop_state(node)
                 freed += 1
         return freed

@@ -147,10 +147,13 @@ class Scheduler:
         # a match resumes from the deepest cached state (RadixCache.match_snapshot), kept at every
         # prefill chunk's end and with every finished request
         self.snapshots = reuse == "snapshot" and not args.disable_radix_cache
-        if self.snapshots and args.enable_hierarchical_cache:
-            raise ValueError(f"--enable-hierarchical-cache: the host and storage tiers keep KV, not the "
-                             f"{runner.family.name} family's state snapshots; leave it out")
+        if self.snapshots and args.enable_hierarchical_cache and args.hicache_storage_backend:
+            raise ValueError(f"--hicache-storage-backend: the storage tier keeps KV pages, not the "
+                             f"{runner.family.name} family's state snapshots, without which its prefixes "
+                             f"are not reusable; leave it out (the host tier keeps both)")
         self.hicache = None if args.disable_radix_cache else make_hicache(args, runner.memory, runner.weights())
+        if self.hicache is not None and self.snapshots:
+            self.hicache.keep_states(runner.memory.states)  # snapshots go down a tier with their nodes
         self.tree = RadixCache(self.allocator, policy=make_policy(args.radix_eviction_policy, args.radix_eviction_policy_config),
                                disable=args.disable_radix_cache, hicache=self.hicache,
                                states=runner.memory.states if runner.memory.states.size else None)
