@@ -350,6 +350,18 @@ def generate(engine, prompt, n=6):
     return out["output_ids"], [lp[0] for lp in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
 
 
+def cold_numbers(warm, got, ref) -> None:
+    """A resumed run's (tokens, logprobs) against a cold run's: the first token and its logprob within
+    rounding, all of them in float32; the warm engine's memory balanced, its states all accounted."""
+    tol = tolerance(warm.runner.dtype)
+    assert got[0][0] == ref[0][0] and abs(got[1][0] - ref[1][0]) <= tol
+    if warm.runner.dtype == torch.float32:
+        assert got[0] == ref[0] and max(abs(a - b) for a, b in zip(got[1], ref[1])) <= tol
+    warm.check_memory()
+    states = warm.runner.memory.states
+    assert states.available_size() + warm.scheduler.tree.state_count == states.size
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_returning_prompt_resumes_from_a_snapshot_with_a_cold_runs_numbers(hybrid_dir, dtype):
     """A second turn (the first prompt, its answer, a new message) matches the first request's
@@ -366,13 +378,7 @@ def test_a_returning_prompt_resumes_from_a_snapshot_with_a_cold_runs_numbers(hyb
         ref, ref_lp, _ = generate(cold, second)
         # the first request's KV ends before its last sampled token: its snapshot is there
         assert meta["cached_tokens"] == len(first) + len(answer) - 1
-        tol = tolerance(warm.runner.dtype)
-        assert got[0] == ref[0] and abs(got_lp[0] - ref_lp[0]) <= tol
-        if warm.runner.dtype == torch.float32:
-            assert got == ref and max(abs(a - b) for a, b in zip(got_lp, ref_lp)) <= tol
-        warm.check_memory()
-        states = warm.runner.memory.states
-        assert states.available_size() + warm.scheduler.tree.state_count == states.size
+        cold_numbers(warm, (got, got_lp), (ref, ref_lp))
     finally:
         warm.shutdown()
         cold.shutdown()
@@ -424,13 +430,7 @@ def test_a_snapshot_evicted_to_the_host_tier_resumes_with_a_cold_runs_numbers(hy
         # pages 0..63 and the finish's snapshot (tail 64..74, state after token 74) came back
         assert meta["cached_tokens"] == len(first) + len(answer) - 1
         assert hicache.snapshot_counts["loaded"] == 1 and hicache.loaded_tokens["host"] == meta["cached_tokens"]
-        tol = tolerance(warm.runner.dtype)
-        assert got[0] == ref[0] and abs(got_lp[0] - ref_lp[0]) <= tol
-        if warm.runner.dtype == torch.float32:
-            assert got == ref and max(abs(a - b) for a, b in zip(got_lp, ref_lp)) <= tol
-        warm.check_memory()
-        states = warm.runner.memory.states
-        assert states.available_size() + tree.state_count == states.size
+        cold_numbers(warm, (got, got_lp), (ref, ref_lp))
     finally:
         warm.shutdown()
         cold.shutdown()

@@ -6,28 +6,9 @@ import concurrent.futures as cf
 
 import pytest
 
-from tests.test_recommend import as_rows, same, two_calls
-from tests.test_rec_server import write_catalog
+from tests.test_recommend import as_rows, catalog, engine, model, same, two_calls  # noqa: F401 (fixtures)
 
 BUDGET = 12
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def catalog(tmp_path_factory):
-    return write_catalog(tmp_path_factory.mktemp("think") / "catalog.jsonl", n=30, semantic=True)
-
-
-@pytest.fixture(scope="module")
-def engine(model, catalog):
-    from sgrec import Engine
-
-    return Engine(model, device="cpu", dtype="float32", max_total_tokens=4096, item_catalog=catalog,
-                  max_rank_candidates=20)
 
 
 def greedy(generate, ids: list[int], marker: int, budget: int = BUDGET, **sampling) -> dict:
