@@ -167,7 +167,8 @@ def main(argv=None) -> None:
         path = write_record(
             benchmark="bench_think_retrieve", title="Think-then-retrieve: one request against two calls",
             command=cmd, results=rows,
-            peer="the two-call path on the same server: /generate stopping at the marker, then /v1/retrieve",
+            peer="the two calls on the same server (/generate stopping at the marker, then /v1/retrieve on the "
+                 "prompt and the reasoning)",
             bounds="Both ways decode the same reasoning and run the same beams; the one request saves the second "
                    "HTTP round trip, the second queue wait, the client's glue and the per-token streaming of the "
                    "reasoning to the front, and its beams read the reasoning's KV where the decode left it.")
