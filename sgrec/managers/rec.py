@@ -150,7 +150,7 @@ def parse_reason(reason, user_ids: list[int], tokenizer: Tokenizer, builder: Req
     max_tokens, until = reason["max_tokens"], reason["until"]
     if not is_int(max_tokens) or max_tokens < 1:
         raise ValueError(f"reason.max_tokens must be a positive integer, got {max_tokens!r}")
-    room = min(lim.context_len - 1, lim.pool_size) - len(user_ids) - 1  # the marker after the reasoning
+    room = lim.max_new_tokens(len(user_ids) + 1) - 1  # the retrieve prompt (user, reasoning, marker) below the context
     if max_tokens > room:
         raise ValueError(f"reason.max_tokens ({max_tokens}) exceeds what the user's {len(user_ids)} tokens and the "
                          f"marker leave of the model's context ({lim.context_len} tokens): at most {max(room, 0)}")

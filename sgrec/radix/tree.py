@@ -267,11 +267,9 @@ class RadixCache:
         recently used first, their KV kept. Returns how many were freed."""
         freed = 0
         while freed < n and self.policy.indexed and not self.disable:
-            node = self.policy.victim()
+            node = self._victim()
             if node is None:
                 break
-            if not is_evictable(node) or node.state_lock_ref:  # a state is locked only under a KV lock
-                raise RuntimeError(f"policy {self.policy.name} chose a node it cannot evict: {node!r}")
             freed += node.state is not None
             self._delete_leaf(node)
         if freed < n:
@@ -304,11 +302,9 @@ class RadixCache:
         if self.policy.indexed:
             freed = 0
             while freed < num_tokens:
-                node = self.policy.victim()
+                node = self._victim()
                 if node is None:
                     break
-                if not is_evictable(node):
-                    raise RuntimeError(f"policy {self.policy.name} chose a non-evictable node {node!r}")
                 freed += self._delete_leaf(node)
             return freed
         heap = [(self.policy.priority(n), n.id, n) for n in self._nodes() if is_evictable(n)]
@@ -321,6 +317,14 @@ class RadixCache:
             if is_evictable(parent):
                 heapq.heappush(heap, (self.policy.priority(parent), parent.id, parent))
         return freed
+
+    def _victim(self) -> TreeNode | None:
+        """An indexed policy's next victim, checked: an unlocked leaf whose state (if any) is not
+        locked either (a state is locked only under a KV lock); None when nothing is evictable."""
+        node = self.policy.victim()
+        if node is not None and (not is_evictable(node) or node.state_lock_ref):
+            raise RuntimeError(f"policy {self.policy.name} chose a non-evictable node {node!r}")
+        return node
 
     def evict_branch(self, node: TreeNode) -> int:
         """Frees `node` and then each ancestor left childless, while they are unlocked: the part of
