@@ -167,3 +167,27 @@ class HostReads(torch.overrides.TorchFunctionMode):
             if name in self.NAMES or bool_index or to_device:
                 self.reads.append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
         return func(*args, **kwargs)
+
+
+def gdr_fork_case(step, H: int = 2, dk: int = 24, dv: int = 40, seed: int = 0) -> None:
+    """A gated-delta-rule step kernel `step(q, k, v, g, beta, states, slots, sources)` (native's C or
+    the Triton one) on a beam step with forks: rows 0 and 2 update their states in place, rows 1 and 3
+    read row 0's parent slot and write slots no row reads. Asserts o and every written slot equal
+    sgrec.model.delta_rule.step on the states as they were before the call (the forks read the parent
+    before its own row updates it in place), and that no other slot changes."""
+    from sgrec.model import delta_rule
+
+    gen = torch.Generator().manual_seed(seed)
+    B = 4
+    q = delta_rule.l2norm(torch.randn(B, H, dk, generator=gen)) * dk**-0.5
+    k = delta_rule.l2norm(torch.randn(B, H, dk, generator=gen))
+    v = torch.randn(B, H, dv, generator=gen)
+    g, beta = -torch.rand(B, H, generator=gen) * 2, torch.rand(B, H, generator=gen)
+    pool = torch.randn(8, H, dk, dv, generator=gen) * 0.3
+    slots, sources = torch.tensor([5, 0, 3, 6]), torch.tensor([5, 5, 3, 5])
+    before = pool.clone()
+    want_o, want = delta_rule.step(q, k, v, g, beta, before[sources])
+    got = step(q, k, v, g, beta, pool, slots, sources)
+    assert (got - want_o).abs().max() <= 2e-6 and (pool[slots] - want).abs().max() <= 2e-6
+    others = [i for i in range(8) if i not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])

@@ -496,10 +496,11 @@ def _path_logits(path: tuple, vocab: int = V, only: tuple = ()):
     return x
 
 
-def sglang_coordinator():
+def sglang_coordinator(hybrid: bool = False):
     """SGLang's BeamCoordinator over stand-ins for the scheduler's parts its validate_and_init reads
     (model config, pools, tree cache), with a published default runtime config (page size 1, no
-    disaggregation): the path a beam request takes when a real server admits it."""
+    disaggregation): the path a beam request takes when a real server admits it. hybrid: the tree
+    cache of a model with recurrent layers (SGLang's mamba caches: Qwen3.5's Gated DeltaNet)."""
     from types import SimpleNamespace
 
     from sglang.srt.beam_search.coordinator import BeamCoordinator
@@ -511,10 +512,10 @@ def sglang_coordinator():
     return BeamCoordinator(model_config=SimpleNamespace(is_encoder_decoder=False, vocab_size=V),
                            spec_algorithm=SpeculativeAlgorithm.NONE, dllm_enabled=False, max_req_len=4096,
                            req_to_token_pool=SimpleNamespace(size=64, device="cpu"), token_to_kv_pool_allocator=None,
-                           tree_cache=SimpleNamespace(supports_swa=no, supports_mamba=no), future_map=None)
+                           tree_cache=SimpleNamespace(supports_swa=no, supports_mamba=lambda: hybrid), future_map=None)
 
 
-def admitted_beam(spec: dict | None, beam_width: int, max_new_tokens: int = ND + 3):
+def admitted_beam(spec: dict | None, beam_width: int, max_new_tokens: int = ND + 3, hybrid: bool = False):
     """An sgrec-sid beam request admitted through SGLang's own BeamCoordinator.validate_and_init
     (wrapped by the plugin's hook): (the request, its beam group), or the request's error."""
     from array import array
@@ -528,7 +529,7 @@ def admitted_beam(spec: dict | None, beam_width: int, max_new_tokens: int = ND +
                              structural_tag=None if spec is None else json.dumps(spec)))
     recv = SimpleNamespace(session_params=None, return_logprob=False, return_hidden_states=False,
                            return_sampling_mask=False, return_routed_experts=False)
-    error = sglang_coordinator().validate_and_init(req, recv)
+    error = sglang_coordinator(hybrid).validate_and_init(req, recv)
     return error if error is not None else (req, req.beam_group)
 
 
@@ -725,6 +726,34 @@ def beam_admitted():
     assert not isinstance(plain, str) and getattr(plain[1], "sgrec_sid", None) is None, plain
     del backend
     emit(beams=summary)
+
+
+@case
+def beam_on_hybrid():
+    """An sgrec-sid beam request on a model with recurrent layers (SGLang's mamba tree caches): the
+    plugin's hook compiles the spec, then SGLang's own check refuses beams on such caches, and that
+    refusal is the request's answer (no trie attached, the request's structural_tag as it came); a
+    malformed spec is still the plugin's error first."""
+    load_plugin()
+    path = Path(tempfile.mkdtemp()) / "catalog.jsonl"
+    write_catalog(path)
+    backend = sid_backend(path)
+    spec = {"type": "sgrec-sid", "include_items": ["i1", "i2"]}
+    from array import array
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req("beam", "", array("q", [5, 6, 7]),
+              SamplingParams(max_new_tokens=ND + 3, beam_width=4, stop_token_ids=[EOS], structural_tag=json.dumps(spec)))
+    recv = SimpleNamespace(session_params=None, return_logprob=False, return_hidden_states=False,
+                           return_sampling_mask=False, return_routed_experts=False)
+    refused = sglang_coordinator(hybrid=True).validate_and_init(req, recv)
+    bad = admitted_beam({"type": "sgrec-sid", "include_items": "i1"}, 4, hybrid=True)
+    del backend
+    emit(refused=refused, tag_kept=req.sampling_params.structural_tag == json.dumps(spec),
+         group=getattr(req, "beam_group", None) is not None, bad_is_plugins=isinstance(bad, str) and "mamba" not in bad)
 
 
 @case

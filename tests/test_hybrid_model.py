@@ -117,6 +117,48 @@ def test_the_decode_step_kernel_equals_the_torch_step_on_the_pools_states_in_pla
     assert torch.equal(alone[0], got[2]) and torch.equal(before[11], pool[11])  # a row is the same in any batch
 
 
+def test_the_decode_step_kernel_reads_a_forks_parent_before_the_parent_updates():
+    """A beam step's forks (ForwardBatch.state_sources): a child reads its parent's slot and writes
+    its own, in the same call in which the parent steps in place."""
+    from sgrec.model import native
+    from tests.kernel_refs import gdr_fork_case
+
+    gdr_fork_case(native.gdr_step)
+    gdr_fork_case(native.gdr_step, H=3, dk=128, dv=128, seed=1)
+
+
+@pytest.mark.parametrize("H,L,dk,dv,chunk", [(3, 150, 16, 8, 64), (2, 64, 128, 128, 64), (3, 70, 24, 40, 64),
+                                            (2, 1, 16, 16, 64), (2, 97, 32, 48, 16), (1, 33, 20, 17, 7)])
+def test_the_chunked_kernel_equals_the_torch_forms_in_every_isa_build(H, L, dk, dv, chunk):
+    """native.gdr_sequence (delta.c, the prefill's rule on CPU): the torch chunked form's values and the
+    step-by-step form's to float32 rounding, in every ISA build this CPU runs (partial last chunks, dk
+    and dv off the vector width, chunks shorter than 64), the input state untouched; a head's result
+    is the same bits whatever other heads run beside it."""
+    from sgrec.model import native
+    from test_native_kernels import isa_builds
+
+    q, k, v, decay, beta, s0 = rule_inputs(H, L, dk, dv, seed=L + dk)
+    qn, kn = delta_rule.l2norm(q) * dk**-0.5, delta_rule.l2norm(k)
+    want, want_state = delta_rule.chunked(qn, kn, v, decay, beta, s0)
+    steps, s = [], s0[None]
+    for t in range(L):
+        o, s = delta_rule.step(qn[None, :, t], kn[None, :, t], v[None, :, t], decay[None, :, t], beta[None, :, t], s)
+        steps.append(o[0])
+    before = s0.clone()
+    for march in isa_builds():
+        lib = native.library(march)
+        out, state = native.gdr_sequence(qn, kn, v, decay, beta, s0, chunk, lib)
+        assert torch.equal(s0, before)
+        assert (out - want).abs().max() <= 2e-6 and (state - want_state).abs().max() <= 2e-6, march
+        assert (out - torch.stack(steps, 1)).abs().max() <= 1e-5 and (state - s[0]).abs().max() <= 1e-5, march
+        one, one_state = native.gdr_sequence(qn[-1:], kn[-1:], v[-1:], decay[-1:], beta[-1:], s0[-1:], chunk, lib)
+        assert torch.equal(one[0], out[-1]) and torch.equal(one_state[0], state[-1])
+    with pytest.raises(ValueError, match="chunk must be 1..64"):
+        native.gdr_sequence(qn, kn, v, decay, beta, s0, 65)
+    with pytest.raises(ValueError, match="do not agree"):
+        native.gdr_sequence(qn, kn, v, decay, beta, s0[:, :, :1])
+
+
 def test_a_runner_forwards_with_denormals_flushed_and_restores_the_mode_after(hybrid_dir):
     """The delta rule's decays underflow into denormal floats, tens of times slower on x86: a hybrid
     runner's forward runs with its calling thread's OpenMP team flushing them to zero, and leaves the
@@ -669,6 +711,52 @@ def test_a_returning_users_retrieve_resumes_from_the_prompts_snapshot(hybrid_dir
     assert [it["item"] for it in got.items] == [it["item"] for it in ref.items]
     assert max(abs(a["score"] - b["score"]) for a, b in zip(got.items, ref.items)) <= tol
     assert states_accounted(warm) and warm.tree.state_count == 2
+
+
+def test_beam_reorders_copy_no_state_and_forks_read_their_parents_once():
+    """BeamStates (sgrec.beam.attention): a reorder renames slots, a parent's first child keeps the
+    parent's slot and each further child gets a slot no kept beam needs, with the parent's slot as
+    its source for the next step; the slots stay the request's set; a step that reads each row from
+    its source and writes its own (forks first, as the kernels do) leaves every row with its
+    parent's state; a second reorder before any step copies the pending forks first."""
+    from sgrec.beam.attention import BeamStates
+    from sgrec.mem.memory import StatePool
+
+    pool = StatePool(12, {0: {"ssm": (2,)}}, torch.float32, float32=frozenset({"ssm"}))
+    copied = []
+    real = pool.copy_pairs_
+    pool.copy_pairs_ = lambda pairs, layers=None: (copied.extend(pairs), real(pairs, layers))
+    slots = pool.take(6)
+    beams = BeamStates(pool, slots)
+    ssm = pool.buffers[0]["ssm"]
+    ssm[slots] = torch.arange(6.0)[:, None].expand(6, 2).clone()  # row i's state: "i"
+    held = list(range(6))  # what each row should hold, by original row name
+
+    def step():  # the kernels' read-from-source, write-own (forks first), then the rows' own update
+        n = len(held)
+        src, dst = beams.step_sources(n).tolist(), beams.slots[:n].tolist()
+        for d, s_ in sorted(zip(dst, src), key=lambda ds: ds[0] == ds[1]):
+            ssm[d] = ssm[s_]
+        beams.consumed()
+
+    rng = random.Random(0)
+    for level in range(6):
+        n = len(held)
+        m = rng.randint(1, 6)
+        parents = sorted(rng.randrange(n) for _ in range(m)) if level else [0] * m
+        copied.clear()
+        beams.reorder_(torch.tensor(parents))
+        held = [held[p] for p in parents]
+        assert sorted(beams.slots.tolist()) == sorted(slots.tolist())  # a permutation of the request's slots
+        assert copied == []  # no copies: forks are read by the step
+        forks = beams.step_sources(m) != beams.slots[:m]
+        assert int(forks.sum()) == m - len(set(parents))
+        if level == 3:  # a reorder with no step since: the forks are copied first, then renamed again
+            beams.reorder_(torch.arange(m))
+            assert len(copied) == m - len(set(parents)) and beams.sources is None
+        else:
+            step()
+        assert ssm[beams.slots[:m]][:, 0].tolist() == [float(h) for h in held]
 
 
 def test_beams_beyond_the_state_pool_are_a_clear_error(hybrid_dir):

@@ -123,6 +123,16 @@ def test_sid_beams_admitted_by_sglangs_validate_and_init():
     assert run_case("beam_admitted")["beams"] == {"include10": 10, "exclude": 4}
 
 
+def test_sid_beams_on_a_hybrid_model_get_sglangs_own_refusal():
+    """SGLang 0.5.23 refuses beam search on its mamba (recurrent-state) tree caches, which Qwen3.5's
+    Gated DeltaNet layers use; with the plugin an sgrec-sid beam request there gets that refusal as
+    its error (the plugin forks no recurrent state it cannot see), its spec untouched; sgrec's own
+    server runs such beams (tests/test_hybrid_model.py)."""
+    r = run_case("beam_on_hybrid")
+    assert r == {"refused": "Beam search is not supported with SWA/mamba hybrid caches.", "tag_kept": True,
+                 "group": False, "bad_is_plugins": True}
+
+
 def test_a_plain_beam_request_is_sglangs_own():
     """joint_select's hook acts on sgrec-sid groups only: a plain beam request whose first step has
     fewer finite candidates than beams gets the same beams and scores with the plugin loaded as

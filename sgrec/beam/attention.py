@@ -317,20 +317,54 @@ class UnsharedKV:
 
 
 class BeamStates:
-    """Each beam's recurrent state (a family with recurrent layers): `slots` [rows] state-pool
-    slots, row i holding beam i's state. Row 0 holds the prompt's until level 0 forks it to every
-    beam (parents all 0); a level's reorder then gives each kept beam its parent's state, in place:
-    one state after the other in inplace_schedule's order (which never overwrites a state before
-    it is read), each a contiguous copy in every part of every layer (a state is about a MiB a layer
-    at real shapes, where gathering them in chunks copies several times slower)."""
+    """Each beam's recurrent state (a family with recurrent layers): `slots` [rows], row i's state-pool
+    slot, a permutation of the request's slots. Row 0 holds the prompt's state until level 0 forks it
+    to every beam (parents all 0). A level's reorder copies no state: a parent's first child takes
+    over the parent's slot, and each further child gets a slot no kept beam needs (a beam without
+    children left it) and reads its parent's slot once: `sources`, row i's read slot for the next
+    beam step, where the step's kernels read the state from there and write the updated one into
+    the row's own slot (qwen3_5.GatedDeltaNet: the copy a fork needs is the step's own read and
+    write of the state, about 19 MiB a beam at the 0.8B shape). A reorder before the step consumed
+    the sources copies the pending forks first."""
 
     def __init__(self, pool: StatePool, slots: torch.Tensor):
         self.pool = pool
-        self.slots = slots
+        self.slots = slots.clone()
+        self.sources: torch.Tensor | None = None
 
-    def reorder_(self, parents: torch.Tensor, schedule: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Rows 0..len(parents)-1 take the states of rows `parents` (non-decreasing)."""
-        dst, src = schedule if schedule is not None else inplace_schedule(parents)[:2]
-        if dst.numel() == 0:
-            return
-        self.pool.copy_pairs_(list(zip(self.slots[dst].tolist(), self.slots[src].tolist())))
+    def reorder_(self, parents: torch.Tensor, schedule=None) -> None:
+        """Rows 0..len(parents)-1 take the states of rows `parents` (non-decreasing); `schedule` is
+        unused (the KV's in-place schedule: see the class doc)."""
+        self.settle_()
+        old, kept = self.slots.tolist(), parents.tolist()
+        needed = set(kept)
+        free = [old[j] for j in range(len(old)) if j not in needed][::-1]  # pop() takes the lowest row's first
+        taken, slots, sources = set(), [], []
+        for p in kept:
+            if p in taken:
+                slots.append(free.pop())
+            else:
+                taken.add(p)
+                slots.append(old[p])
+            sources.append(old[p])
+        slots += free[::-1]
+        self.slots = torch.tensor(slots, dtype=self.slots.dtype, device=self.slots.device)
+        forks = slots[: len(kept)] != sources
+        self.sources = torch.tensor(sources, dtype=self.slots.dtype, device=self.slots.device) if forks else None
+
+    def step_sources(self, n: int) -> torch.Tensor:
+        """Rows 0..n-1's read slots for the next beam step (their own where they are not forks); the
+        step consumes them (consumed())."""
+        return self.slots[:n] if self.sources is None else self.sources[:n]
+
+    def consumed(self) -> None:
+        """A beam step has read the sources and written every row's own slot."""
+        self.sources = None
+
+    def settle_(self) -> None:
+        """Copies the pending forks' states into their rows' own slots (a reorder with no step since)."""
+        if self.sources is not None:
+            n = self.sources.numel()
+            pairs = [(d, s) for d, s in zip(self.slots[:n].tolist(), self.sources.tolist()) if d != s]
+            self.pool.copy_pairs_(pairs)
+            self.sources = None

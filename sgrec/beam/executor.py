@@ -458,23 +458,23 @@ class RetrieveExecutor:
 
     def _beam_forward(self, tokens: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor,
                       meta: BeamStepMeta | BeamBatchMeta | StagedMeta, columns: torch.Tensor | None = None,
-                      state_slots: torch.Tensor | None = None) -> torch.Tensor:
+                      state_slots: torch.Tensor | None = None, state_sources: torch.Tensor | None = None) -> torch.Tensor:
         """One token per beam (of one or several requests; state_slots: each beam's state, where
-        the family has recurrent layers) -> logits [n, V], or [n, len(columns)] of just those
-        vocabulary ids."""
+        the family has recurrent layers; state_sources: where each reads it, BeamStates.step_sources)
+        -> logits [n, V], or [n, len(columns)] of just those vocabulary ids."""
         runner = self.runner
         if self.graphs is not None and isinstance(meta, StagedMeta) and self.graphs.takes(tokens.numel(), meta):
             return runner.compute_logits(self.graphs.run(tokens, positions, out_loc, meta), columns)
         batch = ForwardBatch(input_ids=tokens, positions=positions, out_cache_loc=out_loc, seqs=[],
                              kv_pool=self.pool, attn_meta=meta, state_slots=state_slots,
-                             state_pool=self.states)
+                             state_pool=self.states, state_sources=state_sources)
         return runner.compute_logits(runner.forward_with(batch, self.backend), columns)
 
     def _beam_step(self, reqs: list[_Request], step: int, positions: list[int]) -> torch.Tensor:
         """Every live beam of every request forwards its level step - 1 token (at positions[i], request
         i's) through staged attention: the logits of level `step`'s tokens only (every request of a
         round walks the same trie)."""
-        groups, tokens, pos, locs, states = [], [], [], [], []
+        groups, tokens, pos, locs, states, sources = [], [], [], [], [], []
         for r, p in zip(reqs, positions):
             n = r.bufs.n
             idx = r.kv.slots[:n, :step]
@@ -484,9 +484,16 @@ class RetrieveExecutor:
             locs.append(idx[:, -1])
             if r.states is not None:
                 states.append(r.states.slots[:n])
+                sources.append(r.states.step_sources(n))
         meta = groups[0] if len(groups) == 1 else BeamBatchMeta(groups)
-        return self._beam_forward(torch.cat(tokens), torch.cat(pos), torch.cat(locs).contiguous(), meta,
-                                  self.trie.logit_columns(step), torch.cat(states).to(self.device) if states else None)
+        forks = any(r.states is not None and r.states.sources is not None for r in reqs)
+        logits = self._beam_forward(torch.cat(tokens), torch.cat(pos), torch.cat(locs).contiguous(), meta,
+                                    self.trie.logit_columns(step), torch.cat(states).to(self.device) if states else None,
+                                    torch.cat(sources).to(self.device) if forks else None)
+        for r in reqs:
+            if r.states is not None:
+                r.states.consumed()
+        return logits
 
     def _level(self, r: _Request, step: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Level `step` of request r: how many beams it keeps, its beams' scores and trie nodes."""

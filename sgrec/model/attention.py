@@ -87,6 +87,10 @@ class ForwardBatch:
     # state slot receives a copy, layer by layer, once the parent is done), or -1; None: none do
     # (rank's forks of a user computed in the same forward: sgrec.rank.forked)
     state_parents: list[int] | None = None
+    # a beam step's rows (no seqs): the slot each row's state is read from, where it is not its own
+    # state_slots row (a fork: the parent's slot; sgrec.beam.attention.BeamStates), or None: every
+    # row reads its own. A slot written from another is read by no row of the batch.
+    state_sources: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -140,7 +140,7 @@ class GatedAttention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    glue = None  # the runner's fused kernels once HybridLM.use_glue ran: sgrec.model.native's gdr_step on CPU
+    glue = None  # the runner's kernels once HybridLM.use_glue ran: the rule's gdr_step and gdr_sequence (native, kernels.glue)
 
     def __init__(self, cfg: ModelConfig, layer: int, shape: HybridShape):
         super().__init__()
@@ -198,7 +198,8 @@ class GatedDeltaNet(nn.Module):
         parts = None if batch.state_slots is None else batch.state_pool.buffers[self.layer]
         out = torch.empty(T, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
         if not batch.seqs:  # a beam step (sgrec.beam): row i is beam i's token, its state at state_slots[i]
-            self._tokens(mixed, g, beta, parts, torch.arange(T, device=x.device), batch.state_slots, out)
+            self._tokens(mixed, g, beta, parts, torch.arange(T, device=x.device), batch.state_slots, out,
+                         batch.state_sources)
         parents = batch.state_parents
         if parents is None or all(p < 0 for p in parents):
             self._sequences(mixed, g, beta, batch, parts, range(len(batch.seqs)), out)
@@ -239,23 +240,26 @@ class GatedDeltaNet(nn.Module):
             parts["conv"].index_copy_(0, slots, window.to(parts["conv"].dtype))
             parts["ssm"].index_copy_(0, slots, matrix)
 
-    def _tokens(self, mixed, g, beta, parts, rows: torch.Tensor, slots: torch.Tensor | None, out: torch.Tensor) -> None:
-        """One token of each of len(rows) sequences (flat rows `rows`, states at `slots`), at once:
-        the rule's step in the glue's C kernel on the pool's states in place where it takes them
-        (native.gdr_step), else delta_rule.step on copies."""
+    def _tokens(self, mixed, g, beta, parts, rows: torch.Tensor, slots: torch.Tensor | None, out: torch.Tensor,
+                sources: torch.Tensor | None = None) -> None:
+        """One token of each of len(rows) sequences (flat rows `rows`, states at `slots`, read from
+        `sources` where given: a beam step's forks, ForwardBatch.state_sources), at once: the rule's
+        step in the glue's kernel on the pool's states in place where it takes them (gdr_step:
+        native's C on CPU, kernels.delta_rule's Triton on CUDA), else delta_rule.step on copies."""
         n = rows.numel()
+        read = slots if sources is None else sources
         window = (torch.zeros(n, self.conv_dim, self.kernel - 1, device=mixed.device) if slots is None
-                  else parts["conv"].index_select(0, slots))
+                  else parts["conv"].index_select(0, read))
         conv, window = self._convolve(mixed.index_select(0, rows)[..., None], window)
         q, k, v = self._heads(conv[..., 0], n)
         g, beta = g.index_select(0, rows), beta.index_select(0, rows)
         fast = getattr(self.glue, "gdr_step", None)
-        if fast is not None and slots is not None and parts["ssm"].device.type == "cpu":
-            o = fast(q, k, v, g, beta, parts["ssm"], slots)
+        if fast is not None and slots is not None and parts["ssm"].device.type == self.glue.DEVICE:
+            o = fast(q, k, v, g, beta, parts["ssm"], slots, sources)
             parts["conv"].index_copy_(0, slots, window.to(parts["conv"].dtype))
         else:
             matrix = (torch.zeros(n, self.v_heads, self.k_dim, self.v_dim, device=mixed.device) if slots is None
-                      else parts["ssm"].index_select(0, slots))
+                      else parts["ssm"].index_select(0, read))
             o, matrix = delta_rule.step(q, k, v, g, beta, matrix)
             self._keep(parts, slots, window, matrix)
         out.index_copy_(0, rows, o.to(out.dtype))
@@ -267,7 +271,9 @@ class GatedDeltaNet(nn.Module):
         window, matrix = self._state(parts, slots, 1, mixed.device)
         conv, window = self._convolve(mixed[a : a + n].T[None], window)
         q, k, v = self._heads_first(conv[0])
-        o, state = delta_rule.chunked(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0])
+        fast = getattr(self.glue, "gdr_sequence", None)
+        rule = fast if fast is not None and matrix.device.type == self.glue.DEVICE else delta_rule.chunked
+        o, state = rule(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0])
         out[a : a + n] = o.transpose(0, 1).to(out.dtype)
         self._keep(parts, slots, window, state[None])
 
@@ -362,7 +368,9 @@ class HybridLM(LMBase):
         return self.norm(x[rows])
 
     def use_glue(self, glue) -> None:
-        """LMBase.use_glue, and the delta rule's decode step where `glue` has one (native.gdr_step)."""
+        """LMBase.use_glue, and the delta rule's kernels where `glue` has them: gdr_step (decode, states in
+        place) and gdr_sequence (a sequence's prefill), on tensors of the glue's DEVICE; delta_rule's
+        torch forms elsewhere."""
         super().use_glue(glue)
         for m in self.modules():
             if isinstance(m, GatedDeltaNet):

@@ -3,7 +3,8 @@ SiLU-times-up, one pass over the data each where torch takes several (RMSNorm: a
 square, the mean, the scaling, the cast, the weight; RoPE: the rotated copy, two products, a sum).
 The same interface as sgrec.model.native's C glue (the model's `glue` hook): a function returns
 None (or False for rope_) where it does not take the tensors (here: rmsnorm with a residual to add
-first), and the model falls back to torch.
+first), and the model falls back to torch. The hybrid family's gated delta rule (gdr_step, gdr_sequence)
+comes from sgrec.model.kernels.delta_rule.
 
 Each rounds where the torch path rounds: in bfloat16 the normalised row is cast to bfloat16 before
 the weight multiplies it; RoPE's two products are rounded before their sum; SiLU is rounded before
@@ -19,8 +20,10 @@ import os
 import torch
 
 from sgrec.model.kernels import built, pow2, rows2d
+from sgrec.model.kernels.delta_rule import gdr_sequence, gdr_step  # noqa: F401  (the hybrid family's rule)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEVICE = "cuda"  # the device type of the tensors the kernels take (a model's glue hook checks it)
 _KERNELS: dict[bool, object] = {}
 
 

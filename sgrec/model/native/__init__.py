@@ -1,6 +1,6 @@
 """sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
 SiLU-times-up fused, float32 and bfloat16; decode.c: a whole decode step, sgrec.model.fused_decode;
-delta.c: the gated delta rule's decode step, and flushing denormals on torch's threads),
+delta.c: the gated delta rule's decode step and its chunked form for prefill, and flushing denormals on torch's threads),
 compiled on first use with the machine's C compiler and
 loaded with ctypes. No torch headers: each kernel is a plain C function over data pointers, so a
 build takes a few seconds. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
@@ -39,6 +39,7 @@ SOURCES = (SOURCE, SOURCE.with_name("glue.c"), SOURCE.with_name("decode.c"), SOU
 HEADERS = (SOURCE.with_name("vec.h"),)
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write (they compute in float32)
+DEVICE = "cpu"  # the device type of the tensors the kernels take (a model's glue hook checks it)
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib" -> ctypes.CDLL | None once load() has run; "path" -> its file
 
@@ -117,12 +118,14 @@ def _open(path: Path) -> ctypes.CDLL:
                        ("sgrec_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float, i32]),
                        ("sgrec_rope", [p, i64, i32, p, i64, i32, p, p, i64, i32, i32]),
                        ("sgrec_silu_mul", [p, i64, p, i64, i64, i32, i32]),
-                       ("sgrec_gdr_step", [p] * 8 + [i32] * 4)):
+                       ("sgrec_gdr_step", [p] * 9 + [i32] * 4)):
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = args
     lib.sgrec_flush_denormals.restype = ctypes.c_int
     lib.sgrec_flush_denormals.argtypes = [i32]
+    lib.sgrec_gdr_chunked.restype = ctypes.c_int
+    lib.sgrec_gdr_chunked.argtypes = [p] * 7 + [i32] * 5
     if lib.sgrec_fused_decode():  # decode.c: float32 on AVX2 + FMA or AVX-512, bf16 with avx512_bf16
         lib.sgrec_gemv.restype = ctypes.c_int
         lib.sgrec_gemv.argtypes = [p, p, p, i64, p, i64, i32, i32, i32, i32]
@@ -329,10 +332,13 @@ def flush_denormals(on: bool = True, lib: ctypes.CDLL | None = None) -> bool | N
 
 
 def gdr_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             states: torch.Tensor, slots: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+             states: torch.Tensor, slots: torch.Tensor, sources: torch.Tensor | None = None,
+             lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """One token of each of B sequences through the gated delta rule, their states updated in place:
     q, k [B, H, dk], v [B, H, dv], g, beta [B, H] (float32, q and k normalised as the rule wants),
-    states the pool's float32 [slots, H, dk, dv], slots [B] distinct rows of it. -> o [B, H, dv]
+    states the pool's float32 [slots, H, dk, dv], slots [B] distinct rows of it. sources [B]: the row
+    each sequence's state is read from (a beam fork reads its parent's; its own where equal), None:
+    slots; a slot written from another source is no sequence's source. -> o [B, H, dv]
     (delta_rule.step's values to float32 rounding)."""
     lib = _loaded(lib)
     B, H, dk = q.shape
@@ -342,7 +348,34 @@ def gdr_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          f"{states.dtype} {tuple(states.shape)}")
     q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
     slots = slots.to(torch.int64).contiguous()
+    sources = slots if sources is None else sources.to(torch.int64).contiguous()
+    if sources.shape != slots.shape:
+        raise ValueError(f"gdr_step: sources {tuple(sources.shape)} must match slots {tuple(slots.shape)}")
     out = torch.empty(B, H, dv, dtype=torch.float32)
     lib.sgrec_gdr_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), states.data_ptr(),
-                       slots.data_ptr(), out.data_ptr(), B, H, dk, dv)
+                       slots.data_ptr(), sources.data_ptr(), out.data_ptr(), B, H, dk, dv)
     return out
+
+
+def gdr_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, chunk: int = 64, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence through the gated delta rule in chunks of `chunk` tokens (1..64): the contract of
+    sgrec.model.delta_rule.chunked (q, k [H, L, dk], v [H, L, dv], g, beta [H, L], state [H, dk, dv],
+    float32; returns (o [H, L, dv], the state after the last token); `state` is not modified), its
+    values to float32 rounding."""
+    lib = _loaded(lib)
+    H, L, dk = q.shape
+    dv = v.shape[-1]
+    if tuple(k.shape) != (H, L, dk) or tuple(v.shape[:2]) != (H, L) or tuple(g.shape) != (H, L) \
+            or tuple(beta.shape) != (H, L) or tuple(state.shape) != (H, dk, dv):
+        raise ValueError(f"gdr_sequence: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)} do not agree")
+    if not 1 <= chunk <= 64:
+        raise ValueError(f"gdr_sequence: chunk must be 1..64 tokens, got {chunk}")
+    q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
+    state = state.to(torch.float32, copy=True).contiguous()
+    out = torch.empty(H, L, dv, dtype=torch.float32)
+    if L and lib.sgrec_gdr_chunked(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                   state.data_ptr(), out.data_ptr(), H, L, dk, dv, chunk):
+        raise MemoryError("gdr_sequence: no memory for the kernel's scratch")
+    return out, state

@@ -1,8 +1,9 @@
-/* The gated delta rule's decode step on CPU (the hybrid family's recurrent layers, sgrec.model.delta_rule),
- * and the floating-point mode of torch's CPU threads.
+/* The gated delta rule on CPU (the hybrid family's recurrent layers, sgrec.model.delta_rule): its decode
+ * step and its chunked form for prefill, and the floating-point mode of torch's CPU threads.
  *
  * sgrec_gdr_step: one token of each of B sequences, H heads each, against states kept in place in the
- * state pool (float32 [slots, H, dk, dv], row `slot[b]` for sequence b). Per head the state S is read
+ * state pool (float32 [slots, H, dk, dv], row `slot[b]` for sequence b; a beam fork reads its parent's
+ * row `src[b]` and writes its own). Per head the state S is read
  * twice and written once, where torch's form of the step makes a pass over it per operation:
  *
  *     sk = S^T k,  sq = S^T q                          (one pass over S's rows)
@@ -13,6 +14,22 @@
  * Every (sequence, head) is computed the same way whatever B is, so a sequence's step does not depend
  * on the batch it is in. All float32.
  *
+ * sgrec_gdr_chunked: one sequence of L tokens (prefill), every head, in chunks of C tokens (C <= 64), the
+ * state carried from chunk to chunk (sgrec.model.delta_rule.chunked's algebra; its docstring derives it).
+ * Per head and chunk, with gamma_i the cumulative log-decay from the chunk's start state S:
+ *
+ *     KS = K S, QS = Q S                                          (two [n, dk] x [dk, dv] products)
+ *     A[i, m] = beta_i e^(gamma_i - gamma_m) (k_i . k_m)   (m < i),   P[i, m] = e^(gamma_i - gamma_m) (q_i . k_m)   (m <= i)
+ *     U[i] = beta_i (v_i - e^gamma_i KS[i]) - sum_{m<i} A[i, m] U[m]          (the unit lower-triangular solve)
+ *     O[i] = e^gamma_i QS[i] + sum_{m<=i} P[i, m] U[m]
+ *     S    = e^gamma_last S + K^T (U scaled by e^(gamma_last - gamma_i) row by row)
+ *
+ * torch's form (delta_rule.chunked) solves for the state-free parts of all chunks first and multiplies
+ * by the state after; here the state enters the right-hand side directly, which saves the [n, dk] x [dk, dv]
+ * product of W = (I + A)^-1 diag(beta e^gamma) K with S. A partial last chunk needs no padding. The
+ * products are register-tiled (4 rows x 4 vectors of accumulators); the heads run in parallel, each the
+ * same way whatever the others are, so a head's result never depends on the thread count.
+ *
  * sgrec_flush_denormals: flush-to-zero and denormals-are-zero (or neither) on the calling thread and
  * its OpenMP team (torch's intra-op threads: the kernels bind to the OpenMP runtime torch loaded). The
  * delta rule's decays e^(cumulative g) underflow into denormal floats, which x86 multiplies tens of times
@@ -22,6 +39,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #endif
@@ -75,13 +93,14 @@ static inline void zero(float *x, int n) {
     for (; j < n; j++) x[j] = 0.f;
 }
 
-static void head_step(float *S, const float *q, const float *k, const float *v, float g, float beta, float *o,
-                      int dk, int dv) {
+/* S_in -> S_out (the same pointer: in place) */
+static void head_step(const float *S_in, float *S_out, const float *q, const float *k, const float *v, float g,
+                      float beta, float *o, int dk, int dv) {
     float sk[dv], sq[dv], u[dv];
     zero(sk, dv);
     zero(sq, dv);
     for (int i = 0; i < dk; i++) {
-        const float *row = S + (size_t)i * dv;
+        const float *row = S_in + (size_t)i * dv;
         vf ki = vset(k[i]), qi = vset(q[i]);
         int j = 0;
         for (; j + VW <= dv; j += VW) {
@@ -102,23 +121,173 @@ static void head_step(float *S, const float *q, const float *k, const float *v, 
     }
     vf egv = vset(eg);
     for (int i = 0; i < dk; i++) {
-        float *row = S + (size_t)i * dv;
+        const float *row = S_in + (size_t)i * dv;
+        float *dst = S_out + (size_t)i * dv;
         vf ki = vset(k[i]);
         int j = 0;
-        for (; j + VW <= dv; j += VW) vstore(row + j, egv * vload(row + j) + ki * vload(u + j));
-        for (; j < dv; j++) row[j] = eg * row[j] + k[i] * u[j];
+        for (; j + VW <= dv; j += VW) vstore(dst + j, egv * vload(row + j) + ki * vload(u + j));
+        for (; j < dv; j++) dst[j] = eg * row[j] + k[i] * u[j];
     }
 }
 
 /* q, k [B, H, dk], v and o [B, H, dv], g and beta [B, H] (contiguous float32); states: the pool's
- * [slots, H, dk, dv]; slot[b]: sequence b's row (distinct). */
+ * [slots, H, dk, dv]; slot[b]: sequence b's row (distinct), src[b]: the row its state is read from
+ * (slot[b] itself, or a beam fork's parent's row). The forks (src != slot) run first, all of them, so
+ * they read their parents' states before any sequence updates its own in place; a fork's own row is
+ * no sequence's src. */
 void sgrec_gdr_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
-                    float *states, const int64_t *slot, float *o, int B, int H, int dk, int dv) {
+                    float *states, const int64_t *slot, const int64_t *src, float *o, int B, int H, int dk, int dv) {
+    for (int phase = 0; phase < 2; phase++) {
 #pragma omp parallel for schedule(static) if (B * H >= 4)
-    for (int bh = 0; bh < B * H; bh++) {
-        int b = bh / H, h = bh % H;
-        float *S = states + ((size_t)slot[b] * H + h) * (size_t)dk * dv;
-        head_step(S, q + (size_t)bh * dk, k + (size_t)bh * dk, v + (size_t)bh * dv, g[bh], beta[bh],
-                  o + (size_t)bh * dv, dk, dv);
+        for (int bh = 0; bh < B * H; bh++) {
+            int b = bh / H, h = bh % H;
+            if ((src[b] != slot[b]) != (phase == 0)) continue;
+            size_t head = (size_t)h * dk * dv, per = (size_t)H * dk * dv;
+            head_step(states + (size_t)src[b] * per + head, states + (size_t)slot[b] * per + head, q + (size_t)bh * dk,
+                      k + (size_t)bh * dk, v + (size_t)bh * dv, g[bh], beta[bh], o + (size_t)bh * dv, dk, dv);
+        }
     }
+}
+
+/* C[r][j] = c_scale * C[r][j] + sum_p A(r, p) B[p][j] for R rows and V vectors of columns, A(r, p) at
+ * A[r * a_r + p * a_p]: one register tile (R, V compile-time constants after inlining). */
+static inline __attribute__((always_inline)) void tile(const float *A, long a_r, long a_p, const float *B, long ldb,
+                                                       float *C, long ldc, int K, float c_scale, int R, int V) {
+    vf acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) acc[r][v] = vset(0.f);
+    for (int p = 0; p < K; p++) {
+        vf b[4];
+        for (int v = 0; v < V; v++) b[v] = vload(B + (long)p * ldb + v * VW);
+        for (int r = 0; r < R; r++) {
+            vf a = vset(A[r * a_r + p * a_p]);
+            for (int v = 0; v < V; v++) acc[r][v] += a * b[v];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) {
+            float *c = C + (long)r * ldc + v * VW;
+            vstore(c, c_scale == 0.f ? acc[r][v] : vset(c_scale) * vload(c) + acc[r][v]);
+        }
+}
+
+/* C [M, N] = c_scale * C + A B, A(r, p) at A[r * a_r + p * a_p] ([M, K]), B [K, N] row-major (ldb),
+ * C row-major (ldc). c_scale 0: C is overwritten (never read). */
+static void matmul(const float *A, long a_r, long a_p, const float *B, long ldb, float *C, long ldc, int M, int N, int K,
+                   float c_scale) {
+    int nv = N / VW, r = 0;
+    for (; r + 4 <= M; r += 4) {
+        int v = 0;
+        for (; v + 4 <= nv; v += 4) tile(A + r * a_r, a_r, a_p, B + v * VW, ldb, C + r * ldc + v * VW, ldc, K, c_scale, 4, 4);
+        for (; v < nv; v++) tile(A + r * a_r, a_r, a_p, B + v * VW, ldb, C + r * ldc + v * VW, ldc, K, c_scale, 4, 1);
+    }
+    for (; r < M; r++) {
+        int v = 0;
+        for (; v + 4 <= nv; v += 4) tile(A + r * a_r, a_r, a_p, B + v * VW, ldb, C + r * ldc + v * VW, ldc, K, c_scale, 1, 4);
+        for (; v < nv; v++) tile(A + r * a_r, a_r, a_p, B + v * VW, ldb, C + r * ldc + v * VW, ldc, K, c_scale, 1, 1);
+    }
+    for (int j = nv * VW; j < N; j++) /* columns past the last whole vector */
+        for (int i = 0; i < M; i++) {
+            float acc = 0.f;
+            for (int p = 0; p < K; p++) acc += A[i * a_r + p * a_p] * B[(long)p * ldb + j];
+            C[(long)i * ldc + j] = c_scale == 0.f ? acc : c_scale * C[(long)i * ldc + j] + acc;
+        }
+}
+
+#define GDR_CHUNK_MAX 64
+
+/* One head's chunk of n tokens: q, k [n, dk], v [n, dv] (rows of the head's sequence), o [n, dv]; S [dk, dv]
+ * in place. Scratch: ks, qs [n, dv], kt [dk, CM] (CM: n rounded up to vectors), a, pm [n, CM]. */
+static void chunk_step(const float *q, const float *k, const float *v, const float *g, const float *beta, float *o,
+                       float *S, int n, int dk, int dv, float *ks, float *qs, float *kt, float *a, float *pm) {
+    int cm = (n + VW - 1) / VW * VW;
+    float gamma[GDR_CHUNK_MAX] = {0}, eg[GDR_CHUNK_MAX]; /* gamma past n: read, never used */
+    float acc = 0.f;
+    for (int i = 0; i < n; i++) {
+        acc += g[i];
+        gamma[i] = acc;
+        eg[i] = expf(acc);
+    }
+    for (int p = 0; p < dk; p++) { /* K^T, zero past n */
+        for (int i = 0; i < n; i++) kt[p * cm + i] = k[(long)i * dk + p];
+        for (int i = n; i < cm; i++) kt[p * cm + i] = 0.f;
+    }
+    matmul(k, dk, 1, S, dv, ks, dv, n, dv, dk, 0.f);
+    matmul(q, dk, 1, S, dv, qs, dv, n, dv, dk, 0.f);
+    for (int i = 0; i < n; i++) { /* rows of A and P: vectors of m up to i */
+        int nb = i / VW + 1;
+        vf kk[GDR_CHUNK_MAX / VW], qk[GDR_CHUNK_MAX / VW];
+        for (int b = 0; b < nb; b++) kk[b] = qk[b] = vset(0.f);
+        for (int p = 0; p < dk; p++) {
+            vf ki = vset(k[(long)i * dk + p]), qi = vset(q[(long)i * dk + p]);
+            for (int b = 0; b < nb; b++) {
+                vf t = vload(kt + p * cm + b * VW);
+                kk[b] += ki * t;
+                qk[b] += qi * t;
+            }
+        }
+        vf gi = vset(gamma[i]), bi = vset(beta[i]);
+        for (int b = 0; b < nb; b++) {
+            vf decay = vexp2((gi - vload(gamma + b * VW)) * LOG2E); /* lanes past i: never read */
+            vstore(a + i * cm + b * VW, bi * decay * kk[b]);
+            vstore(pm + i * cm + b * VW, decay * qk[b]);
+        }
+    }
+    for (int i = 0; i < n; i++) { /* U (in ks) row by row, and O */
+        float *u = ks + (long)i * dv, *oi = o + (long)i * dv;
+        const float *vi = v + (long)i * dv, *qsi = qs + (long)i * dv, *ai = a + i * cm, *pi = pm + i * cm;
+        int j = 0;
+        for (; j + VW <= dv; j += VW) {
+            vf r = vset(beta[i]) * (vload(vi + j) - vset(eg[i]) * vload(u + j));
+            vf out = vset(eg[i]) * vload(qsi + j);
+            for (int m = 0; m < i; m++) {
+                vf um = vload(ks + (long)m * dv + j);
+                r -= vset(ai[m]) * um;
+                out += vset(pi[m]) * um;
+            }
+            vstore(u + j, r);
+            vstore(oi + j, out + vset(pi[i]) * r);
+        }
+        for (; j < dv; j++) {
+            float r = beta[i] * (vi[j] - eg[i] * u[j]), out = eg[i] * qsi[j];
+            for (int m = 0; m < i; m++) {
+                float um = ks[(long)m * dv + j];
+                r -= ai[m] * um;
+                out += pi[m] * um;
+            }
+            u[j] = r;
+            oi[j] = out + pi[i] * r;
+        }
+    }
+    float last = gamma[n - 1];
+    for (int i = 0; i < n; i++) { /* U's rows scaled by e^(gamma_last - gamma_i), into qs */
+        float s = expf(last - gamma[i]);
+        for (int j = 0; j < dv; j++) qs[(long)i * dv + j] = s * ks[(long)i * dv + j];
+    }
+    matmul(k, 1, dk, qs, dv, S, dv, dk, dv, n, expf(last)); /* S = e^last S + K^T (scaled U) */
+}
+
+/* q, k [H, L, dk], v and o [H, L, dv], g and beta [H, L] (contiguous float32), state [H, dk, dv] in place
+ * (the state after the last token on return). chunk: tokens a chunk, 1..64. Returns 0, or -1 where scratch
+ * could not be allocated or chunk is out of range (nothing written). */
+int sgrec_gdr_chunked(const float *q, const float *k, const float *v, const float *g, const float *beta, float *state,
+                      float *o, int H, int L, int dk, int dv, int chunk) {
+    if (chunk < 1 || chunk > GDR_CHUNK_MAX) return -1;
+    int cm = (chunk + VW - 1) / VW * VW, threads = omp_get_max_threads();
+    size_t need = (size_t)2 * chunk * dv + (size_t)dk * cm + (size_t)2 * chunk * cm;
+    float *scratch = malloc(need * threads * sizeof(float));
+    if (!scratch) return -1;
+#pragma omp parallel for schedule(static)
+    for (int h = 0; h < H; h++) {
+        float *ks = scratch + need * omp_get_thread_num(), *qs = ks + (size_t)chunk * dv, *kt = qs + (size_t)chunk * dv,
+              *a = kt + (size_t)dk * cm, *pm = a + (size_t)chunk * cm;
+        for (int t = 0; t < L; t += chunk) {
+            int n = L - t < chunk ? L - t : chunk;
+            long row = (long)h * L + t;
+            chunk_step(q + row * dk, k + row * dk, v + row * dv, g + row, beta + row, o + row * dv,
+                       state + (size_t)h * dk * dv, n, dk, dv, ks, qs, kt, a, pm);
+        }
+    }
+    free(scratch);
+    return 0;
 }
