@@ -159,6 +159,36 @@ def test_the_chunked_kernel_equals_the_torch_forms_in_every_isa_build(H, L, dk, 
         native.gdr_sequence(qn, kn, v, decay, beta, s0[:, :, :1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hk,Hv,dk,dv,K,L", [(2, 2, 16, 16, 4, 50), (2, 4, 16, 24, 4, 2), (3, 3, 20, 17, 3, 33)])
+def test_the_prepare_kernel_equals_the_convolution_and_heads_of_the_torch_path(dtype, Hk, Hv, dk, dv, K, L):
+    """native.gdr_prepare (the prefill's convolution, SiLU and q/k normalisation in one pass) against
+    GatedDeltaNet's torch path (_convolve then _heads_first) on strided projection rows, in every ISA
+    build: v bit for bit in bfloat16 (the convolution and SiLU rounded where torch rounds them), q and k
+    to float32 rounding; value heads sharing a key head (Hv > Hk), sequences shorter than the window."""
+    from types import SimpleNamespace
+
+    from sgrec.model import native
+    from sgrec.model.qwen3_5 import GatedDeltaNet
+    from test_native_kernels import isa_builds
+
+    gen = torch.Generator().manual_seed(L + dk)
+    C = 2 * Hk * dk + Hv * dv
+    layer = SimpleNamespace(key_size=Hk * dk, value_size=Hv * dv, k_heads=Hk, v_heads=Hv, k_dim=dk, v_dim=dv,
+                            kernel=K, conv_dim=C, conv_weight=torch.nn.Parameter(torch.randn(C, K, generator=gen).to(dtype)))
+    x = torch.randn(L, C + 7, generator=gen).to(dtype)[:, :C]  # rows of the projection: strided
+    window = torch.randn(1, C, K - 1, generator=gen).to(dtype)
+    conv, _ = GatedDeltaNet._convolve(layer, x.T[None], window)
+    want = GatedDeltaNet._heads_first(layer, conv[0])
+    for march in isa_builds():
+        got = native.gdr_prepare(x, window[0], layer.conv_weight, Hk, Hv, dk, dv, native.library(march))
+        assert all(g.shape == w.shape and g.dtype == torch.float32 for g, w in zip(got, want))
+        assert (got[0] - want[0]).abs().max() <= 1e-6 and (got[1] - want[1]).abs().max() <= 1e-6, march
+        assert (got[2] - want[2]).abs().max() <= (0 if dtype == torch.bfloat16 else 1e-6), march
+    with pytest.raises(ValueError, match="do not fit"):
+        native.gdr_prepare(x, window[0], layer.conv_weight, Hk, Hv, dk + 1, dv)
+
+
 def test_a_runner_forwards_with_denormals_flushed_and_restores_the_mode_after(hybrid_dir):
     """The delta rule's decays underflow into denormal floats, tens of times slower on x86: a hybrid
     runner's forward runs with its calling thread's OpenMP team flushing them to zero, and leaves the

@@ -582,3 +582,14 @@ def test_a_bipartite_mask_alone_is_what_the_dense_mask_was():
     batch = ForwardBatch(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.ones(1), [one],
                          None)
     assert one.masked and not batch.is_decode
+
+
+@needs_kernels
+@every_isa
+def test_the_fma_limit_counts_the_operations_it_ran(march):
+    """sgrec_fma_peak (the benchmarks' float32 compute limit) reports 2 operations a lane for each of
+    16 FMAs a round on every thread of torch's team, at this build's vector width."""
+    lib = native.library(march)
+    width = 16 if "-march=x86-64-v4" in march else 8 if "-march=x86-64-v3" in march else 4  # vec.h's VW
+    assert lib.sgrec_fma_peak(1000) == 2 * 16 * width * 1000 * torch.get_num_threads()
+    assert native.fma_peak_gflops(0.01, lib) > 0

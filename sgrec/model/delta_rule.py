@@ -18,7 +18,10 @@ once), and only the S0 terms run chunk after chunk:
     U = U0 - W S0,   O = diag(e^gamma) Q S0 + (Q K^T * decay) U,   S_end = e^gamma_C S0 + (K * e^(gamma_C - gamma))^T U.
 
 Both give the same values up to float32 rounding (tests/test_hybrid_model.py checks them against
-each other and against transformers' implementation).
+each other and against transformers' implementation). They are the reference and the torch path;
+the model runs the kernels of its glue where it has them: sgrec.model.native's C (gdr_step and
+gdr_sequence, the chunked algebra with the state in each chunk's right-hand side) on CPU, and
+sgrec.model.kernels.delta_rule's Triton on CUDA, each tested against these.
 """
 
 from __future__ import annotations

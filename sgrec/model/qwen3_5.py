@@ -269,10 +269,16 @@ class GatedDeltaNet(nn.Module):
         a, n = seq.q_start, seq.q_len
         slots = None if batch.state_slots is None else batch.state_slots[i : i + 1]
         window, matrix = self._state(parts, slots, 1, mixed.device)
-        conv, window = self._convolve(mixed[a : a + n].T[None], window)
-        q, k, v = self._heads_first(conv[0])
-        fast = getattr(self.glue, "gdr_sequence", None)
-        rule = fast if fast is not None and matrix.device.type == self.glue.DEVICE else delta_rule.chunked
+        x = mixed[a : a + n]
+        on_glue = self.glue is not None and matrix.device.type == self.glue.DEVICE
+        if on_glue and hasattr(self.glue, "gdr_prepare"):  # the convolution and the heads in one pass
+            q, k, v = self.glue.gdr_prepare(x, window[0], self.conv_weight, self.k_heads, self.v_heads, self.k_dim,
+                                            self.v_dim)
+            window = torch.cat([window.to(x.dtype), x.T[None]], dim=-1)[..., -(self.kernel - 1):]
+        else:
+            conv, window = self._convolve(x.T[None], window)
+            q, k, v = self._heads_first(conv[0])
+        rule = self.glue.gdr_sequence if on_glue and hasattr(self.glue, "gdr_sequence") else delta_rule.chunked
         o, state = rule(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0])
         out[a : a + n] = o.transpose(0, 1).to(out.dtype)
         self._keep(parts, slots, window, state[None])

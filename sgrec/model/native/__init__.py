@@ -126,6 +126,10 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.sgrec_flush_denormals.argtypes = [i32]
     lib.sgrec_gdr_chunked.restype = ctypes.c_int
     lib.sgrec_gdr_chunked.argtypes = [p] * 7 + [i32] * 5
+    lib.sgrec_fma_peak.restype = ctypes.c_double
+    lib.sgrec_fma_peak.argtypes = [i64]
+    lib.sgrec_gdr_prepare.restype = ctypes.c_int
+    lib.sgrec_gdr_prepare.argtypes = [p, i64, i32, p, p] + [i32] * 7 + [ctypes.c_float, p, p, p]
     if lib.sgrec_fused_decode():  # decode.c: float32 on AVX2 + FMA or AVX-512, bf16 with avx512_bf16
         lib.sgrec_gemv.restype = ctypes.c_int
         lib.sgrec_gemv.argtypes = [p, p, p, i64, p, i64, i32, i32, i32, i32]
@@ -379,3 +383,53 @@ def gdr_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                                    state.data_ptr(), out.data_ptr(), H, L, dk, dv, chunk):
         raise MemoryError("gdr_sequence: no memory for the kernel's scratch")
     return out, state
+
+
+def gdr_prepare(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, k_heads: int, v_heads: int, dk: int,
+                dv: int, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sequence's q, k, v for the rule (qwen3_5.GatedDeltaNet's _convolve then _heads_first, one
+    pass): x [L, C] the input projection's q, k, v channels (float32 or bfloat16, rows may be strided),
+    window [C, K - 1] the inputs before x (the state's), weight [C, K] the depthwise taps. -> q, k
+    [v_heads, L, dk] (L2-normalised, q times dk^-1/2) and v [v_heads, L, dv], contiguous float32."""
+    lib = _loaded(lib)
+    L, C = x.shape
+    K = weight.shape[1]
+    if x.dtype not in DTYPES or x.stride(1) != 1 or C != 2 * k_heads * dk + v_heads * dv \
+            or tuple(window.shape) != (C, K - 1) or v_heads % k_heads:
+        raise ValueError(f"gdr_prepare: x {x.dtype} {tuple(x.shape)} (stride {x.stride()}), window "
+                         f"{tuple(window.shape)}, weight {tuple(weight.shape)} do not fit {k_heads} key heads of "
+                         f"{dk} and {v_heads} value heads of {dv}")
+    past = window.to(x.dtype).float().t().contiguous()  # as _convolve reads it: in x's dtype
+    taps = weight.float().t().contiguous()
+    q = torch.empty(v_heads, L, dk, dtype=torch.float32)
+    k = torch.empty(v_heads, L, dk, dtype=torch.float32)
+    v = torch.empty(v_heads, L, dv, dtype=torch.float32)
+    if L and lib.sgrec_gdr_prepare(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), past.data_ptr(),
+                                   taps.data_ptr(), L, C, K, k_heads, v_heads, dk, dv, dk**-0.5, q.data_ptr(),
+                                   k.data_ptr(), v.data_ptr()):
+        raise MemoryError("gdr_prepare: no memory for the kernel's scratch")
+    return q, k, v
+
+
+def fma_peak_gflops(seconds: float = 0.3, lib: ctypes.CDLL | None = None) -> float:
+    """The float32 vector FMA rate of torch's OpenMP team on this machine in GFLOP/s (best of three runs
+    of about `seconds` each): independent FMAs on registers, no memory; the compute limit benchmarks
+    set the float32 kernels against."""
+    import time
+
+    lib = _loaded(lib)
+    iters = 1 << 16
+    while True:  # grow until a run takes a tenth of `seconds`
+        t = time.perf_counter()
+        lib.sgrec_fma_peak(iters)
+        took = time.perf_counter() - t
+        if took >= seconds / 10:
+            break
+        iters *= 4
+    iters = max(iters, int(iters * seconds / took))
+    best_rate = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        flops = lib.sgrec_fma_peak(iters)
+        best_rate = max(best_rate, flops / (time.perf_counter() - t) / 1e9)
+    return best_rate

@@ -30,6 +30,12 @@
  * products are register-tiled (4 rows x 4 vectors of accumulators); the heads run in parallel, each the
  * same way whatever the others are, so a head's result never depends on the thread count.
  *
+ * sgrec_gdr_prepare: a sequence's causal short convolution, SiLU and per-head L2 normalisation (the
+ * layer's q, k, v before the rule), in one pass over the input projection's rows: token-major input
+ * [L, C] (bf16 or float32, rows `x_stride` apart), the convolution vectorised over channels, each head's
+ * q, k and v written as the rule's contiguous [H, L, d] float32. In bf16 the convolution's sum and its
+ * SiLU are rounded to bf16 as torch's bf16 conv1d and silu round them; the norms are float32.
+ *
  * sgrec_flush_denormals: flush-to-zero and denormals-are-zero (or neither) on the calling thread and
  * its OpenMP team (torch's intra-op threads: the kernels bind to the OpenMP runtime torch loaded). The
  * delta rule's decays e^(cumulative g) underflow into denormal floats, which x86 multiplies tens of times
@@ -290,4 +296,94 @@ int sgrec_gdr_chunked(const float *q, const float *k, const float *v, const floa
     }
     free(scratch);
     return 0;
+}
+
+/* x: rows t = 0..L-1 of the projection (first C channels: q, k, v), row t at x + t * x_stride elements,
+ * bf16 (x_bf16) or float32; past [K - 1, C] float32: the inputs before row 0 (the state's window,
+ * oldest first); w [K, C] float32: the depthwise taps, tap K - 1 on the newest input. Channels: q for
+ * Hk heads of dk, then k, then v for Hv heads of dv (C = 2 Hk dk + Hv dv). Writes q, k [Hv, L, dk]
+ * (a key head's values for each of its Hv / Hk value heads; q times q_scale) and v [Hv, L, dv].
+ * Returns 0, or -1 where scratch could not be allocated. */
+int sgrec_gdr_prepare(const void *x, long x_stride, int x_bf16, const float *past, const float *w, int L, int C,
+                      int K, int Hk, int Hv, int dk, int dv, float q_scale, float *q, float *k, float *v) {
+    int threads = omp_get_max_threads(), groups = Hv / Hk;
+    float *scratch = malloc((size_t)threads * C * sizeof(float));
+    if (!scratch) return -1;
+    const vf one = vset(1.f), cap = vset(126.f), l2e = vset(-LOG2E);
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < L; t++) {
+        float *y = scratch + (size_t)omp_get_thread_num() * C;
+        int c = 0;
+        for (; c + VW <= C; c += VW) {
+            vf acc = vset(0.f);
+            for (int j = 0; j < K; j++) {
+                int src = t - (K - 1) + j; /* the input this tap reads */
+                vf in;
+                if (src < 0)
+                    in = vload(past + (size_t)(K - 1 + src) * C + c);
+                else if (x_bf16)
+                    in = vload_bf16((const uint16_t *)x + (size_t)src * x_stride + c);
+                else
+                    in = vload((const float *)x + (size_t)src * x_stride + c);
+                acc += vload(w + (size_t)j * C + c) * in;
+            }
+            if (x_bf16) acc = vround_bf16(acc);
+            vf e = l2e * acc;
+            e = vselect((vi)(e < cap), e, cap);
+            acc = acc / (one + vexp2(e));
+            if (x_bf16) acc = vround_bf16(acc);
+            vstore(y + c, acc);
+        }
+        for (; c < C; c++) {
+            float acc = 0.f;
+            for (int j = 0; j < K; j++) {
+                int src = t - (K - 1) + j;
+                float in = src < 0 ? past[(size_t)(K - 1 + src) * C + c]
+                           : x_bf16 ? bf16_load(((const uint16_t *)x)[(size_t)src * x_stride + c])
+                                    : ((const float *)x)[(size_t)src * x_stride + c];
+                acc += w[(size_t)j * C + c] * in;
+            }
+            if (x_bf16) acc = bf16_load(bf16_store(acc));
+            acc = acc / (1.f + expf(-acc));
+            if (x_bf16) acc = bf16_load(bf16_store(acc));
+            y[c] = acc;
+        }
+        for (int h = 0; h < Hv; h++) {
+            const float *qh = y + (size_t)(h / groups) * dk, *kh = y + (size_t)Hk * dk + (size_t)(h / groups) * dk,
+                        *vh = y + (size_t)2 * Hk * dk + (size_t)h * dv;
+            float sq = 0.f, sk = 0.f;
+            for (int i = 0; i < dk; i++) {
+                sq += qh[i] * qh[i];
+                sk += kh[i] * kh[i];
+            }
+            float rq = q_scale / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
+            float *qo = q + ((size_t)h * L + t) * dk, *ko = k + ((size_t)h * L + t) * dk,
+                  *vo = v + ((size_t)h * L + t) * dv;
+            for (int i = 0; i < dk; i++) {
+                qo[i] = qh[i] * rq;
+                ko[i] = kh[i] * rk;
+            }
+            for (int i = 0; i < dv; i++) vo[i] = vh[i];
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* The machine's float32 vector FMA limit, for the benchmarks' efficiency figures: every thread of the
+ * team runs `iters` rounds of 16 independent vector FMAs (enough chains to cover the FMA units' latency)
+ * on registers. Returns the floating-point operations done (2 per lane per FMA); the caller times it. */
+double sgrec_fma_peak(long iters) {
+    double flops = 0.;
+#pragma omp parallel reduction(+ : flops)
+    {
+        vf acc[16], a = vset(0.999999f), b = vset(1e-7f);
+        for (int i = 0; i < 16; i++) acc[i] = vset((float)i);
+        for (long n = 0; n < iters; n++)
+            for (int i = 0; i < 16; i++) acc[i] = acc[i] * a + b;
+        float sink = 0.f;
+        for (int i = 0; i < 16; i++) sink += acc[i][0];
+        flops += 2.0 * 16 * VW * (double)iters + (sink == 12345.f); /* the sum keeps the loop */
+    }
+    return flops;
 }
