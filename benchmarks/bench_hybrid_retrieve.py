@@ -11,7 +11,8 @@ beam_width = top_k = BW and num_items = min(BW, 10), one request at a time, the 
 
 Peers, on the same weights, prompts and catalog:
 * sgrec: RetrieveExecutor (the prompt's KV read in place by every beam, each beam's state in a slot of
-  its own, forked from the prompt's and reordered in place at every level);
+  its own, forked from the prompt's; at each level a fork reads its parent's slot in the next step, no
+  state copied);
 * naive: sgrec.beam.naive_retrieve (every beam a sequence of a plain decode batch, the prompt's KV and
   state copied into each beam, the parent's copied again at every fork), at the beam widths in
   --naive-beam-widths;

@@ -128,6 +128,22 @@ def test_sequence_equals_chunked_and_steps(L, H, dk, dv, strided):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequence_writes_o_token_major_into_a_home(dtype):
+    """out=: o stored token-major [L, H, dv] into a strided view in its dtype, rounded once from the
+    float32 values the kernel returns without it; nothing else of the home written."""
+    H, L, dk, dv = 2, 37, 16, 24
+    q, k, v, g, beta = tokens((H, L), dk, dv, seed=5)
+    s0 = states(H, dk, dv, seed=6)
+    want, want_state = gdr_sequence(q, k, v, g, beta, s0)
+    home = torch.zeros(L, H + 1, dv, dtype=dtype)
+    got, state = gdr_sequence(q, k, v, g, beta, s0, out=home[:, 1:])
+    assert got.data_ptr() == home[:, 1:].data_ptr() and torch.equal(state, want_state)
+    assert torch.equal(home[:, 0], torch.zeros(L, dv, dtype=dtype))
+    assert worst(home[:, 1:], want.transpose(0, 1).to(dtype)) <= (TOL if dtype == torch.float32 else 1e-2)
+
+
+@interpreted
 def test_sequence_then_steps_equals_one_longer_sequence():
     """A prefill by gdr_sequence, its state put in a pool, then gdr_step token by token: the outputs and
     state of gdr_sequence over the whole sequence (the two kernels agree with each other, not only with

@@ -153,6 +153,11 @@ def test_the_chunked_kernel_equals_the_torch_forms_in_every_isa_build(H, L, dk, 
         assert (out - torch.stack(steps, 1)).abs().max() <= 1e-5 and (state - s[0]).abs().max() <= 1e-5, march
         one, one_state = native.gdr_sequence(qn[-1:], kn[-1:], v[-1:], decay[-1:], beta[-1:], s0[-1:], chunk, lib)
         assert torch.equal(one[0], out[-1]) and torch.equal(one_state[0], state[-1])
+        for dtype in (torch.float32, torch.bfloat16):  # o written token-major into a strided home, rounded once
+            home = torch.zeros(L, H + 1, dv, dtype=dtype)
+            got, _ = native.gdr_sequence(qn, kn, v, decay, beta, s0, chunk, lib, out=home[:, 1:])
+            assert got.data_ptr() == home[:, 1:].data_ptr() and torch.equal(home[:, 0], torch.zeros(L, dv, dtype=dtype))
+            assert torch.equal(home[:, 1:], out.transpose(0, 1).to(dtype)), (march, dtype)
     with pytest.raises(ValueError, match="chunk must be 1..64"):
         native.gdr_sequence(qn, kn, v, decay, beta, s0, 65)
     with pytest.raises(ValueError, match="do not agree"):

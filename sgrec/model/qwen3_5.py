@@ -140,7 +140,7 @@ class GatedAttention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    glue = None  # the runner's kernels once HybridLM.use_glue ran: the rule's gdr_step and gdr_sequence (native, kernels.glue)
+    glue = None  # the runner's kernels once HybridLM.use_glue ran (HybridLM.use_glue: the rule's)
 
     def __init__(self, cfg: ModelConfig, layer: int, shape: HybridShape):
         super().__init__()
@@ -274,13 +274,17 @@ class GatedDeltaNet(nn.Module):
         if on_glue and hasattr(self.glue, "gdr_prepare"):  # the convolution and the heads in one pass
             q, k, v = self.glue.gdr_prepare(x, window[0], self.conv_weight, self.k_heads, self.v_heads, self.k_dim,
                                             self.v_dim)
-            window = torch.cat([window.to(x.dtype), x.T[None]], dim=-1)[..., -(self.kernel - 1):]
+            keep = self.kernel - 1  # the new window: the last K - 1 inputs
+            ext = torch.cat([window.to(x.dtype), x[max(0, n - keep):].T[None]], dim=-1)
+            window = ext[..., ext.shape[-1] - keep:]
         else:
             conv, window = self._convolve(x.T[None], window)
             q, k, v = self._heads_first(conv[0])
-        rule = self.glue.gdr_sequence if on_glue and hasattr(self.glue, "gdr_sequence") else delta_rule.chunked
-        o, state = rule(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0])
-        out[a : a + n] = o.transpose(0, 1).to(out.dtype)
+        if on_glue and hasattr(self.glue, "gdr_sequence"):  # o written into out, token-major, in its dtype
+            _, state = self.glue.gdr_sequence(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0], out=out[a : a + n])
+        else:
+            o, state = delta_rule.chunked(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0])
+            out[a : a + n] = o.transpose(0, 1).to(out.dtype)
         self._keep(parts, slots, window, state[None])
 
 
@@ -374,9 +378,9 @@ class HybridLM(LMBase):
         return self.norm(x[rows])
 
     def use_glue(self, glue) -> None:
-        """LMBase.use_glue, and the delta rule's kernels where `glue` has them: gdr_step (decode, states in
-        place) and gdr_sequence (a sequence's prefill), on tensors of the glue's DEVICE; delta_rule's
-        torch forms elsewhere."""
+        """LMBase.use_glue, and the delta rule's kernels where `glue` has them: gdr_step (decode and beam
+        steps, states in place), gdr_prepare (a prefill's convolution and heads, native only) and
+        gdr_sequence (a sequence's prefill), on tensors of the glue's DEVICE; the torch forms elsewhere."""
         super().use_glue(glue)
         for m in self.modules():
             if isinstance(m, GatedDeltaNet):

@@ -69,7 +69,7 @@ def _build():
     @triton.jit
     def sequence_kernel(Q, K, V, G, BETA, S0, OUT, S1, L, dk, dv,
                         sq_h, sq_l, sq_d, sk_h, sk_l, sk_d, sv_h, sv_l, sv_d, sg_h, sg_l, sb_h, sb_l,
-                        ss_h, ss_k, ss_v, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                        ss_h, ss_k, ss_v, so_l, so_h, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
         h = tl.program_id(0).to(tl.int64)
         kk = tl.arange(0, BLOCK_K)
         vv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -82,7 +82,7 @@ def _build():
         v_ptr = V + h * sv_h + vv * sv_d
         g_ptr = G + h * sg_h
         b_ptr = BETA + h * sb_h
-        o_ptr = OUT + h * L * dv + vv  # o is a new contiguous [H, L, dv]
+        o_ptr = OUT + h * so_h + vv  # token t of head h at t * so_l + h * so_h
         for t in range(L):
             q = tl.load(q_ptr, mask=mk, other=0.0)
             k = tl.load(k_ptr, mask=mk, other=0.0)
@@ -92,13 +92,13 @@ def _build():
             s = s * tl.exp(g)
             u = (v - tl.sum(s * k[:, None], axis=0)) * beta
             s = s + k[:, None] * u[None, :]
-            tl.store(o_ptr, tl.sum(s * q[:, None], axis=0), mask=mv)
+            tl.store(o_ptr, tl.sum(s * q[:, None], axis=0).to(OUT.dtype.element_ty), mask=mv)
             q_ptr += sq_l
             k_ptr += sk_l
             v_ptr += sv_l
             g_ptr += sg_l
             b_ptr += sb_l
-            o_ptr += dv
+            o_ptr += so_l
         tl.store(S1 + (h * dk + kk[:, None]) * dv + vv[None, :], s, mask=m2)  # the new state, contiguous
 
     return step_kernel, sequence_kernel
@@ -162,32 +162,40 @@ def gdr_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 
 def gdr_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 state: torch.Tensor, *, block_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 state: torch.Tensor, *, out: torch.Tensor | None = None,
+                 block_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence through the gated delta rule: q, k [H, L, dk], v [H, L, dv], g, beta [H, L],
     state [H, dk, dv] (float32, any strides; state is not modified). -> (o [H, L, dv], the state after
     the last token [H, dk, dv]), new contiguous float32 tensors (delta_rule.chunked's values to float32
-    rounding). block_v as gdr_step's."""
+    rounding). out: o's home instead, token-major [L, H, dv] in any float dtype (rounded once on the
+    store; its last dimension contiguous), returned as o. block_v as gdr_step's."""
     if q.dim() != 3 or v.dim() != 3:
         raise ValueError(f"gdr_sequence: q and v must be [H, L, d], got {list(q.shape)} and {list(v.shape)}")
     H, L, dk = q.shape
     dv = v.shape[-1]
     want = {"k": (k, (H, L, dk)), "v": (v, (H, L, dv)), "g": (g, (H, L)), "beta": (beta, (H, L)),
             "state": (state, (H, dk, dv))}
+    if out is not None:
+        want["out"] = (out, (L, H, dv))
     for name, (t, shape) in want.items():
         if tuple(t.shape) != shape:
             raise ValueError(f"gdr_sequence: {name} must be {list(shape)} (q is {list(q.shape)}), got {list(t.shape)}")
     if state.dtype != torch.float32:
         raise ValueError(f"gdr_sequence: state must be float32, got {state.dtype}")
-    _on_device("gdr_sequence", q, k, v, g, beta, state)
+    if out is not None and (not out.dtype.is_floating_point or out.stride(2) != 1):
+        raise ValueError(f"gdr_sequence: out must be floating point with a contiguous last dimension, got "
+                         f"{out.dtype} strides {out.stride()}")
+    _on_device("gdr_sequence", q, k, v, g, beta, state, *([] if out is None else [out]))
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))  # no copy where float32 already
-    out = torch.empty(H, L, dv, dtype=torch.float32, device=q.device)
+    o = torch.empty(H, L, dv, dtype=torch.float32, device=q.device) if out is None else out
+    so_l, so_h = (dv, L * dv) if out is None else (out.stride(0), out.stride(1))
     new = torch.empty(H, dk, dv, dtype=torch.float32, device=q.device)
     bv = _block_v(dv, block_v)
     if H and dk and dv:
-        built(_KERNELS, _build)[1][(H, -(-dv // bv))](q, k, v, g, beta, state, out, new, L, dk, dv,
+        built(_KERNELS, _build)[1][(H, -(-dv // bv))](q, k, v, g, beta, state, o, new, L, dk, dv,
                                                        *q.stride(), *k.stride(), *v.stride(), *g.stride(),
-                                                       *beta.stride(), *state.stride(),
+                                                       *beta.stride(), *state.stride(), so_l, so_h,
                                                        BLOCK_K=pow2(dk), BLOCK_V=bv)
     else:
         new.copy_(state)
-    return out, new
+    return o, new

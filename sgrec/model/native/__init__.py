@@ -125,7 +125,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.sgrec_flush_denormals.restype = ctypes.c_int
     lib.sgrec_flush_denormals.argtypes = [i32]
     lib.sgrec_gdr_chunked.restype = ctypes.c_int
-    lib.sgrec_gdr_chunked.argtypes = [p] * 7 + [i32] * 5
+    lib.sgrec_gdr_chunked.argtypes = [p] * 7 + [i64, i64] + [i32] * 6
     lib.sgrec_fma_peak.restype = ctypes.c_double
     lib.sgrec_fma_peak.argtypes = [i64]
     lib.sgrec_gdr_prepare.restype = ctypes.c_int
@@ -362,11 +362,13 @@ def gdr_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 
 def gdr_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, chunk: int = 64, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 state: torch.Tensor, chunk: int = 64, lib: ctypes.CDLL | None = None,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence through the gated delta rule in chunks of `chunk` tokens (1..64): the contract of
     sgrec.model.delta_rule.chunked (q, k [H, L, dk], v [H, L, dv], g, beta [H, L], state [H, dk, dv],
     float32; returns (o [H, L, dv], the state after the last token); `state` is not modified), its
-    values to float32 rounding."""
+    values to float32 rounding. out: o's home instead, token-major [L, H, dv] (float32 or bfloat16,
+    rounded once; its last dimension contiguous), returned as o."""
     lib = _loaded(lib)
     H, L, dk = q.shape
     dv = v.shape[-1]
@@ -376,13 +378,18 @@ def gdr_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                          f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)} do not agree")
     if not 1 <= chunk <= 64:
         raise ValueError(f"gdr_sequence: chunk must be 1..64 tokens, got {chunk}")
+    if out is not None and (tuple(out.shape) != (L, H, dv) or out.dtype not in DTYPES or out.stride(2) != 1):
+        raise ValueError(f"gdr_sequence: out must be a float32 or bfloat16 [{L}, {H}, {dv}] with a contiguous last "
+                         f"dimension, got {out.dtype} {tuple(out.shape)} (strides {out.stride()})")
     q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
     state = state.to(torch.float32, copy=True).contiguous()
-    out = torch.empty(H, L, dv, dtype=torch.float32)
+    o = torch.empty(H, L, dv, dtype=torch.float32) if out is None else out
+    o_tok, o_head = (dv, L * dv) if out is None else (out.stride(0), out.stride(1))
     if L and lib.sgrec_gdr_chunked(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-                                   state.data_ptr(), out.data_ptr(), H, L, dk, dv, chunk):
+                                   state.data_ptr(), o.data_ptr(), o_tok, o_head, int(o.dtype == torch.bfloat16),
+                                   H, L, dk, dv, chunk):
         raise MemoryError("gdr_sequence: no memory for the kernel's scratch")
-    return out, state
+    return o, state
 
 
 def gdr_prepare(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, k_heads: int, v_heads: int, dk: int,

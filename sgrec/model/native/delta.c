@@ -202,10 +202,27 @@ static void matmul(const float *A, long a_r, long a_p, const float *B, long ldb,
 
 #define GDR_CHUNK_MAX 64
 
-/* One head's chunk of n tokens: q, k [n, dk], v [n, dv] (rows of the head's sequence), o [n, dv]; S [dk, dv]
- * in place. Scratch: ks, qs [n, dv], kt [dk, CM] (CM: n rounded up to vectors), a, pm [n, CM]. */
-static void chunk_step(const float *q, const float *k, const float *v, const float *g, const float *beta, float *o,
-                       float *S, int n, int dk, int dv, float *ks, float *qs, float *kt, float *a, float *pm) {
+/* o[at .. at + VW) = x, o float32 or bf16 (rounded to nearest even) */
+static inline void out_store(void *o, int bf16, size_t at, vf x) {
+    if (bf16)
+        vstore_bf16((uint16_t *)o + at, x);
+    else
+        vstore((float *)o + at, x);
+}
+
+static inline void out_store1(void *o, int bf16, size_t at, float x) {
+    if (bf16)
+        ((uint16_t *)o)[at] = bf16_store(x);
+    else
+        ((float *)o)[at] = x;
+}
+
+/* One head's chunk of n tokens: q, k [n, dk], v [n, dv] (rows of the head's sequence), o: token i's dv
+ * outputs at o + i * o_tok elements (float32, or bf16 where o_bf16); S [dk, dv] in place. Scratch: ks,
+ * qs [n, dv], kt [dk, CM] (CM: n rounded up to vectors), a, pm [n, CM]. */
+static void chunk_step(const float *q, const float *k, const float *v, const float *g, const float *beta, void *o,
+                       long o_tok, int o_bf16, float *S, int n, int dk, int dv, float *ks, float *qs, float *kt,
+                       float *a, float *pm) {
     int cm = (n + VW - 1) / VW * VW;
     float gamma[GDR_CHUNK_MAX] = {0}, eg[GDR_CHUNK_MAX]; /* gamma past n: read, never used */
     float acc = 0.f;
@@ -240,7 +257,8 @@ static void chunk_step(const float *q, const float *k, const float *v, const flo
         }
     }
     for (int i = 0; i < n; i++) { /* U (in ks) row by row, and O */
-        float *u = ks + (long)i * dv, *oi = o + (long)i * dv;
+        float *u = ks + (long)i * dv;
+        size_t oi = (size_t)i * o_tok;
         const float *vi = v + (long)i * dv, *qsi = qs + (long)i * dv, *ai = a + i * cm, *pi = pm + i * cm;
         int j = 0;
         for (; j + VW <= dv; j += VW) {
@@ -252,7 +270,7 @@ static void chunk_step(const float *q, const float *k, const float *v, const flo
                 out += vset(pi[m]) * um;
             }
             vstore(u + j, r);
-            vstore(oi + j, out + vset(pi[i]) * r);
+            out_store(o, o_bf16, oi + j, out + vset(pi[i]) * r);
         }
         for (; j < dv; j++) {
             float r = beta[i] * (vi[j] - eg[i] * u[j]), out = eg[i] * qsi[j];
@@ -262,7 +280,7 @@ static void chunk_step(const float *q, const float *k, const float *v, const flo
                 out += pi[m] * um;
             }
             u[j] = r;
-            oi[j] = out + pi[i] * r;
+            out_store1(o, o_bf16, oi + j, out + pi[i] * r);
         }
     }
     float last = gamma[n - 1];
@@ -273,11 +291,12 @@ static void chunk_step(const float *q, const float *k, const float *v, const flo
     matmul(k, 1, dk, qs, dv, S, dv, dk, dv, n, expf(last)); /* S = e^last S + K^T (scaled U) */
 }
 
-/* q, k [H, L, dk], v and o [H, L, dv], g and beta [H, L] (contiguous float32), state [H, dk, dv] in place
- * (the state after the last token on return). chunk: tokens a chunk, 1..64. Returns 0, or -1 where scratch
- * could not be allocated or chunk is out of range (nothing written). */
+/* q, k [H, L, dk], v [H, L, dv], g and beta [H, L] (contiguous float32), state [H, dk, dv] in place (the
+ * state after the last token on return); o: head h's token t's dv outputs at o + t * o_tok + h * o_head
+ * elements, float32 or bf16 (o_bf16). chunk: tokens a chunk, 1..64. Returns 0, or -1 where scratch could
+ * not be allocated or chunk is out of range (nothing written). */
 int sgrec_gdr_chunked(const float *q, const float *k, const float *v, const float *g, const float *beta, float *state,
-                      float *o, int H, int L, int dk, int dv, int chunk) {
+                      void *o, long o_tok, long o_head, int o_bf16, int H, int L, int dk, int dv, int chunk) {
     if (chunk < 1 || chunk > GDR_CHUNK_MAX) return -1;
     int cm = (chunk + VW - 1) / VW * VW, threads = omp_get_max_threads();
     size_t need = (size_t)2 * chunk * dv + (size_t)dk * cm + (size_t)2 * chunk * cm;
@@ -290,7 +309,9 @@ int sgrec_gdr_chunked(const float *q, const float *k, const float *v, const floa
         for (int t = 0; t < L; t += chunk) {
             int n = L - t < chunk ? L - t : chunk;
             long row = (long)h * L + t;
-            chunk_step(q + row * dk, k + row * dk, v + row * dv, g + row, beta + row, o + row * dv,
+            size_t at = (size_t)t * o_tok + (size_t)h * o_head;
+            void *oh = o_bf16 ? (void *)((uint16_t *)o + at) : (void *)((float *)o + at);
+            chunk_step(q + row * dk, k + row * dk, v + row * dv, g + row, beta + row, oh, o_tok, o_bf16,
                        state + (size_t)h * dk * dv, n, dk, dv, ks, qs, kt, a, pm);
         }
     }
