@@ -111,6 +111,10 @@ def main() -> None:
     pre = {"sgrec": best(sgrec_prefill, args.repeats), "transformers": best(flushed(hf_prefill, False), args.repeats),
            "transformers, flushed": best(flushed(hf_prefill, True), args.repeats)}
     print("  prefill " + str(args.prompt_len) + ": " + ", ".join(f"{k} {v:.3f} s" for k, v in pre.items()), flush=True)
+    proj = projections_seconds(engine.runner.model, sgrec_prefill)
+    print(f"  of sgrec's prefill, the projections' matrix products (what transformers runs too): {proj:.3f} s; "
+          f"transformers' time over them: {pre['transformers'] / proj:.2f}x (the most any engine could reach "
+          f"without faster matrix products)", flush=True)
 
     prompts = [[rng.randrange(100, min(vocab, 40000)) for _ in range(args.decode_prompt_len)]
                for _ in range(args.batch)]
@@ -166,6 +170,8 @@ def main() -> None:
                 row("decode throughput", "tok/s", args.batch / step["sgrec"], args.batch / step[peer],
                     params={**params, "batch": args.batch, "prompt_tokens": args.decode_prompt_len, "peer_fp_mode": fp}),
             ]
+        results.append(row("prefill projections (matrix products)", "s", proj, None, higher_is_better=False,
+                           params={**params, "prompt_tokens": args.prompt_len}))
         results.append(row("chunked delta rule, one layer", "ms", fast * 1e3, rule["torch"] * 1e3,
                            higher_is_better=False, efficiency=rule["gflop"] / fast / rule["peak"],
                            params={"heads": rule_heads(path), "tokens": args.prompt_len,
@@ -174,6 +180,32 @@ def main() -> None:
         out = write_record(benchmark="bench_hybrid", title="The hybrid family (Qwen3.5) against transformers",
                            command=cmd, results=results, peer="transformers (torch forms of the gated delta rule); the rule alone: its torch chunked form; the float32 FMA limit (efficiency)")
         print(f"result record: {out}")
+
+
+def projections_seconds(model: torch.nn.Module, run) -> float:
+    """Seconds one run() spends in the model's projections (its linear layers, packed or not): their
+    forwards timed by hooks, best of two runs."""
+    import time
+
+    from sgrec.model.cpu_linear import PackedLinear
+
+    spent = [0.0]
+    hooks = []
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, PackedLinear)):
+            hooks.append(m.register_forward_pre_hook(lambda mod, a: setattr(mod, "_t0", time.perf_counter())))
+            hooks.append(m.register_forward_hook(lambda mod, a, o: spent.__setitem__(0, spent[0] + time.perf_counter()
+                                                                                         - mod._t0)))
+    try:
+        best_s = float("inf")
+        for _ in range(2):
+            spent[0] = 0.0
+            run()
+            best_s = min(best_s, spent[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    return best_s
 
 
 def rule_heads(path: str) -> int:
