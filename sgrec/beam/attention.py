@@ -332,9 +332,8 @@ class BeamStates:
         self.slots = slots.clone()
         self.sources: torch.Tensor | None = None
 
-    def reorder_(self, parents: torch.Tensor, schedule=None) -> None:
-        """Rows 0..len(parents)-1 take the states of rows `parents` (non-decreasing); `schedule` is
-        unused (the KV's in-place schedule: see the class doc)."""
+    def reorder_(self, parents: torch.Tensor) -> None:
+        """Rows 0..len(parents)-1 take the states of rows `parents` (non-decreasing)."""
         self.settle_()
         old, kept = self.slots.tolist(), parents.tolist()
         needed = set(kept)

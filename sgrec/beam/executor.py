@@ -528,11 +528,11 @@ class RetrieveExecutor:
         """r's beams become the kept (parent, token, score, node) of level `step` (in path order):
         the unshared KV and the token rows reordered in place."""
         last = step == self.trie.depth - 1  # no forward reads what the last level would reorder
-        schedule = inplace_schedule(parents)[:2] if step > 0 or (r.states is not None and not last) else None
-        if step > 0 and not last:  # shared by KV, states and tokens
+        schedule = inplace_schedule(parents)[:2] if step > 0 else None  # shared by the KV and the tokens
+        if step > 0 and not last:
             r.kv.reorder_(parents, step, schedule)
         if r.states is not None and not last:  # level 0: the prompt's state forked to every beam
-            r.states.reorder_(parents, schedule)
+            r.states.reorder_(parents)
         r.bufs.advance_(step, parents, tokens, scores, nodes, self.reorder_chunk, schedule if step > 0 else None)
 
 
