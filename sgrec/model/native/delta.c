@@ -217,6 +217,35 @@ static inline void out_store1(void *o, int bf16, size_t at, float x) {
         ((float *)o)[at] = x;
 }
 
+/* Row i of U (in ks, over KS there) and of O, columns j .. j + V VW: U[i] = beta_i (v_i - e^gamma_i KS[i]) -
+ * sum_{m<i} A[i, m] U[m], O[i] = e^gamma_i QS[i] + sum_{m<=i} P[i, m] U[m]. The 2 V accumulators are
+ * independent chains over m (V = 4: enough to keep the FMA units busy). */
+static inline __attribute__((always_inline)) void solve_row(float *ks, const float *qs, const float *v, const float *a,
+                                                            const float *pm, const float *beta, const float *eg,
+                                                            void *o, long o_tok, int o_bf16, int i, int j, int dv,
+                                                            int cm, int V) {
+    vf r[4], out[4];
+    float *u = ks + (long)i * dv + j;
+    const float *ai = a + i * cm, *pi = pm + i * cm;
+    for (int x = 0; x < V; x++) {
+        r[x] = vset(beta[i]) * (vload(v + (long)i * dv + j + x * VW) - vset(eg[i]) * vload(u + x * VW));
+        out[x] = vset(eg[i]) * vload(qs + (long)i * dv + j + x * VW);
+    }
+    for (int m = 0; m < i; m++) {
+        vf am = vset(ai[m]), pmv = vset(pi[m]);
+        const float *um = ks + (long)m * dv + j;
+        for (int x = 0; x < V; x++) {
+            vf t = vload(um + x * VW);
+            r[x] -= am * t;
+            out[x] += pmv * t;
+        }
+    }
+    for (int x = 0; x < V; x++) {
+        vstore(u + x * VW, r[x]);
+        out_store(o, o_bf16, (size_t)i * o_tok + j + x * VW, out[x] + vset(pi[i]) * r[x]);
+    }
+}
+
 /* One head's chunk of n tokens: q, k [n, dk], v [n, dv] (rows of the head's sequence), o: token i's dv
  * outputs at o + i * o_tok elements (float32, or bf16 where o_bf16); S [dk, dv] in place. Scratch: ks,
  * qs [n, dv], kt [dk, CM] (CM: n rounded up to vectors), a, pm [n, CM]. */
@@ -256,22 +285,12 @@ static void chunk_step(const float *q, const float *k, const float *v, const flo
             vstore(pm + i * cm + b * VW, decay * qk[b]);
         }
     }
-    for (int i = 0; i < n; i++) { /* U (in ks) row by row, and O */
-        float *u = ks + (long)i * dv;
-        size_t oi = (size_t)i * o_tok;
-        const float *vi = v + (long)i * dv, *qsi = qs + (long)i * dv, *ai = a + i * cm, *pi = pm + i * cm;
+    for (int i = 0; i < n; i++) { /* U (in ks) row by row, and O: 4 vectors of columns at a time */
         int j = 0;
-        for (; j + VW <= dv; j += VW) {
-            vf r = vset(beta[i]) * (vload(vi + j) - vset(eg[i]) * vload(u + j));
-            vf out = vset(eg[i]) * vload(qsi + j);
-            for (int m = 0; m < i; m++) {
-                vf um = vload(ks + (long)m * dv + j);
-                r -= vset(ai[m]) * um;
-                out += vset(pi[m]) * um;
-            }
-            vstore(u + j, r);
-            out_store(o, o_bf16, oi + j, out + vset(pi[i]) * r);
-        }
+        for (; j + 4 * VW <= dv; j += 4 * VW) solve_row(ks, qs, v, a, pm, beta, eg, o, o_tok, o_bf16, i, j, dv, cm, 4);
+        for (; j + VW <= dv; j += VW) solve_row(ks, qs, v, a, pm, beta, eg, o, o_tok, o_bf16, i, j, dv, cm, 1);
+        float *u = ks + (long)i * dv;
+        const float *vi = v + (long)i * dv, *qsi = qs + (long)i * dv, *ai = a + i * cm, *pi = pm + i * cm;
         for (; j < dv; j++) {
             float r = beta[i] * (vi[j] - eg[i] * u[j]), out = eg[i] * qsi[j];
             for (int m = 0; m < i; m++) {
@@ -280,7 +299,7 @@ static void chunk_step(const float *q, const float *k, const float *v, const flo
                 out += pi[m] * um;
             }
             u[j] = r;
-            out_store1(o, o_bf16, oi + j, out + pi[i] * r);
+            out_store1(o, o_bf16, (size_t)i * o_tok + j, out + pi[i] * r);
         }
     }
     float last = gamma[n - 1];
