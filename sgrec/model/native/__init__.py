@@ -1,7 +1,8 @@
 """sgrec's C kernels for CPU (attention.c: extend and decode attention; glue.c: RMSNorm, RoPE and
 SiLU-times-up fused, float32 and bfloat16; decode.c: a whole decode step, sgrec.model.fused_decode;
-delta.c: the gated delta rule's decode step and its chunked form for prefill, and flushing denormals on torch's threads),
-compiled on first use with the machine's C compiler and
+delta.c: the gated delta rule's decode step, its chunked form and its inputs' pass for prefill,
+flushing denormals on torch's threads, the float32 FMA limit), compiled on first use with the
+machine's C compiler and
 loaded with ctypes. No torch headers: each kernel is a plain C function over data pointers, so a
 build takes a few seconds. OpenMP pragmas bind to the OpenMP runtime torch has already loaded
 (libgomp.so.1 by soname), so a kernel's threads are torch's own intra-op threads.

@@ -1,5 +1,6 @@
 /* The gated delta rule on CPU (the hybrid family's recurrent layers, sgrec.model.delta_rule): its decode
- * step and its chunked form for prefill, and the floating-point mode of torch's CPU threads.
+ * step, its chunked form and the pass that prepares its inputs for prefill, the floating-point mode of
+ * torch's CPU threads, and the float32 FMA limit the benchmarks measure the kernels against.
  *
  * sgrec_gdr_step: one token of each of B sequences, H heads each, against states kept in place in the
  * state pool (float32 [slots, H, dk, dv], row `slot[b]` for sequence b; a beam fork reads its parent's
@@ -143,7 +144,9 @@ static void head_step(const float *S_in, float *S_out, const float *q, const flo
  * no sequence's src. */
 void sgrec_gdr_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
                     float *states, const int64_t *slot, const int64_t *src, float *o, int B, int H, int dk, int dv) {
-    for (int phase = 0; phase < 2; phase++) {
+    int forks = 0;
+    for (int b = 0; b < B; b++) forks |= src[b] != slot[b];
+    for (int phase = forks ? 0 : 1; phase < 2; phase++) { /* no forks (decode): one pass */
 #pragma omp parallel for schedule(static) if (B * H >= 4)
         for (int bh = 0; bh < B * H; bh++) {
             int b = bh / H, h = bh % H;
