@@ -357,18 +357,18 @@ class ModelRunner:
     def hidden(self, batch: ForwardBatch, rows: torch.Tensor | list[int]) -> torch.Tensor:
         """The final hidden states [len(rows), hidden] of the asked rows (compute_logits makes logits,
         of every column or of some)."""
-        hidden = self._model(batch, self.backend)
-        return hidden[torch.as_tensor(rows, dtype=torch.int64, device=hidden.device)]
+        return self._model(batch, self.backend, torch.as_tensor(rows, dtype=torch.int64, device=self.device))
 
     def forward_with(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [T, hidden] of every row, attention through a path's own backend
         (the beam's staged one: its batches carry their own attention meta)."""
         return self._model(batch, backend)
 
-    def _model(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """The model's forward, in the floating-point mode the family needs (_fp_mode)."""
+    def _model(self, batch: ForwardBatch, backend: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's forward (final hidden states of every row, or of `rows`: a family may skip work
+        the other rows alone need), in the floating-point mode the family needs (_fp_mode)."""
         with self._fp_mode():
-            return self.model(batch, backend)
+            return self.model(batch, backend, rows)
 
     def _fp_mode(self):
         """The floating-point mode a forward of this family runs in: denormals flushed where the

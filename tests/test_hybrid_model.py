@@ -345,6 +345,42 @@ def test_short_and_long_sequences_of_one_batch_match_transformers(hybrid_dir, hf
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_the_hidden_states_of_some_rows_equal_those_rows_of_the_whole_forward(tiny_model_dir, family, dtype):
+    """ModelRunner.hidden asks the model for its rows only (the hybrid family's last layer then
+    projects and runs the MLP of those rows alone): the same numbers as those rows of the whole
+    forward (within float32 rounding, or a bfloat16 step at the scale of the hidden states: the
+    matrix products run on fewer rows), and every row's K/V and state still written (the next token's
+    logits agree)."""
+    runner = runner_for(tiny_model_dir(family, seed=3), dtype)
+    prompts = [ids(n, seed=n) for n in (23, 40)]
+    T = sum(map(len, prompts))
+    slots = runner.memory.allocator.alloc(T)
+    seqs, toks, pos, a = [], [], [], 0
+    for p in prompts:
+        seqs.append(SeqLayout(a, len(p), slots[a : a + len(p)]))
+        toks += p
+        pos += range(len(p))
+        a += len(p)
+    recurrent = bool(runner.capabilities.state_shapes)
+    states = ([runner.memory.states.alloc(1) for _ in prompts] for _ in range(2)) if recurrent else ([None] * 2, [None] * 2)
+    some, every = states
+    rows = [0, 22, 23, T - 1]
+    got = runner.hidden(runner.make_batch(toks, pos, slots, seqs, *([some] if recurrent else [])), rows)
+    with runner._fp_mode():
+        whole = runner.model(runner.make_batch(toks, pos, slots, seqs, *([every] if recurrent else [])), runner.backend)
+    want = whole[torch.tensor(rows)]
+    bound = 1e-5 if runner.dtype == torch.float32 else 2**-7
+    assert got.shape == want.shape and (got.float() - want.float()).abs().max() <= bound * want.float().abs().max()
+    if recurrent:  # each run left its states, the same
+        for parts in runner.memory.states.buffers.values():
+            for part in parts.values():
+                for x, y in zip(some, every):
+                    assert torch.allclose(part[x].float(), part[y].float(), atol=1e-5 if runner.dtype == torch.float32
+                                          else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_hybrid_prefilling_carries_each_state_across_its_chunks(hybrid_dir, dtype):
     """Prefill-only forwards in chunks of 16 tokens (sequences cut across chunks, one shorter than a
     chunk) give the whole forward's last logits and leave the same final states; a batch that keeps

@@ -428,7 +428,76 @@ def test_fused_rmsnorm_equals_torch(march, n):
     xb2 = xb.clone()
     outb = native.rmsnorm(xb2, wb, 1e-6, residual=rb, lib=lib)
     assert torch.equal(xb2, xb + rb) and torch.equal(outb, norm(xb + rb))
-    assert native.rmsnorm(xb, w, 1e-6, lib=lib) is None  # mixed dtypes: torch's then
+    assert native.rmsnorm(xb.half(), wb, 1e-6, lib=lib) is None  # a dtype the kernels do not take: torch's then
+
+
+@needs_kernels
+@every_isa
+@pytest.mark.parametrize("n", [1024, 256, 40, 7])
+def test_the_zero_centred_norm_equals_its_torch_path(march, n):
+    """Qwen3.5's norm (scale 1 + weight in float32, one rounding at the end): a float32 weight on
+    bfloat16 rows, with and without the residual's add, within one bfloat16 step of the family's torch
+    path and equal to it in all but a few elements (the sum of squares adds in another order, so the
+    float32 scale may differ in its last bit); on float32 rows within float32 rounding; a row's bits do
+    not depend on the rows beside it."""
+    from sgrec.model.qwen3_5 import ZeroCenteredRMSNorm
+
+    lib = native.library(march)
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(2 * 33, n, generator=g) * torch.logspace(-2, 2, 2 * 33)[:, None])[::2]
+    res = torch.randn(33, n, generator=g)
+    norm = ZeroCenteredRMSNorm(n, 1e-6)  # no glue: the torch path
+    norm.weight.data.copy_(torch.randn(n, generator=g) * 0.5)
+    scale = 1.0 + norm.weight.float()
+    for dtype in (torch.bfloat16, torch.float32):
+        xd, rd = x.to(dtype), res.to(dtype)
+        out = native.rmsnorm(xd, scale, 1e-6, lib=lib)
+        close_to_torch(out, norm(xd))
+        assert torch.equal(native.rmsnorm(xd[5:6], scale, 1e-6, lib=lib), out[5:6])
+        summed = xd.clone()
+        out2 = native.rmsnorm(summed, scale, 1e-6, residual=rd, lib=lib)
+        assert torch.equal(summed, xd + rd)
+        close_to_torch(out2, norm(xd + rd))
+
+
+def close_to_torch(out: torch.Tensor, want: torch.Tensor) -> None:
+    """bfloat16: within one bfloat16 step of torch's, and equal in all but 0.1% of the elements (a
+    float32 intermediate that differs in its last bit moves a rounding); float32: within float32
+    rounding of the row's scale."""
+    assert out.shape == want.shape and out.dtype == want.dtype
+    diff = (out.float() - want.float()).abs()
+    if out.dtype == torch.bfloat16:
+        assert (diff <= want.float().abs() * 2**-7).all() and (diff > 0).float().mean() <= 1e-3
+    else:
+        assert (diff <= 1e-5 * want.abs().amax(-1, keepdim=True)).all()
+
+
+@needs_kernels
+@every_isa
+@pytest.mark.parametrize("groups,n", [(16, 128), (3, 40), (2, 7)])
+def test_the_gated_norm_equals_its_torch_path(march, groups, n):
+    """The Gated DeltaNet's output norm over groups of n channels, the gate a strided slice of a wider
+    projection (as the layer's z is): in bfloat16 within one bfloat16 step of the family's torch path
+    and equal to it in all but a few elements (the gate's SiLU rounds in float32 before the product's
+    rounding); in float32 within float32 rounding; a row's bits do not depend on the rows beside it."""
+    from sgrec.model.qwen3_5 import GatedRMSNorm
+
+    lib = native.library(march)
+    g = torch.Generator().manual_seed(groups * n)
+    T = 37
+    x = torch.randn(T, groups * n, generator=g) * torch.logspace(-2, 1, T)[:, None]
+    wide = torch.randn(T, 3 * groups * n + 5, generator=g) * 3
+    gate = wide[:, groups * n : 2 * groups * n]
+    norm = GatedRMSNorm(n, 1e-6)  # no glue: the torch path
+    norm.weight.data.copy_(torch.randn(n, generator=g))
+    for dtype in (torch.bfloat16, torch.float32):
+        norm.to(dtype)
+        xd, gd = x.to(dtype), wide.to(dtype)[:, groups * n : 2 * groups * n]
+        out, want = native.gated_rmsnorm(xd, gd, norm.weight.data, 1e-6, lib=lib), norm(xd, gd)
+        assert want.shape == (T, groups * n)
+        close_to_torch(out, want)
+        assert torch.equal(native.gated_rmsnorm(xd[5:6], gd[5:6], norm.weight.data, 1e-6, lib=lib), out[5:6])
+    assert native.gated_rmsnorm(x.half(), gate.half(), norm.weight.data.half(), 1e-6, lib=lib) is None
 
 
 @needs_kernels

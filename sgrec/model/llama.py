@@ -241,14 +241,16 @@ class CausalLM(LMBase):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Final hidden states [T, hidden] (after the last norm)."""
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (after the last norm): [T, hidden], or of `rows` only (int64 indices)."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
         backend.prepare(batch)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch, backend)
+        if rows is not None:
+            x, residual = x[rows], None if residual is None else residual[rows]
         return self.norm.add_forward(x, residual)[0] if residual is not None else self.norm(x)
 
     def hybrid_forward(self, batch: ForwardBatch, backend: AttentionBackend, chunk_size: int,

@@ -76,7 +76,10 @@ class HybridShape:
 
 
 class ZeroCenteredRMSNorm(nn.Module):
-    """RMSNorm scaled by 1 + weight, in float32 (transformers' Qwen3_5RMSNorm)."""
+    """RMSNorm scaled by 1 + weight, in float32 (transformers' Qwen3_5RMSNorm); through the glue's
+    rmsnorm with that float32 scale where it takes the rows (sgrec.model.native: one pass, one rounding)."""
+
+    glue = None  # as llama.RMSNorm.glue (HybridLM.use_glue)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -84,12 +87,29 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.glue is not None:
+            out = self.glue.rmsnorm(x, 1.0 + self.weight.float(), self.eps)
+            if out is not None:
+                return out
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), as llama.RMSNorm.add_forward: in one pass where the glue
+        takes them (x receives the sum in place), else torch's add then forward; the same bits either way."""
+        if self.glue is not None:
+            out = self.glue.rmsnorm(x, 1.0 + self.weight.float(), self.eps, residual)
+            if out is not None:
+                return out, x
+        x = x + residual
+        return self(x), x
+
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of x, times SiLU of the gate (the DeltaNet output's norm)."""
+    """RMSNorm of each group of dim channels of x, times SiLU of the gate's (the DeltaNet output's
+    norm); in one pass through the glue's gated_rmsnorm where it has one and takes the rows."""
+
+    glue = None  # as ZeroCenteredRMSNorm.glue
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -97,10 +117,16 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
+        """x, gate [T, groups * dim] -> [T, groups * dim]."""
+        fused = getattr(self.glue, "gated_rmsnorm", None)
+        if fused is not None:
+            out = fused(x, gate, self.weight, self.eps)
+            if out is not None:
+                return out
+        dtype, n = x.dtype, self.weight.numel()
+        xf = x.reshape(-1, n).float()
         normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (normed * F.silu(gate.float())).to(dtype)
+        return (normed * F.silu(gate.reshape(-1, n).float())).to(dtype).view(x.shape)
 
 
 class GatedAttention(nn.Module):
@@ -134,9 +160,12 @@ class GatedAttention(nn.Module):
     def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attended * torch.sigmoid(gate))
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x, cos, sin, batch: ForwardBatch, backend: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output of every row, or of `rows` only (every row's K and V still enter the pool)."""
         q, k, v, gate = self.project(x, cos, sin)
-        return self.output(backend.forward(q, k, v, self.kv_layer, batch, self.scale), gate)
+        attended = backend.forward(q, k, v, self.kv_layer, batch, self.scale)
+        return self.output(attended, gate) if rows is None else self.output(attended[rows], gate[rows])
 
 
 class GatedDeltaNet(nn.Module):
@@ -190,7 +219,8 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(groups, dim=0), k.repeat_interleave(groups, dim=0)
         return tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output of every row, or of `rows` only (the states still read every row)."""
         T = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_size, self.v_heads, self.v_heads], dim=-1)
         beta = b.sigmoid().float()
@@ -209,8 +239,8 @@ class GatedDeltaNet(nn.Module):
             slot = batch.state_slots.tolist()
             batch.state_pool.copy_pairs_([(slot[i], slot[parents[i]]) for i in children], [self.layer])
             self._sequences(mixed, g, beta, batch, parts, children, out)
-        out = self.norm(out.reshape(T * self.v_heads, self.v_dim), z.reshape(T * self.v_heads, self.v_dim))
-        return self.out_proj(out.reshape(T, self.value_size))
+        out = out.view(T, self.value_size)
+        return self.out_proj(self.norm(out, z) if rows is None else self.norm(out[rows], z[rows]))
 
     def _sequences(self, mixed, g, beta, batch, parts, which, out: torch.Tensor) -> None:
         """The rule over sequences `which` of the batch: one token of each at a time, all at once,
@@ -299,11 +329,19 @@ class HybridLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, backend):
-        h = self.input_layernorm(x)
-        h = self.linear_attn(h, batch) if self.self_attn is None else self.self_attn(h, cos, sin, batch, backend)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, batch, backend, rows: torch.Tensor | None = None):
+        """(this layer's MLP output, the residual stream before it), as llama.DecoderLayer: the
+        stream's adds are fused into the norms that follow them. residual None: x is the first
+        layer's input. rows (the last layer's): both of those rows only; the mixer still reads every
+        row (the K/V and the states the next forward needs), its output projection and the MLP run on
+        these rows."""
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm.add_forward(x, residual)
+        if self.self_attn is None:
+            h = self.linear_attn(h, batch, rows)
+        else:
+            h = self.self_attn(h, cos, sin, batch, backend, rows)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual if rows is None else residual[rows])
+        return self.mlp(h), residual
 
 
 class HybridLM(LMBase):
@@ -321,16 +359,19 @@ class HybridLM(LMBase):
                                     device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Final hidden states [T, hidden] (after the last norm)."""
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (after the last norm): [T, hidden], or of `rows` only (int64 indices),
+        whose last layer then projects the output and runs the MLP of those rows alone (a prefill
+        that samples one token skips them for all its other tokens)."""
         if any(s.masked for s in batch.seqs):
             raise ValueError("a hybrid model's recurrent layers read tokens in order: no attention mask")
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
         backend.prepare(batch)
-        for layer in self.layers:
-            x = layer(x, cos, sin, batch, backend)
-        return self.norm(x)
+        residual, last = None, len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, batch, backend, rows if i == last else None)
+        return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def hybrid_forward(self, batch: ForwardBatch, backend: AttentionBackend, chunk_size: int,
@@ -339,7 +380,8 @@ class HybridLM(LMBase):
         A gated attention layer projects q, k, v and its gate chunk by chunk of `chunk_size` tokens,
         attends over the whole batch at once, and projects its output chunk by chunk; a Gated DeltaNet
         layer runs chunk after chunk, each sequence's state carried from one chunk to the next in its
-        state slot; the MLPs run chunk by chunk. Every chunk's intermediates exist one at a time."""
+        state slot; the MLPs run chunk by chunk. Every chunk's intermediates exist one at a time. A last
+        layer of attention projects the output and runs the MLP of `rows` alone."""
         if batch.state_slots is None:  # a batch that keeps no state (a profile run): zero states, freed after
             pool = batch.state_pool
             slots = pool.take(len(batch.seqs))
@@ -371,6 +413,9 @@ class HybridLM(LMBase):
                     q, k, v, gate = (t.new_empty((T, *t.shape[1:])) for t in (qc, kc, vc, gc))
                 q[c], k[c], v[c], gate[c] = qc, kc, vc, gc
             o = backend.forward(q, k, v, attn.kv_layer, batch, attn.scale)
+            if layer is self.layers[-1]:  # the asked rows alone need its output and MLP (as forward's rows)
+                h = x[rows] + attn.output(o[rows], gate[rows])
+                return self.norm(h + layer.mlp(layer.post_attention_layernorm(h)))
             for c in parts:
                 x[c] += attn.output(o[c], gate[c])
                 x[c] += layer.mlp(layer.post_attention_layernorm(x[c]))
@@ -383,7 +428,7 @@ class HybridLM(LMBase):
         gdr_sequence (a sequence's prefill), on tensors of the glue's DEVICE; the torch forms elsewhere."""
         super().use_glue(glue)
         for m in self.modules():
-            if isinstance(m, GatedDeltaNet):
+            if isinstance(m, (GatedDeltaNet, ZeroCenteredRMSNorm, GatedRMSNorm)):
                 m.glue = glue
 
     def checkpoint_name(self, name: str) -> str | None:

@@ -321,18 +321,19 @@ class T5LM(LMBase):
 
     # ---- the decoder ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend | None = None) -> torch.Tensor:
-        """The decoder's final hidden states [T, d_model] (scaled as the output layer expects). Each
-        sequence's kv_indices are its decoder tokens' slots from position 0 (its new tokens last),
-        its encoder_slots the slots `encode` wrote. The attention is T5's own (a position bias
-        in every score): `backend` is not read."""
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's final hidden states [T, d_model] (scaled as the output layer expects), or of
+        `rows` only (int64 indices). Each sequence's kv_indices are its decoder tokens' slots from
+        position 0 (its new tokens last), its encoder_slots the slots `encode` wrote. The attention is
+        T5's own (a position bias in every score): `backend` is not read."""
         if batch.encoder_slots is None or len(batch.encoder_slots) != len(batch.seqs):
             raise ValueError("an encoder-decoder forward needs each sequence's encoder slots")
         x = self.embed_tokens(batch.input_ids)
         meta = self._meta(batch, x.dtype)
         for layer in self.decoder:
             x = layer(x, batch, meta)
-        x = self.decoder_norm(x)
+        x = self.decoder_norm(x if rows is None else x[rows])
         return x * self.shape.d_model**-0.5 if self.shape.scaled else x
 
     def _meta(self, batch: ForwardBatch, dtype: torch.dtype) -> _DecoderMeta:

@@ -117,6 +117,8 @@ def _open(path: Path) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name, args in (("sgrec_set_det_keep_bytes", [i64]),
                        ("sgrec_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float, i32]),
+                       ("sgrec_rmsnorm_f32w", [p, i64, p, i64, p, p, i64, i64, i32, ctypes.c_float, i32]),
+                       ("sgrec_gated_rmsnorm", [p, i64, p, i64, p, p, i64, i64, i32, i32, ctypes.c_float, i32]),
                        ("sgrec_rope", [p, i64, i32, p, i64, i32, p, p, i64, i32, i32]),
                        ("sgrec_silu_mul", [p, i64, p, i64, i64, i32, i32]),
                        ("sgrec_gdr_step", [p] * 9 + [i32] * 4)):
@@ -282,19 +284,40 @@ def _bf16(t: torch.Tensor) -> int:
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
             lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
-    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, as a new tensor (in bfloat16 the
-    normalised row is rounded before the weight multiplies it, as torch's path does); with `residual`,
-    x += residual in place first. None where x and weight are not float32 or bfloat16 rows of one
-    dtype (the caller uses torch)."""
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, as a new tensor; with `residual`,
+    x += residual in place first. A weight of x's dtype: in bfloat16 the normalised row is rounded
+    before the weight multiplies it (HF's Llama norm); a float32 weight on bfloat16 rows multiplies in
+    float32 before the one rounding (HF's Qwen3.5 norm, its weight 1 + the parameter in float32).
+    None where x (and residual) are not float32 or bfloat16 rows of one dtype (the caller uses torch)."""
     rows = rows2d(x, copy=residual is None)  # x += residual needs x's own rows
     res = None if residual is None else rows2d(residual)
+    f32w = weight.dtype == torch.float32 and x.dtype == torch.bfloat16 and weight.device.type == "cpu"
     if rows is None or (residual is not None and (res is None or res.shape != rows.shape)) \
-            or not glue_takes(x, weight, *(() if residual is None else (residual,))):
+            or not glue_takes(x, *(() if f32w else (weight,)), *(() if residual is None else (residual,))):
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
-    _loaded(lib).sgrec_rmsnorm(rows.data_ptr(), rows.stride(0), None if res is None else res.data_ptr(),
-                               0 if res is None else res.stride(0), weight.contiguous().data_ptr(), out.data_ptr(),
-                               rows.shape[1], rows.shape[0], rows.shape[1], eps, _bf16(x))
+    fn = _loaded(lib).sgrec_rmsnorm_f32w if f32w else _loaded(lib).sgrec_rmsnorm
+    fn(rows.data_ptr(), rows.stride(0), None if res is None else res.data_ptr(), 0 if res is None else res.stride(0),
+       weight.contiguous().data_ptr(), out.data_ptr(), rows.shape[1], rows.shape[0], rows.shape[1], eps, _bf16(x))
+    return out
+
+
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                  lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+    """The Gated DeltaNet's output norm: each group of n = weight.numel() channels of x [T, H * n] (any
+    shape with T rows) normalised, times weight, times SiLU of the same channels of gate [T, H * n]
+    (any token stride), as a new [T, H * n] tensor: weight * (x / sqrt(mean(x^2) + eps)) * silu(gate),
+    in bfloat16 rounded where torch's ops round (the normalised row, its product with the weight, the
+    gated product; the gate's SiLU in float32). None where the tensors are not float32 or bfloat16 rows
+    of one dtype (the caller uses torch)."""
+    n = weight.numel()
+    rows, gates = rows2d(x.reshape(x.shape[0], -1), copy=True), rows2d(gate)
+    if rows is None or gates is None or rows.shape != gates.shape or rows.shape[1] % n or not glue_takes(x, gate, weight):
+        return None
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    _loaded(lib).sgrec_gated_rmsnorm(rows.data_ptr(), rows.stride(0), gates.data_ptr(), gates.stride(0),
+                                     weight.contiguous().data_ptr(), out.data_ptr(), rows.shape[1], rows.shape[0],
+                                     rows.shape[1] // n, n, eps, _bf16(x))
     return out
 
 

@@ -205,6 +205,33 @@ static void matmul(const float *A, long a_r, long a_p, const float *B, long ldb,
 
 #define GDR_CHUNK_MAX 64
 
+/* C1 = A1 B and C2 = A2 B for R <= 4 rows of A1, A2 (rows lda apart) and V <= 4 vectors of B's columns
+ * (B [K, ...] row-major, ldb; C1, C2 rows ldb apart): tile's register blocks, R and V constants in each
+ * call (so they unroll). */
+static void tri_tiles(const float *A1, const float *A2, long lda, const float *B, long ldb, float *C1, float *C2,
+                      int R, int V) {
+#define TRI_TILES(r, v)                                              \
+    do {                                                             \
+        tile(A1, lda, 1, B, ldb, C1, ldb, (int)lda, 0.f, r, v); \
+        tile(A2, lda, 1, B, ldb, C2, ldb, (int)lda, 0.f, r, v); \
+    } while (0)
+    if (R == 4) {
+        switch (V) {
+        case 1: TRI_TILES(4, 1); return;
+        case 2: TRI_TILES(4, 2); return;
+        case 3: TRI_TILES(4, 3); return;
+        default: TRI_TILES(4, 4); return;
+        }
+    }
+    for (int r = 0; r < R; r++, A1 += lda, A2 += lda, C1 += ldb, C2 += ldb) switch (V) {
+        case 1: TRI_TILES(1, 1); break;
+        case 2: TRI_TILES(1, 2); break;
+        case 3: TRI_TILES(1, 3); break;
+        default: TRI_TILES(1, 4); break;
+        }
+#undef TRI_TILES
+}
+
 /* o[at .. at + VW) = x, o float32 or bf16 (rounded to nearest even) */
 static inline void out_store(void *o, int bf16, size_t at, vf x) {
     if (bf16)
@@ -269,23 +296,18 @@ static void chunk_step(const float *q, const float *k, const float *v, const flo
     }
     matmul(k, dk, 1, S, dv, ks, dv, n, dv, dk, 0.f);
     matmul(q, dk, 1, S, dv, qs, dv, n, dv, dk, 0.f);
-    for (int i = 0; i < n; i++) { /* rows of A and P: vectors of m up to i */
-        int nb = i / VW + 1;
-        vf kk[GDR_CHUNK_MAX / VW], qk[GDR_CHUNK_MAX / VW];
-        for (int b = 0; b < nb; b++) kk[b] = qk[b] = vset(0.f);
-        for (int p = 0; p < dk; p++) {
-            vf ki = vset(k[(long)i * dk + p]), qi = vset(q[(long)i * dk + p]);
-            for (int b = 0; b < nb; b++) {
-                vf t = vload(kt + p * cm + b * VW);
-                kk[b] += ki * t;
-                qk[b] += qi * t;
-            }
-        }
+    for (int i = 0; i < n; i += 4) { /* the k.k and q.k products of rows i.., vectors of m up to their last */
+        int rows = n - i < 4 ? n - i : 4, nb = (i + rows - 1) / VW + 1;
+        for (int b = 0; b < nb; b += 4) /* lanes past a row's own index: never read */
+            tri_tiles(k + (long)i * dk, q + (long)i * dk, dk, kt + b * VW, cm, a + i * cm + b * VW, pm + i * cm + b * VW,
+                      rows, nb - b < 4 ? nb - b : 4);
+    }
+    for (int i = 0; i < n; i++) { /* A and P: the products scaled by the decays (and beta) */
         vf gi = vset(gamma[i]), bi = vset(beta[i]);
-        for (int b = 0; b < nb; b++) {
-            vf decay = vexp2((gi - vload(gamma + b * VW)) * LOG2E); /* lanes past i: never read */
-            vstore(a + i * cm + b * VW, bi * decay * kk[b]);
-            vstore(pm + i * cm + b * VW, decay * qk[b]);
+        for (int b = 0; b <= i / VW; b++) {
+            vf decay = vexp2((gi - vload(gamma + b * VW)) * LOG2E);
+            vstore(a + i * cm + b * VW, bi * decay * vload(a + i * cm + b * VW));
+            vstore(pm + i * cm + b * VW, decay * vload(pm + i * cm + b * VW));
         }
     }
     for (int i = 0; i < n; i++) { /* U (in ks) row by row, and O: 4 vectors of columns at a time */
@@ -341,72 +363,99 @@ int sgrec_gdr_chunked(const float *q, const float *k, const float *v, const floa
     return 0;
 }
 
+#define PREP_TOKENS 16 /* tokens a block: their convolved rows stay in the cache for the norms */
+
+/* input row src's channels c .. c + VW (src < 0: the window's) as float32 */
+static inline vf conv_in(const void *x, long x_stride, int x_bf16, const float *past, int K, int C, int src, int c) {
+    if (src < 0) return vload(past + (size_t)(K - 1 + src) * C + c);
+    if (x_bf16) return vload_bf16((const uint16_t *)x + (size_t)src * x_stride + c);
+    return vload((const float *)x + (size_t)src * x_stride + c);
+}
+
+/* y[i][c .. c + VW) for tokens t0 + i, i < n: the convolution (taps oldest first, one FMA chain) and
+ * SiLU, rounded to bf16 after each where x_bf16. K a constant where inlined: the window slides in
+ * registers, so each input row is read and widened once. */
+static inline __attribute__((always_inline)) void conv_silu(const void *x, long x_stride, int x_bf16,
+                                                            const float *past, const float *w, int C, int K, int t0,
+                                                            int n, int c, float *y) {
+    vf taps[8], win[8];
+    const vf one = vset(1.f), cap = vset(126.f), l2e = vset(-LOG2E);
+    for (int j = 0; j < K; j++) taps[j] = vload(w + (size_t)j * C + c);
+    for (int j = 0; j < K - 1; j++) win[j] = conv_in(x, x_stride, x_bf16, past, K, C, t0 - (K - 1) + j, c);
+    for (int i = 0; i < n; i++) {
+        win[K - 1] = conv_in(x, x_stride, x_bf16, past, K, C, t0 + i, c);
+        vf acc = vset(0.f);
+        for (int j = 0; j < K; j++) acc += taps[j] * win[j];
+        for (int j = 0; j < K - 1; j++) win[j] = win[j + 1];
+        if (x_bf16) acc = vround_bf16(acc);
+        vf e = l2e * acc;
+        e = vselect((vi)(e < cap), e, cap);
+        acc = acc / (one + vexp2(e));
+        if (x_bf16) acc = vround_bf16(acc);
+        vstore(y + (size_t)i * C + c, acc);
+    }
+}
+
 /* x: rows t = 0..L-1 of the projection (first C channels: q, k, v), row t at x + t * x_stride elements,
  * bf16 (x_bf16) or float32; past [K - 1, C] float32: the inputs before row 0 (the state's window,
  * oldest first); w [K, C] float32: the depthwise taps, tap K - 1 on the newest input. Channels: q for
  * Hk heads of dk, then k, then v for Hv heads of dv (C = 2 Hk dk + Hv dv). Writes q, k [Hv, L, dk]
  * (a key head's values for each of its Hv / Hk value heads; q times q_scale) and v [Hv, L, dv].
- * Returns 0, or -1 where scratch could not be allocated. */
+ * Tokens go in blocks of PREP_TOKENS over the threads; within a block, a vector of channels at a time
+ * over the block's tokens (conv_silu), then each token's heads. Returns 0, or -1 where scratch could not
+ * be allocated or K is above 8. */
 int sgrec_gdr_prepare(const void *x, long x_stride, int x_bf16, const float *past, const float *w, int L, int C,
                       int K, int Hk, int Hv, int dk, int dv, float q_scale, float *q, float *k, float *v) {
+    if (K < 1 || K > 8) return -1;
     int threads = omp_get_max_threads(), groups = Hv / Hk;
-    float *scratch = malloc((size_t)threads * C * sizeof(float));
+    float *scratch = malloc((size_t)threads * PREP_TOKENS * C * sizeof(float));
     if (!scratch) return -1;
-    const vf one = vset(1.f), cap = vset(126.f), l2e = vset(-LOG2E);
 #pragma omp parallel for schedule(static)
-    for (int t = 0; t < L; t++) {
-        float *y = scratch + (size_t)omp_get_thread_num() * C;
-        int c = 0;
+    for (int t0 = 0; t0 < L; t0 += PREP_TOKENS) {
+        float *y = scratch + (size_t)omp_get_thread_num() * PREP_TOKENS * C;
+        int n = L - t0 < PREP_TOKENS ? L - t0 : PREP_TOKENS, c = 0;
         for (; c + VW <= C; c += VW) {
-            vf acc = vset(0.f);
-            for (int j = 0; j < K; j++) {
-                int src = t - (K - 1) + j; /* the input this tap reads */
-                vf in;
-                if (src < 0)
-                    in = vload(past + (size_t)(K - 1 + src) * C + c);
-                else if (x_bf16)
-                    in = vload_bf16((const uint16_t *)x + (size_t)src * x_stride + c);
-                else
-                    in = vload((const float *)x + (size_t)src * x_stride + c);
-                acc += vload(w + (size_t)j * C + c) * in;
-            }
-            if (x_bf16) acc = vround_bf16(acc);
-            vf e = l2e * acc;
-            e = vselect((vi)(e < cap), e, cap);
-            acc = acc / (one + vexp2(e));
-            if (x_bf16) acc = vround_bf16(acc);
-            vstore(y + c, acc);
+            if (K == 4)
+                conv_silu(x, x_stride, x_bf16, past, w, C, 4, t0, n, c, y);
+            else
+                conv_silu(x, x_stride, x_bf16, past, w, C, K, t0, n, c, y);
         }
-        for (; c < C; c++) {
-            float acc = 0.f;
-            for (int j = 0; j < K; j++) {
-                int src = t - (K - 1) + j;
-                float in = src < 0 ? past[(size_t)(K - 1 + src) * C + c]
-                           : x_bf16 ? bf16_load(((const uint16_t *)x)[(size_t)src * x_stride + c])
-                                    : ((const float *)x)[(size_t)src * x_stride + c];
-                acc += w[(size_t)j * C + c] * in;
+        for (; c < C; c++)
+            for (int i = 0; i < n; i++) {
+                int t = t0 + i;
+                float acc = 0.f;
+                for (int j = 0; j < K; j++) {
+                    int src = t - (K - 1) + j; /* the input this tap reads */
+                    float in = src < 0 ? past[(size_t)(K - 1 + src) * C + c]
+                               : x_bf16 ? bf16_load(((const uint16_t *)x)[(size_t)src * x_stride + c])
+                                        : ((const float *)x)[(size_t)src * x_stride + c];
+                    acc += w[(size_t)j * C + c] * in;
+                }
+                if (x_bf16) acc = bf16_load(bf16_store(acc));
+                acc = acc / (1.f + expf(-acc));
+                if (x_bf16) acc = bf16_load(bf16_store(acc));
+                y[(size_t)i * C + c] = acc;
             }
-            if (x_bf16) acc = bf16_load(bf16_store(acc));
-            acc = acc / (1.f + expf(-acc));
-            if (x_bf16) acc = bf16_load(bf16_store(acc));
-            y[c] = acc;
-        }
-        for (int h = 0; h < Hv; h++) {
-            const float *qh = y + (size_t)(h / groups) * dk, *kh = y + (size_t)Hk * dk + (size_t)(h / groups) * dk,
-                        *vh = y + (size_t)2 * Hk * dk + (size_t)h * dv;
-            float sq = 0.f, sk = 0.f;
-            for (int i = 0; i < dk; i++) {
-                sq += qh[i] * qh[i];
-                sk += kh[i] * kh[i];
+        for (int i = 0; i < n; i++) {
+            int t = t0 + i;
+            const float *yt = y + (size_t)i * C;
+            for (int h = 0; h < Hv; h++) {
+                const float *qh = yt + (size_t)(h / groups) * dk, *kh = yt + (size_t)Hk * dk + (size_t)(h / groups) * dk,
+                            *vh = yt + (size_t)2 * Hk * dk + (size_t)h * dv;
+                float sq = 0.f, sk = 0.f;
+                for (int j = 0; j < dk; j++) {
+                    sq += qh[j] * qh[j];
+                    sk += kh[j] * kh[j];
+                }
+                float rq = q_scale / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
+                float *qo = q + ((size_t)h * L + t) * dk, *ko = k + ((size_t)h * L + t) * dk,
+                      *vo = v + ((size_t)h * L + t) * dv;
+                for (int j = 0; j < dk; j++) {
+                    qo[j] = qh[j] * rq;
+                    ko[j] = kh[j] * rk;
+                }
+                for (int j = 0; j < dv; j++) vo[j] = vh[j];
             }
-            float rq = q_scale / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
-            float *qo = q + ((size_t)h * L + t) * dk, *ko = k + ((size_t)h * L + t) * dk,
-                  *vo = v + ((size_t)h * L + t) * dv;
-            for (int i = 0; i < dk; i++) {
-                qo[i] = qh[i] * rq;
-                ko[i] = kh[i] * rk;
-            }
-            for (int i = 0; i < dv; i++) vo[i] = vh[i];
         }
     }
     free(scratch);

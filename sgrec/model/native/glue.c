@@ -84,6 +84,97 @@ void sgrec_rmsnorm(void *x, int64_t sx, const void *res, int64_t sr, const void 
     }
 }
 
+/* x[t] += res[t] in place, rounded to bfloat16 where bf16, then the row's sum of squares (float32) */
+static inline float add_sumsq(void *x, const void *res, int n, int bf16) {
+    int d = 0;
+    if (!bf16) {
+        float *xr = (float *)x;
+        if (res)
+            for (; d < n; d++) xr[d] += ((const float *)res)[d];
+        return sumsq(xr, n);
+    }
+    uint16_t *xr = (uint16_t *)x;
+    if (res) {
+        const uint16_t *rr = (const uint16_t *)res;
+        for (; d + VW <= n; d += VW) vstore_bf16(xr + d, vload_bf16(xr + d) + vload_bf16(rr + d));
+        for (; d < n; d++) xr[d] = bf16_store(bf16_load(xr[d]) + bf16_load(rr[d]));
+    }
+    vf acc = vset(0.f);
+    for (d = 0; d + VW <= n; d += VW) {
+        vf v = vload_bf16(xr + d);
+        acc += v * v;
+    }
+    float ss = 0.f;
+    for (int u = 0; u < VW; u++) ss += acc[u];
+    for (; d < n; d++) ss += bf16_load(xr[d]) * bf16_load(xr[d]);
+    return ss;
+}
+
+/* RMSNorm with a float32 weight that multiplies before the one rounding: out[t] = (x[t] * r) * w, r =
+ * 1 / sqrt(mean(x[t]^2) + eps), in float32, rounded to bfloat16 once where bf16 (Qwen3.5's zero-centred
+ * norm, whose weight is 1 + its parameter in float32). res as in sgrec_rmsnorm. */
+void sgrec_rmsnorm_f32w(void *x, int64_t sx, const void *res, int64_t sr, const float *w, void *out, int64_t so,
+                        int64_t T, int n, float eps, int bf16) {
+    size_t es = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        char *xr = (char *)x + (size_t)t * sx * es, *o = (char *)out + (size_t)t * so * es;
+        float r = 1.f / sqrtf(add_sumsq(xr, res ? (const char *)res + (size_t)t * sr * es : NULL, n, bf16) / (float)n
+                              + eps);
+        vf rv = vset(r);
+        int d = 0;
+        if (bf16) {
+            for (; d + VW <= n; d += VW) vstore_bf16((uint16_t *)o + d, vload_bf16((uint16_t *)xr + d) * rv * vload(w + d));
+            for (; d < n; d++) ((uint16_t *)o)[d] = bf16_store(bf16_load(((uint16_t *)xr)[d]) * r * w[d]);
+        } else {
+            for (; d + VW <= n; d += VW) vstore((float *)o + d, vload((float *)xr + d) * rv * vload(w + d));
+            for (; d < n; d++) ((float *)o)[d] = ((float *)xr)[d] * r * w[d];
+        }
+    }
+}
+
+/* The gated RMSNorm of the Gated DeltaNet's output: for each token t and group h < H of n channels
+ * (x at x + t sx + h n, its gate at gate + t sg + h n, out at out + t so + h n):
+ *   out = w * (x * r) * silu(gate), r = 1 / sqrt(mean(x^2) + eps), silu(g) = g / (1 + e^-g),
+ * in float32; in bfloat16 (w too) the normalised row is rounded, then its product with w, then the
+ * gated product, as torch's bfloat16 ops round them. */
+void sgrec_gated_rmsnorm(const void *x, int64_t sx, const void *gate, int64_t sg, const void *w, void *out,
+                         int64_t so, int64_t T, int H, int n, float eps, int bf16) {
+    size_t es = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (T * H >= PAR_ROWS)
+    for (int64_t th = 0; th < T * H; th++) {
+        int64_t t = th / H, h = th % H;
+        const char *xr = (const char *)x + ((size_t)t * sx + (size_t)h * n) * es,
+                   *gr = (const char *)gate + ((size_t)t * sg + (size_t)h * n) * es;
+        char *o = (char *)out + ((size_t)t * so + (size_t)h * n) * es;
+        float r = 1.f / sqrtf(add_sumsq((void *)xr, NULL, n, bf16) / (float)n + eps);
+        const vf rv = vset(r), one = vset(1.f), cap = vset(126.f), l2e = vset(-LOG2E);
+        int d = 0;
+        if (bf16) {
+            const uint16_t *xb = (const uint16_t *)xr, *gb = (const uint16_t *)gr, *wb = (const uint16_t *)w;
+            for (; d + VW <= n; d += VW) {
+                vf g = vload_bf16(gb + d), e = l2e * g;
+                e = vselect((vi)(e < cap), e, cap);
+                vf normed = vround_bf16(vload_bf16(wb + d) * vround_bf16(vload_bf16(xb + d) * rv));
+                vstore_bf16((uint16_t *)o + d, normed * (g / (one + vexp2(e))));
+            }
+            for (; d < n; d++) {
+                float g = bf16_load(gb[d]);
+                float normed = round_bf16(bf16_load(wb[d]) * round_bf16(bf16_load(xb[d]) * r));
+                ((uint16_t *)o)[d] = bf16_store(normed * (g / (1.f + expf(-g))));
+            }
+            continue;
+        }
+        const float *xf = (const float *)xr, *gf = (const float *)gr, *wf = (const float *)w;
+        for (; d + VW <= n; d += VW) {
+            vf g = vload(gf + d), e = l2e * g;
+            e = vselect((vi)(e < cap), e, cap);
+            vstore((float *)o + d, vload(wf + d) * (vload(xf + d) * rv) * (g / (one + vexp2(e))));
+        }
+        for (; d < n; d++) ((float *)o)[d] = wf[d] * (xf[d] * r) * (gf[d] / (1.f + expf(-gf[d])));
+    }
+}
+
 /* Rotary embedding in place, HF's rotate-half form: for each head of q [T, Hq, D] and k [T, Hk, D]
  * (token strides sq, sk; heads contiguous), with h = D / 2:
  *   x[:h] <- x[:h] * cos[:h] - x[h:] * sin[:h],   x[h:] <- x[h:] * cos[h:] + x[:h] * sin[h:]
