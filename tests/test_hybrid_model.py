@@ -165,12 +165,15 @@ def test_the_chunked_kernel_equals_the_torch_forms_in_every_isa_build(H, L, dk, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("Hk,Hv,dk,dv,K,L", [(2, 2, 16, 16, 4, 50), (2, 4, 16, 24, 4, 2), (3, 3, 20, 17, 3, 33)])
-def test_the_prepare_kernel_equals_the_convolution_and_heads_of_the_torch_path(dtype, Hk, Hv, dk, dv, K, L):
-    """native.gdr_prepare (the prefill's convolution, SiLU and q/k normalisation in one pass) against
-    GatedDeltaNet's torch path (_convolve then _heads_first) on strided projection rows, in every ISA
-    build: v bit for bit in bfloat16 (the convolution and SiLU rounded where torch rounds them), q and k
-    to float32 rounding; value heads sharing a key head (Hv > Hk), sequences shorter than the window."""
+@pytest.mark.parametrize("Hk,Hv,dk,dv,K,L,chunk", [(2, 2, 16, 16, 4, 50, 64), (2, 4, 16, 24, 4, 2, 64),
+                                                   (3, 3, 20, 17, 3, 33, 16), (1, 2, 128, 128, 4, 130, 64)])
+def test_the_prefill_kernel_equals_the_convolution_heads_and_rule_of_the_torch_path(dtype, Hk, Hv, dk, dv, K, L, chunk):
+    """native.gdr_prefill (a sequence's prefill of the layer: convolution, SiLU, q/k normalisation and
+    the chunked rule in one kernel) against GatedDeltaNet's torch path (_convolve, _heads_first, then
+    delta_rule.chunked) on strided projection rows, in every ISA build: float32 rounding (the norms and
+    the rule sum in other orders); value heads sharing a key head (Hv > Hk), sequences shorter than the
+    window, partial chunks, dk and dv off the vector width; o written token-major into a strided home,
+    rounded once; the input state untouched."""
     from types import SimpleNamespace
 
     from sgrec.model import native
@@ -183,15 +186,26 @@ def test_the_prepare_kernel_equals_the_convolution_and_heads_of_the_torch_path(d
                             kernel=K, conv_dim=C, conv_weight=torch.nn.Parameter(torch.randn(C, K, generator=gen).to(dtype)))
     x = torch.randn(L, C + 7, generator=gen).to(dtype)[:, :C]  # rows of the projection: strided
     window = torch.randn(1, C, K - 1, generator=gen).to(dtype)
+    decay, beta = -torch.rand(Hv, L, generator=gen) * 0.5, torch.rand(Hv, L, generator=gen)
+    s0 = torch.randn(Hv, dk, dv, generator=gen) * 0.1
     conv, _ = GatedDeltaNet._convolve(layer, x.T[None], window)
-    want = GatedDeltaNet._heads_first(layer, conv[0])
+    want, want_state = delta_rule.chunked(*GatedDeltaNet._heads_first(layer, conv[0]), decay, beta, s0)
+    before = s0.clone()
     for march in isa_builds():
-        got = native.gdr_prepare(x, window[0], layer.conv_weight, Hk, Hv, dk, dv, native.library(march))
-        assert all(g.shape == w.shape and g.dtype == torch.float32 for g, w in zip(got, want))
-        assert (got[0] - want[0]).abs().max() <= 1e-6 and (got[1] - want[1]).abs().max() <= 1e-6, march
-        assert (got[2] - want[2]).abs().max() <= (0 if dtype == torch.bfloat16 else 1e-6), march
+        lib = native.library(march)
+        got, state = native.gdr_prefill(x, window[0], layer.conv_weight, Hk, Hv, dk, dv, decay, beta, s0, chunk, lib)
+        assert torch.equal(s0, before)
+        assert (got - want).abs().max() <= 1e-5 and (state - want_state).abs().max() <= 1e-5, march
+        for out_dtype in (torch.float32, torch.bfloat16):
+            home = torch.zeros(L, Hv + 1, dv, dtype=out_dtype)
+            o, _ = native.gdr_prefill(x, window[0], layer.conv_weight, Hk, Hv, dk, dv, decay, beta, s0, chunk, lib,
+                                      out=home[:, 1:])
+            assert o.data_ptr() == home[:, 1:].data_ptr() and not home[:, 0].any()
+            assert torch.equal(home[:, 1:], got.transpose(0, 1).to(out_dtype)), (march, out_dtype)
     with pytest.raises(ValueError, match="do not fit"):
-        native.gdr_prepare(x, window[0], layer.conv_weight, Hk, Hv, dk + 1, dv)
+        native.gdr_prefill(x, window[0], layer.conv_weight, Hk, Hv, dk + 1, dv, decay, beta, s0)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.gdr_prefill(x, window[0], layer.conv_weight, Hk, Hv, dk, dv, decay[:, 1:], beta, s0)
 
 
 def test_a_runner_forwards_with_denormals_flushed_and_restores_the_mode_after(hybrid_dir):

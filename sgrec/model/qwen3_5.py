@@ -300,21 +300,23 @@ class GatedDeltaNet(nn.Module):
         slots = None if batch.state_slots is None else batch.state_slots[i : i + 1]
         window, matrix = self._state(parts, slots, 1, mixed.device)
         x = mixed[a : a + n]
+        keep = self.kernel - 1  # the new window: the last K - 1 inputs
+        ext = torch.cat([window.to(x.dtype), x[max(0, n - keep):].T[None]], dim=-1)
         on_glue = self.glue is not None and matrix.device.type == self.glue.DEVICE
-        if on_glue and hasattr(self.glue, "gdr_prepare"):  # the convolution and the heads in one pass
-            q, k, v = self.glue.gdr_prepare(x, window[0], self.conv_weight, self.k_heads, self.v_heads, self.k_dim,
-                                            self.v_dim)
-            keep = self.kernel - 1  # the new window: the last K - 1 inputs
-            ext = torch.cat([window.to(x.dtype), x[max(0, n - keep):].T[None]], dim=-1)
-            window = ext[..., ext.shape[-1] - keep:]
+        if on_glue and hasattr(self.glue, "gdr_prefill"):  # the convolution, the heads and the rule in one kernel
+            _, state = self.glue.gdr_prefill(x, window[0], self.conv_weight, self.k_heads, self.v_heads, self.k_dim,
+                                             self.v_dim, g[a : a + n].T, beta[a : a + n].T, matrix[0],
+                                             out=out[a : a + n])
         else:
-            conv, window = self._convolve(x.T[None], window)
+            conv, _ = self._convolve(x.T[None], window)
             q, k, v = self._heads_first(conv[0])
-        if on_glue and hasattr(self.glue, "gdr_sequence"):  # o written into out, token-major, in its dtype
-            _, state = self.glue.gdr_sequence(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0], out=out[a : a + n])
-        else:
-            o, state = delta_rule.chunked(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0])
-            out[a : a + n] = o.transpose(0, 1).to(out.dtype)
+            if on_glue and hasattr(self.glue, "gdr_sequence"):  # o written into out, token-major, in its dtype
+                _, state = self.glue.gdr_sequence(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0],
+                                                  out=out[a : a + n])
+            else:
+                o, state = delta_rule.chunked(q, k, v, g[a : a + n].T, beta[a : a + n].T, matrix[0])
+                out[a : a + n] = o.transpose(0, 1).to(out.dtype)
+        window = ext[..., ext.shape[-1] - keep:]
         self._keep(parts, slots, window, state[None])
 
 
@@ -424,8 +426,9 @@ class HybridLM(LMBase):
 
     def use_glue(self, glue) -> None:
         """LMBase.use_glue, and the delta rule's kernels where `glue` has them: gdr_step (decode and beam
-        steps, states in place), gdr_prepare (a prefill's convolution and heads, native only) and
-        gdr_sequence (a sequence's prefill), on tensors of the glue's DEVICE; the torch forms elsewhere."""
+        steps, states in place), gdr_prefill (a sequence's prefill from its projection: convolution, heads
+        and rule; native) or gdr_sequence (the rule of a sequence's prefill; Triton), on tensors of the
+        glue's DEVICE; the torch forms elsewhere."""
         super().use_glue(glue)
         for m in self.modules():
             if isinstance(m, (GatedDeltaNet, ZeroCenteredRMSNorm, GatedRMSNorm)):

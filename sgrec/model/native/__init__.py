@@ -131,8 +131,9 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.sgrec_gdr_chunked.argtypes = [p] * 7 + [i64, i64] + [i32] * 6
     lib.sgrec_fma_peak.restype = ctypes.c_double
     lib.sgrec_fma_peak.argtypes = [i64]
-    lib.sgrec_gdr_prepare.restype = ctypes.c_int
-    lib.sgrec_gdr_prepare.argtypes = [p, i64, i32, p, p] + [i32] * 7 + [ctypes.c_float, p, p, p]
+    lib.sgrec_gdr_prefill.restype = ctypes.c_int
+    lib.sgrec_gdr_prefill.argtypes = [p, i64, i32, p, p] + [i32] * 6 + [ctypes.c_float] + [p] * 4 + [i64, i64] \
+        + [i32] * 3
     if lib.sgrec_fused_decode():  # decode.c: float32 on AVX2 + FMA or AVX-512, bf16 with avx512_bf16
         lib.sgrec_gemv.restype = ctypes.c_int
         lib.sgrec_gemv.argtypes = [p, p, p, i64, p, i64, i32, i32, i32, i32]
@@ -416,30 +417,44 @@ def gdr_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     return o, state
 
 
-def gdr_prepare(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, k_heads: int, v_heads: int, dk: int,
-                dv: int, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A sequence's q, k, v for the rule (qwen3_5.GatedDeltaNet's _convolve then _heads_first, one
-    pass): x [L, C] the input projection's q, k, v channels (float32 or bfloat16, rows may be strided),
-    window [C, K - 1] the inputs before x (the state's), weight [C, K] the depthwise taps. -> q, k
-    [v_heads, L, dk] (L2-normalised, q times dk^-1/2) and v [v_heads, L, dv], contiguous float32."""
+def gdr_prefill(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, k_heads: int, v_heads: int, dk: int,
+                dv: int, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, chunk: int = 64,
+                lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's prefill of a Gated DeltaNet layer from its input projection: qwen3_5.GatedDeltaNet's
+    _convolve and _heads_first (the causal convolution, SiLU, q and k L2-normalised, q times dk^-1/2),
+    then gdr_sequence's rule, in one kernel whose q, k, v never leave a thread's scratch. x [L, C] the
+    projection's q, k, v channels (float32 or bfloat16, rows may be strided), window [C, K - 1] the
+    inputs before x (the state's), weight [C, K] the depthwise taps; g, beta [v_heads, L], state
+    [v_heads, dk, dv] (not modified), chunk and out as gdr_sequence's. Returns (o, the state after the
+    last token)."""
     lib = _loaded(lib)
     L, C = x.shape
     K = weight.shape[1]
     if x.dtype not in DTYPES or x.stride(1) != 1 or C != 2 * k_heads * dk + v_heads * dv \
-            or tuple(window.shape) != (C, K - 1) or v_heads % k_heads:
-        raise ValueError(f"gdr_prepare: x {x.dtype} {tuple(x.shape)} (stride {x.stride()}), window "
+            or tuple(window.shape) != (C, K - 1) or v_heads % k_heads or not 1 <= K <= 8:
+        raise ValueError(f"gdr_prefill: x {x.dtype} {tuple(x.shape)} (stride {x.stride()}), window "
                          f"{tuple(window.shape)}, weight {tuple(weight.shape)} do not fit {k_heads} key heads of "
-                         f"{dk} and {v_heads} value heads of {dv}")
+                         f"{dk} and {v_heads} value heads of {dv} (and 1 to 8 taps)")
+    if tuple(g.shape) != (v_heads, L) or tuple(beta.shape) != (v_heads, L) or tuple(state.shape) != (v_heads, dk, dv):
+        raise ValueError(f"gdr_prefill: g {tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)} do "
+                         f"not fit {v_heads} heads of {L} tokens")
+    if not 1 <= chunk <= 64:
+        raise ValueError(f"gdr_prefill: chunk must be 1..64 tokens, got {chunk}")
+    if out is not None and (tuple(out.shape) != (L, v_heads, dv) or out.dtype not in DTYPES or out.stride(2) != 1):
+        raise ValueError(f"gdr_prefill: out must be a float32 or bfloat16 [{L}, {v_heads}, {dv}] with a contiguous "
+                         f"last dimension, got {out.dtype} {tuple(out.shape)} (strides {out.stride()})")
     past = window.to(x.dtype).float().t().contiguous()  # as _convolve reads it: in x's dtype
     taps = weight.float().t().contiguous()
-    q = torch.empty(v_heads, L, dk, dtype=torch.float32)
-    k = torch.empty(v_heads, L, dk, dtype=torch.float32)
-    v = torch.empty(v_heads, L, dv, dtype=torch.float32)
-    if L and lib.sgrec_gdr_prepare(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), past.data_ptr(),
-                                   taps.data_ptr(), L, C, K, k_heads, v_heads, dk, dv, dk**-0.5, q.data_ptr(),
-                                   k.data_ptr(), v.data_ptr()):
-        raise MemoryError("gdr_prepare: no memory for the kernel's scratch")
-    return q, k, v
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    state = state.to(torch.float32, copy=True).contiguous()
+    o = torch.empty(v_heads, L, dv, dtype=torch.float32) if out is None else out
+    o_tok, o_head = (dv, L * dv) if out is None else (out.stride(0), out.stride(1))
+    if L and lib.sgrec_gdr_prefill(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), past.data_ptr(),
+                                   taps.data_ptr(), K, C, k_heads, v_heads, dk, dv, dk**-0.5, g.data_ptr(),
+                                   beta.data_ptr(), state.data_ptr(), o.data_ptr(), o_tok, o_head,
+                                   int(o.dtype == torch.bfloat16), L, chunk):
+        raise MemoryError("gdr_prefill: no memory for the kernel's scratch")
+    return o, state
 
 
 def fma_peak_gflops(seconds: float = 0.3, lib: ctypes.CDLL | None = None) -> float:

@@ -31,11 +31,13 @@
  * products are register-tiled (4 rows x 4 vectors of accumulators); the heads run in parallel, each the
  * same way whatever the others are, so a head's result never depends on the thread count.
  *
- * sgrec_gdr_prepare: a sequence's causal short convolution, SiLU and per-head L2 normalisation (the
- * layer's q, k, v before the rule), in one pass over the input projection's rows: token-major input
- * [L, C] (bf16 or float32, rows `x_stride` apart), the convolution vectorised over channels, each head's
- * q, k and v written as the rule's contiguous [H, L, d] float32. In bf16 the convolution's sum and its
- * SiLU are rounded to bf16 as torch's bf16 conv1d and silu round them; the norms are float32.
+ * sgrec_gdr_prefill: a sequence's prefill of the layer from the input projection's rows (token-major
+ * [L, C], bf16 or float32, rows `x_stride` apart): the causal short convolution, SiLU and per-head L2
+ * normalisation (q, k and v of the rule), then the chunked rule, a head's chunk at a time, its q, k, v
+ * made in scratch right before the chunk's step reads them (they never go through memory). The
+ * convolution is vectorised over channels, its window sliding in registers along the tokens; in bf16
+ * its sum and its SiLU are rounded to bf16 as torch's bf16 conv1d and silu round them; the norms and
+ * the rule are float32.
  *
  * sgrec_flush_denormals: flush-to-zero and denormals-are-zero (or neither) on the calling thread and
  * its OpenMP team (torch's intra-op threads: the kernels bind to the OpenMP runtime torch loaded). The
@@ -203,6 +205,49 @@ static void matmul(const float *A, long a_r, long a_p, const float *B, long ldb,
         }
 }
 
+/* C1 = A1 B and C2 = A2 B for 2 rows of A1 and A2 (rows lda apart, K = lda columns) and 4 vectors of B's
+ * columns: each vector of B is loaded once for both products (K S and Q S share S). */
+static inline void tile_pair(const float *A1, const float *A2, long lda, const float *B, long ldb, float *C1, float *C2,
+                             long ldc, int K) {
+    vf acc1[2][4], acc2[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int v = 0; v < 4; v++) acc1[r][v] = acc2[r][v] = vset(0.f);
+    for (int p = 0; p < K; p++) {
+        vf b[4];
+        for (int v = 0; v < 4; v++) b[v] = vload(B + (long)p * ldb + v * VW);
+        for (int r = 0; r < 2; r++) {
+            vf a1 = vset(A1[r * lda + p]), a2 = vset(A2[r * lda + p]);
+            for (int v = 0; v < 4; v++) {
+                acc1[r][v] += a1 * b[v];
+                acc2[r][v] += a2 * b[v];
+            }
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        for (int v = 0; v < 4; v++) {
+            vstore(C1 + r * ldc + v * VW, acc1[r][v]);
+            vstore(C2 + r * ldc + v * VW, acc2[r][v]);
+        }
+}
+
+/* C1 = A1 B and C2 = A2 B, A1 and A2 [M, K] (rows K apart), B [K, N] (ldb), C1 and C2 row-major (ldc):
+ * tile_pair where 2 rows and 4 vectors fit, matmul on the rest; every sum in matmul's order. */
+static void matmul_pair(const float *A1, const float *A2, const float *B, long ldb, float *C1, float *C2, long ldc,
+                        int M, int N, int K) {
+    int m2 = M / 2 * 2, n4 = N / (4 * VW) * 4 * VW;
+    for (int r = 0; r < m2; r += 2)
+        for (int j = 0; j < n4; j += 4 * VW)
+            tile_pair(A1 + (long)r * K, A2 + (long)r * K, K, B + j, ldb, C1 + r * ldc + j, C2 + r * ldc + j, ldc, K);
+    for (int i = 0; i < 2; i++) {
+        const float *A = i ? A2 : A1;
+        float *C = i ? C2 : C1;
+        if (m2 < M) /* the last row */
+            matmul(A + (long)m2 * K, K, 1, B, ldb, C + m2 * ldc, ldc, M - m2, n4, K, 0.f);
+        if (n4 < N) /* the columns past the last 4 vectors */
+            matmul(A, K, 1, B + n4, ldb, C + n4, ldc, M, N - n4, K, 0.f);
+    }
+}
+
 #define GDR_CHUNK_MAX 64
 
 /* C1 = A1 B and C2 = A2 B for R <= 4 rows of A1, A2 (rows lda apart) and V <= 4 vectors of B's columns
@@ -294,8 +339,7 @@ static void chunk_step(const float *q, const float *k, const float *v, const flo
         for (int i = 0; i < n; i++) kt[p * cm + i] = k[(long)i * dk + p];
         for (int i = n; i < cm; i++) kt[p * cm + i] = 0.f;
     }
-    matmul(k, dk, 1, S, dv, ks, dv, n, dv, dk, 0.f);
-    matmul(q, dk, 1, S, dv, qs, dv, n, dv, dk, 0.f);
+    matmul_pair(k, q, S, dv, ks, qs, dv, n, dv, dk); /* KS, QS */
     for (int i = 0; i < n; i += 4) { /* the k.k and q.k products of rows i.., vectors of m up to their last */
         int rows = n - i < 4 ? n - i : 4, nb = (i + rows - 1) / VW + 1;
         for (int b = 0; b < nb; b += 4) /* lanes past a row's own index: never read */
@@ -363,8 +407,6 @@ int sgrec_gdr_chunked(const float *q, const float *k, const float *v, const floa
     return 0;
 }
 
-#define PREP_TOKENS 16 /* tokens a block: their convolved rows stay in the cache for the norms */
-
 /* input row src's channels c .. c + VW (src < 0: the window's) as float32 */
 static inline vf conv_in(const void *x, long x_stride, int x_bf16, const float *past, int K, int C, int src, int c) {
     if (src < 0) return vload(past + (size_t)(K - 1 + src) * C + c);
@@ -372,12 +414,13 @@ static inline vf conv_in(const void *x, long x_stride, int x_bf16, const float *
     return vload((const float *)x + (size_t)src * x_stride + c);
 }
 
-/* y[i][c .. c + VW) for tokens t0 + i, i < n: the convolution (taps oldest first, one FMA chain) and
- * SiLU, rounded to bf16 after each where x_bf16. K a constant where inlined: the window slides in
- * registers, so each input row is read and widened once. */
+/* y[i * ldy .. + VW) for tokens t0 + i, i < n: channels c .. c + VW convolved (taps oldest first, one FMA
+ * chain) and through SiLU, rounded to bf16 after each where x_bf16 (as torch's bf16 conv1d and silu
+ * round). K a constant where inlined: the window slides in registers, so each input row is read and
+ * widened once. */
 static inline __attribute__((always_inline)) void conv_silu(const void *x, long x_stride, int x_bf16,
                                                             const float *past, const float *w, int C, int K, int t0,
-                                                            int n, int c, float *y) {
+                                                            int n, int c, float *y, long ldy) {
     vf taps[8], win[8];
     const vf one = vset(1.f), cap = vset(126.f), l2e = vset(-LOG2E);
     for (int j = 0; j < K; j++) taps[j] = vload(w + (size_t)j * C + c);
@@ -392,70 +435,83 @@ static inline __attribute__((always_inline)) void conv_silu(const void *x, long 
         e = vselect((vi)(e < cap), e, cap);
         acc = acc / (one + vexp2(e));
         if (x_bf16) acc = vround_bf16(acc);
-        vstore(y + (size_t)i * C + c, acc);
+        vstore(y + (size_t)i * ldy, acc);
     }
 }
 
-/* x: rows t = 0..L-1 of the projection (first C channels: q, k, v), row t at x + t * x_stride elements,
+/* conv_silu of channels c0 .. c0 + m (any m: the last channels one at a time) into y [n, m] (row stride
+ * ldy) */
+static void conv_rows(const void *x, long x_stride, int x_bf16, const float *past, const float *w, int C, int K, int t0,
+                      int n, int c0, int m, float *y, long ldy) {
+    int c = 0;
+    for (; c + VW <= m; c += VW) {
+        if (K == 4)
+            conv_silu(x, x_stride, x_bf16, past, w, C, 4, t0, n, c0 + c, y + c, ldy);
+        else
+            conv_silu(x, x_stride, x_bf16, past, w, C, K, t0, n, c0 + c, y + c, ldy);
+    }
+    for (; c < m; c++)
+        for (int i = 0; i < n; i++) {
+            float acc = 0.f;
+            for (int j = 0; j < K; j++) {
+                int src = t0 + i - (K - 1) + j; /* the input this tap reads */
+                float in = src < 0 ? past[(size_t)(K - 1 + src) * C + c0 + c]
+                           : x_bf16 ? bf16_load(((const uint16_t *)x)[(size_t)src * x_stride + c0 + c])
+                                    : ((const float *)x)[(size_t)src * x_stride + c0 + c];
+                acc += w[(size_t)j * C + c0 + c] * in;
+            }
+            if (x_bf16) acc = bf16_load(bf16_store(acc));
+            acc = acc / (1.f + expf(-acc));
+            if (x_bf16) acc = bf16_load(bf16_store(acc));
+            y[(size_t)i * ldy + c] = acc;
+        }
+}
+
+/* row [d] times scale / |row| (the L2 norm with delta_rule.l2norm's eps), in place */
+static inline void l2_scale(float *row, int d, float scale) {
+    float s = 0.f;
+    for (int j = 0; j < d; j++) s += row[j] * row[j];
+    float r = scale / sqrtf(s + 1e-6f);
+    for (int j = 0; j < d; j++) row[j] *= r;
+}
+
+/* A sequence's prefill through a Gated DeltaNet layer's convolution and rule, head by head, chunk by
+ * chunk: each head's q, k and v of a chunk are made (conv_rows, then the L2 norms of q and k, q times
+ * q_scale) in scratch the chunk's step reads next, so they never go through memory.
+ * x: rows t = 0..L-1 of the projection (first C channels: q, k, v), row t at x + t * x_stride elements,
  * bf16 (x_bf16) or float32; past [K - 1, C] float32: the inputs before row 0 (the state's window,
  * oldest first); w [K, C] float32: the depthwise taps, tap K - 1 on the newest input. Channels: q for
- * Hk heads of dk, then k, then v for Hv heads of dv (C = 2 Hk dk + Hv dv). Writes q, k [Hv, L, dk]
- * (a key head's values for each of its Hv / Hk value heads; q times q_scale) and v [Hv, L, dv].
- * Tokens go in blocks of PREP_TOKENS over the threads; within a block, a vector of channels at a time
- * over the block's tokens (conv_silu), then each token's heads. Returns 0, or -1 where scratch could not
- * be allocated or K is above 8. */
-int sgrec_gdr_prepare(const void *x, long x_stride, int x_bf16, const float *past, const float *w, int L, int C,
-                      int K, int Hk, int Hv, int dk, int dv, float q_scale, float *q, float *k, float *v) {
-    if (K < 1 || K > 8) return -1;
-    int threads = omp_get_max_threads(), groups = Hv / Hk;
-    float *scratch = malloc((size_t)threads * PREP_TOKENS * C * sizeof(float));
+ * Hk heads of dk, then k, then v for Hv heads of dv (C = 2 Hk dk + Hv dv; value head h reads key head
+ * h / (Hv / Hk)). g, beta [Hv, L]; state [Hv, dk, dv] in place; o as sgrec_gdr_chunked's. Returns 0, or
+ * -1 where scratch could not be allocated or chunk or K is out of range (nothing written). */
+int sgrec_gdr_prefill(const void *x, long x_stride, int x_bf16, const float *past, const float *w, int K, int C, int Hk,
+                      int Hv, int dk, int dv, float q_scale, const float *g, const float *beta, float *state, void *o,
+                      long o_tok, long o_head, int o_bf16, int L, int chunk) {
+    if (chunk < 1 || chunk > GDR_CHUNK_MAX || K < 1 || K > 8) return -1;
+    int cm = (chunk + VW - 1) / VW * VW, threads = omp_get_max_threads(), groups = Hv / Hk;
+    size_t step = (size_t)2 * chunk * dv + (size_t)dk * cm + (size_t)2 * chunk * cm,
+           need = step + (size_t)chunk * (2 * dk + dv);
+    float *scratch = malloc(need * threads * sizeof(float));
     if (!scratch) return -1;
 #pragma omp parallel for schedule(static)
-    for (int t0 = 0; t0 < L; t0 += PREP_TOKENS) {
-        float *y = scratch + (size_t)omp_get_thread_num() * PREP_TOKENS * C;
-        int n = L - t0 < PREP_TOKENS ? L - t0 : PREP_TOKENS, c = 0;
-        for (; c + VW <= C; c += VW) {
-            if (K == 4)
-                conv_silu(x, x_stride, x_bf16, past, w, C, 4, t0, n, c, y);
-            else
-                conv_silu(x, x_stride, x_bf16, past, w, C, K, t0, n, c, y);
-        }
-        for (; c < C; c++)
+    for (int h = 0; h < Hv; h++) {
+        float *ks = scratch + need * omp_get_thread_num(), *qs = ks + (size_t)chunk * dv, *kt = qs + (size_t)chunk * dv,
+              *a = kt + (size_t)dk * cm, *pm = a + (size_t)chunk * cm, *qh = ks + step, *kh = qh + (size_t)chunk * dk,
+              *vh = kh + (size_t)chunk * dk;
+        int kv = h / groups; /* its key head */
+        for (int t = 0; t < L; t += chunk) {
+            int n = L - t < chunk ? L - t : chunk;
+            conv_rows(x, x_stride, x_bf16, past, w, C, K, t, n, kv * dk, dk, qh, dk);
+            conv_rows(x, x_stride, x_bf16, past, w, C, K, t, n, Hk * dk + kv * dk, dk, kh, dk);
+            conv_rows(x, x_stride, x_bf16, past, w, C, K, t, n, 2 * Hk * dk + h * dv, dv, vh, dv);
             for (int i = 0; i < n; i++) {
-                int t = t0 + i;
-                float acc = 0.f;
-                for (int j = 0; j < K; j++) {
-                    int src = t - (K - 1) + j; /* the input this tap reads */
-                    float in = src < 0 ? past[(size_t)(K - 1 + src) * C + c]
-                               : x_bf16 ? bf16_load(((const uint16_t *)x)[(size_t)src * x_stride + c])
-                                        : ((const float *)x)[(size_t)src * x_stride + c];
-                    acc += w[(size_t)j * C + c] * in;
-                }
-                if (x_bf16) acc = bf16_load(bf16_store(acc));
-                acc = acc / (1.f + expf(-acc));
-                if (x_bf16) acc = bf16_load(bf16_store(acc));
-                y[(size_t)i * C + c] = acc;
+                l2_scale(qh + (size_t)i * dk, dk, q_scale);
+                l2_scale(kh + (size_t)i * dk, dk, 1.f);
             }
-        for (int i = 0; i < n; i++) {
-            int t = t0 + i;
-            const float *yt = y + (size_t)i * C;
-            for (int h = 0; h < Hv; h++) {
-                const float *qh = yt + (size_t)(h / groups) * dk, *kh = yt + (size_t)Hk * dk + (size_t)(h / groups) * dk,
-                            *vh = yt + (size_t)2 * Hk * dk + (size_t)h * dv;
-                float sq = 0.f, sk = 0.f;
-                for (int j = 0; j < dk; j++) {
-                    sq += qh[j] * qh[j];
-                    sk += kh[j] * kh[j];
-                }
-                float rq = q_scale / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
-                float *qo = q + ((size_t)h * L + t) * dk, *ko = k + ((size_t)h * L + t) * dk,
-                      *vo = v + ((size_t)h * L + t) * dv;
-                for (int j = 0; j < dk; j++) {
-                    qo[j] = qh[j] * rq;
-                    ko[j] = kh[j] * rk;
-                }
-                for (int j = 0; j < dv; j++) vo[j] = vh[j];
-            }
+            size_t at = (size_t)t * o_tok + (size_t)h * o_head;
+            void *oh = o_bf16 ? (void *)((uint16_t *)o + at) : (void *)((float *)o + at);
+            chunk_step(qh, kh, vh, g + (long)h * L + t, beta + (long)h * L + t, oh, o_tok, o_bf16,
+                       state + (size_t)h * dk * dv, n, dk, dv, ks, qs, kt, a, pm);
         }
     }
     free(scratch);
