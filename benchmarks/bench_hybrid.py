@@ -7,7 +7,7 @@ checkpoint: prefill of one prompt and decode steps of a batch, side by side in o
 
 Without --model-path, random weights of Qwen3.5-0.8B's exact shape are written once (bfloat16,
 `make_tiny_model --shape qwen3.5-0.8b`) under ~/.cache/sgrec/. Both sides run in --dtype on
---threads threads, one after the other, best of --repeats:
+--threads threads, best of --repeats, the runs of the sides taken in turn:
 - prefill: one --prompt-len prompt; sgrec's engine with one new token (cache flushed), transformers'
   forward with the last position's logits only;
 - decode: a batch of --batch prompts of --decode-prompt-len tokens; the time of a step is (the time
@@ -22,7 +22,8 @@ decays underflow into denormals, which x86 multiplies tens of times slower). tra
 by default, and with the same flushing set on its threads (what torch.set_flush_denormal alone does
 not give: it sets the calling thread only), so the ratios show what is the floating-point mode and
 what is sgrec's kernels. The chunked rule of one layer at the model's shape is timed alone, sgrec's C
-kernel (native.gdr_sequence, what prefill runs on CPU) beside the torch form (delta_rule.chunked,
+kernel (native.gdr_sequence: the rule of what prefill runs on CPU, native.gdr_prefill, without the
+convolution that kernel makes its inputs with) beside the torch form (delta_rule.chunked,
 the transformers-like form), and set against the machine's float32 FMA limit (16 independent vector
 FMAs a round on every thread, sgrec.model.native.fma_peak_gflops) as its share of the machine; torch.mm's
 float32 rate at 2048^3 is printed beside it. Results:
@@ -73,7 +74,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--decode-prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args()
@@ -108,8 +109,8 @@ def main() -> None:
                 native.flush_denormals(False)  # the default, which sgrec's runner restores after each forward
         return run
 
-    pre = {"sgrec": best(sgrec_prefill, args.repeats), "transformers": best(flushed(hf_prefill, False), args.repeats),
-           "transformers, flushed": best(flushed(hf_prefill, True), args.repeats)}
+    pre = best_interleaved({"sgrec": sgrec_prefill, "transformers": flushed(hf_prefill, False),
+                            "transformers, flushed": flushed(hf_prefill, True)}, args.repeats)
     print("  prefill " + str(args.prompt_len) + ": " + ", ".join(f"{k} {v:.3f} s" for k, v in pre.items()), flush=True)
     proj = projections_seconds(engine.runner.model, sgrec_prefill)
     print(f"  of sgrec's prefill, the projections' matrix products (what transformers runs too): {proj:.3f} s; "
@@ -130,17 +131,13 @@ def main() -> None:
                               dtype=torch.int64), max_new_tokens=k, min_new_tokens=k, do_sample=False)
         outs["transformers"] = out[:, len(prompts[0]):].tolist()
 
-    step = {}
-    for name, gen in (("sgrec", sgrec_gen), ("transformers", flushed(hf_gen, False)),
-                      ("transformers, flushed", flushed(hf_gen, True))):
-        gen(2)
-        t_long = best(lambda: gen(args.steps + 1), args.repeats)
-        seqs = outs[name.split(",")[0]]
-        t_one = best(lambda: gen(1), args.repeats)
-        outs[name.split(",")[0]] = seqs
-        step[name] = (t_long - t_one) / args.steps
+    gens = {"sgrec": sgrec_gen, "transformers": flushed(hf_gen, False), "transformers, flushed": flushed(hf_gen, True)}
+    t_long = best_interleaved({name: (lambda gen=gen: gen(args.steps + 1)) for name, gen in gens.items()}, args.repeats)
+    same = sum(a == b for a, b in zip(outs["sgrec"], outs["transformers"]))  # the long runs' sequences
+    t_one = best_interleaved({name: (lambda gen=gen: gen(1)) for name, gen in gens.items()}, args.repeats)
+    step = {name: (t_long[name] - t_one[name]) / args.steps for name in gens}
+    for name in gens:
         print(f"  decode batch {args.batch}: {name} {step[name] * 1e3:.1f} ms/step", flush=True)
-    same = sum(a == b for a, b in zip(outs["sgrec"], outs["transformers"]))
     engine.shutdown()
     rule = rule_share(path, args)
     fast = rule["kernel"] if rule["kernel"] is not None else rule["torch"]
@@ -180,6 +177,22 @@ def main() -> None:
         out = write_record(benchmark="bench_hybrid", title="The hybrid family (Qwen3.5) against transformers",
                            command=cmd, results=results, peer="transformers (torch forms of the gated delta rule); the rule alone: its torch chunked form; the float32 FMA limit (efficiency)")
         print(f"result record: {out}")
+
+
+def best_interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Each fn's best time of `repeats` runs, after one warm-up run each, the runs of the fns taken in
+    turn (a noisy spell on a shared machine falls on every side alike)."""
+    import time
+
+    for fn in fns.values():
+        fn()
+    times = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name] = min(times[name], time.perf_counter() - t)
+    return times
 
 
 def projections_seconds(model: torch.nn.Module, run) -> float:
