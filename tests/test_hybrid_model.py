@@ -299,6 +299,18 @@ def prefill(runner, tokens, state, kv, start=0):
     return runner.forward(batch, list(range(len(tokens)))), kv
 
 
+def packed(runner, prompts):
+    """The prompts as one flat batch's parts: (tokens, positions from 0, fresh KV slots, the layouts)."""
+    slots = runner.memory.allocator.alloc(sum(map(len, prompts)))
+    seqs, toks, pos, a = [], [], [], 0
+    for p in prompts:
+        seqs.append(SeqLayout(a, len(p), slots[a : a + len(p)]))
+        toks += p
+        pos += range(len(p))
+        a += len(p)
+    return toks, pos, slots, seqs
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backend", ["native", "torch"])  # the decode step: native's C kernel, or torch's form
 def test_prefill_chunks_and_decode_steps_match_transformers(hybrid_dir, hf_hybrid, dtype, backend):
@@ -341,15 +353,9 @@ def test_short_and_long_sequences_of_one_batch_match_transformers(hybrid_dir, hf
     runner = runner_for(hybrid_dir, "float32")
     hf = hf_hybrid(torch.float32)
     prompts = [ids(n, seed=n) for n in (2, 9, STEPWISE_MAX, STEPWISE_MAX + 1, 40)]
-    slots = runner.memory.allocator.alloc(sum(map(len, prompts)))
-    seqs, toks, pos, a = [], [], [], 0
-    for p in prompts:
-        seqs.append(SeqLayout(a, len(p), slots[a : a + len(p)]))
-        toks += p
-        pos += range(len(p))
-        a += len(p)
+    toks, pos, slots, seqs = packed(runner, prompts)
     states = [runner.memory.states.alloc(1) for _ in prompts]
-    logits = runner.forward(runner.make_batch(toks, pos, slots, seqs, states), list(range(a)))
+    logits = runner.forward(runner.make_batch(toks, pos, slots, seqs, states), list(range(len(toks))))
     a = 0
     for p in prompts:
         with torch.no_grad():
@@ -364,18 +370,12 @@ def test_the_hidden_states_of_some_rows_equal_those_rows_of_the_whole_forward(ti
     """ModelRunner.hidden asks the model for its rows only (the hybrid family's last layer then
     projects and runs the MLP of those rows alone): the same numbers as those rows of the whole
     forward (within float32 rounding, or a bfloat16 step at the scale of the hidden states: the
-    matrix products run on fewer rows), and every row's K/V and state still written (the next token's
-    logits agree)."""
+    matrix products run on fewer rows), and every sequence's state still left as the whole forward
+    leaves it."""
     runner = runner_for(tiny_model_dir(family, seed=3), dtype)
     prompts = [ids(n, seed=n) for n in (23, 40)]
-    T = sum(map(len, prompts))
-    slots = runner.memory.allocator.alloc(T)
-    seqs, toks, pos, a = [], [], [], 0
-    for p in prompts:
-        seqs.append(SeqLayout(a, len(p), slots[a : a + len(p)]))
-        toks += p
-        pos += range(len(p))
-        a += len(p)
+    toks, pos, slots, seqs = packed(runner, prompts)
+    T = len(toks)
     recurrent = bool(runner.capabilities.state_shapes)
     states = ([runner.memory.states.alloc(1) for _ in prompts] for _ in range(2)) if recurrent else ([None] * 2, [None] * 2)
     some, every = states
@@ -402,15 +402,8 @@ def test_hybrid_prefilling_carries_each_state_across_its_chunks(hybrid_dir, dtyp
     runner = runner_for(hybrid_dir, dtype, hybrid_chunk_size=16)
     assert runner.capabilities.hybrid_prefill
     prompts = [ids(n, seed=n) for n in (37, 5, 60)]
-    T = sum(map(len, prompts))
-    slots = runner.memory.allocator.alloc(T)
-    seqs, toks, pos, rows, a = [], [], [], [], 0
-    for p in prompts:
-        seqs.append(SeqLayout(a, len(p), slots[a : a + len(p)]))
-        toks += p
-        pos += range(len(p))
-        a += len(p)
-        rows.append(a - 1)
+    toks, pos, slots, seqs = packed(runner, prompts)
+    rows = [s.q_start + s.q_len - 1 for s in seqs]
     chunked, whole = ([runner.memory.states.alloc(1) for _ in prompts] for _ in range(2))
     got = runner.forward_prefill_only(runner.make_batch(toks, pos, slots, seqs, chunked), rows)
     want = runner.forward(runner.make_batch(toks, pos, slots, seqs, whole), rows)

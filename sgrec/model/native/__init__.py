@@ -386,6 +386,21 @@ def gdr_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return out
 
 
+def _rule_output(name: str, chunk: int, out: torch.Tensor | None, L: int, H: int,
+                 dv: int) -> tuple[torch.Tensor, int, int]:
+    """The chunked rule's o and its token and head strides (elements): `out` where given (checked:
+    token-major [L, H, dv], float32 or bfloat16, its last dimension contiguous), else a new float32
+    [H, L, dv]; a ValueError naming the kernel for a chunk outside 1..64."""
+    if not 1 <= chunk <= 64:
+        raise ValueError(f"{name}: chunk must be 1..64 tokens, got {chunk}")
+    if out is None:
+        return torch.empty(H, L, dv, dtype=torch.float32), dv, L * dv
+    if tuple(out.shape) != (L, H, dv) or out.dtype not in DTYPES or out.stride(2) != 1:
+        raise ValueError(f"{name}: out must be a float32 or bfloat16 [{L}, {H}, {dv}] with a contiguous last "
+                         f"dimension, got {out.dtype} {tuple(out.shape)} (strides {out.stride()})")
+    return out, out.stride(0), out.stride(1)
+
+
 def gdr_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  state: torch.Tensor, chunk: int = 64, lib: ctypes.CDLL | None = None,
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,15 +416,9 @@ def gdr_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
             or tuple(beta.shape) != (H, L) or tuple(state.shape) != (H, dk, dv):
         raise ValueError(f"gdr_sequence: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)} do not agree")
-    if not 1 <= chunk <= 64:
-        raise ValueError(f"gdr_sequence: chunk must be 1..64 tokens, got {chunk}")
-    if out is not None and (tuple(out.shape) != (L, H, dv) or out.dtype not in DTYPES or out.stride(2) != 1):
-        raise ValueError(f"gdr_sequence: out must be a float32 or bfloat16 [{L}, {H}, {dv}] with a contiguous last "
-                         f"dimension, got {out.dtype} {tuple(out.shape)} (strides {out.stride()})")
+    o, o_tok, o_head = _rule_output("gdr_sequence", chunk, out, L, H, dv)
     q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
     state = state.to(torch.float32, copy=True).contiguous()
-    o = torch.empty(H, L, dv, dtype=torch.float32) if out is None else out
-    o_tok, o_head = (dv, L * dv) if out is None else (out.stride(0), out.stride(1))
     if L and lib.sgrec_gdr_chunked(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                                    state.data_ptr(), o.data_ptr(), o_tok, o_head, int(o.dtype == torch.bfloat16),
                                    H, L, dk, dv, chunk):
@@ -438,17 +447,11 @@ def gdr_prefill(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, k_h
     if tuple(g.shape) != (v_heads, L) or tuple(beta.shape) != (v_heads, L) or tuple(state.shape) != (v_heads, dk, dv):
         raise ValueError(f"gdr_prefill: g {tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)} do "
                          f"not fit {v_heads} heads of {L} tokens")
-    if not 1 <= chunk <= 64:
-        raise ValueError(f"gdr_prefill: chunk must be 1..64 tokens, got {chunk}")
-    if out is not None and (tuple(out.shape) != (L, v_heads, dv) or out.dtype not in DTYPES or out.stride(2) != 1):
-        raise ValueError(f"gdr_prefill: out must be a float32 or bfloat16 [{L}, {v_heads}, {dv}] with a contiguous "
-                         f"last dimension, got {out.dtype} {tuple(out.shape)} (strides {out.stride()})")
+    o, o_tok, o_head = _rule_output("gdr_prefill", chunk, out, L, v_heads, dv)
     past = window.to(x.dtype).float().t().contiguous()  # as _convolve reads it: in x's dtype
     taps = weight.float().t().contiguous()
     g, beta = g.float().contiguous(), beta.float().contiguous()
     state = state.to(torch.float32, copy=True).contiguous()
-    o = torch.empty(v_heads, L, dv, dtype=torch.float32) if out is None else out
-    o_tok, o_head = (dv, L * dv) if out is None else (out.stride(0), out.stride(1))
     if L and lib.sgrec_gdr_prefill(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), past.data_ptr(),
                                    taps.data_ptr(), K, C, k_heads, v_heads, dk, dv, dk**-0.5, g.data_ptr(),
                                    beta.data_ptr(), state.data_ptr(), o.data_ptr(), o_tok, o_head,

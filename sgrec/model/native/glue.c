@@ -30,67 +30,18 @@ static inline float sumsq(const float *x, int n) {
     return s;
 }
 
-static inline void norm_row(const float *x, const float *w, float *out, int n, float eps) {
-    float r = 1.f / sqrtf(sumsq(x, n) / (float)n + eps);
-    vf rv = vset(r);
-    int d = 0;
-    for (; d + VW <= n; d += VW) vstore(out + d, vload(w + d) * (vload(x + d) * rv));
-    for (; d < n; d++) out[d] = w[d] * (x[d] * r);
-}
-
 static inline float round_bf16(float x) { return bf16_load(bf16_store(x)); }
-
-/* norm_row over bfloat16: x += res first (rounded, in place) where res is given */
-static inline void norm_row_bf16(uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out, int n,
-                                 float eps) {
-    int d = 0;
-    if (res) {
-        for (; d + VW <= n; d += VW) vstore_bf16(x + d, vload_bf16(x + d) + vload_bf16(res + d));
-        for (; d < n; d++) x[d] = bf16_store(bf16_load(x[d]) + bf16_load(res[d]));
-    }
-    vf acc = vset(0.f);
-    for (d = 0; d + VW <= n; d += VW) {
-        vf v = vload_bf16(x + d);
-        acc += v * v;
-    }
-    float ss = 0.f;
-    for (int u = 0; u < VW; u++) ss += acc[u];
-    for (; d < n; d++) ss += bf16_load(x[d]) * bf16_load(x[d]);
-    float r = 1.f / sqrtf(ss / (float)n + eps);
-    vf rv = vset(r);
-    for (d = 0; d + VW <= n; d += VW) vstore_bf16(out + d, vload_bf16(w + d) * vround_bf16(vload_bf16(x + d) * rv));
-    for (; d < n; d++) out[d] = bf16_store(bf16_load(w[d]) * round_bf16(bf16_load(x[d]) * r));
-}
-
-/* RMSNorm: out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)). With res (not NULL): x[t] += res[t] first,
- * in place (the residual stream), then the norm of the sum. */
-void sgrec_rmsnorm(void *x, int64_t sx, const void *res, int64_t sr, const void *w, void *out, int64_t so,
-                   int64_t T, int n, float eps, int bf16) {
-#pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
-    for (int64_t t = 0; t < T; t++) {
-        if (bf16) {
-            norm_row_bf16((uint16_t *)x + t * sx, res ? (const uint16_t *)res + t * sr : NULL, w,
-                          (uint16_t *)out + t * so, n, eps);
-            continue;
-        }
-        float *xr = (float *)x + t * sx;
-        if (res) {
-            const float *rr = (const float *)res + t * sr;
-            int d = 0;
-            for (; d + VW <= n; d += VW) vstore(xr + d, vload(xr + d) + vload(rr + d));
-            for (; d < n; d++) xr[d] += rr[d];
-        }
-        norm_row(xr, w, (float *)out + t * so, n, eps);
-    }
-}
 
 /* x[t] += res[t] in place, rounded to bfloat16 where bf16, then the row's sum of squares (float32) */
 static inline float add_sumsq(void *x, const void *res, int n, int bf16) {
     int d = 0;
     if (!bf16) {
         float *xr = (float *)x;
-        if (res)
-            for (; d < n; d++) xr[d] += ((const float *)res)[d];
+        if (res) {
+            const float *rr = (const float *)res;
+            for (; d + VW <= n; d += VW) vstore(xr + d, vload(xr + d) + vload(rr + d));
+            for (; d < n; d++) xr[d] += rr[d];
+        }
         return sumsq(xr, n);
     }
     uint16_t *xr = (uint16_t *)x;
@@ -108,6 +59,40 @@ static inline float add_sumsq(void *x, const void *res, int n, int bf16) {
     for (int u = 0; u < VW; u++) ss += acc[u];
     for (; d < n; d++) ss += bf16_load(xr[d]) * bf16_load(xr[d]);
     return ss;
+}
+
+/* out = w * (x / sqrt(mean(x^2) + eps)); x += res first (in place) where res is given */
+static inline void norm_row(float *x, const float *res, const float *w, float *out, int n, float eps) {
+    float r = 1.f / sqrtf(add_sumsq(x, res, n, 0) / (float)n + eps);
+    vf rv = vset(r);
+    int d = 0;
+    for (; d + VW <= n; d += VW) vstore(out + d, vload(w + d) * (vload(x + d) * rv));
+    for (; d < n; d++) out[d] = w[d] * (x[d] * r);
+}
+
+/* norm_row over bfloat16: x += res first (rounded, in place) where res is given */
+static inline void norm_row_bf16(uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out, int n,
+                                 float eps) {
+    float r = 1.f / sqrtf(add_sumsq(x, res, n, 1) / (float)n + eps);
+    vf rv = vset(r);
+    int d = 0;
+    for (; d + VW <= n; d += VW) vstore_bf16(out + d, vload_bf16(w + d) * vround_bf16(vload_bf16(x + d) * rv));
+    for (; d < n; d++) out[d] = bf16_store(bf16_load(w[d]) * round_bf16(bf16_load(x[d]) * r));
+}
+
+/* RMSNorm: out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)). With res (not NULL): x[t] += res[t] first,
+ * in place (the residual stream), then the norm of the sum. */
+void sgrec_rmsnorm(void *x, int64_t sx, const void *res, int64_t sr, const void *w, void *out, int64_t so,
+                   int64_t T, int n, float eps, int bf16) {
+#pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        if (bf16) {
+            norm_row_bf16((uint16_t *)x + t * sx, res ? (const uint16_t *)res + t * sr : NULL, w,
+                          (uint16_t *)out + t * so, n, eps);
+            continue;
+        }
+        norm_row((float *)x + t * sx, res ? (const float *)res + t * sr : NULL, w, (float *)out + t * so, n, eps);
+    }
 }
 
 /* RMSNorm with a float32 weight that multiplies before the one rounding: out[t] = (x[t] * r) * w, r =
