@@ -250,8 +250,8 @@ static void matmul_pair(const float *A1, const float *A2, const float *B, long l
 
 #define GDR_CHUNK_MAX 64
 
-/* C1 = A1 B and C2 = A2 B for R <= 4 rows of A1, A2 (rows lda apart) and V <= 4 vectors of B's columns
- * (B [K, ...] row-major, ldb; C1, C2 rows ldb apart): tile's register blocks, R and V constants in each
+/* C1 = A1 B and C2 = A2 B for R <= 4 rows of A1, A2 ([R, lda]: K = lda) and V <= 4 vectors of B's columns
+ * (B [lda, ...] row-major, ldb; C1, C2 rows ldb apart): tile's register blocks, R and V constants in each
  * call (so they unroll). */
 static void tri_tiles(const float *A1, const float *A2, long lda, const float *B, long ldb, float *C1, float *C2,
                       int R, int V) {
