@@ -119,7 +119,7 @@ class Counter:
         orig_staged = StagedBeamBackend.prepare
         counter = self
 
-        def forward(model, batch, backend):
+        def forward(model, batch, backend, rows=None):  # the dense family runs every row through its layers
             counter.tokens += int(batch.input_ids.numel())
             if not isinstance(backend, StagedBeamBackend):  # beam steps: counted by staged() below
                 for s in batch.seqs:
@@ -130,7 +130,7 @@ class Counter:
                         counter.pairs += s.q_len * prefix + s.q_len * (s.q_len + 1) // 2
                         if batch.is_decode:
                             counter.kv_read += s.kv_len
-            return orig_fwd(model, batch, backend)
+            return orig_fwd(model, batch, backend, rows)
 
         def logits(model, hidden, columns=None):
             counter.logits += hidden.shape[0] * (model.cfg.vocab_size if columns is None else int(columns.numel()))
