@@ -467,21 +467,12 @@ static void conv_rows(const void *x, long x_stride, int x_bf16, const float *pas
         }
 }
 
-/* row [d] times scale / |row| (the L2 norm with delta_rule.l2norm's eps), in place: the squares summed
- * in vector lanes, then the lanes in order */
+/* row [d] times scale / |row| (the L2 norm with delta_rule.l2norm's eps), in place */
 static inline void l2_scale(float *row, int d, float scale) {
-    vf acc = vset(0.f);
-    int j = 0;
-    for (; j + VW <= d; j += VW) {
-        vf x = vload(row + j);
-        acc += x * x;
-    }
-    float s = 0.f;
-    for (int u = 0; u < VW; u++) s += acc[u];
-    for (; j < d; j++) s += row[j] * row[j];
-    float r = scale / sqrtf(s + 1e-6f);
+    float r = scale / sqrtf(sumsq(row, d) + 1e-6f);
     vf rv = vset(r);
-    for (j = 0; j + VW <= d; j += VW) vstore(row + j, vload(row + j) * rv);
+    int j = 0;
+    for (; j + VW <= d; j += VW) vstore(row + j, vload(row + j) * rv);
     for (; j < d; j++) row[j] *= r;
 }
 

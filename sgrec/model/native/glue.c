@@ -16,20 +16,6 @@
 
 #define PAR_ROWS 8 /* fewer rows run on the calling thread alone */
 
-/* sum of x[0 .. n) squared, vector lanes then lanes in order */
-static inline float sumsq(const float *x, int n) {
-    vf acc = vset(0.f);
-    int d = 0;
-    for (; d + VW <= n; d += VW) {
-        vf v = vload(x + d);
-        acc += v * v;
-    }
-    float s = 0.f;
-    for (int u = 0; u < VW; u++) s += acc[u];
-    for (; d < n; d++) s += x[d] * x[d];
-    return s;
-}
-
 static inline float round_bf16(float x) { return bf16_load(bf16_store(x)); }
 
 /* x[t] += res[t] in place, rounded to bfloat16 where bf16, then the row's sum of squares (float32) */

@@ -1,5 +1,6 @@
-/* Vector helpers shared by sgrec's CPU kernels (attention.c, glue.c): GCC vector types of the width of
- * the ISA the file is built for (-march chosen by the loader from the CPU's report), 2^x, bfloat16. */
+/* Vector helpers shared by sgrec's CPU kernels (attention.c, glue.c, decode.c, delta.c): GCC vector types
+ * of the width of the ISA the file is built for (-march chosen by the loader from the CPU's report), 2^x,
+ * a row's sum of squares, bfloat16. */
 #ifndef SGREC_VEC_H
 #define SGREC_VEC_H
 #include <stdint.h>
@@ -44,6 +45,20 @@ static inline vf vexp2(vf x) {
     p = p * f + 1.0f;
     vi e = ((vi)t - 0x4b400000) << 23;
     return (vf)(((vi)p + e) & ~under);
+}
+
+/* sum of x[0 .. n) squared, vector lanes then lanes in order */
+static inline float sumsq(const float *x, int n) {
+    vf acc = vset(0.f);
+    int d = 0;
+    for (; d + VW <= n; d += VW) {
+        vf v = vload(x + d);
+        acc += v * v;
+    }
+    float s = 0.f;
+    for (int u = 0; u < VW; u++) s += acc[u];
+    for (; d < n; d++) s += x[d] * x[d];
+    return s;
 }
 
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
