@@ -1,11 +1,16 @@
 """Catalog versions at scale: what an update costs a rank, in time and memory, on this
-tree (its LayeredTrie, the CPU default, and its SemanticIdTrie, which the Triton trie step reads)
-and on an earlier commit, by default the one before versions shared storage (each in its own process, one after the other).
+tree (its LayeredTrie, what a server serves, and the dense SemanticIdTrie) and on an earlier
+commit, by default the one before versions shared storage (each in its own process, one after the other).
 
     python benchmarks/bench_catalog_versions.py                       # 10^6 and 10^7 items
     python benchmarks/bench_catalog_versions.py --sizes 1000000 --updates 4
     python benchmarks/bench_catalog_versions.py --baseline-rev none   # this tree only
     python benchmarks/bench_catalog_versions.py --baseline-rev none --tries layered
+    python benchmarks/bench_catalog_versions.py --baseline-rev none --tries layered-device dense-device  # a GPU's
+
+The "-device" tries keep the beam step's arrays on a device, as a GPU server (or the Triton trie
+step) does: CUDA where there is one, else the CPU standing in for it; an update's time then
+includes its copies to the device (synchronized).
 
 Each side builds an N-item catalog in memory (columns made directly: 1-6 item tokens, an id token,
 a 3-level semantic ID of 1024 codes per level, a genre and a year) and its semantic-ID trie, then
@@ -53,9 +58,20 @@ from sgrec.catalog.attrs import AttrColumn, AttrTable
 from sgrec.catalog.versions import CatalogVersions
 
 n, updates, batch, seed = map(int, sys.argv[1:5])
-kind = sys.argv[5]  # "layered": LayeredTrie (the CPU server's default); "dense": SemanticIdTrie
+kind = sys.argv[5]  # "layered": LayeredTrie (what a server serves); "dense": SemanticIdTrie; "-device": on a device
+device = None
+if kind.endswith("-device"):
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = kind[: -len("-device")]
 if kind == "layered":
     from sgrec.beam.layered import LayeredTrie
+
+
+def sync():
+    if device == "cuda":
+        torch.cuda.synchronize()
 V, CODES, ND = 4096, 1024, 3
 BASE = V - ND * CODES
 
@@ -77,7 +93,9 @@ del sem, ptr, lens, attrs
 versions = CatalogVersions(cat, 0, keep=8)
 del cat  # what a server keeps: the versions' catalog (this tree moves the columns into storage with room)
 t = time.perf_counter()
-trie, rows = (LayeredTrie if kind == "layered" else SemanticIdTrie).from_catalog(versions.current, V)
+trie, rows = (LayeredTrie if kind == "layered" else SemanticIdTrie).from_catalog(versions.current, V,
+                                                                                   *([device] if device else []))
+sync()
 build_s = time.perf_counter() - t
 rss_one = rss()
 gc.collect()
@@ -104,6 +122,7 @@ for u in range(1, updates + 1):
         new_trie = trie.updated(rows, applied.catalog, applied.removed_rows, applied.added_from)
     else:
         new_trie = SemanticIdTrie.from_catalog(applied.catalog, V)
+    sync()
     t2 = time.perf_counter()
     versions.commit(prepared)
     if releasable:  # as a server does: the old trie handed to its releasing thread, taken apart there
@@ -124,7 +143,7 @@ for u in range(1, updates + 1):
         trie, rows = new_trie  # the old trie freed here, on the step
         commit_s.append(time.perf_counter() - t2)
     prepare_s.append(t2 - t)
-print(json.dumps({"n": n, "build_s": build_s, "prepare_s": prepare_s, "commit_s": commit_s, "rss_one": rss_one,
+print(json.dumps({"n": n, "device": device, "build_s": build_s, "prepare_s": prepare_s, "commit_s": commit_s, "rss_one": rss_one,
                   "rss_after": rss(), "kept": len(versions.kept()), "incremental": incremental,
                   "release_s": release_s, "part_max_s": part_max_s}))
 """
@@ -148,7 +167,8 @@ def record_rows(results: list[tuple[int, str, dict, dict | None]], updates: int)
                 ("commit max", "ms", lambda r: max(r["commit_s"]) * 1e3),
                 ("RSS, one version", "GiB", lambda r: r["rss_one"] / 2**30),
                 (f"RSS after {updates} kept versions", "GiB", lambda r: r["rss_after"] / 2**30)]
-    return [row(metric, unit, get(r), None if b is None else get(b), params={"items": n, "trie": kind},
+    return [row(metric, unit, get(r), None if b is None else get(b),
+                params={"items": n, "trie": kind, **({"device": r["device"]} if r.get("device") else {})},
                 higher_is_better=False) for n, kind, r, b in results for metric, unit, get in measures]
 
 
@@ -159,9 +179,11 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=100, help="items per upsert")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline-rev", default=BASELINE_REV, help="the commit to compare with; none: this tree only")
-    ap.add_argument("--tries", nargs="+", default=["layered", "dense"], choices=["layered", "dense"],
-                    help="this tree's tries to run: layered (LayeredTrie, the CPU server's default), dense "
-                         "(SemanticIdTrie.updated, what the Triton trie step reads)")
+    ap.add_argument("--tries", nargs="+", default=["layered", "dense"],
+                    choices=["layered", "dense", "layered-device", "dense-device"],
+                    help="this tree's tries to run: layered (LayeredTrie, what a server serves), dense "
+                         "(SemanticIdTrie.updated); -device: the beam step's arrays on a device (CUDA where "
+                         "there is one, else the CPU), the update's copies to it included")
     ap.add_argument("--no-record", action="store_true", help="do not write a result record under benchmarks/results/")
     args = ap.parse_args(argv)
     cmd = ("python benchmarks/bench_catalog_versions.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))).strip()

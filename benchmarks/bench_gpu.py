@@ -33,9 +33,14 @@ real shape with random weights (`make_tiny_model --shape`), written to a JSON fi
    and retrieve latency and concurrency as in 2; then the same overlap on the packaged demo model,
    trained on MovieLens-100K (random weights' flat distributions reorder under any rounding), with
    FP8 weights, an FP8 KV pool, and both.
-6. FlashRec's shape (--no-flashrec leaves it out): a 300-token prompt, beam width 50, a catalog of
-   4-level semantic IDs (ND 4), 32 requests at once: req/s and median latency, next to FlashRec's
-   28.1 req/s (OneRec-1.7B, a Qwen3-1.7B shape, on an RTX 5090: another GPU).
+6. FlashRec's matrix (--no-flashrec leaves it out): a catalog of 4-level semantic IDs (ND 4),
+   prompts of --flashrec-prompts tokens (300, 2500), beam widths --flashrec-beams (50, 128, 512,
+   1000) and --flashrec-concurrency threads at once (1, 8, 16, 32), in bf16 and, on FP8 GPUs, with
+   --quantization fp8; one engine per dtype with its default KV pool (--flashrec-pool: another),
+   so a cell that does not fit at once waits for later rounds. Per cell: req/s, median and P99
+   latency, failed requests, the share of returned items that are not the catalog's item on the
+   returned semantic ID, and peak memory. FlashRec's published req/s (OneRec-1.7B, a Qwen3-1.7B
+   shape, FP8, on an RTX 5090: another GPU) are the peers of the 300-token, 32-at-once cells.
 
 --parts picks parts (the bf16 GEMM peak always runs). Prefill rows carry the host's time of the call
 (equal to its wall time when the forward is host-bound) and, for the shortest, a host profile.
@@ -370,33 +375,68 @@ def demo_overlap(a, dtype: str, variants: dict[str, dict], users: int = 32, beam
     return res
 
 
-def bench_flashrec(model_dir: str, a, dtype: str, work: str) -> dict:
-    """FlashRec's shape (module doc, 6): --flashrec-concurrency threads at once, each sending
-    --repeats retrieve requests of a --flashrec-prompt-token prompt at beam width --flashrec-beam over
-    a catalog of 4-level semantic IDs (ND 4), after one warm-up round: req/s and median latency."""
+def matrix_cell(e, a, plen: int, bw: int, conc: int, seeds) -> dict:
+    """One cell of FlashRec's matrix: `conc` threads at once, each sending --flashrec-requests retrieve
+    requests of a new `plen`-token prompt at beam width `bw`, after warm-up rounds: req/s, median and
+    P99 latency, failed requests (none expected: what does not fit waits for a later round), the
+    share of returned items that are not the catalog's item on the returned semantic ID, and peak
+    memory (CUDA: the allocator's peak in this cell; CPU: the process's peak RSS so far)."""
+    catalog = e.scheduler.catalog
+
+    def one(seed: int) -> tuple[float, dict | None, str | None]:
+        t = time.perf_counter()
+        try:
+            out = e.retrieve({"token_ids": prompt(e.vocab_size, plen, seed)}, beam_width=bw, num_items=min(10, bw))
+            sync(a.device)
+        except Exception as err:  # noqa: BLE001 - counted: a cell's failures are what it measures
+            return time.perf_counter() - t, None, repr(err)[:300]
+        return time.perf_counter() - t, out, None
+
+    def invalid(it: dict) -> bool:
+        item = catalog.get(it["item"])
+        return item is None or list(item.semantic_id) != list(it["semantic_id"])
+
+    if a.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with ThreadPoolExecutor(conc) as pool:
+        warm = warm_concurrent(e, pool, lambda s: one(s)[0], conc, next(seeds) * 1000)
+        todo = [next(seeds) for _ in range(conc * a.flashrec_requests)]
+        t0 = time.perf_counter()
+        runs = list(pool.map(one, todo))
+        wall = time.perf_counter() - t0
+    ok = [(t, out) for t, out, err in runs if err is None]
+    items = [it for _, out in ok for it in out["items"]]
+    lat = [t for t, _ in ok]
+    if a.device == "cuda":
+        memory = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        import resource
+
+        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return {"prompt_tokens": plen, "beam_width": bw, "concurrency": conc, "requests": len(runs),
+            "failed": len(runs) - len(ok), "errors": [err for _, _, err in runs if err][:3], "warmup_rounds": warm,
+            "req_per_s": len(ok) / wall, "median_s": statistics.median(lat) if lat else None,
+            "p99_s": float(np.percentile(lat, 99)) if lat else None, "items_returned": len(items),
+            "invalid_share": sum(map(invalid, items)) / max(1, len(items)), "memory_gib": memory}
+
+
+def bench_flashrec(model_dir: str, a, dtype: str, work: str, res: dict, save, quantization: str | None = None) -> None:
+    """FlashRec's matrix (module doc, 6) on one engine, into `res`: every (--flashrec-prompts,
+    --flashrec-beams, --flashrec-concurrency) cell over a catalog of 4-level semantic IDs (ND 4);
+    save() after each cell."""
     from sgrec import Engine
 
     cat, _ = write_catalog(model_dir, a, work, levels=4)
-    conc, plen, bw = a.flashrec_concurrency, a.flashrec_prompt, a.flashrec_beam
-    e = Engine(model_dir, device=a.device, dtype=dtype, item_catalog=cat, max_beam_width=bw, item_cache_tokens=0,
-               max_total_tokens=2 * conc * (plen + bw * 4) + 64, context_length=plen + 16)
-
-    def one(seed: int) -> float:
-        t = time.perf_counter()
-        out = e.retrieve({"token_ids": prompt(e.vocab_size, plen, seed)}, beam_width=bw, num_items=min(10, bw))
-        sync(a.device)
-        assert out["items"], out
-        return time.perf_counter() - t
-
-    with ThreadPoolExecutor(conc) as pool:
-        warm = warm_concurrent(e, pool, one, conc, 0)  # warm-up: the rounds' beam-step graphs are captured
-        t0 = time.perf_counter()
-        lat = list(pool.map(one, range(10_000, 10_000 + conc * a.repeats)))
-        wall = time.perf_counter() - t0
-    return {"prompt_tokens": plen, "beam_width": bw, "levels": 4, "concurrency": conc, "requests": len(lat),
-            "warmup_rounds": warm,
-            "median_s": statistics.median(lat), "req_per_s": len(lat) / wall,
-            "peer": "FlashRec: 28.1 req/s (OneRec-1.7B, beam 50, an RTX 5090)"}
+    kw = {"max_total_tokens": a.flashrec_pool} if a.flashrec_pool else {}
+    e = Engine(model_dir, device=a.device, dtype=dtype, item_catalog=cat, max_beam_width=max(a.flashrec_beams),
+               item_cache_tokens=0, context_length=max(a.flashrec_prompts) + 16, quantization=quantization, **kw)
+    res.update({"levels": 4, "items": a.items, "quantization": quantization, "requests_per_thread": a.flashrec_requests,
+                "pool_tokens": e.scheduler.runner.kv_pool.size, "cells": []})
+    seeds = itertools.count(10)
+    for plen, bw, conc in itertools.product(a.flashrec_prompts, a.flashrec_beams, a.flashrec_concurrency):
+        res["cells"].append(matrix_cell(e, a, plen, bw, conc, seeds))
+        save(f"flashrec {quantization or dtype} {plen}/{bw}/{conc}")
+    del e
 
 
 def bench_rank(e, a) -> list[dict]:
@@ -488,20 +528,22 @@ def variant_args(spec: str) -> dict:
     return out
 
 
-FLASHREC_REQ_S = 28.1  # FlashRec's published point: OneRec-1.7B, 300-token prompts, beam 50, 32 at once, an RTX 5090
+# FlashRec's published req/s by beam width: OneRec-1.7B, 300-token prompts, 32 at once, FP8, an RTX 5090
+FLASHREC_REQ_S = {50: 28.08, 128: 19.91, 512: 8.18, 1000: 4.62}
 
 
-def flashrec_point(fr: dict) -> bool:
-    """Whether part 6 ran at FlashRec's published shape (its number is then the row's peer)."""
-    return (fr["prompt_tokens"], fr["beam_width"], fr["levels"], fr["concurrency"]) == (300, 50, 4, 32)
+def flashrec_peer(matrix: dict, cell: dict) -> float | None:
+    """FlashRec's published req/s where a cell of part 6 ran at its shape, else None."""
+    return FLASHREC_REQ_S.get(cell["beam_width"]) if (matrix["levels"], cell["prompt_tokens"],
+                                                      cell["concurrency"]) == (4, 300, 32) else None
 
 
 def record_peer(res: dict) -> str | None:
     """What the record's rows were run beside."""
     parts = [f"HF transformers {res['hf']['transformers']}"] if res.get("hf") else []
     parts += ["sgrec in bf16 (the FP8 rows)"] if "prefill" in (res.get("fp8") or {}) else []
-    if res.get("flashrec") and flashrec_point(res["flashrec"]):
-        parts.append(f"FlashRec's published {FLASHREC_REQ_S} req/s (OneRec-1.7B on an RTX 5090)")
+    if any(flashrec_peer(m, c) for m in res.get("flashrec") or [] for c in m.get("cells", [])):
+        parts.append("FlashRec's published req/s (OneRec-1.7B, FP8, on an RTX 5090)")
     return "; ".join(parts) or None
 
 
@@ -566,14 +608,16 @@ def record_rows(res: dict) -> list[dict]:
         out += [row("retrieve overlap with bf16 on the demo model (mean)", "share", v["overlap_mean"],
                     params={"model": demo["model"], "variant": name, "beam_width": demo["beam_width"]})
                 for name, v in demo.items() if isinstance(v, dict) and "overlap_mean" in v]
-    fr = res.get("flashrec")
-    if fr:
-        p = {**base, "prompt_tokens": fr["prompt_tokens"], "beam_width": fr["beam_width"], "levels": fr["levels"],
-             "concurrency": fr["concurrency"]}
-        out.append(row("FlashRec's shape: retrieve throughput", "req/s", fr["req_per_s"],
-                       FLASHREC_REQ_S if flashrec_point(fr) else None, params=p))
-        out.append(row("FlashRec's shape: retrieve latency (median)", "s", fr["median_s"], params=p,
-                       higher_is_better=False))
+    for m in res.get("flashrec") or []:
+        for c in m.get("cells", []):
+            p = {**base, "quantization": m["quantization"] or "none", "levels": m["levels"],
+                 **{k: c[k] for k in ("prompt_tokens", "beam_width", "concurrency", "failed", "invalid_share",
+                                      "memory_gib")}}
+            out.append(row("FlashRec's matrix: retrieve throughput", "req/s", c["req_per_s"], flashrec_peer(m, c),
+                           params=p))
+            out += [row(f"FlashRec's matrix: retrieve latency ({name})", "s", c[key], params=p,
+                        higher_is_better=False) for name, key in (("median", "median_s"), ("P99", "p99_s"))
+                    if c[key] is not None]
     return out
 
 
@@ -594,10 +638,14 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true", help="leave out the HF transformers comparison")
     ap.add_argument("--no-fp8", action="store_true", help="leave out --quantization fp8 (part 5)")
-    ap.add_argument("--no-flashrec", action="store_true", help="leave out FlashRec's shape (part 6)")
-    ap.add_argument("--flashrec-concurrency", type=int, default=32)
-    ap.add_argument("--flashrec-prompt", type=int, default=300)
-    ap.add_argument("--flashrec-beam", type=int, default=50)
+    ap.add_argument("--no-flashrec", action="store_true", help="leave out FlashRec's matrix (part 6)")
+    ap.add_argument("--flashrec-prompts", type=int, nargs="+", default=[300, 2500], help="part 6's prompt lengths")
+    ap.add_argument("--flashrec-beams", type=int, nargs="+", default=[50, 128, 512, 1000], help="part 6's beam widths")
+    ap.add_argument("--flashrec-concurrency", type=int, nargs="+", default=[1, 8, 16, 32],
+                    help="part 6's requests at once")
+    ap.add_argument("--flashrec-requests", type=int, default=2, help="part 6: requests each thread sends per cell")
+    ap.add_argument("--flashrec-pool", type=int, default=0,
+                    help="part 6's KV pool in tokens (0: the engine's default, from --mem-fraction-static)")
     ap.add_argument("--fp8-prompts", type=int, default=4, help="prompts of part 5's logprob and overlap checks")
     ap.add_argument("--parts", default=",".join(PARTS),
                     help=f"comma-separated parts to run, of {','.join(PARTS)} (the bf16 GEMM peak always runs)")
@@ -614,7 +662,8 @@ def main(argv=None) -> int:
         a.shape, a.lengths, a.context, a.beam_width, a.items, a.repeats = None, [64, 128], 64, 8, 500, 2
         a.concurrency, a.wide_beams, a.rank_user, a.rank_candidates = 2, [16], 64, [4, 8]
         a.gen_prompt, a.gen_tokens = 16, 4
-        a.flashrec_concurrency, a.flashrec_prompt, a.flashrec_beam = 4, 32, 8
+        # a pool for two requests of the largest cell at once: its others wait for later rounds
+        a.flashrec_prompts, a.flashrec_beams, a.flashrec_concurrency, a.flashrec_pool = [24, 48], [4, 8], [1, 4], 200
     dtype = a.dtype if a.device == "cuda" else "float32"
     tdtype = getattr(torch, dtype)
     longest = max(max(a.lengths), a.context, a.rank_user + max(a.rank_candidates) * ITEM_TOKENS)
@@ -672,8 +721,11 @@ def main(argv=None) -> int:
             res["fp8"]["demo_overlap"] = {"error": repr(err)[:500]}
         save("fp8 demo")
     del e
-    res["flashrec"] = None if a.no_flashrec or "flashrec" not in parts else bench_flashrec(
-        model, a, dtype, os.path.dirname(cat))
+    res["flashrec"] = []
+    if not a.no_flashrec and "flashrec" in parts:
+        for quantization in [None] + ([] if why else ["fp8"]):
+            res["flashrec"].append({})
+            bench_flashrec(model, a, dtype, os.path.dirname(cat), res["flashrec"][-1], save, quantization)
     save("flashrec")
     print(json.dumps(res, indent=1))
     rows = [] if a.no_record else record_rows(res)

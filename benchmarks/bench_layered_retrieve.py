@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_catalog import header, md_table  # noqa: E402
 
-from sgrec.beam.executor import RetrieveExecutor, build_trie  # noqa: E402
+from sgrec.beam.executor import RetrieveExecutor  # noqa: E402
+from sgrec.beam.trie import SemanticIdTrie  # noqa: E402
 from sgrec.catalog import Catalog  # noqa: E402
 from sgrec.catalog.attrs import AttrColumn, AttrTable  # noqa: E402
 from sgrec.catalog.update import apply_update, parse_items  # noqa: E402
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
     cat = Catalog.from_columns([f"item{i}" for i in range(n)], np.full(n, 5, np.int32), np.arange(n + 1),
                                np.full(n, -1), sem, np.ones(n, bool), attrs)
     ex = RetrieveExecutor(runner, RadixCache(runner.kv_pool.allocator), cat)
-    assert ex.layered, "the CPU executor serves a LayeredTrie"
+    assert ex.trie.layered, "the executor serves a LayeredTrie"
     for u in range(a.updates):
         items = [{"id": f"item{int(rng.integers(n))}" if j % 2 else f"new{u}_{j}", "token_ids": [5],
                   "semantic_id": (BASE + np.arange(ND) * CODES + rng.integers(0, CODES, ND)).tolist(),
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
         ex.use_catalog(res.catalog, ex.updated_trie(res))
         cat = res.catalog
     layered = ex.built
-    dense = build_trie(cat, V, "cpu", layered=False)
+    dense = SemanticIdTrie.from_catalog(cat, V)
     t = layered[0]
     print(f"{n} items, dtype {runner.dtype}; after {a.updates} updates the LayeredTrie's tail holds {t.tail_tok.size} "
           f"run entries and {t.ov_slot.size} changed slots over a base of {t.B} leaves", flush=True)

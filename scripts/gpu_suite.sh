@@ -30,7 +30,9 @@ rc=0
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml "$OUT/cuda-tests.xml" \
   $(grep -l 'mark.cuda' tests/*.py) 2>&1 | tee "$OUT/cuda-tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-timeout "${BENCH_TIMEOUT:-290}" python3 benchmarks/bench_gpu.py --out "$OUT/results.json" ${BENCH_ARGS:-} 2>&1 \
+# FlashRec's matrix: its published point only (the whole matrix is a run of its own: docs/gpu.md)
+timeout "${BENCH_TIMEOUT:-290}" python3 benchmarks/bench_gpu.py --out "$OUT/results.json" \
+  ${BENCH_ARGS:---flashrec-prompts 300 --flashrec-beams 50 --flashrec-concurrency 32} 2>&1 \
   | tee "$OUT/bench_gpu.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 # the staged beam-step kernel's launch variants side by side (where a retrieve request's beam steps go)

@@ -89,14 +89,15 @@ class BeamStepPlan:
     "native" (sgrec's C extend kernel, each request's beams one block of a bipartite layout) or
     "torch" (the staged matmuls). deterministic: the runner's batch-invariant kernels, which every
     step goes through. device_select: each level's selection in the Triton trie step, on the
-    device. graphs: device rounds replayed from CUDA graphs. layered_trie: versions read as a
-    LayeredTrie (the host's beam step) rather than SemanticIdTrie's dense arrays."""
+    device. graphs: device rounds replayed from CUDA graphs. trie_on_device: the catalog trie's
+    beam-step arrays on the runner's device (a LayeredTrie's `device`: what the Triton trie step
+    reads, and a GPU's torch step), else read on the host."""
 
     staged: str
     deterministic: bool
     device_select: bool
     graphs: bool
-    layered_trie: bool
+    trie_on_device: bool
 
 
 @contextlib.contextmanager
@@ -232,7 +233,7 @@ class ModelRunner:
         return BeamStepPlan(staged=self.kernels, deterministic=self.deterministic,
                             device_select=triton and not caps.encoder,
                             graphs=graphs and not caps.state_shapes and not caps.encoder,
-                            layered_trie=not on_gpu and not triton)
+                            trie_on_device=on_gpu or triton)
 
     def _new_memory(self, size: int) -> Memory:
         """The memory object: `size` token slots for the attention layers and, for a family with

@@ -114,18 +114,32 @@ def same_trie(a: SemanticIdTrie, b: SemanticIdTrie) -> None:
     assert torch.equal(a.row_leaf, b.row_leaf) and torch.equal(a.leaf_item, b.leaf_item)
 
 
-@pytest.mark.parametrize("kind", ["dense", "layered, compacted each time", "layered, never compacted"])
+def same_on_device(trie: LayeredTrie) -> None:
+    """A LayeredTrie's beam-step arrays on its device (the upper levels, the level columns and the
+    leaf level's DeviceLeaves) equal its host arrays, array for array."""
+    host = lambda ts: [t.cpu().numpy() for t in ts]  # noqa: E731
+    for name, arrays in (("child_ptr", trie.ptrs), ("child_tok", trie.toks), ("child_key", trie.keys)):
+        assert all(np.array_equal(a, b) for a, b in zip(host(getattr(trie, name)), arrays, strict=True)), name
+    assert all(np.array_equal(a, np.flatnonzero(c)) for a, c in zip(host(trie.level_tokens), trie.tok_count))
+    for name, a in trie.leaves.arrays().items():
+        assert np.array_equal(a, getattr(trie, name)), name
+
+
+@pytest.mark.parametrize("kind", ["dense", "layered, compacted each time", "layered, never compacted",
+                                  "layered on a device, compacted each time", "layered on a device, never compacted"])
 @pytest.mark.parametrize("nd", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(6))
 def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed, nd, kind, monkeypatch):
-    """Each trie's `updated` (what a rank runs per update: SemanticIdTrie's on a GPU, LayeredTrie's,
-    the versions that cost what changed, on the CPU) against SemanticIdTrie.from_catalog
-    after every update, array for array (a LayeredTrie's `dense`), and a LayeredTrie reader for
-    reader: small paths so that nodes are shared, emptied and made again (a parent emptied and
-    refilled by one update), repeated paths, items without a semantic ID, branches from older
-    versions; the LayeredTrie compacted after every update (in place, as ranks that share a trie
-    do) or never."""
+    """Each trie's `updated` (what a rank runs per update: SemanticIdTrie's, LayeredTrie's, the
+    versions that cost what changed) against SemanticIdTrie.from_catalog after every update, array
+    for array (a LayeredTrie's `dense`), and a LayeredTrie reader for reader: small paths so that
+    nodes are shared, emptied and made again (a parent emptied and refilled by one update),
+    repeated paths, items without a semantic ID, branches from older versions; the LayeredTrie
+    compacted after every update (in place, as ranks that share a trie do) or never; on a device
+    (here the CPU: DeviceLeaves extended per version, as on a GPU), its device arrays equal its host
+    arrays after every version, and an older version's stay as they were."""
     layered = kind != "dense"
+    device = "cpu" if "device" in kind else None
     compact = 0 if "each" in kind else 10**9
     monkeypatch.setattr(sgrec.beam.layered, "COMPACT_MIN", compact)
     monkeypatch.setattr(sgrec.beam.layered, "COMPACT_FRACTION", 0 if compact == 0 else 1.0)
@@ -138,10 +152,10 @@ def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed, nd
         return {"id": i, "token_ids": [5], **({"semantic_id": path()} if rng.random() < 0.9 else {})}
 
     cat = Catalog([Item(f"i{k}", (5,), None, tuple(path())) for k in range(25)])
-    trie, rows = (LayeredTrie if layered else SemanticIdTrie).from_catalog(cat, VOCAB)
+    trie, rows = LayeredTrie.from_catalog(cat, VOCAB, device) if layered else SemanticIdTrie.from_catalog(cat, VOCAB)
     if layered:
         trie.background = False  # compact in `updated` (as ranks that share their tries do)
-        assert rows is None
+        assert rows is None and (trie.leaves is None) == (device is None)
         same_readers(trie, cat)
     versions = [(cat, trie, rows)]
     for step in range(10):
@@ -158,6 +172,8 @@ def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed, nd
         if layered:
             assert got_rows is None and (not got.tail_tok.size if compact == 0 else got.base_tok is trie.base_tok)
             same_readers(got, res.catalog)
+            if device:
+                same_on_device(got)
             dense, dense_rows = got.dense(res.catalog)
         else:
             dense, dense_rows = got, got_rows
@@ -168,6 +184,8 @@ def test_the_trie_follows_updates_and_equals_the_one_built_from_scratch(seed, nd
         versions.append((res.catalog, got, got_rows))
     if layered:
         same_readers(versions[1][1], versions[1][0])  # an older version is left as it was
+    if device:
+        same_on_device(versions[1][1])
 
 
 @pytest.mark.parametrize("layered", [False, True], ids=["dense", "layered"])

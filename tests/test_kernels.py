@@ -101,25 +101,41 @@ def test_bipartite_attention_compiled_on_cuda(monkeypatch, dtype, tol):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs a CUDA device (none here)")
-def test_trie_step_compiled_on_cuda(monkeypatch):
+@pytest.mark.parametrize("layered", [False, True], ids=["dense", "layered-updated"])
+def test_trie_step_compiled_on_cuda(monkeypatch, layered):
     """Every level of a 3-level trie over 3000 items (256 codes per level), 64 beams of three
-    requests (one excluding 500 items) in one launch: the compiled kernel keeps the torch path's beams."""
+    requests (one excluding 500 items) in one launch: the compiled kernel keeps the torch path's beams.
+    layered: a LayeredTrie on the GPU after an update (its leaf level runs over a base and a tail)
+    against the host's LayeredTrie."""
     import random
 
     from sgrec.beam import kernel_step
+    from sgrec.beam.layered import LayeredTrie
     from sgrec.beam.search import select_level
     from sgrec.beam.filters import FilterCache, build_filter
     from sgrec.beam.trie import SemanticIdTrie
+    from sgrec.catalog.update import apply_update, parse_items
     from tests.test_beam import random_catalog
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rng = random.Random(0)
     V = 1024
     cat = random_catalog(rng, 3000, 3, V, codes=256)
-    trie, rows = SemanticIdTrie.from_catalog(cat, V)
-    gpu, _ = SemanticIdTrie.from_catalog(cat, V, "cuda")
-    filters = [None, build_filter(trie, rows, cat, FilterCache(), exclude=rng.sample([it.id for it in cat.items], 500)),
-               None]
+    if layered:
+        trie, rows = LayeredTrie.from_catalog(cat, V)
+        gpu, _ = LayeredTrie.from_catalog(cat, V, "cuda")
+        ups = [{"id": f"n{j}", "token_ids": [5], "semantic_id": [V - 256 + rng.randrange(256) for _ in range(3)]}
+               for j in range(200)]
+        res = apply_update(cat, parse_items(ups, None, V), [it.id for it in cat.items[:100]])
+        cat = res.catalog
+        trie, _ = trie.updated(None, cat, res.removed_rows, res.added_from)
+        gpu, _ = gpu.updated(None, cat, res.removed_rows, res.added_from)
+        assert gpu.leaves.n_tail > 0
+    else:
+        trie, rows = SemanticIdTrie.from_catalog(cat, V)
+        gpu, _ = SemanticIdTrie.from_catalog(cat, V, "cuda")
+    ids = [cat.ids[r] for r in cat.live_rows()]
+    filters = [None, build_filter(trie, rows, cat, FilterCache(), exclude=rng.sample(ids, 500)), None]
     g = torch.Generator().manual_seed(1)
     for depth in range(trie.depth):
         widths = [1, 1, 1] if depth == 0 else [64, 40, 7]

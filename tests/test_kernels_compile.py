@@ -145,28 +145,32 @@ def test_bipartite_attention_compiles_for_sm90(monkeypatch, dtype):
         assert compile_launch(fn, a, k).asm["cubin"]
 
 
+@pytest.mark.parametrize("layered", [False, True], ids=["dense", "layered"])
 @pytest.mark.parametrize("restricted", [False, True])
-def test_trie_step_compiles_for_sm90(monkeypatch, restricted):
+def test_trie_step_compiles_for_sm90(monkeypatch, restricted, layered):
     """A level's selection for two requests (children, selection, emission): over the whole
-    vocabulary's logits and over the level's columns only, with an exclusion filter on one."""
+    vocabulary's logits and over the level's columns only, with an exclusion filter on one; the
+    leaf level of a SemanticIdTrie (CSR) and of a LayeredTrie (runs over a base and a tail)."""
     from sgrec.beam.filters import FilterCache, build_filter
+    from sgrec.beam.kernel_step import level
+    from sgrec.beam.layered import LayeredTrie
     from sgrec.beam.trie import SemanticIdTrie
     from sgrec.catalog import Catalog, Item
     from sgrec.model.kernels import trie_step as ts
 
     paths = [(a, b) for a in range(30, 36) for b in range(20, 30)]
     cat = Catalog([Item(f"i{i}", (1,), 1, p) for i, p in enumerate(paths)])
-    trie, rows = SemanticIdTrie.from_catalog(cat, 40)
+    trie, rows = LayeredTrie.from_catalog(cat, 40, "cpu") if layered else SemanticIdTrie.from_catalog(cat, 40)
     filt = build_filter(trie, rows, cat, FilterCache(), exclude=["i3", "i17"])
-    cols = trie.level_col[1] if restricted else None
     logits = torch.zeros(6, trie.level_tokens[1].numel() if restricted else 40)
 
     def run():
-        ts.trie_step(logits, trie.child_ptr[1], trie.child_tok[1], torch.arange(6), torch.zeros(6), [0, 3, 6], [2, 3],
-                     [4, 5], trie.max_children[1], cols, [None, (filt.dense[2], filt.allowed[2], filt.blocked[2])])
+        ts.trie_step(logits, level(trie, 1), torch.arange(6), torch.zeros(6), [0, 3, 6], [2, 3], [4, 5], restricted,
+                     [None, (filt.dense[2], filt.allowed[2], filt.blocked[2])])
 
     launches = recorded(ts, run, monkeypatch)
     assert [k.get("RESTRICTED") for _, _, k in launches][:1] == [restricted] and len(launches) == 3
+    assert launches[0][2]["RUNS"] == layered
     for fn, a, k in launches:
         assert compile_launch(fn, a, k).asm["cubin"]
 

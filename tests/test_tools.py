@@ -188,9 +188,30 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     assert [x["tokens"] for x in hf["prefill"]] == [64, 128] and [x["batch"] for x in hf["generate"]] == [1, 16]
     assert all(x["hf_s"] > 0 and x["sgrec_s"] > 0 for part in ("prefill", "generate", "rank") for x in hf[part])
     assert r["fp8"]["skipped"].startswith("FP8 needs a CUDA GPU")  # part 5 runs on FP8 GPUs only
-    fr = r["flashrec"]
-    assert (fr["levels"], fr["concurrency"], fr["requests"], fr["beam_width"]) == (4, 4, 8, 8) and fr["req_per_s"] > 0
-    assert fr["warmup_rounds"] == 2 and conc["warmup_rounds"] == 2  # no graphs on CPU: the second round ends it
+    # FlashRec's matrix at small shapes: every cell, none failed, no invalid item, on a pool that holds
+    # two of the largest cell's four requests at once (the others wait for later rounds)
+    (fr,) = r["flashrec"]  # no FP8 on the CPU
+    assert (fr["levels"], fr["quantization"], fr["pool_tokens"], fr["requests_per_thread"]) == (4, None, 200, 2)
+    cells = fr["cells"]
+    assert [(c["prompt_tokens"], c["beam_width"], c["concurrency"]) for c in cells] == [
+        (p, b, c) for p in (24, 48) for b in (4, 8) for c in (1, 4)]
+    for c in cells:
+        assert c["requests"] == 2 * c["concurrency"] and c["failed"] == 0 and c["errors"] == [], c
+        assert c["items_returned"] == c["requests"] * min(10, c["beam_width"]) and c["invalid_share"] == 0
+        assert c["req_per_s"] > 0 and 0 < c["median_s"] <= c["p99_s"] and c["memory_gib"] > 0
+        assert c["warmup_rounds"] == 2  # no graphs on CPU: the second round ends it
+    assert 4 * (48 + 8 * 3) > fr["pool_tokens"]  # the largest cell's requests did not fit at once
+    assert conc["warmup_rounds"] == 2
+    from tests.test_fuzz import load_script
+
+    bench = load_script("bench_gpu")
+    rows = [x for x in bench.record_rows(r) if x["metric"].startswith("FlashRec's matrix")]
+    assert len(rows) == 3 * len(cells) and not any(x["peer"] for x in rows)  # no cell at FlashRec's shape
+    assert {x["params"]["invalid_share"] for x in rows} == {0}
+    at = {"prompt_tokens": 300, "concurrency": 32}
+    assert [bench.flashrec_peer(fr, {**at, "beam_width": b}) for b in (50, 128, 512, 1000, 64)] == [
+        28.08, 19.91, 8.18, 4.62, None]
+    assert bench.flashrec_peer(fr, {**at, "concurrency": 16, "beam_width": 50}) is None
     for part in (r["retrieve"], conc):  # where the time went, from the requests' meta_info
         b = part["breakdown"]
         assert b["prefill_s"] > 0 and b["beam_search_s"] > 0 and sum(b["batch_sizes"].values()) == part["requests"]

@@ -191,6 +191,7 @@ def test_trie_step_flat_dead_rows_change_nothing():
     output rows than it keeps writes only those."""
     import random
 
+    from sgrec.beam.kernel_step import level
     from sgrec.beam.trie import SemanticIdTrie
     from sgrec.model.kernels.trie_step import plan_step, trie_step, trie_step_flat
 
@@ -202,8 +203,7 @@ def test_trie_step_flat_dead_rows_change_nothing():
     live = [torch.tensor(sorted(rng.sample(range(trie.num_nodes[d]), 5))), torch.tensor([0, 2, 3])]
     scores = [-torch.rand(5) * 3, -torch.rand(3) * 3]
     logits = [torch.randn(5, V), torch.randn(3, V)]
-    want = trie_step(torch.cat(logits), trie.child_ptr[d], trie.child_tok[d], torch.cat(live), torch.cat(scores),
-                     [0, 5, 8], [3, 2], [6, 4], trie.max_children[d])
+    want = trie_step(torch.cat(logits), level(trie, d), torch.cat(live), torch.cat(scores), [0, 5, 8], [3, 2], [6, 4])
     # request 0 with two dead rows interleaved, request 1 with one at its end
     nodes = torch.cat([live[0][:2], torch.tensor([0]), live[0][2:], torch.tensor([7]), live[1], torch.tensor([1])])
     sc = torch.cat([scores[0][:2], torch.tensor([-float("inf")]), scores[0][2:], torch.tensor([-float("inf")]),
@@ -212,8 +212,7 @@ def test_trie_step_flat_dead_rows_change_nothing():
     orig = [0, 1, 3, 4, 5, 7, 8, 9]  # the input row of each live beam
     for out_rows, first in (([9, 7], [0, 7]), ([9, 2], [0, 7])):
         plan = plan_step([0, 7, 11], [3, 2], [6, 4], None, "cpu", out_rows)
-        p, t, s, n, kept = trie_step_flat(lg, trie.child_ptr[d], trie.child_tok[d], nodes, sc, plan,
-                                          trie.max_children[d])
+        p, t, s, n, kept = trie_step_flat(lg, level(trie, d), nodes, sc, plan)
         assert p.numel() == sum(out_rows) and kept.tolist() == [w[0].numel() for w in want]
         o = 0
         for r, (wp, wt, ws, wn) in enumerate(want):
@@ -401,9 +400,9 @@ def test_retrieve_batch_with_filters_on_the_triton_backend_equals_torch(tiny_mod
 
     calls, flat = [], []
     real, real_flat = kernel_step.trie_step, device_round.trie_step_flat
-    monkeypatch.setattr(kernel_step, "trie_step", lambda *a, **kw: calls.append(len(a[5]) - 1) or real(*a, **kw))
+    monkeypatch.setattr(kernel_step, "trie_step", lambda *a, **kw: calls.append(len(a[4]) - 1) or real(*a, **kw))
     monkeypatch.setattr(device_round, "trie_step_flat",
-                        lambda *a, **kw: flat.append(len(a[5].row_ptr) - 1) or real_flat(*a, **kw))
+                        lambda *a, **kw: flat.append(len(a[4].row_ptr) - 1) or real_flat(*a, **kw))
     runners, rng, cat, ids, prompt = filtered_catalog(tiny_model_dir, 5, 200, 14, 0.1, 12)
     reqs = [dict(input_ids=prompt, beam_width=12, top_k=4, num_items=8, exclude_items=rng.sample(ids, 50)),
             dict(input_ids=prompt[:7], beam_width=8, top_k=8, num_items=8, include_items=rng.sample(ids, 30)),
@@ -422,6 +421,111 @@ def test_retrieve_batch_with_filters_on_the_triton_backend_equals_torch(tiny_mod
         assert_same(a, b)
     narrow = sum(w <= kernel_step.MAX_CHILDREN for w in ex.trie.max_children)
     assert 0 < narrow < ex.trie.depth and len(calls) == narrow
+
+
+def catalog_update(rng, cat, V: int, codes: int, step: int):
+    """A random update of a filtered_catalog's catalog: deletions, replacements (new paths) and new
+    items, some on new paths, some on paths that exist; apply_update's result."""
+    from sgrec.catalog.update import apply_update, parse_items
+
+    live = [cat.ids[r] for r in cat.live_rows()]
+    paths = [[int(x) for x in cat.semantic_ids[r]] for r in cat.live_rows()]
+    delete = rng.sample(live, rng.randint(0, 12))
+    ups = [{"id": rng.choice(live) if rng.random() < 0.3 else f"n{step}_{j}", "token_ids": [1, 2],
+            "semantic_id": rng.choice(paths) if rng.random() < 0.2 else [rng.randrange(V - codes, V) for _ in range(3)],
+            "attrs": {"year": rng.randint(1990, 1999)}} for j in range(rng.randint(1, 14))]
+    ups = list({u["id"]: u for u in ups if u["id"] not in delete}.values())
+    return apply_update(cat, parse_items(ups, None, V), delete)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["tails", "compacted"])
+def test_trie_step_over_a_layered_trie_equals_the_dense_trie_through_updates(compact, monkeypatch):
+    """The Triton trie step over a LayeredTrie whose beam-step arrays are on the device (here the
+    CPU; its leaf level DeviceLeaves, runs over a base and tails) through four updates, never
+    compacted or compacted after each: after each version, at every level, three requests in one
+    launch (exclusions, an include list, an attribute filter) keep what the torch selection keeps
+    on the same trie, and what the kernel keeps over the dense trie built from scratch (a leaf's
+    slot mapped to its dense id); the device arrays equal the host's, array for array."""
+    import random
+
+    import sgrec.beam.layered
+    from sgrec.beam.filters import FilterCache, build_filter
+    from sgrec.beam.kernel_step import select_levels
+    from sgrec.beam.layered import _ranges
+    from sgrec.beam.trie import SemanticIdTrie
+    from tests.test_catalog_updates import same_on_device
+    from tests.test_retrieve_filters import make_catalog
+
+    monkeypatch.setattr(sgrec.beam.layered, "COMPACT_MIN", 0 if compact else 10**9)
+    monkeypatch.setattr(sgrec.beam.layered, "COMPACT_FRACTION", 0 if compact else 1.0)
+    rng = random.Random(7 + compact)
+    V, codes = 64, 9
+    cat = make_catalog(rng, 150, 3, V, codes=codes, dup=0.1)
+    trie, _ = sgrec.beam.layered.LayeredTrie.from_catalog(cat, V, "cpu")
+    trie.background = False
+    tails = 0
+    for step in range(4):
+        res = catalog_update(rng, cat, V, codes, step)
+        cat = res.catalog
+        trie, _ = trie.updated(None, cat, res.removed_rows, res.added_from)
+        tails += trie.leaves.n_tail
+        same_on_device(trie)
+        dense, rows = SemanticIdTrie.from_catalog(cat, V)
+        slots = trie._arena(_ranges(trie.run_start, trie.run_len))[1]  # the slot of each dense leaf id
+        ids = [cat.ids[r] for r in cat.live_rows()]
+        kinds = [dict(exclude=rng.sample(ids, 30)), dict(include=rng.sample(ids, 25)),
+                 dict(attr_filter={"year": {"gte": 1994}})]
+        lay_f = [build_filter(trie, None, cat, FilterCache(), **kw) for kw in kinds]
+        den_f = [build_filter(dense, rows, cat, FilterCache(), **kw) for kw in kinds]
+        for depth in range(trie.depth):
+            nodes, scores, logits = level_requests(rng, dense, depth, den_f, [1, 1, 1] if depth == 0 else [3, 7, 5],
+                                                   False)
+            top_k, m = [3, 9, 2], [6, 12, 5]
+            got = check_level(trie, depth, nodes, scores, logits, lay_f, top_k, m, False)
+            want = select_levels(dense, depth, torch.cat(logits), nodes, scores, den_f, top_k, m, False, 256)
+            for (p, t, s, n), (wp, wt, ws, wn) in zip(got, want):
+                assert p.tolist() == wp.tolist() and t.tolist() == wt.tolist() and torch.equal(s, ws)
+                assert n.tolist() == (slots[wn.numpy()].tolist() if depth == trie.depth - 1 else wn.tolist())
+    assert (tails == 0) == compact  # the tails were read where the versions were not compacted
+
+
+def test_retrieve_on_the_triton_backend_follows_catalog_updates(tiny_model_dir, monkeypatch):
+    """A triton runner's RetrieveExecutor serving catalog versions as a server does (updated_trie,
+    then use_catalog): its LayeredTrie's versions extend the device copy, one compacted on the
+    background thread and caught up meanwhile; after every version a filtered round of three
+    requests (device rounds) equals the torch backend's on the same version."""
+    import random
+
+    import sgrec.beam.layered
+    from tests.test_catalog_updates import _HeldCompactor, same_on_device
+
+    held = _HeldCompactor()
+    monkeypatch.setattr(sgrec.beam.layered, "compactor", held)
+    monkeypatch.setattr(sgrec.beam.layered, "COMPACT_MIN", 40)
+    runners, rng, cat, ids, prompt = filtered_catalog(tiny_model_dir, 12, 150, 10, 0.05, 10)
+    V = runners["torch"].config.vocab_size
+    exs = {name: RetrieveExecutor(r, RadixCache(r.kv_pool.allocator), cat) for name, r in runners.items()}
+    assert exs["triton"].trie.leaves is not None and exs["torch"].trie.leaves is None
+    bases = set()
+    for step in range(8):
+        res = catalog_update(random.Random(step), cat, V, 10, step)
+        cat = res.catalog
+        for ex in exs.values():
+            ex.use_catalog(cat, ex.updated_trie(res))
+        if step == 3:
+            held.run()  # the compaction finishes; the next updates catch up on it
+        trie = exs["triton"].trie
+        same_on_device(trie)
+        bases.add(trie.base_id)
+        live = [cat.ids[r] for r in cat.live_rows()]
+        reqs = [dict(input_ids=prompt, beam_width=12, top_k=4, num_items=8, exclude_items=rng.sample(live, 30)),
+                dict(input_ids=prompt[:7], beam_width=8, top_k=8, num_items=8, include_items=rng.sample(live, 20)),
+                dict(input_ids=prompt[3:], beam_width=6, top_k=6, num_items=6, filter={"year": {"gte": 1994}})]
+        got, want = (exs[name].run_batch(reqs) for name in ("triton", "torch"))
+        for a, b in zip(got, want):
+            assert a.items
+            assert_same(a, b)
+    assert len(bases) == 2  # served from the compacted base at the end
 
 
 # ---- bipartite (rank) attention -------------------------------------------------------------------

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from sgrec.beam.attention import StagedMeta
-from sgrec.beam.kernel_step import level_filter
+from sgrec.beam.kernel_step import level, level_filter
 from sgrec.beam.search import BeamBuffers
 from sgrec.model.kernels.staged_attention import BLOCK_B, beam_blocks
 from sgrec.model.kernels.trie_step import plan_step, trie_step_flat
@@ -120,8 +120,7 @@ class DeviceRound:
             nodes, scores = self.nodes[self.live[step]], self.scores[self.live[step]]
         restricted = step > 0 and trie.logit_columns(step) is not None
         parents, tokens, new_scores, new_nodes, kept = trie_step_flat(
-            logits, trie.child_ptr[step], trie.child_tok[step], nodes, scores, self.plans[step],
-            trie.max_children[step], trie.level_col[step] if restricted else None, self.global_min_k)
+            logits, level(trie, step), nodes, scores, self.plans[step], restricted, self.global_min_k)
         dst = self.live[step + 1]
         if step > 0:
             src = self.live[step][parents]

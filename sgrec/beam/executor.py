@@ -99,23 +99,20 @@ class _Request:
     encoded: object = None  # an encoder-decoder's input in the tree (sgrec.beam.encdec.Encoded)
 
 
-def layered_trie(runner) -> bool:
-    """Whether the runner's retrieval reads a LayeredTrie (versions that cost what an update changed:
-    the host's beam step) rather than SemanticIdTrie's dense arrays (the Triton trie step)."""
-    return runner.beam_plan().layered_trie
+def trie_device(runner) -> torch.device | None:
+    """Where the runner's beam step reads the catalog trie's arrays (None: on the host, as numpy)."""
+    return runner.device if runner.beam_plan().trie_on_device else None
 
 
-def build_trie(catalog: Catalog | None, vocab_size: int, device, layered: bool = False
-               ) -> tuple[SemanticIdTrie | LayeredTrie | None, np.ndarray | None]:
-    """The valid-path trie of a catalog and the catalog row of each trie row ((None, None) when no
-    item has a semantic ID; a LayeredTrie's rows are the catalog's: None). Reads nothing that
-    changes: a new version's trie is built off the scheduler's step, then handed to
-    `RetrieveExecutor.use_catalog`."""
+def build_trie(catalog: Catalog | None, vocab_size: int, device=None) -> tuple[LayeredTrie | None, None]:
+    """The valid-path trie of a catalog, versions that cost what an update changed, with its
+    beam-step arrays on `device` (None: the host's); (None, None) when no item has a semantic ID.
+    The second element is the trie's row map, which a LayeredTrie has none of (its rows are the
+    catalog's). Reads nothing that changes: a new version's trie is built off the scheduler's
+    step, then handed to `RetrieveExecutor.use_catalog`."""
     if catalog is None or not catalog.semantic_id_len:
         return None, None
-    if layered:
-        return LayeredTrie.from_catalog(catalog, vocab_size)
-    return SemanticIdTrie.from_catalog(catalog, vocab_size, device)
+    return LayeredTrie.from_catalog(catalog, vocab_size, device)
 
 
 class RetrieveExecutor:
@@ -140,7 +137,7 @@ class RetrieveExecutor:
         if self.states is not None and tree.states is not self.states:
             raise ValueError("a family with recurrent layers needs the radix tree of the runner's state pool "
                              "(RadixCache(..., states=runner.memory.states))")
-        self.layered = plan.layered_trie
+        self.trie_device = runner.device if plan.trie_on_device else None  # see trie_device
         self.use_catalog(catalog, built if built is not None else self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
         self.backend = StagedBeamBackend(units, triton=plan.staged == "triton", runner=runner)
@@ -158,7 +155,7 @@ class RetrieveExecutor:
 
     def build_trie(self, catalog: Catalog | None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """build_trie (the module's) for this executor's vocabulary and device."""
-        return build_trie(catalog, self.vocab_size, self.device, self.layered)
+        return build_trie(catalog, self.vocab_size, self.trie_device)
 
     def updated_trie(self, applied) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
         """build_trie of an update's catalog (a catalog.update.Applied), from the served trie: it

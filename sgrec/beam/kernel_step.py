@@ -2,7 +2,8 @@
 kernel (sgrec.model.kernels.trie_step, used under --attention-backend triton): the same kept
 (parent, token, score, child node) per request as the torch path (sgrec.beam.search.select_level:
 children_logp, select_step, child_nodes), ties included; this module turns the trie level and the
-requests' TrieFilters into the kernel's plain tensors."""
+requests' TrieFilters into the kernel's plain tensors: a SemanticIdTrie's level as CSR, a
+LayeredTrie's upper levels the same way and its leaf level as runs (sgrec.beam.device_leaves)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from sgrec.beam.filters import TrieFilter
 from sgrec.beam.trie import SemanticIdTrie
-from sgrec.model.kernels.trie_step import trie_step
+from sgrec.model.kernels.trie_step import TrieLevel, trie_step
 
 MAX_CHILDREN = 4096  # a wider level (one program holds and sorts a beam's children) takes the torch path
 
@@ -18,6 +19,17 @@ MAX_CHILDREN = 4096  # a wider level (one program holds and sorts a beam's child
 def fits(trie: SemanticIdTrie, depth: int) -> bool:
     """Can the kernel run level `depth` of this trie."""
     return trie.max_children[depth] <= MAX_CHILDREN
+
+
+def level(trie: SemanticIdTrie, depth: int) -> TrieLevel:
+    """Level `depth` of the trie (the children of its nodes at `depth`) as the kernel reads it, on
+    the trie's device."""
+    if trie.layered and depth == trie.depth - 1:
+        if trie.leaves is None:
+            raise ValueError("the Triton trie step reads a LayeredTrie's leaves on the device: "
+                             "LayeredTrie.from_catalog(..., device)")
+        return trie.leaves.level(trie.max_children[depth], trie.level_col[depth])
+    return TrieLevel(trie.child_ptr[depth], trie.child_tok[depth], trie.max_children[depth], trie.level_col[depth])
 
 
 def level_filter(filt: TrieFilter | None, depth: int):
@@ -36,6 +48,5 @@ def select_levels(trie: SemanticIdTrie, depth: int, logits: torch.Tensor, nodes:
     row_ptr = [0]
     for x in nodes:
         row_ptr.append(row_ptr[-1] + x.numel())
-    return trie_step(logits, trie.child_ptr[depth], trie.child_tok[depth], torch.cat(nodes), torch.cat(scores),
-                     row_ptr, top_k, m, trie.max_children[depth], trie.level_col[depth] if restricted else None,
+    return trie_step(logits, level(trie, depth), torch.cat(nodes), torch.cat(scores), row_ptr, top_k, m, restricted,
                      [level_filter(f, depth + 1) for f in filters], global_min_k)

@@ -25,9 +25,11 @@ so no update waits for the O(leaves) pass.
 
 A leaf's id is its slot, not its place in path order; readers go through `runs` / `child_at` (the
 beam step), `leaf_items` (catalog rows, not trie rows: there is no row map to rebuild), `leaf_count`,
-`path_nodes` and `filter_counts` (filters). The CPU beam search reads this trie; the Triton trie
-step reads `SemanticIdTrie`'s dense arrays (`RetrieveExecutor` keeps that one where it runs).
-`dense()` is the equal `SemanticIdTrie`, which the tests compare with one built from scratch.
+`path_nodes` and `filter_counts` (filters). On a device (`from_catalog(..., device)`: a GPU, or the
+Triton trie step anywhere) the beam step's arrays live there: the dense upper levels and the
+level columns, uploaded per version where they changed, and the leaf level as `DeviceLeaves`
+(sgrec.beam.device_leaves), which a version extends by what its update wrote. `dense()` is the
+equal `SemanticIdTrie`, which the tests compare with one built from scratch.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from sgrec.beam.device_leaves import DeviceLeaves
 from sgrec.beam.trie import SemanticIdTrie, _isin_sorted, _renumbering, _shifted, _splice, level_columns, update_levels
 from sgrec.catalog import Catalog
 from sgrec.catalog.grow import Buf
@@ -89,14 +92,14 @@ class LayeredTrie:
     logit_columns = SemanticIdTrie.logit_columns
 
     @classmethod
-    def from_catalog(cls, catalog: Catalog, vocab_size: int) -> tuple["LayeredTrie", None]:
+    def from_catalog(cls, catalog: Catalog, vocab_size: int, device=None) -> tuple["LayeredTrie", None]:
         """The trie over the catalog's items that carry a semantic id (no row map: leaf_items gives
-        catalog rows)."""
+        catalog rows); device: where the beam step reads it (module doc; None: the host only)."""
         dense, rows = SemanticIdTrie.from_catalog(catalog, vocab_size)
-        return cls.from_dense(dense, rows, catalog.num_rows), None
+        return cls.from_dense(dense, rows, catalog.num_rows, device), None
 
     @classmethod
-    def from_dense(cls, t: SemanticIdTrie, rows: np.ndarray, num_rows: int) -> "LayeredTrie":
+    def from_dense(cls, t: SemanticIdTrie, rows: np.ndarray, num_rows: int, device=None) -> "LayeredTrie":
         """The trie equal to `t` (a CPU SemanticIdTrie over catalog rows `rows` of a catalog of
         num_rows rows), its leaves the base."""
         D = t.depth
@@ -112,13 +115,17 @@ class LayeredTrie:
                      run_start=ptr[:-1], run_len=np.diff(ptr), base_tok=toks[D - 1], base_count=count[D],
                      base_item=np.asarray(rows, np.int64)[leaf_item], tail_slot=none, tail_tok=none, ov_slot=none,
                      ov_count=none, ov_item=none, row_leaf_base=rl, row_leaf_tail=none, **_dup_index(rl, count[D])),
-                 num_slots=t.num_nodes[-1], num_leaves=t.num_nodes[-1])
+                 num_slots=t.num_nodes[-1], num_leaves=t.num_nodes[-1], device=device)
+        out.leaves = None if device is None else DeviceLeaves.of(out, device)
         return out
 
     def _set(self, V: int, keys: list, toks: list, ptrs: list, count: list, tok_count: list, max_children: list,
              arrays: dict[str, np.ndarray], num_slots: int, num_leaves: int,
-             same_tokens: "LayeredTrie | None" = None) -> None:
-        self.vocab_size, self.depth, self.device = V, len(keys) + 1, torch.device("cpu")
+             same_tokens: "LayeredTrie | None" = None, device=None) -> None:
+        """device: where the beam step's arrays live (None: the host's, read as numpy); a level's
+        arrays that are `same_tokens`'s (the version before) share its device copies."""
+        self.vocab_size, self.depth = V, len(keys) + 1
+        self.device = torch.device("cpu" if device is None else device)
         self.keys, self.toks, self.ptrs, self.count, self.tok_count = keys, toks, ptrs, count, tok_count
         for name in _ARRAYS:
             setattr(self, name, arrays[name])
@@ -132,6 +139,7 @@ class LayeredTrie:
             self.base_id = uuid.uuid4().hex  # a new base (from_arrays names the one it maps)
         self._bufs = None  # the tails' growing storage (`updated`), where this version made them
         self._job = None  # a compaction under way: (its future, its result caught up so far, the updates left)
+        self.leaves: DeviceLeaves | None = None  # the leaf level on self.device (device given; set by the maker)
         self.background = True  # compact on the `compactor` thread (else in `updated`)
         self.max_children = [*max_children, int(self.run_len.max())]
         self.num_nodes = [1, *(k.size for k in keys), num_leaves]
@@ -139,19 +147,28 @@ class LayeredTrie:
         with warnings.catch_warnings():  # torch.from_numpy of a read-only map (shared between ranks): never written
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             t = torch.from_numpy
-            self.child_ptr = [t(p) for p in ptrs]  # the upper levels only: the leaf level is runs
-            self.child_tok = [t(x) for x in toks]
-            self.child_key = [t(k) for k in keys]
+            same = same_tokens if same_tokens is not None and same_tokens.device == self.device else None
+
+            def put(arrays: list, name: str, mine: str) -> list[torch.Tensor]:  # a level's copy: shared if unchanged
+                old = getattr(same, name, [])
+                return [getattr(same, mine)[d] if d < len(old) and a is old[d] else t(a).to(self.device)
+                        for d, a in enumerate(arrays)]
+
+            self.child_ptr = put(ptrs, "ptrs", "child_ptr")  # the upper levels only: the leaf level is runs
+            self.child_tok = put(toks, "toks", "child_tok")
+            self.child_key = put(keys, "keys", "child_key")
             self._run = (t(self.run_start), t(self.run_len))
             self.level_tokens, self.level_col = level_columns(
-                tok_count, V, self.device, None if same_tokens is None else same_tokens.tok_count,
-                None if same_tokens is None else (same_tokens.level_tokens, same_tokens.level_col))
+                tok_count, V, self.device, None if same is None else same.tok_count,
+                None if same is None else (same.level_tokens, same.level_col))
 
     # ---- readers ----------------------------------------------------------------------------
     def runs(self, depth: int, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(first position, number) of the children of nodes at `depth`, for child_at."""
         if depth < self.depth - 1:  # a dense level
             return SemanticIdTrie.runs(self, depth, nodes)
+        if self.leaves is not None:
+            return self.leaves.runs(nodes)
         return self._run[0][nodes], self._run[1][nodes]
 
     def child_at(self, depth: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,6 +176,8 @@ class LayeredTrie:
         level the id is the slot."""
         if depth < self.depth - 1:
             return SemanticIdTrie.child_at(self, depth, pos)
+        if self.leaves is not None:
+            return self.leaves.child_at(pos)
         toks, kids = self._arena(pos.numpy())  # numpy: a few small ops, each ~1 us against ~5 us as torch ops
         return torch.from_numpy(toks), torch.from_numpy(kids)
 
@@ -175,10 +194,10 @@ class LayeredTrie:
         """Node ids at depth + 1 of (parent node, token) pairs; raises if a pair is not a trie edge."""
         if depth < self.depth - 1:
             return SemanticIdTrie.child_nodes(self, depth, nodes, tokens)
-        kids = self._find(nodes.numpy(), tokens.numpy())
+        kids = self._find(nodes.cpu().numpy(), tokens.cpu().numpy())
         if (kids < 0).any():
             raise RuntimeError("beam search left the valid semantic-id paths")
-        return torch.from_numpy(kids)
+        return torch.from_numpy(kids).to(nodes.device)
 
     def _slot_values(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(items, first row) of each slot: the base's, or the overlay's where it changed."""
@@ -436,12 +455,22 @@ class LayeredTrie:
             ov_count=np.concatenate([self.ov_count[stay], ch_cnt])[o],
             ov_item=np.concatenate([self.ov_item[stay], ch_item])[o], row_leaf_base=self.row_leaf_base,
             row_leaf_tail=row_leaf_tail), self.num_slots + fresh.size, self.num_leaves - dead.size + fresh.size,
-            same_tokens=self)
+            same_tokens=self, device=self.device)
         out._bufs, out.background = bufs, self.background
+        if self.leaves is not None:  # the new entries after this version's, the changed runs over its pointers
+            out.leaves = self.leaves.extended(out, tok, slot, None if dead_up.size or ins_up.size else uo)
         return out
 
     def compacted(self) -> "LayeredTrie":
-        """The same trie with the current leaves, in path order, as its base (slots renumbered)."""
+        """The same trie with the current leaves, in path order, as its base (slots renumbered); its
+        leaf level uploaded to the device where this one has one."""
+        out = self._compact()
+        if self.leaves is not None:
+            out.leaves = DeviceLeaves.of(out, self.device)
+        return out
+
+    def _compact(self) -> "LayeredTrie":
+        """compacted, on the host only."""
         pos = _ranges(self.run_start, self.run_len)
         tok, slot = self._arena(pos)
         cnt, item = self._slot_values(slot)
@@ -455,13 +484,13 @@ class LayeredTrie:
                      run_start=np.cumsum(self.run_len) - self.run_len, run_len=self.run_len, base_tok=tok,
                      base_count=cnt, base_item=item, tail_slot=none, tail_tok=none, ov_slot=none, ov_count=none,
                      ov_item=none, row_leaf_base=rl, row_leaf_tail=none, **_dup_index(rl, cnt)), slot.size,
-                 slot.size, same_tokens=self)
+                 slot.size, same_tokens=self, device=self.device)
         out.background = self.background
         return out
 
     def dense(self, catalog: Catalog) -> tuple[SemanticIdTrie, np.ndarray]:
         """The equal SemanticIdTrie and its row map (what `SemanticIdTrie.from_catalog(catalog)` gives)."""
-        c = self.compacted()
+        c = self._compact()
         D, V = self.depth, self.vocab_size
         rows = catalog.semantic_rows()
         parent = np.repeat(np.arange(c.run_len.size, dtype=np.int64), c.run_len)

@@ -70,14 +70,15 @@ def load_rank_catalog(args: ServerArgs, dp_rank: int, tokenizer: Tokenizer, voca
     return image.load(folder)
 
 
-def shared_trie(key, build, device: torch.device):
+def shared_trie(key, build, device: torch.device | None):
     """build() -> (trie, catalog rows) of a catalog version (a RetrieveExecutor's build_trie or
     updated_trie, or (None, None)), made once for all DP ranks where they share a catalog image and
-    the trie lives on the CPU: the first rank to ask for key() (the version's name, made only then)
-    builds it, every rank maps its arrays (sgrec.catalog.image.shared); ranks ask for the versions'
-    keys in the same order. Else build()."""
+    the beam step reads the trie on the host (`device` None: sgrec.beam.executor.trie_device): the
+    first rank to ask for key() (the version's name, made only then) builds it, every rank maps its
+    arrays (sgrec.catalog.image.shared); ranks ask for the versions' keys in the same order. Else
+    build()."""
     folder = os.environ.get(image.ENV)
-    if not folder or device.type != "cpu":
+    if not folder or device is not None:
         return build()
     return share_trie(folder, key, build)
 
@@ -187,7 +188,7 @@ class Scheduler:
         """--item-catalog: the catalog (its journal replayed), the rank and retrieve executors over
         it, and the task kinds they serve (rank, retrieve, recommend)."""
         from sgrec.beam.encdec import make_retriever
-        from sgrec.beam.executor import build_trie, layered_trie
+        from sgrec.beam.executor import build_trie, trie_device
         from sgrec.rank.executor import RankExecutor
 
         args, runner, tokenizer = self.args, self.runner, self.tokenizer
@@ -196,8 +197,7 @@ class Scheduler:
         self.versions = replay(catalog, args.journal_path, args.catalog_history, vocab)
         self.catalog = self.versions.current
         built = shared_trie(lambda: f"v{self.versions.version}-start",
-                            lambda: build_trie(self.catalog, vocab, runner.device, layered_trie(runner)),
-                            runner.device)
+                            lambda: build_trie(self.catalog, vocab, trie_device(runner)), trie_device(runner))
         tiers = self.hicache if self.hicache is not None and self.hicache.storage is not None else None
         # item KV shared through the storage tier, where there is one
         self.rank_executor = RankExecutor(runner, self.tree, self.catalog, args, dp_rank=dp_rank, tiers=tiers)
@@ -494,7 +494,7 @@ class Scheduler:
             build = lambda: self.retriever.build_trie(applied.catalog)  # noqa: E731
         else:
             build = lambda: self.retriever.updated_trie(applied)  # noqa: E731
-        return prepared, shared_trie(key, build, self.runner.device)
+        return prepared, shared_trie(key, build, self.retriever.trie_device)
 
     def commit_catalog(self, prepared: Prepared, trie) -> tuple:
         """Serves the prepared version from the next step on (call between steps): the executors

@@ -3,14 +3,17 @@ over its valid children, per-beam top-k, and the global top-m of every request o
 
 Inputs are plain tensors (the trie level in CSR form, the requests' filters as node lists):
 
-    logits      [N, L]    each beam's logits: the whole vocabulary, or (level_col given) only the
-                          level's columns, level_col[token] being a token's column
-    child_ptr   [nodes_d + 1], child_tok [nodes_d+1]: node x's children are nodes child_ptr[x] ..
-                          child_ptr[x + 1] - 1 at the next depth, in token order, child_tok their tokens
+    logits      [N, L]    each beam's logits: the whole vocabulary, or (restricted) only the
+                          level's columns, level.level_col[token] being a token's column
+    level       a TrieLevel: node x's children, in token order, are a run of positions; a
+                          dense level's (SemanticIdTrie) are positions ptr[x] .. ptr[x + 1] - 1, each
+                          position the child's id at the next depth; a LayeredTrie's leaf level's are
+                          positions start[x] .. start[x] + count[x] - 1 of its arena, where a base
+                          position is the child's slot and a tail position names it (tail_id)
     nodes       [N]       each beam's node; parent_scores [N] float32, its running score
     row_ptr     request r owns beams row_ptr[r] .. row_ptr[r + 1] - 1, keeps m[r] beams with per-beam top_k[r]
-    filters[r]  None or (dense, allowed, blocked) at the next depth: a bool per node (an attribute
-                filter's count > 0), the sorted nodes an include list allows, the sorted nodes whose
+    filters[r]  None or (dense, allowed, blocked) at the next depth: a bool per node id (an attribute
+                filter's count > 0), the sorted ids an include list allows, the sorted ids whose
                 allowed count fell to 0 (exclusions); each may be None. A child is valid when it passes all.
 
 What it computes is sgrec.beam.trie.children_logp followed by sgrec.beam.search.select_step:
@@ -54,17 +57,30 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def children(LOGITS, s_l, LCOL, NODES, PSC, CPTR, CTOK, ROWREQ, FILT, DENSE, ALLOWED, BLOCKED, n_iter_f,
-                 SORT_S, SORT_C, S_COL, NVALID, NCHILD, BLOCK_C: tl.constexpr, RESTRICTED: tl.constexpr):
+    def children(LOGITS, s_l, LCOL, NODES, PSC, CPTR, CLEN, CTOK, TTOK, TID, base, ROWREQ, FILT, DENSE, ALLOWED,
+                 BLOCKED, n_iter_f, SORT_S, SORT_C, S_COL, NVALID, NCHILD, BLOCK_C: tl.constexpr,
+                 RESTRICTED: tl.constexpr, RUNS: tl.constexpr):
         b = tl.program_id(0)
         node = tl.load(NODES + b)
         start = tl.load(CPTR + node)
-        cnt = tl.load(CPTR + node + 1) - start
+        if RUNS:
+            cnt = tl.load(CLEN + node)
+        else:
+            cnt = tl.load(CPTR + node + 1) - start
         cnt = tl.where(tl.load(PSC + b) > float("-inf"), cnt, 0)  # a dead beam (score -inf): no children
         c = tl.arange(0, BLOCK_C)
         inr = c < cnt
-        pos = start + c  # the children's node ids at the next depth
-        tok = tl.load(CTOK + pos, mask=inr, other=0)
+        pos = start + c
+        # each child's token and id at the next depth (the interpreter runs no nested jit function
+        # defined here: emit repeats this lookup)
+        if RUNS:
+            tail = pos >= base
+            tok = (tl.load(CTOK + pos, mask=inr & ~tail, other=0)
+                   + tl.load(TTOK + (pos - base), mask=inr & tail, other=0))
+            kid = tl.where(tail, tl.load(TID + (pos - base), mask=inr & tail, other=0), pos)
+        else:
+            tok = tl.load(CTOK + pos, mask=inr, other=0)
+            kid = pos
         if RESTRICTED:
             col = tl.load(LCOL + tok, mask=inr, other=0)
         else:
@@ -74,23 +90,23 @@ def _build():
         valid = inr
         dense_off = tl.load(f)
         if dense_off >= 0:
-            valid = valid & (tl.load(DENSE + dense_off + pos, mask=inr, other=0) != 0)
-        for part in tl.static_range(2):  # an include list's nodes (kept), an exclusion's (struck)
+            valid = valid & (tl.load(DENSE + dense_off + kid, mask=inr, other=0) != 0)
+        for part in tl.static_range(2):  # an include list's ids (kept), an exclusion's (struck)
             lo = tl.load(f + 1 + 2 * part)
             hi = tl.load(f + 2 + 2 * part)
             if part == 0:
                 ARR = ALLOWED
             else:
                 ARR = BLOCKED
-            left = tl.zeros([BLOCK_C], tl.int64) + lo  # lower bound of pos in ARR[lo:hi]
+            left = tl.zeros([BLOCK_C], tl.int64) + lo  # lower bound of kid in ARR[lo:hi]
             right = tl.zeros([BLOCK_C], tl.int64) + hi
             for _ in range(n_iter_f):
                 act = left < right
                 mid = (left + right) >> 1
-                below = act & (tl.load(ARR + mid, mask=act, other=0) < pos)
+                below = act & (tl.load(ARR + mid, mask=act, other=0) < kid)
                 left = tl.where(below, mid + 1, left)
                 right = tl.where(act & ~below, mid, right)
-            found = (left < hi) & (tl.load(ARR + left, mask=left < hi, other=-1) == pos)
+            found = (left < hi) & (tl.load(ARR + left, mask=left < hi, other=-1) == kid)
             if part == 0:
                 valid = valid & (found | (lo < 0))  # lo -1: no include list
             else:
@@ -164,8 +180,8 @@ def _build():
         tl.store(TOTAL + r, tl.sum(kept, 0))
 
     @triton.jit
-    def emit(SORT_C, S_COL, NODES, CPTR, CTOK, ROWREQ, OUTPTR, P_ROW, E_ROW, T_ROW, OFF_ROW,
-             OUT_P, OUT_T, OUT_S, OUT_N, BLOCK_C: tl.constexpr):
+    def emit(SORT_C, S_COL, NODES, CPTR, CLEN, CTOK, TTOK, TID, base, ROWREQ, OUTPTR, P_ROW, E_ROW, T_ROW, OFF_ROW,
+             OUT_P, OUT_T, OUT_S, OUT_N, BLOCK_C: tl.constexpr, RUNS: tl.constexpr):
         b = tl.program_id(0)
         above = tl.load(P_ROW + b)
         upto = tl.load(E_ROW + b)
@@ -181,10 +197,18 @@ def _build():
         ok = (j < above + take) & (off + j < tl.load(OUTPTR + tl.load(ROWREQ + b) + 1))  # within its out rows
         col = tl.where(ok, cols, 0)
         pos = tl.load(CPTR + tl.load(NODES + b)) + col
+        if RUNS:  # as in children
+            tail = pos >= base
+            tok = (tl.load(CTOK + pos, mask=ok & ~tail, other=0)
+                   + tl.load(TTOK + (pos - base), mask=ok & tail, other=0))
+            kid = tl.where(tail, tl.load(TID + (pos - base), mask=ok & tail, other=0), pos)
+        else:
+            tok = tl.load(CTOK + pos, mask=ok, other=0)
+            kid = pos
         tl.store(OUT_P + off + j, tl.zeros([BLOCK_C], tl.int64) + b, mask=ok)
-        tl.store(OUT_T + off + j, tl.load(CTOK + pos, mask=ok, other=0), mask=ok)
+        tl.store(OUT_T + off + j, tok, mask=ok)
         tl.store(OUT_S + off + j, tl.load(S_COL + b * BLOCK_C + col, mask=ok, other=0.0), mask=ok)
-        tl.store(OUT_N + off + j, pos, mask=ok)
+        tl.store(OUT_N + off + j, kid, mask=ok)
 
     return children, select, emit
 
@@ -225,6 +249,28 @@ def _pack_filters(filters: list[Filter | None], device) -> tuple[torch.Tensor, .
 
 
 @dataclass
+class TrieLevel:
+    """A trie level as the kernel reads it (module doc): node x's children are the positions
+    ptr[x] .. ptr[x + 1] - 1 (count None: CSR), or ptr[x] .. ptr[x] + count[x] - 1 (runs). A
+    position p < base holds the token tok[p] and is the child's id; p >= base holds the token
+    tail_tok[p - base] and the child tail_id[p - base]. A dense level has no tail (base: all).
+    level_col: each vocabulary id's column among the level's logit columns (None: unrestricted)."""
+
+    ptr: torch.Tensor
+    tok: torch.Tensor
+    max_children: int
+    level_col: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+    tail_tok: torch.Tensor | None = None
+    tail_id: torch.Tensor | None = None
+    base: int = 0
+
+    @property
+    def runs(self) -> bool:
+        return self.count is not None
+
+
+@dataclass
 class StepPlan:
     """What a level's launch needs that the beams' values do not decide, on the device: made once
     per level of a round (host to device copies), so a round's steps read nothing back. Request r
@@ -259,19 +305,18 @@ def plan_step(row_ptr: list[int], top_k: list[int], m: list[int], filters: list[
                     _pack_filters(filters or [None] * R, device))
 
 
-def trie_step_flat(logits: torch.Tensor, child_ptr: torch.Tensor, child_tok: torch.Tensor, nodes: torch.Tensor,
-                   parent_scores: torch.Tensor, plan: StepPlan, max_children: int,
-                   level_col: torch.Tensor | None = None, global_min_k: int = 256) -> tuple[torch.Tensor, ...]:
+def trie_step_flat(logits: torch.Tensor, level: TrieLevel, nodes: torch.Tensor, parent_scores: torch.Tensor,
+                   plan: StepPlan, restricted: bool = False, global_min_k: int = 256) -> tuple[torch.Tensor, ...]:
     """See the module doc; no value is read back to the host. Returns (parents, tokens, scores,
     child nodes, kept): request r's out rows out_ptr[r] .. hold its kept beams first, in (parent,
     token) order, then dead rows (score -inf, token 0, node 0, parent its first beam); a parent is
     a row of the input (0 .. n - 1); kept [R] how many each request kept. A dead input beam (score
-    -inf) has no children."""
+    -inf) has no children. restricted: the logits hold only the level's columns (level.level_col)."""
     n, dev = nodes.numel(), nodes.device
     R = len(plan.row_ptr) - 1
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    block_c = pow2(max(2, max_children))
+    block_c = pow2(max(2, level.max_children))
     children, select, emit = built(_KERNELS, _build)
     filt, dense, allowed, blocked, n_iter_f = plan.filters
     sort_s = torch.empty(n, block_c, dtype=torch.float32, device=dev)
@@ -280,10 +325,13 @@ def trie_step_flat(logits: torch.Tensor, child_ptr: torch.Tensor, child_tok: tor
     n_valid = torch.empty(n, dtype=torch.int32, device=dev)
     n_child = torch.empty_like(n_valid)
     warps = 4 if block_c <= 1024 else 8
-    lcol = level_col if level_col is not None else child_ptr  # unread when not restricted
-    children[(n,)](logits, logits.stride(0), lcol, nodes, parent_scores.float().contiguous(), child_ptr, child_tok,
+    lcol = level.level_col if restricted else level.ptr  # unread when not restricted
+    runs = level.runs
+    clen, ttok, tid = (x if runs else level.ptr for x in (level.count, level.tail_tok, level.tail_id))  # unread: CSR
+    trie = (level.ptr, clen, level.tok, ttok, tid, level.base if runs else 0)
+    children[(n,)](logits, logits.stride(0), lcol, nodes, parent_scores.float().contiguous(), *trie,
                    plan.rowreq, filt, dense, allowed, blocked, n_iter_f, sort_s, sort_c, s_col, n_valid, n_child,
-                   BLOCK_C=block_c, RESTRICTED=level_col is not None, num_warps=warps)
+                   BLOCK_C=block_c, RESTRICTED=restricted, RUNS=runs, num_warps=warps)
     p_row, e_row, t_row, off_row = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(4))
     kept = torch.empty(R, dtype=torch.int64, device=dev)  # what select keeps (emit drops past the out rows)
     widest = max(plan.row_ptr[r + 1] - plan.row_ptr[r] for r in range(R))
@@ -293,21 +341,20 @@ def trie_step_flat(logits: torch.Tensor, child_ptr: torch.Tensor, child_tok: tor
     out_p = plan.dead_parent.clone()
     out_t, out_n = (torch.zeros(plan.out_ptr[-1], dtype=torch.int64, device=dev) for _ in range(2))
     out_s = torch.full((plan.out_ptr[-1],), float("-inf"), dtype=torch.float32, device=dev)
-    emit[(n,)](sort_c, s_col, nodes, child_ptr, child_tok, plan.rowreq, plan.dev_out_ptr, p_row, e_row, t_row, off_row,
-               out_p, out_t, out_s, out_n,
-               BLOCK_C=block_c, num_warps=warps)
+    emit[(n,)](sort_c, s_col, nodes, *trie, plan.rowreq, plan.dev_out_ptr, p_row, e_row, t_row, off_row,
+               out_p, out_t, out_s, out_n, BLOCK_C=block_c, RUNS=runs, num_warps=warps)
     return out_p, out_t, out_s, out_n, kept
 
 
-def trie_step(logits: torch.Tensor, child_ptr: torch.Tensor, child_tok: torch.Tensor, nodes: torch.Tensor,
-              parent_scores: torch.Tensor, row_ptr: list[int], top_k: list[int], m: list[int], max_children: int,
-              level_col: torch.Tensor | None = None, filters: list[Filter | None] | None = None,
+def trie_step(logits: torch.Tensor, level: TrieLevel, nodes: torch.Tensor, parent_scores: torch.Tensor,
+              row_ptr: list[int], top_k: list[int], m: list[int], restricted: bool = False,
+              filters: list[Filter | None] | None = None,
               global_min_k: int = 256) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """trie_step_flat per request: (parents (its beam indices), tokens, scores, child nodes), in
     (parent, token) order, min(m, its pool) of them (reads the kept counts back)."""
     plan = plan_step(row_ptr, top_k, m, filters, nodes.device)
-    out_p, out_t, out_s, out_n, kept = trie_step_flat(logits, child_ptr, child_tok, nodes, parent_scores, plan,
-                                                      max_children, level_col, global_min_k)
+    out_p, out_t, out_s, out_n, kept = trie_step_flat(logits, level, nodes, parent_scores, plan, restricted,
+                                                      global_min_k)
     out = []
     for r, k in enumerate(kept.tolist()):
         sl = slice(plan.out_ptr[r], plan.out_ptr[r] + k)
