@@ -10,7 +10,9 @@ real shape with random weights (`make_tiny_model --shape`), written to a JSON fi
    torch's. MFU = useful FLOPs /
    time / the device's peak: useful FLOPs = 2 x non-embedding parameters x tokens + the causal
    attention's 2 x 2 x layers x heads x head_dim x tokens^2 / 2. The peak is measured in the same run
-   (a bf16 GEMM of 8192^3; --quick: 512^3), so MFU is against what this device reaches.
+   (a bf16 GEMM of 8192^3; --quick: 512^3), so MFU is against what this device reaches. Then
+   --prefill-batch prompts of --context tokens in one forward (sid-gr's batch: 4 x 5000), the
+   logits of each one's last row: its time and MFU.
 2. Retrieve: the Engine on a catalog of --items random 3-token semantic IDs, a --context-token
    prompt, BW --beam-width, ND 3, one request at a time: median latency of --repeats (the prompt is
    new each time: no radix hit). Then --concurrency threads at once (the engine batches their
@@ -148,6 +150,25 @@ def bench_prefill(model_dir: str, a, dtype: str, backend: str = "auto", quantiza
         batch = prefill_batch(runner, n)
         rows[0]["host_profile"] = host_profile(lambda: runner.forward(batch, [n - 1]), a.device)
     return rows
+
+
+def bench_prefill_batch(model_dir: str, a, dtype: str) -> dict:
+    """--prefill-batch new prompts of --context tokens in one forward (module doc, 1): what a batch of
+    concurrent retrieve requests' prefill costs; MFU is filled in by the caller."""
+    k, n = a.prefill_batch, a.context
+    runner = ModelRunner(ServerArgs.from_kwargs(model_path=model_dir, device=a.device, dtype=dtype,
+                                                max_total_tokens=k * n + 16, chunked_prefill_size=-1,
+                                                context_length=n + 16, disable_cuda_graph=True))
+    rng = np.random.default_rng(k * n)
+    ids = rng.integers(0, runner.config.vocab_size, k * n).tolist()
+    slots = torch.arange(1, k * n + 1, device=runner.device)
+    seqs = [SeqLayout(i * n, n, slots[i * n:(i + 1) * n]) for i in range(k)]
+    batch = runner.make_batch(ids, [p for _ in range(k) for p in range(n)], slots, seqs)
+    last = [(i + 1) * n - 1 for i in range(k)]
+    s = timed(lambda: runner.forward(batch, last), a.device, a.repeats)
+    cfg = runner.config
+    return {"prompts": k, "tokens": n, "seconds": s,
+            "tflops": k * prefill_flops(cfg, non_embedding_params(cfg), n) / s / 1e12}
 
 
 def host_profile(fn, device: str, top: int = 12) -> list[dict]:
@@ -577,6 +598,10 @@ def record_rows(res: dict) -> list[dict]:
         out += [row(f"prefill time ({backend} attention backend)", "s", r["seconds"], hf_prefill.get(r["tokens"]),
                     params={**base, "tokens": r["tokens"]}, efficiency=share(r["mfu"]), higher_is_better=False)
                 for r in res[key]]
+    pb = res.get("prefill_batch")
+    if pb:
+        out.append(row("prefill time, several prompts in one forward", "s", pb["seconds"], higher_is_better=False,
+                       params={**base, "prompts": pb["prompts"], "tokens": pb["tokens"]}, efficiency=share(pb["mfu"])))
     if res.get("retrieve"):
         out += retrieve_rows(res["retrieve"], {})
     for v in res.get("retrieve_variants", []):
@@ -628,6 +653,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--context", type=int, default=5000)
+    ap.add_argument("--prefill-batch", type=int, default=4, help="part 1: prompts of --context tokens in one forward")
     ap.add_argument("--beam-width", type=int, default=256)
     ap.add_argument("--items", type=int, default=100000)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -687,7 +713,8 @@ def main(argv=None) -> int:
     if "prefill" in parts:
         # the same with torch's attention and ops (no fused glue): what the auto backend's kernels add
         res["prefill_torch_backend"] = bench_prefill(model, a, dtype, "torch")
-    for r in res["prefill"] + res["prefill_torch_backend"]:
+        res["prefill_batch"] = bench_prefill_batch(model, a, dtype)
+    for r in res["prefill"] + res["prefill_torch_backend"] + ([res["prefill_batch"]] if "prefill_batch" in res else []):
         r["mfu"] = r["tflops"] * 1e12 / peak
     save("prefill")
     cat, items = write_catalog(model, a, work)

@@ -178,6 +178,8 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     assert [x["tokens"] for x in r["prefill"]] == [64, 128] and all(0 < x["mfu"] for x in r["prefill"])
     assert r["prefill"][-1]["profile"] and all(x["ms"] >= 0 and x["calls"] > 0 for x in r["prefill"][-1]["profile"])
     assert [(x["tokens"], x["backend"]) for x in r["prefill_torch_backend"]] == [(64, "TorchBackend"), (128, "TorchBackend")]
+    pb = r["prefill_batch"]  # four prompts of --context tokens in one forward
+    assert (pb["prompts"], pb["tokens"]) == (4, 64) and pb["seconds"] > 0 and pb["mfu"] > 0
     assert r["retrieve"]["requests"] == 2 and r["retrieve"]["median_s"] > 0
     conc = r["retrieve"]["concurrent"]
     assert conc["concurrency"] == 2 and conc["requests"] == 4 and conc["req_per_s"] > 0
