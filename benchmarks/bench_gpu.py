@@ -44,6 +44,12 @@ real shape with random weights (`make_tiny_model --shape`), written to a JSON fi
    returned semantic ID, and peak memory. FlashRec's published req/s (OneRec-1.7B, a Qwen3-1.7B
    shape, FP8, on an RTX 5090: another GPU) are the peers of the 300-token, 32-at-once cells.
 
+7. The other model families (--parts families): retrieve as in 2 (one at a time and --concurrency
+   at once, no wide beams) on each family's own shape with random weights: the hybrid linear
+   attention family on Qwen3.5-0.8B's shape at --context tokens, the encoder-decoder family on
+   TIGER's (4 + 4 layers, d_model 128) at --encdec-context tokens; a family whose run fails records
+   its error and the others still run.
+
 --parts picks parts (the bf16 GEMM peak always runs). Prefill rows carry the host's time of the call
 (equal to its wall time when the forward is host-bound) and, for the shortest, a host profile.
 """
@@ -460,6 +466,35 @@ def bench_flashrec(model_dir: str, a, dtype: str, work: str, res: dict, save, qu
     del e
 
 
+FAMILIES = {"hybrid linear attention": ("qwen3_5", "qwen3.5-0.8b"), "encoder-decoder": ("t5", "tiger")}
+
+
+def bench_families(a, dtype: str, work: str) -> list[dict]:
+    """Part 7 (module doc): per family, bench_retrieve on an engine over its own shape's model."""
+    from sgrec import Engine
+
+    out = []
+    saved = a.context, a.wide_beams
+    for name, (arch, shape) in FAMILIES.items():
+        a.context, a.wide_beams = (a.encdec_context if arch == "t5" else saved[0]), []
+        res = {"family": name, "shape": shape if not a.quick else f"make_tiny_model's {arch} default"}
+        try:
+            model = make_tiny_model(os.path.join(work, f"family-{arch}"), arch=arch, shape=None if a.quick else shape,
+                                    dtype=dtype if not a.quick else "float32",
+                                    **({} if arch == "t5" else {"max_position_embeddings": a.context + 128}))
+            cat, _ = write_catalog(model, a, work)
+            e = Engine(model, device=a.device, dtype=dtype, item_catalog=cat, max_beam_width=a.beam_width,
+                       item_cache_tokens=0, context_length=a.context + 16,
+                       max_total_tokens=a.concurrency * (a.context + a.beam_width * 4) + 64)
+            res.update(bench_retrieve(e, a))
+            del e
+        except Exception as err:  # noqa: BLE001 - recorded: the other families still run
+            res["error"] = repr(err)[:500]
+        out.append(res)
+    a.context, a.wide_beams = saved
+    return out
+
+
 def bench_rank(e, a) -> list[dict]:
     vocab, rows = e.vocab_size, []
     for n in a.rank_candidates:
@@ -530,7 +565,7 @@ def bench_hf(model_dir: str, a, dtype: str, e, prefill: list[dict], items: list[
     return res
 
 
-PARTS = ("prefill", "retrieve", "rank", "hf", "fp8", "flashrec")
+PARTS = ("prefill", "retrieve", "rank", "hf", "fp8", "flashrec", "families")
 
 
 def variant_args(spec: str) -> dict:
@@ -606,6 +641,9 @@ def record_rows(res: dict) -> list[dict]:
         out += retrieve_rows(res["retrieve"], {})
     for v in res.get("retrieve_variants", []):
         out += retrieve_rows(v, {"engine_args": v["engine_args"]})
+    for f in res.get("families") or []:
+        if "error" not in f:
+            out += retrieve_rows(f, {"family": f["family"], "shape": f["shape"]})
     out += [row(f"rank latency, {r['prefix']} as prefix (median)", "s", r["median_s"], higher_is_better=False,
                 params={**base, "user_tokens": r["user_tokens"], "candidates": r["candidates"]})
             for r in res.get("rank") or []]
@@ -653,6 +691,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--context", type=int, default=5000)
+    ap.add_argument("--encdec-context", type=int, default=256, help="part 7: the encoder-decoder family's input tokens")
     ap.add_argument("--prefill-batch", type=int, default=4, help="part 1: prompts of --context tokens in one forward")
     ap.add_argument("--beam-width", type=int, default=256)
     ap.add_argument("--items", type=int, default=100000)
@@ -687,7 +726,7 @@ def main(argv=None) -> int:
     if a.quick:
         a.shape, a.lengths, a.context, a.beam_width, a.items, a.repeats = None, [64, 128], 64, 8, 500, 2
         a.concurrency, a.wide_beams, a.rank_user, a.rank_candidates = 2, [16], 64, [4, 8]
-        a.gen_prompt, a.gen_tokens = 16, 4
+        a.gen_prompt, a.gen_tokens, a.encdec_context = 16, 4, 32
         # a pool for two requests of the largest cell at once: its others wait for later rounds
         a.flashrec_prompts, a.flashrec_beams, a.flashrec_concurrency, a.flashrec_pool = [24, 48], [4, 8], [1, 4], 200
     dtype = a.dtype if a.device == "cuda" else "float32"
@@ -754,6 +793,8 @@ def main(argv=None) -> int:
             res["flashrec"].append({})
             bench_flashrec(model, a, dtype, os.path.dirname(cat), res["flashrec"][-1], save, quantization)
     save("flashrec")
+    res["families"] = bench_families(a, dtype, work) if "families" in parts else None
+    save("families")
     print(json.dumps(res, indent=1))
     rows = [] if a.no_record else record_rows(res)
     if rows:  # (--parts may leave nothing to record)

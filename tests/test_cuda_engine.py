@@ -1,7 +1,7 @@
 """The engine on CUDA against the same engine on CPU (run by scripts/gpu_suite.sh on a lent
 GPU, skipped elsewhere): float32 greedy tokens, rank scores and retrieved items agree, with the torch
-and the Triton attention backends, for the dense family and the hybrid one (Qwen3.5: on Triton its
-Gated DeltaNet layers run sgrec.model.kernels.delta_rule)."""
+and the Triton attention backends, for the dense family, the hybrid one (Qwen3.5: on Triton its
+Gated DeltaNet layers run sgrec.model.kernels.delta_rule) and the encoder-decoder one (T5)."""
 
 import pytest
 import torch
@@ -29,6 +29,11 @@ def setup(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hybrid(tiny_model_dir, tmp_path_factory):
     return engines(tiny_model_dir, tmp_path_factory, "qwen3_5", seed=3)
+
+
+@pytest.fixture(scope="module")
+def encdec(tiny_model_dir, tmp_path_factory):
+    return engines(tiny_model_dir, tmp_path_factory, "t5", seed=5)
 
 
 def agree(cpu, gpu, prefixes) -> None:
@@ -114,3 +119,15 @@ def test_cuda_delta_rule_kernels_agree_with_the_torch_forms(L):
         return o.cpu()
 
     gdr_fork_case(on_gpu)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_encoder_decoder_engine_agrees_with_cpu(encdec, backend):
+    """The encoder-decoder family on CUDA: greedy generation and retrieve (the encoder's input in
+    the tree, the decoder's beams over the catalog's LayeredTrie on the device) against the CPU."""
+    from sgrec import Engine
+
+    cpu, kw, model = encdec
+    gpu = Engine(model, device="cuda", attention_backend=backend, **kw)
+    assert gpu.scheduler.retriever.trie.leaves is not None  # the beam step's trie arrays on the GPU
+    agree(cpu, gpu, ())

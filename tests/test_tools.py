@@ -174,7 +174,7 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
                         "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0 and r["done"] == "flashrec"
+    assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0 and r["done"] == "families"
     assert [x["tokens"] for x in r["prefill"]] == [64, 128] and all(0 < x["mfu"] for x in r["prefill"])
     assert r["prefill"][-1]["profile"] and all(x["ms"] >= 0 and x["calls"] > 0 for x in r["prefill"][-1]["profile"])
     assert [(x["tokens"], x["backend"]) for x in r["prefill_torch_backend"]] == [(64, "TorchBackend"), (128, "TorchBackend")]
@@ -204,11 +204,20 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
         assert c["warmup_rounds"] == 2  # no graphs on CPU: the second round ends it
     assert 4 * (48 + 8 * 3) > fr["pool_tokens"]  # the largest cell's requests did not fit at once
     assert conc["warmup_rounds"] == 2
+    # the other families on their own (here tiny) shapes: retrieve alone and at once, no wide beams
+    assert [(f["family"], f.get("error")) for f in r["families"]] == [("hybrid linear attention", None),
+                                                                       ("encoder-decoder", None)]
+    for f in r["families"]:
+        c = f["concurrent"]
+        assert f["requests"] == 2 and f["median_s"] > 0 and f["wide_beams"] == [] and f["context"] in (64, 32)
+        assert c["requests"] == 4 and c["req_per_s"] > 0 and sum(c["breakdown"]["batch_sizes"].values()) == 4
     from tests.test_fuzz import load_script
 
     bench = load_script("bench_gpu")
     rows = [x for x in bench.record_rows(r) if x["metric"].startswith("FlashRec's matrix")]
     assert len(rows) == 3 * len(cells) and not any(x["peer"] for x in rows)  # no cell at FlashRec's shape
+    fam = [x for x in bench.record_rows(r) if x["params"].get("family")]
+    assert {x["params"]["family"] for x in fam} == {"hybrid linear attention", "encoder-decoder"} and len(fam) == 6
     assert {x["params"]["invalid_share"] for x in rows} == {0}
     at = {"prompt_tokens": 300, "concurrency": 32}
     assert [bench.flashrec_peer(fr, {**at, "beam_width": b}) for b in (50, 128, 512, 1000, 64)] == [

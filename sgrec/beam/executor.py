@@ -153,19 +153,19 @@ class RetrieveExecutor:
         return BeamGraphs(self.runner.forward_with, self.backend, self.pool, self.runner.args.cuda_graph_max_beams,
                           self.pool.size, MAX_GRAPH_STEPS, capture=True)
 
-    def build_trie(self, catalog: Catalog | None) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
+    def build_trie(self, catalog: Catalog | None) -> tuple[LayeredTrie | None, None]:
         """build_trie (the module's) for this executor's vocabulary and device."""
         return build_trie(catalog, self.vocab_size, self.trie_device)
 
-    def updated_trie(self, applied) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
+    def updated_trie(self, applied) -> tuple[SemanticIdTrie | LayeredTrie | None, np.ndarray | None]:
         """build_trie of an update's catalog (a catalog.update.Applied), from the served trie: it
-        costs what the update changed (SemanticIdTrie.updated), not a sort of the catalog."""
+        costs what the update changed (the trie's `updated`), not a sort of the catalog."""
         if self.trie is None or applied.added_from is None:
             return self.build_trie(applied.catalog)
         return self.trie.updated(self._trie_rows, applied.catalog, applied.removed_rows, applied.added_from)
 
     @property
-    def built(self) -> tuple[SemanticIdTrie | None, np.ndarray | None]:
+    def built(self) -> tuple[SemanticIdTrie | LayeredTrie | None, np.ndarray | None]:
         """The served trie and its row map, as build_trie returns them."""
         return self.trie, self._trie_rows
 
