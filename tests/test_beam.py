@@ -637,3 +637,43 @@ def test_attention_stages_as_work_units_equal_in_place(new_tree, runners):
     ref = torch.cat([staged_attention(q[a0:b0], k_buf, v_buf, m.shared_idx, m.unshared_idx, 0.3)
                      for m, (a0, b0) in zip(groups, meta.rows())])
     assert torch.equal(StagedBeamBackend(UnitRunner(InlineStreams()))._as_units(q, k_buf, v_buf, meta, 0.3), ref)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_batches_driven_a_phase_at_a_time_equal_each_batch_alone(tiny_model_dir, dtype):
+    """RetrieveExecutor.run_steps: two batches' rounds advanced one phase in turn on one executor
+    (how a scheduler interleaves the next batch's prefill with a round's beam steps) return what
+    each batch's run_batch returns alone, bit for bit (every forward computes the same rows); on a
+    pool that holds one round at a time, the second batch waits (its generator yields, holding
+    nothing) until the first round is released instead of being refused; the pool is whole after."""
+    rng = random.Random(21)
+    path = tiny_model_dir("llama")
+    V = 512
+    cat = random_catalog(rng, 120, 3, V, codes=10)
+    batches = [[dict(input_ids=[rng.randrange(V) for _ in range(n)], beam_width=bw, top_k=4, num_items=bw)
+                for n, bw in pair] for pair in (((30, 6), (22, 4)), ((41, 8), (17, 5)))]
+    need = sum(len(r["input_ids"]) + r["beam_width"] * 2 for r in batches[1])  # the larger batch's KV slots
+
+    def executor(pool: int) -> RetrieveExecutor:
+        runner = ModelRunner(ServerArgs.from_kwargs(model_path=path, device="cpu", dtype=dtype, max_total_tokens=pool))
+        return RetrieveExecutor(runner, RadixCache(runner.kv_pool.allocator), cat)
+
+    alone = [executor(4 * need).run_batch(b) for b in batches]
+    for pool, waits in ((4 * need, False), (need + 8, True)):  # room for both rounds at once, or for one
+        ex = executor(pool)
+        gens = [ex.run_steps(b) for b in batches]
+        out: list = [None, None]
+        phases = [[], []]
+        while any(o is None for o in out):
+            for i, g in enumerate(gens):
+                if out[i] is None:
+                    try:
+                        phases[i].append(next(g))
+                    except StopIteration as done:
+                        out[i] = done.value
+        assert (-1 in phases[1]) == waits and phases[0] == [0, 1, 2]  # -1: a wait for the pool
+        for got, want in zip(out, alone):
+            for a, b in zip(got, want):
+                assert a.items == b.items  # items, semantic IDs and scores, bit for bit
+        assert ex.rounds_under_way == 0
+        assert_balanced(ex.runner, ex.tree)

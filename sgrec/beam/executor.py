@@ -138,6 +138,7 @@ class RetrieveExecutor:
             raise ValueError("a family with recurrent layers needs the radix tree of the runner's state pool "
                              "(RadixCache(..., states=runner.memory.states))")
         self.trie_device = runner.device if plan.trie_on_device else None  # see trie_device
+        self.rounds_under_way = 0  # rounds admitted and not yet released, of every run_steps generator
         self.use_catalog(catalog, built if built is not None else self.build_trie(catalog))
         # units: a batched step's attention stages as work units; triton: each request's stages in one kernel
         self.backend = StagedBeamBackend(units, triton=plan.staged == "triton", runner=runner)
@@ -205,6 +206,20 @@ class RetrieveExecutor:
         forward. Returns, per request, its result or the error it raised (ValueError: bad input;
         KVCacheFullError: it does not fit in the pool even alone). Requests that fit only after the
         round's others are done run in a following round."""
+        steps = self.run_steps(requests)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def run_steps(self, requests: list[dict]):
+        """run_batch one phase at a time: a generator that yields after each phase (a round's
+        prefill, each beam level) and returns run_batch's list. Several may be driven in turn on one
+        executor: each round holds its own requests' KV, and a request that does not fit while
+        another generator's round holds the pool waits (the generator yields) for it to finish,
+        where alone it would be refused. The served catalog must not change while a round is under
+        way (`use_catalog` between rounds; a round that finds it changed raises)."""
         out: list[RetrieveResult | Exception | None] = [None] * len(requests)
         pending: list[_Request] = []
         for i, kw in enumerate(requests):
@@ -224,18 +239,22 @@ class RetrieveExecutor:
                 try:
                     if self._admit(r):
                         round_.append(r)
-                    elif round_:
-                        rest.append(r)  # fits once this round's KV is released
+                    elif round_ or self.rounds_under_way:
+                        rest.append(r)  # fits once this round's (or another generator's) KV is released
                     else:
                         raise self._full_error(r)
                 except KVCacheFullError as e:
                     out[r.index] = e
+            if not round_ and rest:
+                yield -1  # every request waits for another generator's round
+            self.rounds_under_way += bool(round_)
             try:
                 if round_:
-                    self._round(round_)
+                    yield from self._round_steps(round_)
                     for r in round_:
                         out[r.index] = self._result(r)
             finally:
+                self.rounds_under_way -= bool(round_)
                 for r in round_:
                     self._release(r)
             pending = rest
@@ -321,9 +340,10 @@ class RetrieveExecutor:
             self.tree.dec_lock_ref(r.lock)
             r.lock = None
 
-    def _round(self, reqs: list[_Request]) -> None:
-        """Prefill + the beam levels of the round's requests (all of one trie, so of one depth)."""
-        from sgrec.policy.batching import run_fixed_round
+    def _round_steps(self, reqs: list[_Request]):
+        """Prefill + the beam levels of the round's requests (all of one trie, so of one depth), a
+        generator yielding after each phase (sgrec.policy.batching.fixed_round_steps)."""
+        from sgrec.policy.batching import fixed_round_steps
 
         # under --enable-deterministic-inference each step's attention goes through the batch-invariant
         # kernel, whose meta is built per step on the host: the per-step hooks, not the device round
@@ -335,7 +355,11 @@ class RetrieveExecutor:
             hooks = DeviceRound(self, reqs, search.GLOBAL_SELECT_MIN_K)  # no host read per step
         else:
             hooks = _RoundHooks(self, reqs)
-        run_fixed_round(hooks, self.trie.depth - 1, overlap=True)
+        trie = self.trie
+        for step in fixed_round_steps(hooks, trie.depth - 1, overlap=True):
+            yield step
+            if self.trie is not trie:
+                raise RuntimeError("the served catalog changed while a retrieve round was under way")
 
     def _prefill_all(self, reqs: list[_Request]) -> None:
         """Computes every prompt's uncached tokens: requests are packed into shared forwards of at

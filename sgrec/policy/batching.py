@@ -241,10 +241,18 @@ def run_fixed_round(hooks: RoundHooks, num_levels: int, overlap: bool = True) ->
     """Runs prefill + num_levels beam steps. With overlap, the order is
     prepare(0) launch(0) prepare(1) finish(0) launch(1) prepare(2) finish(1) ... so step i + 1's
     preparation overlaps step i's device work; without, prepare(i) launch(i) finish(i) in turn."""
+    for _ in fixed_round_steps(hooks, num_levels, overlap):
+        pass
+
+
+def fixed_round_steps(hooks: RoundHooks, num_levels: int, overlap: bool = True):
+    """run_fixed_round one phase at a time: a generator that yields each phase's index after its
+    finish, so a caller can run other work (another round's phases) between them."""
     phases = round_phases(num_levels)
     if not overlap:
         for i, ph in enumerate(phases):
             hooks.finish(i, ph, hooks.launch(i, ph, hooks.prepare(i, ph)))
+            yield i
         return
     prepared = hooks.prepare(0, phases[0])
     for i, ph in enumerate(phases):
@@ -252,6 +260,7 @@ def run_fixed_round(hooks: RoundHooks, num_levels: int, overlap: bool = True) ->
         if i + 1 < len(phases):
             prepared = hooks.prepare(i + 1, phases[i + 1])
         hooks.finish(i, ph, handle)
+        yield i
 
 
 def round_time(host_s: list[float], device_s: list[float], overlap: bool = True) -> float:
