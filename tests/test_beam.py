@@ -677,3 +677,10 @@ def test_two_batches_driven_a_phase_at_a_time_equal_each_batch_alone(tiny_model_
                 assert a.items == b.items  # items, semantic IDs and scores, bit for bit
         assert ex.rounds_under_way == 0
         assert_balanced(ex.runner, ex.tree)
+    g = ex.run_steps(batches[0])  # a round under way that nobody drives: run_batch cannot wait for it
+    assert next(g) == 0
+    with pytest.raises(RuntimeError, match="drive them in turn"):
+        ex.run_batch(batches[1])
+    g.close()  # its round's KV released
+    assert ex.rounds_under_way == 0
+    assert_balanced(ex.runner, ex.tree)

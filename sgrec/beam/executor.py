@@ -209,9 +209,12 @@ class RetrieveExecutor:
         steps = self.run_steps(requests)
         while True:
             try:
-                next(steps)
+                phase = next(steps)
             except StopIteration as done:
                 return done.value
+            if phase < 0:  # it would wait for a round that only its own generator's caller can advance
+                steps.close()
+                raise RuntimeError("run_batch waits for another run_steps generator's round: drive them in turn")
 
     def run_steps(self, requests: list[dict]):
         """run_batch one phase at a time: a generator that yields after each phase (a round's
