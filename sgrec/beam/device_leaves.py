@@ -28,6 +28,11 @@ from sgrec.catalog.grow import GROWTH, MIN_CAPACITY
 from sgrec.model.kernels.trie_step import TrieLevel
 
 
+def _to(a: np.ndarray, device) -> torch.Tensor:
+    """A host array as int64 on `device` (one host-to-device copy)."""
+    return torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(device)
+
+
 class DeviceBuf:
     """Append-only device storage shared by versions, as sgrec.catalog.grow.Buf: version v views
     data[:n_v]; entries below `used` are never written again."""
@@ -40,7 +45,7 @@ class DeviceBuf:
     @classmethod
     def of(cls, arr: np.ndarray, device) -> "DeviceBuf":
         data = torch.empty(max(int(len(arr) * GROWTH), MIN_CAPACITY), dtype=torch.int64, device=device)
-        data[: len(arr)] = torch.from_numpy(np.ascontiguousarray(arr, np.int64)).to(device)
+        data[: len(arr)] = _to(arr, device)
         return cls(data, len(arr))
 
     def view(self, n: int) -> torch.Tensor:
@@ -52,7 +57,7 @@ class DeviceBuf:
         k = len(more)
         if k == 0:
             return self
-        src = torch.from_numpy(np.ascontiguousarray(more, np.int64)).to(self.data.device)
+        src = _to(more, self.data.device)
         if self.used == n and n + k <= self.data.numel():
             self.data[n : n + k] = src
             self.used = n + k
@@ -77,9 +82,8 @@ class DeviceLeaves:
     def of(cls, trie, device) -> "DeviceLeaves":
         """A version's leaf level uploaded whole (a new base: from_catalog, compacted)."""
         dev = torch.device(device)
-        up = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(dev)  # noqa: E731
-        return cls(up(trie.run_start), up(trie.run_len), up(trie.base_tok), DeviceBuf.of(trie.tail_tok, dev),
-                   DeviceBuf.of(trie.tail_slot, dev), trie.tail_tok.size)
+        return cls(_to(trie.run_start, dev), _to(trie.run_len, dev), _to(trie.base_tok, dev),
+                   DeviceBuf.of(trie.tail_tok, dev), DeviceBuf.of(trie.tail_slot, dev), trie.tail_tok.size)
 
     def extended(self, trie, tok: np.ndarray, slot: np.ndarray, parents: np.ndarray | None) -> "DeviceLeaves":
         """The leaf level of `trie`, a version made from this one's (on the same base) by appending
@@ -87,13 +91,12 @@ class DeviceLeaves:
         were renumbered, every pointer is uploaded)."""
         dev = self.start.device
         if parents is None:
-            up = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(dev)  # noqa: E731
-            start, count = up(trie.run_start), up(trie.run_len)
+            start, count = _to(trie.run_start, dev), _to(trie.run_len, dev)
         else:
-            idx = torch.from_numpy(np.ascontiguousarray(parents, np.int64)).to(dev)
+            idx = _to(parents, dev)
             start, count = self.start.clone(), self.count.clone()
-            start[idx] = torch.from_numpy(np.ascontiguousarray(trie.run_start[parents], np.int64)).to(dev)
-            count[idx] = torch.from_numpy(np.ascontiguousarray(trie.run_len[parents], np.int64)).to(dev)
+            start[idx] = _to(trie.run_start[parents], dev)
+            count[idx] = _to(trie.run_len[parents], dev)
         return DeviceLeaves(start, count, self.base_tok, self.tails[0].append(self.n_tail, tok),
                             self.tails[1].append(self.n_tail, slot), self.n_tail + len(tok))
 
