@@ -11,10 +11,12 @@ k-th request is of kind (i + k) mod 3 over rank, score, retrieve, so every level
 1. Profile: each kind is timed --profile-reps times on a real in-process `sgrec.Engine` (a tiny
    random llama, a 27-item catalog with 3-level semantic IDs) after a warm-up; the median is the
    kind's cost.
-2. Measured: the clients are threads calling an Engine, twice: `one` (--max-batch-tokens 1: every
-   rank / retrieve request runs alone, as before batching) and `batched` (the scheduler's batch
-   formation: --max-batch-tokens 16384, --batch-wait-ms as given). Both run inline on one stream
-   (CPU). Score requests are batched by the prefill-only scheduler in both.
+2. Measured: the clients are threads calling an Engine, three times: `one` (--max-batch-tokens 1:
+   every rank / retrieve request runs alone, as before batching), `batched` (the scheduler's batch
+   formation: --max-batch-tokens 16384, --batch-wait-ms as given; each batch runs whole in its
+   step) and `interleaved` (the same with --interleave-rounds: the batches under way advance a
+   phase per step, new ones start between). All run inline on one stream (CPU). Score requests are
+   batched by the prefill-only scheduler in each.
 3. Simulated: the same closed loop on `SimStreams` (virtual clock), each request one work unit with
    the profiled cost of its kind, under `single` (one stream, FIFO) and `sgrec` (--num-streams
    streams, DepValue order, RecOS stream selection). The occupancy of a unit cannot be measured on
@@ -106,12 +108,14 @@ def batch_gain(model: str, catalog: str, traffic: Traffic, sizes: list[int], rep
     cold cache every time (--disable-radix-cache: no run reads what an earlier one cached)."""
     from sgrec import Engine
     from sgrec.managers.rec import build_rank_task, build_retrieve_task
+    from sgrec.policy.batching import run_to_end
 
     e = Engine(model, device="cpu", dtype="float32", max_total_tokens=16384, item_catalog=catalog,
                disable_radix_cache=True, item_cache_tokens=0)
     rows = []
     for kind in ("rank", "retrieve"):
-        run_batch = e.scheduler.tasks.kinds[kind].run_batch
+        steps = e.scheduler.tasks.kinds[kind].run_steps
+        run_batch = lambda payloads: run_to_end(steps(payloads))  # noqa: E731 - a batch alone, all its phases
         for b in sizes:
             payloads = []
             for i in range(b):
@@ -208,8 +212,8 @@ def p99(xs: list[float]) -> float:
 
 def record_rows(gain: list[dict], rows: list[dict], args) -> list[dict]:
     """The result record's rows: the executor's batch beside one request at a time; per level and kind the
-    measured batched engine's mean and P99 latency beside one-at-a-time's, and the simulated multi-stream
-    run's beside the single stream's."""
+    measured batched engine's mean and P99 latency beside one-at-a-time's, the interleaved one's beside
+    the batched one's, and the simulated multi-stream run's beside the single stream's."""
     out = [row(f"{r['kind']}: B requests as one batch", "ms", r["batched_ms"], r["one_ms"], higher_is_better=False,
                params={"batch": r["batch"]}) for r in gain]
     for r in rows:
@@ -218,6 +222,8 @@ def record_rows(gain: list[dict], rows: list[dict], args) -> list[dict]:
             k = stat.lower()
             out.append(row(f"{r['kind']}: closed-loop {stat} latency, batched", "ms", r[f"batched_{k}_ms"],
                            r[f"one_{k}_ms"], params=params, higher_is_better=False))
+            out.append(row(f"{r['kind']}: closed-loop {stat} latency, interleaved rounds", "ms",
+                           r[f"interleaved_{k}_ms"], r[f"batched_{k}_ms"], params=params, higher_is_better=False))
             out.append(row(f"{r['kind']}: simulated closed-loop {stat} latency, {args.num_streams} streams", "ms",
                            r[f"sim_multi_{k}_ms"], r[f"sim_single_{k}_ms"], higher_is_better=False,
                            params={**params, "occupancy": args.occupancy}))
@@ -262,7 +268,8 @@ def main() -> None:
     for r in gain:
         print(f"| {r['kind']} | {r['batch']} | {r['one_ms']:.1f} | {r['batched_ms']:.1f} | "
               f"{r['one_ms'] / r['batched_ms']:.2f}x |", flush=True)
-    configs = {"one": {"max_batch_tokens": 1}, "batched": {"batch_wait_ms": args.batch_wait_ms}}
+    configs = {"one": {"max_batch_tokens": 1}, "batched": {"batch_wait_ms": args.batch_wait_ms},
+               "interleaved": {"batch_wait_ms": args.batch_wait_ms, "interleave_rounds": True}}
     common = {"max_total_tokens": 16384, "item_catalog": catalog}
     servers: dict = {}
     traffic = {}
@@ -276,7 +283,7 @@ def main() -> None:
         def start(name: str) -> Traffic:
             flags = ["--model-path", model, "--dtype", "float32", "--device", "cpu"]
             for k, v in {**common, **configs[name]}.items():
-                flags += [f"--{k.replace('_', '-')}", str(v)]
+                flags += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
             servers[name] = LocalServer(flags, log_path=os.path.join(tmp, f"{name}.log"))
             return Traffic(None, args.history, args.candidates, args.beam_width, url=servers[name].url)
 
@@ -289,6 +296,7 @@ def main() -> None:
           f"(assumed), multi-stream = sgrec policy on {args.num_streams} streams")
     levels = [int(x) for x in args.concurrency.split(",")]
     profile(traffic["batched"], 2)  # warm-up
+    profile(traffic["interleaved"], 2)
     measured: dict[str, dict[int, dict]] = {name: {} for name in configs}
     try:
         for c in levels:  # alternating, so that load drifting over the run hits both alike
@@ -300,27 +308,31 @@ def main() -> None:
 
     rows = []
     header = ("| clients | kind | n | one-at-a-time mean / P99 ms | batched mean / P99 ms | one / batched (mean) | "
-              "one / batched (P99) | sim single mean / P99 ms | sim multi mean / P99 ms | sim single / multi (mean) |")
+              "one / batched (P99) | interleaved mean / P99 ms | batched / interleaved (mean) | "
+              "sim single mean / P99 ms | sim multi mean / P99 ms | sim single / multi (mean) |")
     print(header)
-    print("|" + "---|" * 10)
+    print("|" + "---|" * 12)
     for c in levels:
-        one, bat = measured["one"][c], measured["batched"][c]
+        one, bat, inter = measured["one"][c], measured["batched"][c], measured["interleaved"][c]
         single = simulated_closed_loop(costs, c, args.requests_per_client, "single", 1, args.occupancy)
         multi = simulated_closed_loop(costs, c, args.requests_per_client, "depvalue", args.num_streams, args.occupancy)
         for kind in KINDS + ("all",):
             pick = (lambda d: [x for k in KINDS for x in d[k]]) if kind == "all" else (lambda d, kind=kind: d[kind])
-            m, b, s, u = pick(one), pick(bat), pick(single), pick(multi)
+            m, b, i, s, u = pick(one), pick(bat), pick(inter), pick(single), pick(multi)
             if not m:  # too few requests per client for every kind at this level
                 continue
             row = {"clients": c, "kind": kind, "n": len(m),
                    "one_mean_ms": statistics.mean(m) * 1e3, "one_p99_ms": p99(m) * 1e3,
                    "batched_mean_ms": statistics.mean(b) * 1e3, "batched_p99_ms": p99(b) * 1e3,
+                   "interleaved_mean_ms": statistics.mean(i) * 1e3, "interleaved_p99_ms": p99(i) * 1e3,
                    "sim_single_mean_ms": statistics.mean(s) * 1e3, "sim_single_p99_ms": p99(s) * 1e3,
                    "sim_multi_mean_ms": statistics.mean(u) * 1e3, "sim_multi_p99_ms": p99(u) * 1e3}
             rows.append(row)
             print(f"| {c} | {kind} | {len(m)} | {row['one_mean_ms']:.1f} / {row['one_p99_ms']:.1f} | "
                   f"{row['batched_mean_ms']:.1f} / {row['batched_p99_ms']:.1f} | "
                   f"{row['one_mean_ms'] / row['batched_mean_ms']:.2f}x | {row['one_p99_ms'] / row['batched_p99_ms']:.2f}x | "
+                  f"{row['interleaved_mean_ms']:.1f} / {row['interleaved_p99_ms']:.1f} | "
+                  f"{row['batched_mean_ms'] / row['interleaved_mean_ms']:.2f}x | "
                   f"{row['sim_single_mean_ms']:.1f} / {row['sim_single_p99_ms']:.1f} | "
                   f"{row['sim_multi_mean_ms']:.1f} / {row['sim_multi_p99_ms']:.1f} | "
                   f"{row['sim_single_mean_ms'] / row['sim_multi_mean_ms']:.2f}x |", flush=True)

@@ -569,10 +569,13 @@ PARTS = ("prefill", "retrieve", "rank", "hf", "fp8", "flashrec", "families")
 
 
 def variant_args(spec: str) -> dict:
-    """'k=v,k=v' -> Engine keyword arguments (ints, floats, else strings)."""
+    """'k=v,k=v' -> Engine keyword arguments (true / false, ints, floats, else strings)."""
     out = {}
     for kv in spec.split(","):
         k, v = kv.split("=", 1)
+        if v.lower() in ("true", "false"):
+            out[k] = v.lower() == "true"
+            continue
         for cast in (int, float):
             try:
                 out[k] = cast(v)

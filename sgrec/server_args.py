@@ -190,6 +190,13 @@ class ServerArgs:
         "derived per kind from --slo-ms as (SLO - 2 x measured batch time) / 2, else 2 ms).", at_least=0)
     slo_ms: float | None = _arg(
         None, "Latency target per request; sets the batching wait quota when --batch-wait-ms is not given.", above=0)
+    interleave_rounds: bool = _arg(
+        False, "Keep several rank / retrieve batches under way on one stream: each scheduler step advances "
+        "every batch under way by one phase (a retrieve round's prefill, each beam level) and starts the "
+        "batches that fell due, so a batch starts without waiting for the rounds under way to end and a "
+        "generation step can run between two phases. Off: each batch runs whole in one step, and the "
+        "requests that arrive meanwhile join the next batch. With --num-streams > 1 on a GPU, batches run "
+        "whole on the streams either way.")
     stream_pool_mb: float = _arg(
         64.0, "Per-stream tensor pool of the multi-stream executor: once a stream's pool holds more than "
         "this many MB, tensors whose recorded event has completed are released.", at_least=0)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sgrec.policy.batching import (
-    DEFAULT_WAIT_S, BatchFormer, FixedWaitQuota, RetrieveRound, SloWaitQuota, make_wait_quota, round_phases,
+    DEFAULT_WAIT_S, BatchFormer, FixedWaitQuota, SloWaitQuota, make_wait_quota, round_phases, run_to_end,
     round_time, run_fixed_round,
 )
 
@@ -167,21 +167,25 @@ def test_fixed_round_overlaps_next_preparation_with_device_work():
     assert serial.host == round_time(host, dev, overlap=False) == 14.5
 
 
-def test_retrieve_round_steps():
-    bf = BatchFormer(50, 0.0)
-    bf.add("u1", "retrieve", 20, 0.0)
-    (batch,) = bf.poll(0.0)
-    rnd = RetrieveRound(batch, num_levels=2)
-    seen = []
-    while not rnd.done:
-        seen.append(rnd.next_phase())
-        rnd.advance()
-    assert seen == ["prefill", "beam", "beam"] and rnd.step == 3
-    with pytest.raises(RuntimeError):
-        rnd.advance()
+def test_round_phases_and_run_to_end():
+    assert round_phases(2) == ["prefill", "beam", "beam"]
     assert round_phases(0) == ["prefill"]  # one semantic-ID level: selected from the prefill's logits
     with pytest.raises(ValueError):
         round_phases(-1)
+    closed = []
+
+    def phases(waits: bool):
+        try:
+            for i in range(3):
+                yield -1 if waits and i == 1 else i
+            return "results"
+        finally:
+            closed.append(waits)
+
+    assert run_to_end(phases(False)) == "results" and closed == [False]
+    with pytest.raises(RuntimeError, match="drive them in turn"):  # nobody else would end the wait
+        run_to_end(phases(True))
+    assert closed == [False, True]  # the waiting generator was closed (what it held released)
 
 
 def test_from_server_args():

@@ -31,9 +31,9 @@ def new_files(d) -> dict:
     return {"catalog": cat, "journal": str(d / "updates.journal"), "dir": d}
 
 
-def start_live(start_server, model, files):
+def start_live(start_server, model, files, *extra):
     return start_server(model, *FLAGS, "--item-catalog", files["catalog"], "--catalog-journal", files["journal"],
-                        "--api-key", KEY, "--admin-api-key", ADMIN, "--catalog-history", "4")
+                        "--api-key", KEY, "--admin-api-key", ADMIN, "--catalog-history", "4", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +50,10 @@ def files(tmp_path):
 
 
 @pytest.fixture
-def own_server(start_server, model, files):
-    """A server of the test's own, on `files`, at version 0 (stopped when the test ends)."""
-    srv = start_live(start_server, model, files)
+def own_server(request, start_server, model, files):
+    """A server of the test's own, on `files`, at version 0 (stopped when the test ends); indirect
+    parameters: more flags."""
+    srv = start_live(start_server, model, files, *getattr(request, "param", ()))
     yield srv
     srv.stop()
 
@@ -84,10 +85,14 @@ def initial_paths(path) -> dict[str, tuple]:
         return {o["id"]: tuple(o["semantic_id"]) for o in map(json.loads, f)}
 
 
-def test_updates_under_traffic_answer_from_one_version_each(own_server, files):
+@pytest.mark.parametrize("own_server,user_len,clients", [((), (3, 12), 3), (("--interleave-rounds",), (600, 900), 5)],
+                         indirect=["own_server"], ids=["whole", "interleaved"])
+def test_updates_under_traffic_answer_from_one_version_each(own_server, files, user_len, clients):
     """Clients retrieve and rank while items are inserted, re-pathed and deleted: every answer's
     items exist in the version it names, with that version's semantic ID; after a delete is
-    acknowledged, no later request returns the item."""
+    acknowledged, no later request returns the item. With --interleave-rounds (and users long
+    enough that rounds are mostly under way), a switch waits for the rounds under way, one of
+    which would fail on a switched trie."""
     server = own_server
     start = info(server)
     assert start["version"] == 0 and start["num_items"] == 30 and start["semantic_id_len"] == 3
@@ -100,7 +105,7 @@ def test_updates_under_traffic_answer_from_one_version_each(own_server, files):
         r = random.Random(seed)
         while not stop.is_set():
             try:
-                user = [r.randrange(3, 500) for _ in range(r.randint(3, 12))]
+                user = [r.randrange(3, 500) for _ in range(r.randint(*user_len))]
                 answers.append(("retrieve", retrieve(server, user)))
                 ids = r.sample(sorted(paths[0]), 5)
                 resp = post(server, "/v1/rank", {"user": {"token_ids": user}, "items": ids}, AUTH)
@@ -108,7 +113,7 @@ def test_updates_under_traffic_answer_from_one_version_each(own_server, files):
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(repr(e))
 
-    threads = [threading.Thread(target=client, args=(s,)) for s in range(3)]
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(clients)]
     for t in threads:
         t.start()
     deleted_after = {}  # id -> version whose acknowledgement deleted it

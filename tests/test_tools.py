@@ -171,7 +171,8 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_gpu.py"), "--device", "cpu", "--quick",
-                        "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+                        "--retrieve-variant", "interleave_rounds=true", "--out", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["device"] == "cpu" and r["gemm_peak_tflops"] > 0 and r["done"] == "families"
@@ -183,6 +184,9 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     assert r["retrieve"]["requests"] == 2 and r["retrieve"]["median_s"] > 0
     conc = r["retrieve"]["concurrent"]
     assert conc["concurrency"] == 2 and conc["requests"] == 4 and conc["req_per_s"] > 0
+    (var,) = r["retrieve_variants"]  # the retrieve part again on an engine with interleaved rounds
+    assert var["engine_args"] == "interleave_rounds=true" and var["concurrent"]["req_per_s"] > 0
+    assert sum(var["concurrent"]["breakdown"]["batch_sizes"].values()) == 4 and var["wide_beams"] == []
     wide = r["retrieve"]["wide_beams"]
     assert [(w["beam_width"], w["first_s"] > 0, w["seconds"] > 0) for w in wide] == [(16, True, True)]
     assert [(x["candidates"], x["prefix"]) for x in r["rank"]] == [(4, "item"), (4, "user"), (8, "item"), (8, "user")]
@@ -214,6 +218,8 @@ def test_bench_gpu_runs_its_code_path_on_cpu(tmp_path):
     from tests.test_fuzz import load_script
 
     bench = load_script("bench_gpu")
+    assert bench.variant_args("interleave_rounds=true,num_streams=1,batch_wait_ms=2.5,x=y") == {
+        "interleave_rounds": True, "num_streams": 1, "batch_wait_ms": 2.5, "x": "y"}
     rows = [x for x in bench.record_rows(r) if x["metric"].startswith("FlashRec's matrix")]
     assert len(rows) == 3 * len(cells) and not any(x["peer"] for x in rows)  # no cell at FlashRec's shape
     fam = [x for x in bench.record_rows(r) if x["params"].get("family")]

@@ -36,6 +36,7 @@ from sgrec.beam.search import BeamBuffers, inplace_schedule, select_level
 from sgrec.beam.trie import SemanticIdTrie
 from sgrec.catalog import Catalog, check_token_ids
 from sgrec.model.attention import ForwardBatch, SeqLayout
+from sgrec.policy.batching import fixed_round_steps, run_to_end
 
 
 MAX_GRAPH_STEPS = 16  # most beam steps (semantic-ID length - 1) a CUDA graph takes: more than catalogs use
@@ -206,23 +207,16 @@ class RetrieveExecutor:
         forward. Returns, per request, its result or the error it raised (ValueError: bad input;
         KVCacheFullError: it does not fit in the pool even alone). Requests that fit only after the
         round's others are done run in a following round."""
-        steps = self.run_steps(requests)
-        while True:
-            try:
-                phase = next(steps)
-            except StopIteration as done:
-                return done.value
-            if phase < 0:  # it would wait for a round that only its own generator's caller can advance
-                steps.close()
-                raise RuntimeError("run_batch waits for another run_steps generator's round: drive them in turn")
+        return run_to_end(self.run_steps(requests))
 
     def run_steps(self, requests: list[dict]):
-        """run_batch one phase at a time: a generator that yields after each phase (a round's
-        prefill, each beam level) and returns run_batch's list. Several may be driven in turn on one
-        executor: each round holds its own requests' KV, and a request that does not fit while
-        another generator's round holds the pool waits (the generator yields) for it to finish,
-        where alone it would be refused. The served catalog must not change while a round is under
-        way (`use_catalog` between rounds; a round that finds it changed raises)."""
+        """run_batch one phase at a time: a generator that yields after each phase of a round (its
+        prefill, each beam level) but the last, which goes on into the results, and returns
+        run_batch's list. Several may be driven in turn on one executor: each round holds its own
+        requests' KV, and a request that does not fit while another generator's round holds the
+        pool waits (the generator yields -1) for it to finish, where alone it would be refused. The
+        served catalog must not change while a round is under way (`use_catalog` between rounds; a
+        round that finds it changed raises)."""
         out: list[RetrieveResult | Exception | None] = [None] * len(requests)
         pending: list[_Request] = []
         for i, kw in enumerate(requests):
@@ -345,9 +339,7 @@ class RetrieveExecutor:
 
     def _round_steps(self, reqs: list[_Request]):
         """Prefill + the beam levels of the round's requests (all of one trie, so of one depth), a
-        generator yielding after each phase (sgrec.policy.batching.fixed_round_steps)."""
-        from sgrec.policy.batching import fixed_round_steps
-
+        generator yielding after each phase but the last (sgrec.policy.batching.fixed_round_steps)."""
         # under --enable-deterministic-inference each step's attention goes through the batch-invariant
         # kernel, whose meta is built per step on the host: the per-step hooks, not the device round
         # nor with recurrent layers, whose beams' states the host reorders between steps
@@ -358,11 +350,12 @@ class RetrieveExecutor:
             hooks = DeviceRound(self, reqs, search.GLOBAL_SELECT_MIN_K)  # no host read per step
         else:
             hooks = _RoundHooks(self, reqs)
-        trie = self.trie
-        for step in fixed_round_steps(hooks, trie.depth - 1, overlap=True):
-            yield step
-            if self.trie is not trie:
-                raise RuntimeError("the served catalog changed while a retrieve round was under way")
+        trie, last = self.trie, self.trie.depth - 1
+        for step in fixed_round_steps(hooks, last, overlap=True):
+            if step < last:  # the last phase goes on into the results
+                yield step
+                if self.trie is not trie:
+                    raise RuntimeError("the served catalog changed while a retrieve round was under way")
 
     def _prefill_all(self, reqs: list[_Request]) -> None:
         """Computes every prompt's uncached tokens: requests are packed into shared forwards of at

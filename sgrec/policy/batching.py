@@ -25,7 +25,9 @@ forwards together (ND semantic-ID levels; level 0 is selected from the prefill's
 request joins or leaves mid-round. `run_fixed_round` drives a round through
 `RoundHooks` so that the host-side preparation of step i + 1 (buffer reuse, pre-allocation, the
 parts of the valid-path mask that do not read step i's output) runs while step i's device work is
-in flight. The clock is always passed in: nothing here reads the time.
+in flight. `fixed_round_steps` is the same round a phase at a time, so a scheduler can drive the
+rounds of several batches in turn (sgrec.scheduler.task.TaskQueue). The clock is always passed in:
+nothing here reads the time.
 """
 
 from __future__ import annotations
@@ -275,29 +277,17 @@ def round_time(host_s: list[float], device_s: list[float], overlap: bool = True)
     return host_s[0] + sum(max(device_s[i], host_s[i + 1]) for i in range(n - 1)) + device_s[-1]
 
 
-@dataclass
-class RetrieveRound:
-    """A dispatched retrieve batch and how far its fixed-step round has got (the scheduler may
-    interleave rounds of several batches, one step at a time)."""
-
-    batch: Batch
-    num_levels: int
-    step: int = 0
-
-    @property
-    def phases(self) -> list[str]:
-        return round_phases(self.num_levels)
-
-    @property
-    def done(self) -> bool:
-        return self.step > self.num_levels
-
-    def next_phase(self) -> str:
-        if self.done:
-            raise RuntimeError("the round is complete")
-        return self.phases[self.step]
-
-    def advance(self) -> None:
-        self.next_phase()
-        self.step += 1
+def run_to_end(steps):
+    """Drives a phase generator (one that yields after each phase and returns its batch's
+    results, as RetrieveExecutor.run_steps) to its end, alone; returns its value. A phase that
+    yields a negative number waits for another generator's round, which no one would advance here:
+    RuntimeError."""
+    while True:
+        try:
+            phase = next(steps)
+        except StopIteration as done:
+            return done.value
+        if phase is not None and phase < 0:
+            steps.close()
+            raise RuntimeError("a batch waits for another batch's round: drive them in turn (TaskQueue)")
 

@@ -131,6 +131,8 @@ class SchedulerLoop:
             self._set_threads()
             if self.scheduler.has_work() and not self.paused:
                 self.step()
+            if self.scheduler.commits:
+                self.commit_catalogs()
             if time.monotonic() - self.last_stats >= STATS_INTERVAL_S:
                 self.send_stats()
 
@@ -193,18 +195,26 @@ class SchedulerLoop:
         elif isinstance(msg, io.CatalogCommitReq):
             self.threads.update_seen()
             prepared = self.catalog_prepared.pop(msg.uid, None)
-            if msg.commit and prepared is not None:  # here, between two steps
-                try:
-                    self.releaser.drop(sched.commit_catalog(*prepared))  # the old trie freed off the step
-                    reply = io.CatalogReply(msg.uid, self.dp_rank, "committed", info=sched.catalog_info())
-                except Exception as e:  # journaled but not served: only a restart brings the ranks together
-                    logger.error("catalog commit failed:\n%s", traceback.format_exc())
-                    reply = io.CatalogReply(msg.uid, self.dp_rank, "failed", 500,
-                                            f"the update is journaled but rank {self.dp_rank} failed to serve it "
-                                            f"({e!r}); restart the server")
-                self.send(reply)
+            if msg.commit and prepared is not None:
+                sched.queue_commit(msg.uid, prepared)
+                self.commit_catalogs()
         else:
             logger.warning("dropped an unexpected %s message", type(msg).__name__)
+
+    def commit_catalogs(self) -> None:
+        """Serves the queued catalog commits, here between two steps, once the scheduler lets them
+        (Scheduler.due_commits), and answers each."""
+        sched = self.scheduler
+        for uid, prepared in sched.due_commits():
+            try:
+                self.releaser.drop(sched.commit_catalog(*prepared))  # the old trie freed off the step
+                reply = io.CatalogReply(uid, self.dp_rank, "committed", info=sched.catalog_info())
+            except Exception as e:  # journaled but not served: only a restart brings the ranks together
+                logger.error("catalog commit failed:\n%s", traceback.format_exc())
+                reply = io.CatalogReply(uid, self.dp_rank, "failed", 500,
+                                        f"the update is journaled but rank {self.dp_rank} failed to serve it "
+                                        f"({e!r}); restart the server")
+            self.send(reply)
 
     def pause(self, mode: str | None) -> None:
         """/pause_generation between two steps: "in_place" keeps every request and its KV, "retract"
@@ -305,7 +315,7 @@ class SchedulerLoop:
         used = pool.allocator.used_size()
         self.send(io.SchedulerStats(
             dp_rank=self.dp_rank,
-            num_running_reqs=len(sched.running) + (1 if sched.chunked else 0),
+            num_running_reqs=len(sched.running) + (1 if sched.chunked else 0) + sched.tasks.num_running(),
             num_queue_reqs=sched.num_queued(),
             token_usage=used / pool.size,
             kv_used=used,

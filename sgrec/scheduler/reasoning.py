@@ -14,7 +14,7 @@ task runs in the retrieve (or recommend) batches, on the catalog version current
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 from sgrec.managers.io_struct import TaskReq
@@ -54,17 +54,18 @@ def then_task(r: Reasoning, output_ids: list[int], finish_reason: dict) -> TaskR
     return TaskReq(rid=msg.rid, kind=msg.kind, input_ids=msg.input_ids, payload=payload)
 
 
-def run_with_reasoning(kind: str, run_batch: Callable[[list[dict]], list], payloads: list[dict],
-                       decode: Callable[[list[int]], str]) -> list:
-    """run_batch over the payloads as their executor takes them, each reasoning's answer completed:
-    meta_info.reasoning, and items_without_reasoning from its `without_ids` run in the same batch."""
+def run_with_reasoning(kind: str, run_steps: Callable[[list[dict]], Generator], payloads: list[dict],
+                       decode: Callable[[list[int]], str]) -> Generator:
+    """run_steps (a kind's phases, see TaskKind) over the payloads as their executor takes them,
+    each reasoning's answer completed: meta_info.reasoning, and items_without_reasoning from its
+    `without_ids` run in the same batch. A generator of the same phases."""
     plain = [{k: v for k, v in p.items() if k not in ("reasoning", "without_ids")} for p in payloads]
     extra = {}
     for i, p in enumerate(payloads):
         if "without_ids" in p:
             extra[i] = len(plain)
             plain.append(with_prompt(kind, plain[i], p["without_ids"]))
-    results = run_batch(plain)
+    results = yield from run_steps(plain)
     out = results[: len(payloads)]
     for i, p in enumerate(payloads):
         if "reasoning" not in p or isinstance(out[i], Exception):

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -40,9 +40,9 @@ from sgrec.policy.prefill_only import (
 )
 from sgrec.scheduler.encoded import EncoderInputs
 from sgrec.scheduler.reasoning import Reasoning, run_with_reasoning, then_task
-from sgrec.scheduler.recommend import recommend_batch
+from sgrec.scheduler.recommend import recommend_steps
 from sgrec.scheduler.req import LogprobSpec, Req
-from sgrec.scheduler.task import Task, TaskKind, TaskQueue, stage_units, stream_backend
+from sgrec.scheduler.task import Task, TaskKind, TaskQueue, at_once, stage_units, stream_backend
 from sgrec.server_args import ServerArgs
 from sgrec.tokenizer import Tokenizer
 
@@ -177,6 +177,7 @@ class Scheduler:
         self.catalog = self.rank_executor = self.retriever = self.versions = None
         kinds = self._catalog_paths(dp_rank, backend, show_progress) if args.item_catalog else {}
         self.tasks = TaskQueue(args, kinds, backend, clock=lambda: self.clock())
+        self.commits: list[tuple[str, tuple]] = []  # catalog commits waiting for the task batches under way
         self.reasoned: dict[str, Task] = {}  # rid -> the task a finished reasoning became (taken by the caller)
         # an encoder-decoder family's generate and score requests: their inputs through the encoder
         self.inputs = EncoderInputs(runner, self.tree) if runner.capabilities.encoder else None
@@ -212,23 +213,24 @@ class Scheduler:
                     r["meta_info"]["catalog_version"] = self.versions.version
             return results
 
-        def retrieve(payloads: list[dict]) -> list:
+        def retrieve(payloads: list[dict]) -> Generator:  # its round's phases
+            results = yield from self.retriever.run_steps(payloads)
             return versioned([r if isinstance(r, Exception) else {"items": r.items, "meta_info": r.meta}
-                              for r in self.retriever.run_batch(payloads)])
+                              for r in results])
 
-        def recommend(payloads: list[dict]) -> list:
-            return versioned(recommend_batch(self.retriever, self.rank_executor, payloads))
+        def recommend(payloads: list[dict]) -> Generator:
+            return versioned((yield from recommend_steps(self.retriever, self.rank_executor, payloads)))
 
-        def reasoned(kind: str, run: Callable) -> Callable:  # a batch where some requests reasoned first
-            return lambda payloads: run_with_reasoning(kind, run, payloads, tokenizer.decode)
+        def reasoned(kind: str, steps: Callable) -> Callable:  # a batch where some requests reasoned first
+            return lambda payloads: run_with_reasoning(kind, steps, payloads, tokenizer.decode)
 
         def recommend_tokens(p: dict) -> int:  # the retrieve stage, then about the rank stage's prompt
             ranked = len(p["rank"]["user_ids"]) + len(p["rank"]["instruction_ids"])
             per_item = self.catalog.total_tokens / len(self.catalog)
             return self.retriever.tokens(p["retrieve"]) + ranked + round(p["retrieve"]["num_items"] * per_item)
 
-        return {  # batched by kind, each batch one work unit
-            "rank": TaskKind(lambda p: versioned(self.rank_executor.run_batch(p)), self.rank_executor.tokens),
+        return {  # batched by kind; with --interleave-rounds a round's phases alternate with other batches' (task.py)
+            "rank": TaskKind(at_once(lambda p: versioned(self.rank_executor.run_batch(p))), self.rank_executor.tokens),
             "retrieve": TaskKind(reasoned("retrieve", retrieve), self.retriever.tokens),
             "recommend": TaskKind(reasoned("recommend", recommend), recommend_tokens),
         }
@@ -383,7 +385,8 @@ class Scheduler:
         return next((s for s in req.sampling.stop if s in tail), None)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.prefill_only or self.tasks or self.prefetching)
+        return bool(self.waiting or self.running or self.chunked or self.prefill_only or self.tasks
+                    or self.tasks.in_flight or self.prefetching)
 
     def idle_wait(self) -> float | None:
         """Seconds until a step has something to run: 0 when it has now, the time left until the
@@ -414,8 +417,8 @@ class Scheduler:
             due = self.tasks.next_deadline()
             after_tasks, self.last_ran_tasks = self.last_ran_tasks, False
             if due is not None and due <= self.clock() and not (after_tasks and (self.waiting or self.prefill_only)):
-                done = self.tasks.run_due()  # a rank / retrieve batch is full or at its quota
-                if done:
+                ran, done = self.tasks.run_step()  # a batch is under way, full or at its quota
+                if ran:
                     self.last_was_prefill = self.last_ran_tasks = True
                     return done
             prefill = self._schedule_prefill()
@@ -495,6 +498,22 @@ class Scheduler:
         else:
             build = lambda: self.retriever.updated_trie(applied)  # noqa: E731
         return prepared, shared_trie(key, build, self.retriever.trie_device)
+
+    def queue_commit(self, uid: str, prepared: tuple) -> None:
+        """A committed update (its uid, and prepare_catalog's result) to serve once no rank / retrieve
+        batch is under way, since a batch runs on one version from its first phase to its last;
+        until then no new batch starts, so the commit waits for the batches under way only."""
+        self.commits.append((uid, prepared))
+        self.tasks.hold = True
+
+    def due_commits(self) -> list[tuple[str, tuple]]:
+        """The queued commits, in order, once no batch is under way (new batches may start again
+        after them; serve each with commit_catalog before the next step), else []."""
+        if not self.commits or self.tasks.in_flight:
+            return []
+        out, self.commits = self.commits, []
+        self.tasks.hold = False
+        return out
 
     def commit_catalog(self, prepared: Prepared, trie) -> tuple:
         """Serves the prepared version from the next step on (call between steps): the executors

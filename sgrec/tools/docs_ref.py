@@ -47,7 +47,7 @@ GROUPS = {
         "rank_prefix_policy", "max_rank_candidates",
         "max_beam_width", "max_filter_items"),
     "Concurrent execution of rank and retrieve (xGR)": (
-        "max_batch_tokens", "batch_wait_ms", "slo_ms", "stream_pool_mb", "num_streams"),
+        "max_batch_tokens", "batch_wait_ms", "slo_ms", "interleave_rounds", "stream_pool_mb", "num_streams"),
     "HTTP server and security": (
         "host", "port", "api_key", "admin_api_key", "max_request_bytes", "max_batch_size", "max_n",
         "timeout_keep_alive"),
