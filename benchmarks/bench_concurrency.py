@@ -345,7 +345,8 @@ def main() -> None:
                             title="Closed-loop mixed rank / score / retrieve traffic at RecOS concurrency levels",
                             command=("python benchmarks/bench_concurrency.py " + shlex.join(sys.argv[1:])).strip(),
                             results=record_rows(gain, rows, args),
-                            peer="the same engine one request at a time (--max-batch-tokens 1); simulated: one stream")
+                            peer="the same server one request at a time (--max-batch-tokens 1); for interleaved "
+                                 "rounds, the batched server; simulated: one stream")
         print(f"result record: {path}")
 
 
