@@ -52,34 +52,34 @@ def run_load(url: str, args, seed: int) -> dict:
     gen, ret, errors = [], [], []
     done = threading.Event()
 
-    def generator(i: int) -> None:
-        rng = random.Random(seed * 7919 + i)
+    def client(route: str, body, client_seed: int, out: list, more) -> None:
+        """Posts body(rng) to route while more(its latencies so far) holds; an error ends it."""
+        rng, mine = random.Random(client_seed), []
         with httpx.Client(base_url=url, timeout=600) as c:
-            for _ in range(args.gen_requests):
-                body = {"input_ids": [rng.randrange(3, 500) for _ in range(32)],
-                        "sampling_params": {"max_new_tokens": args.gen_tokens, "ignore_eos": True, "temperature": 0}}
+            while more(mine):
+                b = body(rng)
                 t0 = time.perf_counter()
-                r = c.post("/generate", json=body)
+                r = c.post(route, json=b)
                 if r.status_code != 200:
-                    errors.append(f"/generate: {r.status_code} {r.text[:200]}")
-                    return
-                gen.append(time.perf_counter() - t0)
+                    errors.append(f"{route}: {r.status_code} {r.text[:200]}")
+                    break
+                mine.append(time.perf_counter() - t0)
+        out.extend(mine)
 
-    def retriever(i: int) -> None:
-        rng = random.Random(seed * 104729 + i)
-        with httpx.Client(base_url=url, timeout=600) as c:
-            while not done.is_set():
-                body = {"user": {"token_ids": [rng.randrange(3, 500) for _ in range(args.history)]},
-                        "beam_width": args.beam_width, "num_items": 5}
-                t0 = time.perf_counter()
-                r = c.post("/v1/retrieve", json=body)
-                if r.status_code != 200:
-                    errors.append(f"/v1/retrieve: {r.status_code} {r.text[:200]}")
-                    return
-                ret.append(time.perf_counter() - t0)
+    def generate(rng: random.Random) -> dict:
+        return {"input_ids": [rng.randrange(3, 500) for _ in range(32)],
+                "sampling_params": {"max_new_tokens": args.gen_tokens, "ignore_eos": True, "temperature": 0}}
 
-    gens = [threading.Thread(target=generator, args=(i,)) for i in range(args.generate_clients)]
-    rets = [threading.Thread(target=retriever, args=(i,)) for i in range(args.retrieve_clients)]
+    def retrieve(rng: random.Random) -> dict:  # a new user each time: no radix hit
+        return {"user": {"token_ids": [rng.randrange(3, 500) for _ in range(args.history)]},
+                "beam_width": args.beam_width, "num_items": 5}
+
+    gens = [threading.Thread(target=client, args=("/generate", generate, seed * 7919 + i, gen,
+                                                   lambda lat: len(lat) < args.gen_requests))
+            for i in range(args.generate_clients)]
+    rets = [threading.Thread(target=client, args=("/v1/retrieve", retrieve, seed * 104729 + i, ret,
+                                                   lambda lat: not done.is_set()))
+            for i in range(args.retrieve_clients)]
     t0 = time.perf_counter()
     for t in rets + gens:
         t.start()
