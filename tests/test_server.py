@@ -46,7 +46,7 @@ def kv_idle_and_free(srv) -> bool:
                for s in info["internal_states"])
 
 
-def test_server_info_is_current_once_a_flush_or_pause_returns(server):
+def test_server_info_is_current_once_a_flush_or_pause_returns(server, start_server, tiny_model_dir):
     """Each rank reports its stats before it answers a flush or a pause, so /server_info read right
     after shows the flushed pool and the held request (never the periodic report from before)."""
     c = server.client
@@ -55,8 +55,12 @@ def test_server_info_is_current_once_a_flush_or_pause_returns(server):
         assert r.status_code == 200
         assert c.post("/flush_cache").status_code == 200
         assert kv_state(c).kv_used == 0
-    body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 2000, **GREEDY}}
-    with httpx.Client(base_url=server.url, timeout=HANG_S) as h, h.stream("POST", "/generate", json=body) as r:
+    # the held request: 30,000 tokens to decode (2,000 take under half a second here), on a server
+    # whose model and pool hold them, so that it is still running when the pause lands
+    long = start_server(tiny_model_dir("llama", max_position_embeddings=32768), "--max-total-tokens", "32768")
+    c = long.client
+    body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 30000, **GREEDY}}
+    with httpx.Client(base_url=long.url, timeout=HANG_S) as h, h.stream("POST", "/generate", json=body) as r:
         lines = r.iter_lines()  # kept: a dropped iterator closes the response and the server aborts it
         assert next(x for x in lines if x).startswith("data: {")
         with paused_in_place(c):
@@ -64,7 +68,7 @@ def test_server_info_is_current_once_a_flush_or_pause_returns(server):
             assert (st.running, st.queued) == (1, 0) and st.kv_used > 0
             r.close()
             wait_for(lambda: running_per_rank(c) == [(0, 0)], "the request aborted")
-    assert wait_until(lambda: kv_idle_and_free(server))
+    assert wait_until(lambda: kv_idle_and_free(long))
 
 
 # ---- /generate shapes ----------------------------------------------------------------------
